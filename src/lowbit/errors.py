@@ -1,0 +1,34 @@
+"""One error hierarchy for lowbit.
+
+Every message says what was wrong and what to do about it. The CLI turns any
+``LowbitError`` into one line on stderr and a non-zero exit, so a message must
+stand on its own without a traceback.
+"""
+
+from __future__ import annotations
+
+
+class LowbitError(Exception):
+    """Base of every error lowbit raises on purpose (bad input, bad files)."""
+
+    exit_code = 2
+
+
+class SchemeError(LowbitError, ValueError):
+    """A scheme name or parameter that lowbit cannot express."""
+
+
+class ModelError(LowbitError):
+    """A model source that cannot be loaded or has no decoder blocks."""
+
+
+class DataError(LowbitError):
+    """A text source that is missing, empty, or too short."""
+
+
+class CheckpointError(LowbitError):
+    """A checkpoint that is missing, truncated, corrupted, or mismatched."""
+
+
+class ConfigError(LowbitError, ValueError):
+    """A configuration value out of range, or a resume with different settings."""

@@ -1,0 +1,113 @@
+"""Group-wise integer quantization: symmetric (full range or classic) and asymmetric.
+
+Full range maps the largest-magnitude value of a group to the most negative code
+``-2^(b-1)`` (its sign decides the scale's sign), which gains one level over the classic
+``max -> 2^(b-1)-1`` rule and is what the strongest 2-4 bit PTQ tools use. Scales are
+rounded to their storage dtype *before* codes are computed, so the stored scale is the
+one the codes were chosen for.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from lowbit.formats.groups import to_groups
+from lowbit.formats.qtensor import QTensor
+from lowbit.formats.scheme import Scheme
+
+_SCALE_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
+
+
+def cast_scale(scale: torch.Tensor, fmt: str) -> torch.Tensor:
+    """Round scales to their storage dtype, keeping them non-zero (sign preserved).
+
+    A zero scale would turn a whole group into NaNs; the smallest positive value of the
+    dtype keeps tiny groups representable and all-zero groups at code zero.
+    """
+    dt = _SCALE_DTYPES[fmt]
+    tiny = torch.finfo(dt).smallest_normal if dt == torch.bfloat16 else 2.0**-24 if dt == torch.float16 else 1e-38
+    s = scale.to(dt).float()
+    sign = torch.where(scale < 0, -1.0, 1.0)
+    return torch.where(s.abs() < tiny, sign * tiny, s)
+
+
+def int_params(wg: torch.Tensor, s: Scheme, shrink: torch.Tensor | float = 1.0
+               ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Scale (and zero point) per group for ``wg [..., g]``; ``shrink`` scales the range."""
+    if s.sym:
+        if s.full_range:
+            idx = wg.abs().argmax(-1, keepdim=True)
+            scale = wg.gather(-1, idx).squeeze(-1) / s.qmin
+        else:
+            scale = wg.abs().amax(-1) / s.qmax
+        return cast_scale(scale * shrink, s.scale), None
+    lo = wg.amin(-1).clamp(max=0) * shrink
+    hi = wg.amax(-1).clamp(min=0) * shrink
+    scale = cast_scale((hi - lo) / s.qmax, s.scale)
+    zero = torch.round(-lo / scale).clamp(0, s.qmax)
+    return scale, zero
+
+
+def int_codes(wg: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, s: Scheme) -> torch.Tensor:
+    """Round to nearest and clamp; returns *signed* integer levels as float."""
+    q = torch.round(wg / scale.unsqueeze(-1))
+    if zero is not None:
+        q = q + zero.unsqueeze(-1)
+    return q.clamp(s.qmin, s.qmax)
+
+
+def int_dequant(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None) -> torch.Tensor:
+    if zero is not None:
+        q = q - zero.unsqueeze(-1)
+    return q * scale.unsqueeze(-1)
+
+
+def search_shrinks(s: Scheme) -> torch.Tensor:
+    """Candidate range multipliers for the importance-weighted scale search (formats.md)."""
+    if not s.sym:
+        return torch.linspace(0.5, 1.0, 51)
+    nmax = -s.qmin if s.full_range else s.qmax
+    if s.bits == 2:
+        divisors = torch.arange(1.10, 2.9001, 0.01)
+    else:
+        divisors = torch.linspace(0.25 * nmax, 1.75 * nmax, 200)
+    return nmax / divisors
+
+
+def _group_importance(imp: torch.Tensor | None, cols: int, g: int, like: torch.Tensor) -> torch.Tensor:
+    if imp is None:
+        imp = torch.ones(cols, device=like.device)
+    return to_groups(imp.float().reshape(1, cols), g)[0]  # [ng, g], zero on padding
+
+
+def search_int_params(wg: torch.Tensor, s: Scheme, imp_g: torch.Tensor
+                      ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Per group, the candidate scale minimising ``sum_j imp_j (qdq(w_j) - w_j)^2``."""
+    best_err = torch.full(wg.shape[:-1], float("inf"), device=wg.device)
+    best_scale, best_zero = int_params(wg, s)
+    for f in search_shrinks(s).tolist() + [1.0]:
+        scale, zero = int_params(wg, s, f)
+        err = ((int_dequant(int_codes(wg, scale, zero, s), scale, zero) - wg) ** 2 * imp_g).sum(-1)
+        better = err < best_err
+        best_err = torch.where(better, err, best_err)
+        best_scale = torch.where(better, scale, best_scale)
+        if zero is not None:
+            best_zero = torch.where(better, zero, best_zero)
+    return best_scale, best_zero
+
+
+def quantize_int(w: torch.Tensor, s: Scheme, imp: torch.Tensor | None = None) -> QTensor:
+    """Quantize ``w [out, in]``; ``rule='search'`` picks scales by importance-weighted MSE."""
+    out, cols = w.shape
+    g = s.group_for(cols)
+    wg = to_groups(w.detach().float(), g)
+    if s.rule == "search":
+        imp_g = _group_importance(imp, cols, g, wg)
+        chunks = [search_int_params(c, s, imp_g) for c in wg.split(1024)]
+        scale = torch.cat([c[0] for c in chunks])
+        zero = None if s.sym else torch.cat([c[1] for c in chunks])  # type: ignore[misc]
+    else:
+        scale, zero = int_params(wg, s)
+    q = int_codes(wg, scale, zero, s)
+    codes = (q - s.qmin).to(torch.uint8)
+    return QTensor(codes, scale, zero, None, (out, cols), s)

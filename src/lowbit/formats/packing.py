@@ -1,0 +1,57 @@
+"""Exact bit packing of unsigned b-bit codes (b = 1..8) into bytes.
+
+Layout: little-endian bit stream. Element i of a row occupies bits
+``[i*b, (i+1)*b)`` of the row's stream, so for 4-bit codes the low nibble of each
+byte is the even element (the convention of FP4 kernels and compressed-tensors),
+four 2-bit codes fill a byte from the low bits up, and 3-bit codes are packed densely
+(8 codes in 3 bytes). Rows are padded to a multiple of 8 codes so every row starts on a
+byte boundary; ``unpack`` takes the true length back.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def packed_bytes(n: int, bits: int) -> int:
+    """Bytes per row of ``n`` codes."""
+    return -(-n // 8) * bits
+
+
+def pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """Pack ``uint8`` codes ``[..., n]`` (each < 2**bits) to ``uint8 [..., packed_bytes(n)]``."""
+    _check_bits(bits)
+    if codes.dtype != torch.uint8:
+        raise TypeError(f"codes must be uint8, got {codes.dtype}")
+    if bits == 8:
+        return codes.clone()
+    *lead, n = codes.shape
+    pad = (-n) % 8
+    c = torch.nn.functional.pad(codes, (0, pad)) if pad else codes
+    c = c.reshape(*lead, -1, 8).to(torch.int64)
+    shifts = torch.arange(8, dtype=torch.int64, device=c.device) * bits
+    word = (c << shifts).sum(-1, keepdim=True)  # <= 56 bits: fits in int64
+    byte_shifts = torch.arange(bits, dtype=torch.int64, device=c.device) * 8
+    out = (word >> byte_shifts) & 0xFF
+    return out.reshape(*lead, -1).to(torch.uint8)
+
+
+def unpack(packed: torch.Tensor, bits: int, n: int) -> torch.Tensor:
+    """Inverse of ``pack``: ``uint8 [..., packed_bytes(n)] -> uint8 [..., n]``."""
+    _check_bits(bits)
+    if bits == 8:
+        return packed[..., :n].clone()
+    *lead, nb = packed.shape
+    if nb != packed_bytes(n, bits):
+        raise ValueError(f"{nb} packed bytes cannot hold {n} codes of {bits} bits")
+    p = packed.reshape(*lead, -1, bits).to(torch.int64)
+    byte_shifts = torch.arange(bits, dtype=torch.int64, device=p.device) * 8
+    word = (p << byte_shifts).sum(-1, keepdim=True)
+    shifts = torch.arange(8, dtype=torch.int64, device=p.device) * bits
+    codes = (word >> shifts) & ((1 << bits) - 1)
+    return codes.reshape(*lead, -1)[..., :n].to(torch.uint8)
+
+
+def _check_bits(bits: int) -> None:
+    if not 1 <= bits <= 8:
+        raise ValueError(f"can pack 1..8-bit codes, got {bits}")

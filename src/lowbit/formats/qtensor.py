@@ -1,0 +1,98 @@
+"""`QTensor`: a quantized weight matrix — codes, scales, zeros and the scheme that made them.
+
+Codes are held unpacked (``uint8``, one per element, groups padded) so dequantization
+and algorithms stay simple vectorised torch; ``pack``/``from_packed`` give the exact
+storage form that checkpoints hold. Scales are float32 tensors whose values lie on the
+scheme's scale grid (fp16, E4M3, E8M0, ...), so storing them in that format is lossless.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from lowbit.formats import packing
+from lowbit.formats.grids import decode_elements
+from lowbit.formats.groups import from_groups
+from lowbit.formats.scheme import Scheme
+
+
+@dataclass(frozen=True, eq=False)
+class QTensor:
+    """A quantized ``[out, in]`` weight.
+
+    codes: uint8 ``[out, ngroups, group]`` (last group zero-padded).
+    scales: float32 ``[out, ngroups]``.
+    zeros: float32 ``[out, ngroups]`` integer zero points (asymmetric INT) or None.
+    tensor_scale: float32 scalar ``enc`` (NVFP4): values are ``q * s_b / enc``; or None.
+    """
+
+    codes: torch.Tensor
+    scales: torch.Tensor
+    zeros: torch.Tensor | None
+    tensor_scale: torch.Tensor | None
+    shape: tuple[int, int]
+    scheme: Scheme
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The float weight the codes stand for, ``[out, in]``."""
+        s = self.scheme
+        vals = decode_elements(self.codes, s.elem, s.qmin if s.elem == "int" else 0)
+        if self.zeros is not None:
+            vals = vals - self.zeros.unsqueeze(-1)
+        scale = self.scales
+        if self.tensor_scale is not None:
+            scale = scale / self.tensor_scale
+        w = vals * scale.unsqueeze(-1)
+        return from_groups(w, self.shape[1]).to(dtype)
+
+    @property
+    def group(self) -> int:
+        return self.codes.shape[-1]
+
+    def bits_per_weight(self) -> float:
+        return self.scheme.bits_per_weight(self.shape[1])
+
+    def storage_bytes(self) -> int:
+        """Bytes the packed form takes (codes + scales + zeros + tensor scale)."""
+        return sum(t.numel() * t.element_size() for t in self.pack().values())
+
+    # --------------------------------------------------------------- storage
+    def pack(self) -> dict[str, torch.Tensor]:
+        """Exact storage form: packed codes, scales in the scheme's own dtype where lossless."""
+        out, ng, g = self.codes.shape
+        d = {"codes": packing.pack(self.codes.reshape(out, ng * g), self.scheme.bits),
+             "scales": _store_scales(self.scales, self.scheme)}
+        if self.zeros is not None:
+            d["zeros"] = self.zeros.to(torch.uint8)
+        if self.tensor_scale is not None:
+            d["tensor_scale"] = self.tensor_scale.reshape(1).float()
+        return d
+
+    @classmethod
+    def from_packed(cls, d: dict[str, torch.Tensor], shape: tuple[int, int], scheme: Scheme) -> QTensor:
+        """Rebuild from ``pack()`` output; shapes are checked, never guessed."""
+        out, cols = shape
+        g = scheme.group_for(cols)
+        ng = -(-cols // g)
+        codes = packing.unpack(d["codes"], scheme.bits, ng * g).reshape(out, ng, g)
+        scales = d["scales"].float()
+        if scales.shape != (out, ng):
+            raise ValueError(f"scales have shape {tuple(scales.shape)}, expected {(out, ng)}")
+        zeros = d["zeros"].float() if "zeros" in d else None
+        if (zeros is not None) != (not scheme.sym and scheme.elem == "int"):
+            raise ValueError("zero points present/absent contrary to the scheme")
+        ts = d["tensor_scale"].float().reshape(()) if "tensor_scale" in d else None
+        return cls(codes, scales, zeros, ts, (out, cols), scheme)
+
+
+def _store_scales(scales: torch.Tensor, scheme: Scheme) -> torch.Tensor:
+    """Scales in the narrowest torch dtype that holds them exactly."""
+    if scheme.scale == "fp16":
+        return scales.to(torch.float16)
+    if scheme.scale == "bf16":
+        return scales.to(torch.bfloat16)
+    if scheme.scale == "e4m3":
+        return scales.to(torch.float8_e4m3fn)
+    return scales.float()  # ue5m3 / e8m0 / fp32: exported as codes by the exporters

@@ -1,0 +1,52 @@
+"""Entry points: ``quantize(w, scheme) -> QTensor`` and ``qdq(w, scheme) -> Tensor``.
+
+A plain dict maps each element grid to its quantizer (no class hierarchy), so a new
+format is one function and one registry line.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from lowbit.errors import SchemeError
+from lowbit.formats.integer import quantize_int
+from lowbit.formats.qtensor import QTensor
+from lowbit.formats.scheme import Scheme
+
+Quantizer = Callable[[torch.Tensor, Scheme, "torch.Tensor | None"], QTensor]
+
+QUANTIZERS: dict[str, Quantizer] = {"int": quantize_int}
+
+
+def register(elem: str, fn: Quantizer) -> None:
+    QUANTIZERS[elem] = fn
+
+
+def quantize(w: torch.Tensor, scheme: Scheme | str, imp: torch.Tensor | None = None) -> QTensor:
+    """Quantize a 2-D weight ``[out, in]`` with ``scheme``.
+
+    imp: optional ``[in]`` importance (sum of squared input activations) used by the
+    ``search`` rule; None means plain MSE.
+    """
+    scheme = Scheme.parse(scheme)
+    if w.dim() != 2:
+        raise SchemeError(f"can quantize 2-D weights only, got shape {tuple(w.shape)}")
+    scheme.check_width(w.shape[1])
+    try:
+        fn = QUANTIZERS[scheme.elem]
+    except KeyError:
+        raise SchemeError(f"no quantizer registered for {scheme.elem} elements") from None
+    return fn(w, scheme, imp)
+
+
+def qdq(w: torch.Tensor, scheme: Scheme | str, imp: torch.Tensor | None = None) -> torch.Tensor:
+    """Quantize then dequantize (same dtype as ``w``): the weight a quantized model sees."""
+    return quantize(w, scheme, imp).dequantize(w.dtype)
+
+
+def relative_error(w: torch.Tensor, w_hat: torch.Tensor) -> float:
+    """Sum of squared error over sum of squares: the weight-error metric of the studies."""
+    w = w.double()
+    return float(((w_hat.double() - w) ** 2).sum() / (w**2).sum().clamp_min(1e-300))
