@@ -14,7 +14,9 @@ import torch
 
 
 def packed_bytes(n: int, bits: int) -> int:
-    """Bytes per row of ``n`` codes."""
+    """Bytes per row of ``n`` codes (8-bit codes are stored as they are, unpadded)."""
+    if bits == 8:
+        return n
     return -(-n // 8) * bits
 
 
@@ -39,11 +41,11 @@ def pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
 def unpack(packed: torch.Tensor, bits: int, n: int) -> torch.Tensor:
     """Inverse of ``pack``: ``uint8 [..., packed_bytes(n)] -> uint8 [..., n]``."""
     _check_bits(bits)
-    if bits == 8:
-        return packed[..., :n].clone()
     *lead, nb = packed.shape
     if nb != packed_bytes(n, bits):
         raise ValueError(f"{nb} packed bytes cannot hold {n} codes of {bits} bits")
+    if bits == 8:
+        return packed.clone()
     p = packed.reshape(*lead, -1, bits).to(torch.int64)
     byte_shifts = torch.arange(bits, dtype=torch.int64, device=p.device) * 8
     word = (p << byte_shifts).sum(-1, keepdim=True)

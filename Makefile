@@ -1,0 +1,26 @@
+# The two entry points of the README. Both set up .venv from scratch when needed.
+PY ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+
+.PHONY: setup demo test lint bench clean
+
+$(BIN)/lowbit: pyproject.toml scripts/setup.sh
+	PYTHON=$(PY) VENV=$(VENV) bash scripts/setup.sh
+	@touch $@
+
+setup: $(BIN)/lowbit
+
+# Quantize the bundled SmolLM2-135M to w4g128 (importance-searched RTN), evaluate FP vs
+# quantized perplexity, save the checkpoint to out/smollm2-w4g128, print the summary.
+demo: setup
+	$(BIN)/lowbit quantize --scheme w4g128 --method rtn --search --out out/smollm2-w4g128 --force
+
+test: setup
+	$(BIN)/python -m pytest -q
+
+lint: setup
+	$(BIN)/ruff check src tests benchmarks
+
+clean:
+	rm -rf out .pytest_cache

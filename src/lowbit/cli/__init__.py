@@ -1,0 +1,76 @@
+"""The `lowbit` command line: thin commands over the public API.
+
+Each command lives in its own module exposing ``register(subparsers)``; its ``run(args)``
+returns a dict. With ``--json`` that dict is printed as one JSON object on the last line
+of stdout (scripts rely on it); without, as aligned ``key: value`` lines. Any
+`LowbitError` becomes one line on stderr and a non-zero exit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import sys
+from collections.abc import Sequence
+
+from lowbit.errors import LowbitError
+
+COMMAND_MODULES = [
+    "lowbit.cli.quantize",
+    "lowbit.cli.evaluate",
+    "lowbit.cli.inspect",
+    "lowbit.cli.formats",
+    "lowbit.cli.qat",
+    "lowbit.cli.finetune",
+    "lowbit.cli.export",
+]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="lowbit", description="Make LLMs small: quantize, train, fine-tune, "
+                                "evaluate, export.")
+    from lowbit import __version__
+
+    p.add_argument("--version", action="version", version=f"lowbit {__version__}")
+    sub = p.add_subparsers(dest="command", metavar="COMMAND")
+    sub.required = True
+    for mod in COMMAND_MODULES:
+        try:
+            module = importlib.import_module(mod)
+        except ModuleNotFoundError as e:
+            if e.name == mod:  # command not built in this version
+                continue
+            raise
+        module.register(sub)
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        result = args.func(args)
+    except LowbitError as e:
+        print(f"lowbit {args.command}: error: {e}", file=sys.stderr)
+        return e.exit_code
+    except KeyboardInterrupt:
+        print(f"lowbit {args.command}: interrupted", file=sys.stderr)
+        return 130
+    emit(result, getattr(args, "json", False))
+    return 0
+
+
+def emit(result: dict, as_json: bool) -> None:
+    if as_json:
+        print(json.dumps(result, default=str), flush=True)
+        return
+    width = max((len(k) for k in result), default=0)
+    for k, v in result.items():
+        if isinstance(v, float):
+            v = f"{v:.4g}"
+        print(f"{k:<{width}}  {v}")
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,184 @@
+"""The native lowbit checkpoint: packed safetensors + JSON quant config + tokenizer.
+
+Layout of a checkpoint folder::
+
+    config.json          the HF model config (with quantization_config.quant_method = "lowbit")
+    model.safetensors    unquantized tensors by their usual names, and for each quantized
+                         layer L: L.codes (packed uint8), L.scales, [L.zeros], [L.tensor_scale]
+    lowbit.json          format version, per-layer scheme + shape, sha256 of every data file,
+                         free-form metadata (source model, method, perplexities)
+    tokenizer files
+
+The folder is built under a temporary name and renamed when complete; `load` verifies
+every checksum and every shape before building anything, so a truncated, corrupted or
+hand-edited checkpoint fails loudly instead of loading wrong numbers.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from lowbit.errors import CheckpointError
+from lowbit.formats import QTensor, Scheme
+from lowbit.io import atomic_dir, atomic_write_text, sha256_file
+from lowbit.nn import QuantLinear, quant_layers, set_module
+
+FORMAT = "lowbit"
+VERSION = 1
+MANIFEST = "lowbit.json"
+WEIGHTS = "model.safetensors"
+_QKEYS = ("codes", "scales", "zeros", "tensor_scale")
+
+
+def is_checkpoint(path: str | Path) -> bool:
+    return (Path(path) / MANIFEST).is_file()
+
+
+def save(model: nn.Module, tokenizer: Any, out: str | Path, meta: dict | None = None, force: bool = False) -> Path:
+    """Write ``model`` (with its `QuantLinear` layers) to the folder ``out`` atomically."""
+    out = Path(out)
+    qlayers = quant_layers(model)
+    tensors, aliases = _tensors_to_save(model, qlayers)
+    manifest = {
+        "format": FORMAT, "version": VERSION,
+        "layers": {n: {"scheme": m.scheme.to_dict(), "shape": [m.out_features, m.in_features]}
+                   for n, m in qlayers.items()},
+        "aliases": aliases, "meta": meta or {},
+    }
+    with atomic_dir(out, force=force) as tmp:
+        save_file(tensors, str(tmp / WEIGHTS), metadata={"format": "pt"})
+        config = getattr(model, "config", None)
+        if config is not None:
+            config.quantization_config = {"quant_method": FORMAT, "format_version": VERSION}
+            config.save_pretrained(tmp)
+            del config.quantization_config
+        if tokenizer is not None:
+            tokenizer.save_pretrained(tmp)
+        manifest["files"] = {WEIGHTS: sha256_file(tmp / WEIGHTS)}
+        atomic_write_text(tmp / MANIFEST, json.dumps(manifest, indent=1))
+    return out
+
+
+def _tensors_to_save(model: nn.Module, qlayers: dict[str, QuantLinear]) -> tuple[dict, dict]:
+    """State dict with quantized layers packed; tensors sharing storage saved once."""
+    tensors: dict[str, torch.Tensor] = {}
+    seen: dict[tuple, str] = {}
+    aliases: dict[str, str] = {}
+    qbuf = {f"{n}.{k}" for n in qlayers for k in _QKEYS}
+    for key, t in model.state_dict().items():
+        if key in qbuf:
+            continue
+        ident = (t.data_ptr(), t.shape, t.dtype)
+        if t.numel() and ident in seen:
+            aliases[key] = seen[ident]
+            continue
+        seen[ident] = key
+        tensors[key] = t.detach().contiguous().cpu()
+    for name, layer in qlayers.items():
+        for k, t in layer.qweight.pack().items():
+            tensors[f"{name}.{k}"] = t.contiguous().cpu()
+    return tensors, aliases
+
+
+def read_manifest(path: str | Path) -> dict:
+    path = Path(path)
+    if not path.exists():
+        raise CheckpointError(f"{path} does not exist; pass a folder written by `lowbit quantize --out`")
+    f = path / MANIFEST
+    if not f.is_file():
+        raise CheckpointError(f"{path} is not a lowbit checkpoint (no {MANIFEST}); "
+                              "pass a folder written by `lowbit quantize --out`")
+    try:
+        m = json.loads(f.read_text())
+    except ValueError as e:
+        raise CheckpointError(f"{f} is corrupted ({e}); re-create the checkpoint") from None
+    if m.get("format") != FORMAT or m.get("version") != VERSION:
+        raise CheckpointError(f"{f} has format {m.get('format')!r} version {m.get('version')!r}; "
+                              f"this lowbit reads {FORMAT!r} version {VERSION}")
+    return m
+
+
+def verify(path: str | Path, manifest: dict) -> None:
+    """Check every data file's sha256 against the manifest."""
+    for name, digest in manifest.get("files", {}).items():
+        f = Path(path) / name
+        if not f.is_file():
+            raise CheckpointError(f"{f} is missing; the checkpoint is incomplete — re-create it")
+        if sha256_file(f) != digest:
+            raise CheckpointError(f"{f} does not match its checksum (truncated or corrupted); "
+                                  "re-create the checkpoint")
+
+
+def load(path: str | Path, device: str | torch.device = "cpu") -> tuple[nn.Module, Any]:
+    """Rebuild the quantized model and its tokenizer; outputs equal the saved model's bit for bit."""
+    path = Path(path)
+    manifest = read_manifest(path)
+    verify(path, manifest)
+    try:
+        tensors = load_file(str(path / WEIGHTS))
+    except (SafetensorError, OSError) as e:
+        raise CheckpointError(f"cannot read {path / WEIGHTS}: {e}") from None
+    model = _empty_model(path)
+    for name, spec in manifest["layers"].items():
+        set_module(model, name, _quant_layer(name, spec, tensors))
+    _load_rest(model, tensors, manifest)
+    model.eval().to(device)
+    return model, _load_tokenizer(path)
+
+
+def _empty_model(path: Path) -> nn.Module:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(path)
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    return AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32)
+
+
+def _quant_layer(name: str, spec: dict, tensors: dict[str, torch.Tensor]) -> QuantLinear:
+    scheme = Scheme.from_dict(spec["scheme"])
+    shape = tuple(spec["shape"])
+    parts = {k: tensors.pop(f"{name}.{k}") for k in _QKEYS if f"{name}.{k}" in tensors}
+    if "codes" not in parts or "scales" not in parts:
+        raise CheckpointError(f"layer {name} has no codes/scales in the checkpoint; re-create it")
+    try:
+        q = QTensor.from_packed(parts, shape, scheme)  # type: ignore[arg-type]
+    except (ValueError, RuntimeError) as e:
+        raise CheckpointError(f"layer {name}: stored tensors disagree with shape {list(shape)} and "
+                              f"scheme {scheme.name} ({e}); the checkpoint was edited or damaged") from None
+    bias = tensors.pop(f"{name}.bias", None)
+    return QuantLinear(q, bias)
+
+
+def _load_rest(model: nn.Module, tensors: dict[str, torch.Tensor], manifest: dict) -> None:
+    for alias, target in manifest.get("aliases", {}).items():
+        if target in tensors:
+            tensors[alias] = tensors[target]
+    expected = model.state_dict()
+    for key, t in tensors.items():
+        if key not in expected:
+            raise CheckpointError(f"checkpoint tensor {key} does not belong to this model; it was edited")
+        if expected[key].shape != t.shape:
+            raise CheckpointError(f"checkpoint tensor {key} has shape {list(t.shape)}, the model expects "
+                                  f"{list(expected[key].shape)}; the checkpoint was edited or damaged")
+    qbuf = {f"{n}.{k}" for n in manifest["layers"] for k in (*_QKEYS, "bias")}
+    missing = [k for k in expected if k not in tensors and k not in qbuf]
+    if missing:
+        raise CheckpointError(f"checkpoint lacks tensors {missing[:5]}...; re-create it")
+    model.load_state_dict(tensors, strict=False)
+
+
+def _load_tokenizer(path: Path) -> Any:
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError):
+        return None

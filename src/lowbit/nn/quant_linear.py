@@ -1,0 +1,75 @@
+"""`QuantLinear`: a Linear layer whose weight is a `QTensor`.
+
+The codes, scales, zeros and tensor scale are registered buffers, so ``state_dict``,
+``.to(device)`` and checkpointing work as for any module, and the layer rebuilds its
+`QTensor` on demand. The dequantized weight is cached (invalidated whenever the
+quantized weight is replaced) because evaluation calls forward many times with the
+same weight. Adapters (QWHA, LoRA) plug in through ``self.adapters``: each is called on
+the layer input and its output is added, so the frozen quantized base never changes.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from lowbit.formats import QTensor, Scheme, quantize
+
+
+class QuantLinear(nn.Module):
+    """y = x @ dequant(Q)^T + b + sum(adapter(x) for adapter in adapters)."""
+
+    def __init__(self, qweight: QTensor, bias: torch.Tensor | None = None, cache: bool = True) -> None:
+        super().__init__()
+        self.out_features, self.in_features = qweight.shape
+        self.cache = cache
+        self.bias = nn.Parameter(bias.detach().clone(), requires_grad=False) if bias is not None else None
+        self.adapters = nn.ModuleDict()
+        self.set_qweight(qweight)
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, scheme: Scheme | str, imp: torch.Tensor | None = None
+                    ) -> QuantLinear:
+        q = quantize(linear.weight.detach(), Scheme.parse(scheme), imp)
+        return cls(q, linear.bias)
+
+    # --------------------------------------------------------------- weight
+    def set_qweight(self, q: QTensor) -> None:
+        """Replace the quantized weight (e.g. after tuning); buffers keep their names."""
+        if q.shape != (self.out_features, self.in_features):
+            raise ValueError(f"QTensor shape {q.shape} != layer shape {(self.out_features, self.in_features)}")
+        self.scheme = q.scheme
+        self.register_buffer("codes", q.codes)
+        self.register_buffer("scales", q.scales)
+        self.register_buffer("zeros", q.zeros)
+        self.register_buffer("tensor_scale", q.tensor_scale)
+        self._cached: torch.Tensor | None = None
+
+    @property
+    def qweight(self) -> QTensor:
+        return QTensor(self.codes, self.scales, self.zeros, self.tensor_scale,
+                       (self.out_features, self.in_features), self.scheme)
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """Dequantized weight (float32 unless the buffers were moved to another dtype)."""
+        if self._cached is not None and self._cached.device == self.codes.device:
+            return self._cached
+        w = self.qweight.dequantize()
+        if self.cache and not torch.is_grad_enabled():
+            self._cached = w
+        return w
+
+    def _apply(self, fn, recurse=True):  # .to()/.cuda() must drop the cache
+        self._cached = None
+        return super()._apply(fn, recurse)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.linear(x, self.weight.to(x.dtype), None if self.bias is None else self.bias.to(x.dtype))
+        for adapter in self.adapters.values():
+            y = y + adapter(x)
+        return y
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, scheme={self.scheme.name}"

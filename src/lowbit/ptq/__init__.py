@@ -1,0 +1,56 @@
+"""Post-training quantization: one entry point, methods looked up in a plain registry.
+
+Each method is ``fn(model, plan, *, calib, config, tokenizer, progress, **kw) -> Plan``
+and replaces the planned Linear layers in place.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from lowbit.errors import ConfigError
+from lowbit.formats.plan import Plan
+from lowbit.ptq.rtn import rtn_quantize
+
+Method = Callable[..., Plan]
+
+
+def _rtn(model: nn.Module, plan: Plan, *, calib: torch.Tensor | None = None, search: bool = False,
+         progress: bool = True, **_: Any) -> Plan:
+    return rtn_quantize(model, plan, calib=calib, search=search, progress=progress)
+
+
+METHODS: dict[str, Method] = {"rtn": _rtn}
+
+
+def register(name: str, fn: Method) -> None:
+    METHODS[name] = fn
+
+
+def quantize_model(model: nn.Module, plan: Plan, method: str = "rtn", **kw: Any) -> Plan:
+    """Quantize ``model`` in place with ``method``; returns the applied plan."""
+    _load_optional_methods()
+    if method not in METHODS:
+        raise ConfigError(f"unknown method {method!r}; choose one of {sorted(METHODS)}")
+    return METHODS[method](model, plan, **kw)
+
+
+def methods() -> list[str]:
+    _load_optional_methods()
+    return sorted(METHODS)
+
+
+def _load_optional_methods() -> None:
+    """Import the tuning methods, which register themselves (kept lazy: they are heavy)."""
+    import importlib
+
+    for mod in ("lowbit.ptq.signround", "lowbit.ptq.signround2"):
+        try:
+            importlib.import_module(mod)
+        except ModuleNotFoundError as e:
+            if e.name != mod:
+                raise
