@@ -1,0 +1,339 @@
+"""The block-wise PTQ pipeline shared by every tuning method (SignRound, SignRoundV2, ...).
+
+capture the inputs of decoder block 0 (a forward pre-hook that stops the model there),
+then for each block: FP targets ``Y = block_fp(X_fp)``, tune the block's quantization on
+``X_q`` (outputs of the already quantized blocks), freeze, propagate ``X_q = block_q(X_q)``,
+``X_fp = Y``. Only the block being tuned sits on the compute device; with an offload
+folder the FP weights of all other blocks live on disk (safetensors, one file per block)
+so peak memory grows with one block plus the cached activations.
+
+After each block its quantized weights are written atomically to the work folder. A
+rerun with the same settings replays the finished blocks (forward passes only, the same
+chunking and order, hence bit-identical activations) and continues with the next one;
+a rerun with different settings is refused rather than mixing two runs.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+from safetensors.torch import load as st_load
+from safetensors.torch import load_file, save, save_file
+from torch import nn
+from tqdm.auto import tqdm
+
+from lowbit.errors import ConfigError, ModelError
+from lowbit.formats import QTensor, Scheme
+from lowbit.formats.plan import Plan
+from lowbit.io import atomic_write_bytes, atomic_write_text
+from lowbit.nn import QuantLinear, replace_linears, set_module
+from lowbit.ptq.importance import importance_hooks
+
+_DROP_KWARGS = ("cache", "past_key_values", "past_key_value", "layer_past")
+
+
+class _StopForward(Exception):
+    """Raised by the capture hook once block 0's inputs are recorded."""
+
+
+@dataclass
+class BlockJob:
+    """Everything a tuner needs for one block.
+
+    layers: full layer name -> (module name relative to the block, scheme).
+    kwargs: the extra arguments the block is called with (mask, position embeddings).
+    imp: full layer name -> ``[in]`` importance, when the tuner asked for it.
+    """
+
+    index: int
+    block: nn.Module
+    layers: dict[str, tuple[str, Scheme]]
+    x: torch.Tensor
+    y: torch.Tensor
+    kwargs: dict[str, Any]
+    imp: dict[str, torch.Tensor] | None
+
+
+class BlockTuner(Protocol):
+    """Turns one block's FP Linears into QTensors; returns (name -> QTensor, info dict)."""
+
+    needs_importance: bool
+
+    def __call__(self, job: BlockJob) -> tuple[dict[str, QTensor], dict[str, float]]: ...
+
+
+# ------------------------------------------------------------------ model access
+def decoder_blocks(model: nn.Module) -> nn.ModuleList:
+    """The decoder blocks, via `lowbit.models` when present (it knows every architecture)."""
+    try:
+        from lowbit.models import decoder_blocks as find
+    except ImportError:
+        find = None
+    if find is not None:
+        return find(model)
+    inner = getattr(model, "model", None)
+    layers = getattr(inner, "layers", None)
+    if not isinstance(layers, nn.ModuleList) or len(layers) == 0:
+        raise ModelError(f"{type(model).__name__} has no decoder blocks at model.layers; "
+                         "pass a causal LM with a stack of decoder layers")
+    return layers
+
+
+def module_names(model: nn.Module) -> dict[int, str]:
+    return {id(m): n for n, m in model.named_modules()}
+
+
+def block_layers(plan: Plan, block_name: str) -> dict[str, tuple[str, Scheme]]:
+    """Plan entries inside one block: full name -> (relative name, scheme)."""
+    pre = block_name + "."
+    return {n: (n[len(pre):], s) for n, s in plan.items() if n.startswith(pre)}
+
+
+def run_block(block: nn.Module, x: torch.Tensor, kwargs: Mapping[str, Any], chunk: int) -> torch.Tensor:
+    """``block(x)`` in chunks of samples (outputs of tuple-returning blocks unwrapped)."""
+    outs = []
+    for part in x.split(chunk):
+        y = block(part, **kwargs)
+        outs.append(y[0] if isinstance(y, tuple) else y)
+    return torch.cat(outs)
+
+
+# ---------------------------------------------------------------------- capture
+def capture_inputs(model: nn.Module, block0: nn.Module, calib: torch.Tensor,
+                   device: torch.device) -> tuple[torch.Tensor, dict[str, Any]]:
+    """Hidden states entering block 0 for every sample, and the kwargs the block gets.
+
+    Samples go one at a time (only embeddings run before the hook stops the model), so
+    every captured kwarg has batch dimension 1 and broadcasts over any mini-batch.
+    """
+    store: list[tuple[tuple, dict]] = []
+
+    def hook(_mod: nn.Module, args: tuple, kwargs: dict) -> None:
+        store.append((args, kwargs))
+        raise _StopForward
+
+    handle = block0.register_forward_pre_hook(hook, with_kwargs=True)
+    xs = []
+    try:
+        with torch.no_grad():
+            for row in calib:
+                try:
+                    model(input_ids=row.unsqueeze(0).to(device), use_cache=False)
+                except _StopForward:
+                    pass
+                args, kw = store.pop()
+                xs.append((args[0] if args else kw["hidden_states"]).detach())
+                if len(xs) == 1:
+                    first = kw
+    finally:
+        handle.remove()
+    if not xs:
+        raise ConfigError("no calibration samples; pass nsamples >= 1")
+    kwargs = {k: v for k, v in first.items() if k not in _DROP_KWARGS and k != "hidden_states"}
+    kwargs["use_cache"] = False
+    return torch.cat(xs), kwargs
+
+
+# ---------------------------------------------------------------- resume state
+def fingerprint(model: nn.Module, calib: torch.Tensor) -> dict[str, str]:
+    """Cheap identity of the model (shapes + a sample of every tensor) and of the tokens."""
+    h = hashlib.sha256()
+    for n, p in model.state_dict().items():
+        h.update(n.encode() + str(tuple(p.shape)).encode())
+        if p.device.type != "meta":
+            h.update(p.detach().reshape(-1)[:256].float().cpu().numpy().tobytes())
+    tok = hashlib.sha256(calib.cpu().to(torch.int64).numpy().tobytes()).hexdigest()
+    return {"model": h.hexdigest(), "calib": tok}
+
+
+class WorkDir:
+    """Per-block results on disk: ``run.json`` (settings) + ``block_NNNN.safetensors``."""
+
+    def __init__(self, path: str | Path, settings: dict[str, Any]) -> None:
+        self.path = Path(path)
+        self.settings = json.loads(json.dumps(settings, sort_keys=True, default=str))
+        self.path.mkdir(parents=True, exist_ok=True)
+        meta = self.path / "run.json"
+        if meta.exists():
+            old = json.loads(meta.read_text())
+            if old != self.settings:
+                diff = sorted(k for k in set(old) | set(self.settings) if old.get(k) != self.settings.get(k))
+                raise ConfigError(f"work folder {self.path} holds a run with different settings ({', '.join(diff)}); "
+                                  "resume with the same settings, or pass a new --workdir (or delete it) to start over")
+        else:
+            atomic_write_text(meta, json.dumps(self.settings, indent=1, sort_keys=True))
+
+    def block_file(self, i: int) -> Path:
+        return self.path / f"block_{i:04d}.safetensors"
+
+    def done(self, nblocks: int) -> int:
+        """Number of leading blocks already finished (a gap means the rest is redone)."""
+        k = 0
+        while k < nblocks and self.block_file(k).exists():
+            k += 1
+        return k
+
+    def save_block(self, i: int, qts: Mapping[str, QTensor]) -> None:
+        tensors = {f"{n}::{k}": v.contiguous() for n, q in qts.items() for k, v in q.pack().items()}
+        atomic_write_bytes(self.block_file(i), save(tensors))
+
+    def load_block(self, i: int, layers: Mapping[str, tuple[str, Scheme]],
+                   shapes: Mapping[str, tuple[int, int]]) -> dict[str, QTensor]:
+        raw = st_load(self.block_file(i).read_bytes())
+        out = {}
+        for name, (_rel, scheme) in layers.items():
+            d = {k.split("::", 1)[1]: v for k, v in raw.items() if k.split("::", 1)[0] == name}
+            if not d:
+                raise ConfigError(f"{self.block_file(i)} lacks layer {name}; delete the work folder and rerun")
+            out[name] = QTensor.from_packed(d, shapes[name], scheme)
+        return out
+
+
+# ---------------------------------------------------------------- disk offload
+class DiskOffload:
+    """FP weights of every block in ``dir/fp_NNNN.safetensors``; at most one block in memory."""
+
+    def __init__(self, path: str | Path, blocks: nn.ModuleList) -> None:
+        self.path = Path(path)
+        self.path.mkdir(parents=True, exist_ok=True)
+        for i, b in enumerate(blocks):
+            f = self.path / f"fp_{i:04d}.safetensors"
+            if not f.exists():
+                tensors = {k: v.detach().contiguous().cpu() for k, v in _tensors(b).items()}
+                tmp = f.with_suffix(".tmp")
+                save_file(tensors, str(tmp))
+                os.replace(tmp, f)
+            b.to_empty(device="meta")
+
+    def load(self, i: int, block: nn.Module, device: torch.device) -> None:
+        for name, t in load_file(str(self.path / f"fp_{i:04d}.safetensors"), device=str(device)).items():
+            parent, _, leaf = name.rpartition(".")
+            mod = block.get_submodule(parent) if parent else block
+            if leaf in mod._parameters:
+                mod._parameters[leaf] = nn.Parameter(t, requires_grad=False)
+            else:
+                mod._buffers[leaf] = t
+
+
+def _tensors(block: nn.Module) -> dict[str, torch.Tensor]:
+    d = dict(block.named_parameters())
+    d.update(dict(block.named_buffers()))
+    return d
+
+
+# --------------------------------------------------------------------- the run
+@dataclass(frozen=True)
+class PipelineOptions:
+    """Knobs of the pipeline itself (the tuner has its own config).
+
+    fp_inputs: tune on FP inputs X_fp instead of the quantized blocks' outputs.
+    chunk: samples per forward when computing targets / propagating.
+    device: compute device for the block being tuned.
+    offload_dir: keep FP block weights on disk, loading one block at a time.
+    """
+
+    fp_inputs: bool = False
+    chunk: int = 8
+    device: str = "cpu"
+    offload_dir: str | None = None
+
+
+def quantize_blockwise(model: nn.Module, plan: Plan, calib: torch.Tensor, tuner: BlockTuner,
+                       settings: Mapping[str, Any], options: PipelineOptions = PipelineOptions(),
+                       workdir: str | Path | None = None, progress: bool = True,
+                       on_block: Callable[[int], None] | None = None) -> list[dict[str, float]]:
+    """Quantize ``model`` in place block by block; returns per-block info (loss, seconds).
+
+    settings: everything that determines the result (method, config); stored in the
+    work folder so a resume with different settings is refused.
+    on_block: called with the block index after each block is saved (tests interrupt here).
+    """
+    blocks = decoder_blocks(model)
+    names = module_names(model)
+    device = torch.device(options.device)
+    x, kwargs = capture_inputs(model, blocks[0], calib, device)
+    kwargs = _to(kwargs, device)
+    wd = WorkDir(workdir, {**settings, "plan": plan.to_dict(), "fp_inputs": options.fp_inputs,
+                           "chunk": options.chunk, **fingerprint(model, calib)}) if workdir else None
+    offload = DiskOffload(options.offload_dir, blocks) if options.offload_dir else None
+    start = wd.done(len(blocks)) if wd else 0
+    x_fp, x_q = x, (None if options.fp_inputs else x.clone())
+    infos: list[dict[str, float]] = []
+    bar = tqdm(range(len(blocks)), desc="ptq blocks", unit="block", disable=not progress)
+    for i in bar:
+        block = blocks[i]
+        layers = block_layers(plan, names[id(block)])
+        if offload:
+            offload.load(i, block, device)
+        block.to(device)
+        t0 = time.perf_counter()
+        want_imp = tuner.needs_importance and i >= start
+        hooked = {n: block.get_submodule(r) for n, (r, _) in layers.items()} if want_imp else {}
+        with torch.no_grad(), importance_hooks(hooked) as h:
+            y = run_block(block, x_fp, kwargs, options.chunk)
+        if i < start:
+            qts = wd.load_block(i, layers, _shapes(block, layers))  # type: ignore[union-attr]
+            info: dict[str, float] = {"resumed": 1.0}
+        else:
+            imp = h.result() if want_imp else None
+            job = BlockJob(i, block, layers, x_q if x_q is not None else x_fp, y, kwargs, imp)
+            qts, info = tuner(job)
+            if wd:
+                wd.save_block(i, qts)
+        _install(block, layers, qts)
+        if x_q is not None:
+            with torch.no_grad():
+                x_q = run_block(block, x_q, kwargs, options.chunk)
+        x_fp = y
+        block.to("cpu")
+        info["seconds"] = time.perf_counter() - t0
+        infos.append(info)
+        bar.set_postfix({k: f"{v:.3g}" for k, v in info.items() if k in ("loss", "rtn_loss")})
+        if on_block is not None and i >= start:
+            on_block(i)
+    _quantize_rest(model, plan, names, blocks)
+    return infos
+
+
+def _to(kwargs: dict[str, Any], device: torch.device) -> dict[str, Any]:
+    def mv(v: Any) -> Any:
+        if isinstance(v, torch.Tensor):
+            return v.to(device)
+        if isinstance(v, tuple):
+            return tuple(mv(t) for t in v)
+        return v
+
+    return {k: mv(v) for k, v in kwargs.items()}
+
+
+def _shapes(block: nn.Module, layers: Mapping[str, tuple[str, Scheme]]) -> dict[str, tuple[int, int]]:
+    out = {}
+    for n, (rel, _) in layers.items():
+        m = block.get_submodule(rel)
+        out[n] = (m.out_features, m.in_features)
+    return out
+
+
+def _install(block: nn.Module, layers: Mapping[str, tuple[str, Scheme]], qts: Mapping[str, QTensor]) -> None:
+    """Swap the block's Linears for frozen QuantLinears holding the tuned weights."""
+    for name, (rel, _) in layers.items():
+        old = block.get_submodule(rel)
+        bias = getattr(old, "bias", None)
+        new = QuantLinear(qts[name], None if bias is None else bias.detach())
+        set_module(block, rel, new.to(qts[name].codes.device))
+
+
+def _quantize_rest(model: nn.Module, plan: Plan, names: Mapping[int, str], blocks: nn.ModuleList) -> None:
+    """Planned layers outside the decoder blocks (e.g. lm_head) get plain RTN."""
+    prefixes = tuple(names[id(b)] + "." for b in blocks)
+    rest = {n: s for n, s in plan.items() if not n.startswith(prefixes)}
+    if rest:
+        replace_linears(model, rest)

@@ -1,0 +1,324 @@
+"""SignRound (V1): learned rounding offsets and clip factors, tuned by signed gradient descent.
+
+Per group ``W_hat = s * (clip(round(W/s + V) + z, qmin, qmax) - z)`` where ``V`` (one per
+weight, starts at 0) nudges each weight to the other rounding neighbour and the scale
+``s`` comes from the group's range times learnable clip factors (alpha on the max side,
+beta on the min side, in [0, 1]). The block's output MSE against its FP output is
+minimised with ``theta -= lr * sign(grad)``, lr = 1/iters decayed linearly to 0, so the
+total movement of V stays below 0.5 without clamping. The parameters of the best loss
+seen are kept. With ``iters=0`` the result is exactly round-to-nearest.
+
+The rounders here are small ``nn.Module`` s: ``forward()`` gives the differentiable
+fake-quantized weight, ``export()`` the `QTensor` whose dequantization equals it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from lowbit.errors import ConfigError, SchemeError
+from lowbit.formats import QTensor, Scheme
+from lowbit.formats.groups import from_groups, pad_mask, to_groups
+from lowbit.formats.integer import cast_scale, search_int_params
+from lowbit.formats.plan import Plan
+from lowbit.nn import round_ste, set_module
+from lowbit.ptq import register
+from lowbit.ptq.pipeline import BlockJob, PipelineOptions, quantize_blockwise, run_block
+
+
+@dataclass(frozen=True)
+class SignRoundConfig:
+    """Tuning settings (defaults follow the reference: 200 iters, batch 8).
+
+    lr: None = 1/iters. lr_low_bits: lr used instead for schemes of <= 3 bits (preset best).
+    v2: SignRoundV2 — importance-searched initial scale and a learned multiplier in [0, 2].
+    loss_filter: drop the largest ``filter_frac`` of |pred - ref| from the MSE;
+        None = on for V2 when the block has a scheme below 4 bits.
+    """
+
+    iters: int = 200
+    lr: float | None = None
+    lr_low_bits: float | None = None
+    batch_size: int = 8
+    seed: int = 0
+    v2: bool = False
+    loss_filter: bool | None = None
+    filter_frac: float = 1e-3
+    fp_inputs: bool = False
+    device: str = "cpu"
+    offload_dir: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.iters < 0:
+            raise ConfigError(f"iters must be >= 0, got {self.iters}")
+        if self.batch_size < 1:
+            raise ConfigError(f"batch size must be >= 1, got {self.batch_size}")
+        if not 0 <= self.filter_frac < 1:
+            raise ConfigError(f"filter_frac must be in [0, 1), got {self.filter_frac}")
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def step_size(self, bits: int) -> float:
+        if self.lr_low_bits is not None and bits <= 3:
+            return self.lr_low_bits
+        return self.lr if self.lr is not None else 1.0 / max(self.iters, 1)
+
+
+PRESETS: dict[str, dict[str, Any]] = {
+    "light": {"iters": 50},
+    "default": {"iters": 200},
+    "best": {"iters": 1000, "lr_low_bits": 2e-3},
+}
+PRESET_NSAMPLES = {"light": 128, "default": 128, "best": 512}
+
+
+def make_config(preset: str | None = None, **overrides: Any) -> SignRoundConfig:
+    """A config from a preset name plus explicit overrides (None values ignored)."""
+    base: dict[str, Any] = {}
+    if preset is not None:
+        if preset not in PRESETS:
+            raise ConfigError(f"unknown signround preset {preset!r}; choose one of {sorted(PRESETS)}")
+        base.update(PRESETS[preset])
+    fields = {f.name for f in dataclasses.fields(SignRoundConfig)}
+    unknown = sorted(k for k, v in overrides.items() if v is not None and k not in fields)
+    if unknown:
+        raise ConfigError(f"unknown signround options {unknown}; known: {sorted(fields)}")
+    base.update({k: v for k, v in overrides.items() if v is not None})
+    return SignRoundConfig(**base)
+
+
+# ------------------------------------------------------------------ rounders
+def cast_ste(scale: torch.Tensor, fmt: str) -> torch.Tensor:
+    """The scale rounded to its storage grid forward, identity gradient backward."""
+    return scale + (cast_scale(scale.detach(), fmt) - scale).detach()
+
+
+class IntRounder(nn.Module):
+    """Learnable rounding of one ``[out, in]`` weight to a group-wise INT scheme.
+
+    V1: scale from the group range times clip factors alpha (max side) / beta (min side).
+    V2 (symmetric only): scale = searched initial scale * multiplier m in [0, 2].
+    """
+
+    def __init__(self, w: torch.Tensor, scheme: Scheme, imp: torch.Tensor | None = None,
+                 v2: bool = False) -> None:
+        super().__init__()
+        self.scheme = scheme
+        self.shape = tuple(w.shape)
+        g = scheme.group_for(w.shape[1])
+        wg = to_groups(w.detach().float(), g)
+        self.register_buffer("wg", wg)
+        self.register_buffer("mask", pad_mask(w.shape[1], g, w.device).float())
+        self.v = nn.Parameter(torch.zeros_like(wg))
+        self.v2 = v2 and scheme.sym
+        if self.v2:
+            imp_g = to_groups((imp if imp is not None else torch.ones(w.shape[1])).float().reshape(1, -1)
+                              .to(w.device), g)[0]
+            s0, _ = search_int_params(wg, scheme, imp_g)
+            self.register_buffer("s0", s0)
+            self.m = nn.Parameter(torch.ones_like(s0))
+        else:
+            self.alpha = nn.Parameter(torch.ones(wg.shape[:2], device=w.device))
+            self.beta = nn.Parameter(torch.ones(wg.shape[:2], device=w.device))
+
+    def clamp_(self) -> None:
+        with torch.no_grad():
+            if self.v2:
+                self.m.clamp_(0.0, 2.0)
+            else:
+                self.alpha.clamp_(0.0, 1.0)
+                self.beta.clamp_(0.0, 1.0)
+
+    def qparams(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Differentiable (scale, zero) per group, mirroring `formats.integer.int_params`."""
+        s, wg = self.scheme, self.wg
+        if self.v2:
+            return cast_ste(self.s0 * self.m, s.scale), None
+        if s.sym:
+            if s.full_range:
+                ext = wg.gather(-1, wg.abs().argmax(-1, keepdim=True)).squeeze(-1)
+                return cast_ste(ext / s.qmin * self.alpha, s.scale), None
+            return cast_ste(wg.abs().amax(-1) / s.qmax * self.alpha, s.scale), None
+        lo = wg.amin(-1).clamp(max=0) * self.beta
+        hi = wg.amax(-1).clamp(min=0) * self.alpha
+        scale = cast_ste((hi - lo) / s.qmax, s.scale)
+        zero = round_ste(-lo / scale).clamp(0, s.qmax)
+        return scale, zero
+
+    def levels(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        scale, zero = self.qparams()
+        q = round_ste(self.wg / scale.unsqueeze(-1) + self.v * self.mask)
+        if zero is not None:
+            q = q + zero.unsqueeze(-1)
+        return q.clamp(self.scheme.qmin, self.scheme.qmax), scale, zero
+
+    def forward(self) -> torch.Tensor:
+        q, scale, zero = self.levels()
+        if zero is not None:
+            q = q - zero.unsqueeze(-1)
+        return from_groups(q * scale.unsqueeze(-1), self.shape[1])
+
+    def export(self) -> QTensor:
+        with torch.no_grad():
+            q, scale, zero = self.levels()
+            codes = (q - self.scheme.qmin).to(torch.uint8)
+            return QTensor(codes, scale.detach().clone(), None if zero is None else zero.detach().clone(),
+                           None, self.shape, self.scheme)
+
+
+ROUNDERS: dict[str, type[nn.Module]] = {"int": IntRounder}
+
+
+def make_rounder(w: torch.Tensor, scheme: Scheme, imp: torch.Tensor | None, v2: bool) -> nn.Module:
+    _load_fp_rounders()
+    if scheme.elem not in ROUNDERS:
+        raise SchemeError(f"SignRound has no rounder for {scheme.elem} elements yet; "
+                          f"use one of {sorted(ROUNDERS)} or --method rtn")
+    return ROUNDERS[scheme.elem](w, scheme, imp, v2)
+
+
+def _load_fp_rounders() -> None:
+    try:
+        import lowbit.ptq.fp_rounders  # noqa: F401  (registers e2m1 when the FP4 formats exist)
+    except ImportError:
+        pass
+
+
+class TunedLinear(nn.Module):
+    """A Linear whose weight is its rounder's fake-quantized output (used while tuning)."""
+
+    def __init__(self, linear: nn.Linear, rounder: nn.Module) -> None:
+        super().__init__()
+        self.rounder = rounder
+        self.bias = None if linear.bias is None else linear.bias.detach()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.rounder(), self.bias)
+
+
+# ------------------------------------------------------------------- tuning
+def filtered_mse(pred: torch.Tensor, ref: torch.Tensor, frac: float) -> torch.Tensor:
+    """MSE without the ``k = floor(numel * frac)`` elements of largest |pred - ref|."""
+    err = (pred - ref).reshape(-1).pow(2)
+    k = int(err.numel() * frac)
+    if k == 0:
+        return err.mean()
+    top = err.detach().topk(k).indices
+    keep = torch.ones_like(err, dtype=torch.bool)
+    keep[top] = False
+    return err[keep].mean()
+
+
+def sign_step(params: list[nn.Parameter], lr: float) -> None:
+    """``p -= lr * sign(grad)`` for every parameter, then clear the gradients."""
+    with torch.no_grad():
+        for p in params:
+            if p.grad is not None:
+                p.sub_(lr * p.grad.sign())
+                p.grad = None
+
+
+class SignRoundTuner:
+    """The pipeline's per-block tuner (SignRound V1 or V2 by ``config.v2``)."""
+
+    def __init__(self, config: SignRoundConfig) -> None:
+        self.config = config
+        self.needs_importance = config.v2
+
+    def __call__(self, job: BlockJob) -> tuple[dict[str, QTensor], dict[str, float]]:
+        cfg = self.config
+        frozen = [(p, p.requires_grad) for p in job.block.parameters()]
+        for p, _ in frozen:
+            p.requires_grad_(False)
+        rounders = self._wrap(job)
+        try:
+            info = self._tune(job, rounders) if cfg.iters > 0 and rounders else {}
+            return {n: r.export() for n, r in rounders.items()}, info
+        finally:
+            for p, flag in frozen:
+                p.requires_grad_(flag)
+
+    def _wrap(self, job: BlockJob) -> dict[str, nn.Module]:
+        rounders = {}
+        for name, (rel, scheme) in job.layers.items():
+            lin = job.block.get_submodule(rel)
+            imp = None if job.imp is None else job.imp[name]
+            r = make_rounder(lin.weight.detach(), scheme, imp, self.config.v2)
+            set_module(job.block, rel, TunedLinear(lin, r))
+            rounders[name] = r
+        return rounders
+
+    def _use_filter(self, job: BlockJob) -> bool:
+        if self.config.loss_filter is not None:
+            return self.config.loss_filter
+        return self.config.v2 and min(s.bits for _, s in job.layers.values()) < 4
+
+    def _tune(self, job: BlockJob, rounders: Mapping[str, nn.Module]) -> dict[str, float]:
+        cfg = self.config
+        params = [p for r in rounders.values() for p in r.parameters()]
+        bits = min(s.bits for _, s in job.layers.values())
+        lr0 = cfg.step_size(bits)
+        frac = cfg.filter_frac if self._use_filter(job) else 0.0
+        gen = torch.Generator().manual_seed(cfg.seed * 100003 + job.index)
+        n = job.x.shape[0]
+        best, best_state, first = float("inf"), None, None
+        for t in range(cfg.iters):
+            idx = torch.randperm(n, generator=gen)[: cfg.batch_size].to(job.x.device)
+            pred = run_block(job.block, job.x[idx], job.kwargs, cfg.batch_size)
+            loss = filtered_mse(pred, job.y[idx], frac)
+            value = float(loss.detach())
+            first = value if first is None else first
+            if value < best:
+                best, best_state = value, [p.detach().clone() for p in params]
+            loss.backward()
+            sign_step(params, lr0 * (1.0 - t / cfg.iters))
+            for r in rounders.values():
+                r.clamp_()
+        with torch.no_grad():
+            for p, b in zip(params, best_state or [], strict=False):
+                p.copy_(b)
+        return {"rtn_loss": first or 0.0, "loss": best}
+
+
+def signround_quantize(model: nn.Module, tokenizer: Any, plan: Plan, config: SignRoundConfig,
+                       calib_batches: torch.Tensor, workdir: str | None = None, progress: bool = True
+                       ) -> list[dict[str, float]]:
+    """Quantize ``model`` in place with SignRound (``config.v2`` for V2); returns per-block info.
+
+    tokenizer is unused by the tuning itself (kept for a uniform method signature).
+    """
+    del tokenizer
+    if calib_batches is None or calib_batches.numel() == 0:
+        raise ConfigError("SignRound needs calibration batches (LongTensor [nsamples, seqlen])")
+    method = "signround2" if config.v2 else "signround"
+    opts = PipelineOptions(fp_inputs=config.fp_inputs, chunk=config.batch_size, device=config.device,
+                           offload_dir=config.offload_dir)
+    settings = {"method": method, "config": {k: v for k, v in config.to_dict().items()
+                                             if k not in ("device", "offload_dir")}}
+    return quantize_blockwise(model, plan, calib_batches, SignRoundTuner(config), settings, opts,
+                              workdir=workdir, progress=progress)
+
+
+def method_config(preset: str | None, v2: bool, **kw: Any) -> SignRoundConfig:
+    """Config from the keyword arguments `quantize_model` passes (unknown keys ignored)."""
+    keys = {"iters", "lr", "batch_size", "seed", "loss_filter", "fp_inputs", "device", "offload_dir"}
+    return make_config(preset, v2=v2, **{k: v for k, v in kw.items() if k in keys})
+
+
+def _method(model: nn.Module, plan: Plan, *, calib: torch.Tensor | None = None, tokenizer: Any = None,
+            progress: bool = True, preset: str | None = None, workdir: str | None = None,
+            config: SignRoundConfig | None = None, **kw: Any) -> Plan:
+    cfg = config or method_config(preset, False, **kw)
+    signround_quantize(model, tokenizer, plan, cfg, calib, workdir=workdir, progress=progress)
+    return plan
+
+
+register("signround", _method)
