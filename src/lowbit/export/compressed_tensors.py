@@ -1,0 +1,196 @@
+"""Export a lowbit-quantized model as a compressed-tensors checkpoint (vLLM, transformers).
+
+The codes lowbit chose are written as they are — nothing is re-quantized — so the
+weights an engine decompresses are the ones lowbit evaluated:
+
+* INT (``pack-quantized``): compressed-tensors stores signed levels ``q`` offset by
+  ``2^(b-1)`` in a dense little-endian int32 bit stream, which is exactly lowbit's
+  unsigned code ``u = q - qmin`` for symmetric schemes. Asymmetric zero points ``z``
+  (lowbit: ``0..2^b-1``) become the signed ``z - 2^(b-1)`` and are packed along the
+  output axis, as the format defines. Dequantization is ``(q - z) * scale`` in both.
+* Full-range symmetric INT maps a group's largest-magnitude value to ``-2^(b-1)``, so
+  its scale is negative when that value is positive. The sign cannot be folded into
+  the codes (``-(-2^(b-1))`` is out of range), so the negative scale is stored as is:
+  ``weight_scale`` is a plain multiplier in compressed-tensors' dequantization and in
+  vLLM's group kernels, so the product is the same.
+* Scales are stored in float32 (their values lie on the fp16/bf16 grid, so nothing is
+  lost): compressed-tensors dequantizes in the scale's dtype, and an fp16 product would
+  round differently from lowbit's exact float32 one.
+* NVFP4 (``nvfp4-pack-quantized``): E2M1 nibbles ``sign<<3|mag``, low nibble = even
+  column (lowbit's packing), E4M3 block scales, and ``weight_global_scale = enc``: both
+  sides dequantize ``q * (s_b / enc)``. lowbit's tensor scale uses S_max = 256 for
+  4-over-6 so the x1.5 scales never overflow E4M3; the block scales are already E4M3
+  values, so the export is exact whichever S_max made them.
+* A mixed plan becomes one config group per distinct scheme (targets = exact layer
+  names); different formats make the top-level format ``mixed-precision``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import save_file
+from torch import nn
+
+from lowbit.errors import LowbitError, SchemeError
+from lowbit.formats import QTensor, Scheme
+from lowbit.io import atomic_dir
+from lowbit.nn import quant_layers
+
+WEIGHTS = "model.safetensors"
+PACK = "pack-quantized"
+NVFP4 = "nvfp4-pack-quantized"
+HOLDS = ("INT 2..8 bit, symmetric (full-range or classic) or asymmetric, per group (group divides the "
+         "row) or per row -> pack-quantized; NVFP4 (E2M1, block 16, E4M3 scales, optional tensor scale, "
+         "any rule incl. 4-over-6) -> nvfp4-pack-quantized")
+
+
+def _ct():
+    try:
+        import compressed_tensors  # noqa: F401
+    except ImportError:
+        raise LowbitError("compressed-tensors export needs the `compressed-tensors` package; "
+                          "`pip install compressed-tensors` (or lowbit[export])") from None
+    from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
+    from compressed_tensors.quantization import QuantizationArgs, QuantizationConfig, QuantizationScheme
+
+    return QuantizationArgs, QuantizationScheme, QuantizationConfig, pack_to_int32
+
+
+@dataclass(frozen=True)
+class Target:
+    """How one lowbit scheme is stored in compressed-tensors."""
+
+    format: str
+    args: dict[str, Any]
+
+
+def target_for(scheme: Scheme, in_features: int, where: str = "layer") -> Target:
+    """The compressed-tensors format and QuantizationArgs fields for ``scheme``; refuses the rest."""
+    g = scheme.group_for(in_features)
+    if in_features % g:
+        raise SchemeError(f"{where}: group {g} does not divide {in_features} columns; compressed-tensors "
+                          f"needs whole groups. It holds: {HOLDS}")
+    if scheme.elem == "int":
+        strategy = "channel" if scheme.group_size == -1 else "group"
+        return Target(PACK, {"num_bits": scheme.bits, "type": "int", "symmetric": scheme.sym,
+                             "strategy": strategy, "group_size": None if strategy == "channel" else g})
+    if scheme.elem == "e2m1" and scheme.scale == "e4m3" and g == 16:
+        return Target(NVFP4, {"num_bits": 4, "type": "float", "symmetric": True, "strategy": "tensor_group",
+                              "group_size": 16, "scale_dtype": torch.float8_e4m3fn})
+    raise SchemeError(f"{where}: scheme {scheme.name} has no compressed-tensors format. It holds: {HOLDS}. "
+                      "Re-quantize with one of those (e.g. w4g128, w8, nvfp4, nvfp4-46)")
+
+
+# ------------------------------------------------------------------ tensors
+def int_tensors(q: QTensor) -> dict[str, torch.Tensor]:
+    """``weight_packed``/``weight_scale``/[``weight_zero_point``] of an INT QTensor."""
+    *_, pack_to_int32 = _ct()
+    s, (out, cols) = q.scheme, q.shape
+    offset = 1 << (s.bits - 1)
+    levels = (q.codes.reshape(out, -1)[:, :cols].to(torch.int16) - offset).to(torch.int8)
+    d = {"weight_packed": pack_to_int32(levels, s.bits),
+         "weight_scale": q.scales.float().contiguous(),
+         "weight_shape": torch.tensor([out, cols], dtype=torch.int64)}
+    if q.zeros is not None:
+        zp = (q.zeros.to(torch.int16) - offset).to(torch.int8)
+        d["weight_zero_point"] = pack_to_int32(zp, s.bits, packed_dim=0).contiguous()
+    return d
+
+
+def nvfp4_tensors(q: QTensor) -> dict[str, torch.Tensor]:
+    """``weight_packed`` (uint8 nibbles), E4M3 ``weight_scale``, fp32 ``weight_global_scale``."""
+    from lowbit.formats import packing
+
+    out, cols = q.shape
+    enc = q.tensor_scale if q.tensor_scale is not None else torch.tensor(1.0)
+    return {"weight_packed": packing.pack(q.codes.reshape(out, -1)[:, :cols].contiguous(), 4),
+            "weight_scale": q.scales.to(torch.float8_e4m3fn).contiguous(),
+            "weight_global_scale": enc.float().reshape(1).contiguous()}
+
+
+def layer_tensors(q: QTensor, target: Target) -> dict[str, torch.Tensor]:
+    return int_tensors(q) if target.format == PACK else nvfp4_tensors(q)
+
+
+# ------------------------------------------------------------------- config
+def build_config(targets: dict[str, Target], ignore: list[str]) -> dict[str, Any]:
+    """The ``quantization_config`` dict, built with compressed-tensors' own classes."""
+    QuantizationArgs, QuantizationScheme, QuantizationConfig, _ = _ct()
+    groups: dict[tuple, list[str]] = {}
+    for name, t in targets.items():
+        key = (t.format, tuple(sorted((k, str(v)) for k, v in t.args.items())))
+        groups.setdefault(key, []).append(name)
+    config_groups = {}
+    for i, ((fmt, _), names) in enumerate(groups.items()):
+        args = targets[names[0]].args
+        config_groups[f"group_{i}"] = QuantizationScheme(targets=names, weights=QuantizationArgs(**args),
+                                                         format=fmt)
+    formats = {fmt for fmt, _ in groups}
+    top = formats.pop() if len(formats) == 1 else "mixed-precision"
+    qc = QuantizationConfig(config_groups=config_groups, format=top, quantization_status="compressed",
+                            ignore=ignore)
+    return qc.to_dict()
+
+
+# ------------------------------------------------------------------- export
+def export(model: nn.Module, tokenizer: Any, out: str | Path, force: bool = False) -> Path:
+    """Write ``model`` (with `QuantLinear` layers) as a compressed-tensors folder, atomically."""
+    qlayers = quant_layers(model)
+    if not qlayers:
+        raise SchemeError("the model has no quantized layers; export a checkpoint made by `lowbit quantize`")
+    targets = {n: target_for(m.scheme, m.in_features, n) for n, m in qlayers.items()}
+    tensors = _state_tensors(model, qlayers, targets)
+    ignore = [n for n, m in model.named_modules() if isinstance(m, nn.Linear) and n not in qlayers]
+    qconfig = build_config(targets, ignore)
+    config = model.config
+    with atomic_dir(Path(out), force=force) as tmp:
+        save_file(tensors, str(tmp / WEIGHTS), metadata={"format": "pt"})
+        config.quantization_config = qconfig
+        try:
+            config.save_pretrained(tmp)
+        finally:
+            del config.quantization_config
+        if tokenizer is not None:
+            tokenizer.save_pretrained(tmp)
+    return Path(out)
+
+
+def _state_tensors(model: nn.Module, qlayers: dict, targets: dict[str, Target]) -> dict[str, torch.Tensor]:
+    """Dense tensors by their HF names (tied copies once) plus each layer's compressed tensors."""
+    own = {f"{n}.{k}" for n in qlayers for k in ("codes", "scales", "zeros", "tensor_scale")}
+    tensors: dict[str, torch.Tensor] = {}
+    seen: set[tuple] = set()
+    for key, t in model.state_dict().items():
+        ident = (t.data_ptr(), tuple(t.shape), t.dtype)
+        if key in own or (t.numel() and ident in seen):
+            continue
+        seen.add(ident)
+        tensors[key] = t.detach().contiguous().cpu()
+    for name, layer in qlayers.items():
+        for k, t in layer_tensors(layer.qweight, targets[name]).items():
+            tensors[f"{name}.{k}"] = t.cpu()
+    return tensors
+
+
+def load_decompressed(path: str | Path, dtype: torch.dtype = torch.float32) -> nn.Module:
+    """Load a compressed-tensors folder with transformers and decompress every layer on CPU.
+
+    transformers' own ``dequantize=True`` path decompresses all dense layers with one
+    config group's scheme, so a mixed plan would fail there; loading compressed and
+    calling compressed-tensors' ``decompress_module`` per layer uses each layer's scheme.
+    """
+    _ct()
+    from compressed_tensors.compressors.base import decompress_module
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+    for module in model.modules():
+        if getattr(module, "quantization_scheme", None) is not None and hasattr(module, "weight_packed"):
+            decompress_module(module, leave_decompressed=False)
+    for p in model.parameters():
+        p.data = p.data.to(dtype) if p.is_floating_point() else p.data
+    return model.eval()
