@@ -1,0 +1,103 @@
+"""SignRound / SignRoundV2 tuning: better than RTN, loss filter, rounder export, configs."""
+
+import copy
+import itertools
+
+import pytest
+import torch
+
+from lowbit.errors import ConfigError, SchemeError
+from lowbit.formats import Scheme, qdq
+from lowbit.ptq import quantize_model
+from lowbit.ptq.pipeline import capture_inputs, decoder_blocks
+from lowbit.ptq.rtn import rtn_quantize
+from lowbit.ptq.signround import IntRounder, filtered_mse, make_config, sign_step, signround_quantize
+from ptq_helpers import calib, tiny_model, uniform
+
+
+def block0_mse(model, fp, c) -> float:
+    x, kw = capture_inputs(fp, decoder_blocks(fp)[0], c, torch.device("cpu"))
+    with torch.no_grad():
+        return float((decoder_blocks(model)[0](x, **kw) - decoder_blocks(fp)[0](x, **kw)).pow(2).mean())
+
+
+@pytest.mark.parametrize("scheme,v2", [("w2g32", False), ("w3g32a", False), ("w2g32", True)])
+def test_tuning_reduces_block_output_mse_vs_rtn(scheme, v2):
+    m = tiny_model(layers=1)
+    c = calib(16, 32)
+    rtn, sr = copy.deepcopy(m), copy.deepcopy(m)
+    rtn_quantize(rtn, uniform(m, scheme), progress=False)
+    signround_quantize(sr, None, uniform(m, scheme), make_config(iters=60, batch_size=8, v2=v2), c, progress=False)
+    assert block0_mse(sr, m, c) < 0.8 * block0_mse(rtn, m, c)
+
+
+def test_filtered_mse_drops_exactly_k_largest():
+    torch.manual_seed(0)
+    pred, ref = torch.randn(4, 50, 10), torch.randn(4, 50, 10)  # 2000 elements -> k = 2
+    err = (pred - ref).reshape(-1).pow(2).sort().values
+    assert torch.allclose(filtered_mse(pred, ref, 1e-3), err[:-2].mean())
+    assert torch.allclose(filtered_mse(pred, ref, 0.0), err.mean())
+    big = torch.zeros(3000)
+    big[[5, 17, 900]] = 100.0  # k = 3 outliers vanish entirely
+    assert filtered_mse(big, torch.zeros(3000), 1e-3).item() == 0.0
+
+
+def test_sign_step_moves_by_lr_times_sign():
+    p = torch.nn.Parameter(torch.tensor([1.0, 1.0, 1.0]))
+    p.grad = torch.tensor([3.0, -0.1, 0.0])
+    sign_step([p], 0.25)
+    assert torch.equal(p.detach(), torch.tensor([0.75, 1.25, 1.0])) and p.grad is None
+
+
+@pytest.mark.parametrize("scheme", ["w4g32", "w3g32a", "w2g64", "w8", "w4g32:full=0"])
+def test_rounder_export_matches_forward_and_rtn_at_init(scheme):
+    s = Scheme.parse(scheme)
+    w = torch.randn(8, 80)  # ragged last group for g32
+    r = IntRounder(w, s)
+    assert torch.equal(r(), qdq(w, s))
+    with torch.no_grad():
+        r.v.uniform_(-0.5, 0.5)
+        if hasattr(r, "alpha"):
+            r.alpha.uniform_(0.7, 1.0)
+            r.beta.uniform_(0.7, 1.0)
+    assert torch.equal(r.export().dequantize(), r())
+
+
+def test_rounder_gradients_reach_v_and_clip_factors():
+    r = IntRounder(torch.randn(4, 64), Scheme.parse("w3g32a"))
+    r().pow(2).sum().backward()
+    assert r.v.grad.abs().sum() > 0 and r.alpha.grad.abs().sum() > 0 and r.beta.grad.abs().sum() > 0
+    r2 = IntRounder(torch.randn(4, 64), Scheme.parse("w2g32"), imp=torch.rand(64), v2=True)
+    r2().pow(2).sum().backward()
+    assert r2.m.grad.abs().sum() > 0
+    with torch.no_grad():
+        r2.m.fill_(5.0)
+    r2.clamp_()
+    assert r2.m.max() == 2.0
+
+
+def test_presets_and_bad_options():
+    assert make_config("light").iters == 50
+    assert make_config("best").step_size(2) == 2e-3 and make_config("best").step_size(4) == 1e-3
+    assert make_config(iters=200).step_size(4) == 5e-3
+    with pytest.raises(ConfigError, match="preset"):
+        make_config("fast")
+    with pytest.raises(ConfigError, match="unknown signround options"):
+        make_config(itres=3)
+    with pytest.raises(ConfigError, match="iters"):
+        make_config(iters=-1)
+
+
+def test_registered_methods_dispatch():
+    m = tiny_model(layers=1)
+    plan = quantize_model(copy.deepcopy(m), uniform(m, "w4g32"), "signround", calib=calib(), iters=2,
+                          batch_size=4, progress=False)
+    assert plan.is_uniform
+    mixed = quantize_model(copy.deepcopy(m), uniform(m, "w4g32"), "signround2", calib=calib(), iters=2,
+                           batch_size=4, avg_bits=3.5, options="w2g32,w4g32", progress=False)
+    assert set(mixed.schemes()) <= {Scheme.parse("w2g32"), Scheme.parse("w4g32")} and len(mixed) == len(plan)
+    with pytest.raises(ConfigError, match="both --avg-bits and --options"):
+        quantize_model(copy.deepcopy(m), uniform(m, "w4g32"), "signround2", calib=calib(), avg_bits=3.0)
+    with pytest.raises(SchemeError, match="unknown scheme"):
+        quantize_model(copy.deepcopy(m), uniform(m, "w4g32"), "signround2", calib=calib(), avg_bits=3.0,
+                       options="w2g32,int3")
