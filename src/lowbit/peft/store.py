@@ -1,0 +1,117 @@
+"""Save an adapter set on its own and load it back onto the base it was trained for.
+
+Folder layout: ``adapter.safetensors`` (every adapter's tensors, ``<layer>.<tensor>``)
+and ``adapter.json`` (format, kind, PeftConfig, per-layer constructor config, base
+fingerprint, sha256 of the tensor file). The fingerprint is a sha256 over each target
+layer's quantized codes/scales/zeros, so loading onto a different base (another scheme,
+another model, a re-quantized checkpoint) fails with a clear message instead of
+silently adding a correction meant for other weights.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from lowbit.errors import CheckpointError
+from lowbit.io import atomic_dir, atomic_write_text, sha256_file
+from lowbit.nn import QuantLinear
+from lowbit.peft.apply import CLASSES, PeftConfig, adapters_of, attach, freeze_base
+
+FORMAT = "lowbit-adapter"
+VERSION = 1
+MANIFEST = "adapter.json"
+TENSORS = "adapter.safetensors"
+
+
+def fingerprint(model: nn.Module, names: list[str]) -> str:
+    """sha256 over the named layers' base weights (quantized buffers, or float weights)."""
+    h = hashlib.sha256()
+    for name in sorted(names):
+        layer = model.get_submodule(name)
+        h.update(f"{name}:{layer.out_features}x{layer.in_features};".encode())
+        parts = ([layer.codes, layer.scales, layer.zeros, layer.tensor_scale] if isinstance(layer, QuantLinear)
+                 else [layer.weight])
+        for t in parts:
+            if t is not None:
+                h.update(t.detach().contiguous().cpu().view(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+def save_adapters(model: nn.Module, out: str | Path, cfg: PeftConfig, meta: dict | None = None,
+                  force: bool = False) -> Path:
+    """Write only the adapters (a few MB) with the base's fingerprint, atomically."""
+    adapters = adapters_of(model)
+    if not adapters:
+        raise CheckpointError("the model has no lowbit adapters to save; apply adapters first")
+    if any(a.merged for a in adapters.values()):
+        raise CheckpointError("adapters are merged into the base; unmerge before saving them on their own")
+    tensors = {f"{n}.{k}": t.detach().contiguous().cpu() for n, a in adapters.items() for k, t in a.state_dict().items()}
+    manifest: dict[str, Any] = {
+        "format": FORMAT, "version": VERSION, "kind": cfg.adapter, "config": cfg.to_dict(),
+        "layers": {n: a.config() for n, a in adapters.items()},
+        "base_fingerprint": fingerprint(model, list(adapters)), "meta": meta or {},
+    }
+    with atomic_dir(Path(out), force=force) as tmp:
+        save_file(tensors, str(tmp / TENSORS))
+        manifest["sha256"] = sha256_file(tmp / TENSORS)
+        atomic_write_text(tmp / MANIFEST, json.dumps(manifest, indent=1))
+    return Path(out)
+
+
+def read_adapter_manifest(path: str | Path) -> dict:
+    f = Path(path) / MANIFEST
+    if not f.is_file():
+        raise CheckpointError(f"{path} is not a lowbit adapter folder (no {MANIFEST}); "
+                              "pass a folder written by `lowbit finetune --out`")
+    m = json.loads(f.read_text())
+    if m.get("format") != FORMAT or m.get("version") != VERSION:
+        raise CheckpointError(f"{f}: format {m.get('format')!r} v{m.get('version')!r} is not {FORMAT} v{VERSION}")
+    return m
+
+
+def load_adapters(model: nn.Module, path: str | Path, check_base: bool = True) -> PeftConfig:
+    """Attach the saved adapters to ``model``; the base fingerprint must match."""
+    path = Path(path)
+    m = read_adapter_manifest(path)
+    if sha256_file(path / TENSORS) != m.get("sha256"):
+        raise CheckpointError(f"{path / TENSORS} does not match its checksum; the adapter file is damaged")
+    names = list(m["layers"])
+    missing = [n for n in names if not _has(model, n)]
+    if missing:
+        raise CheckpointError(f"the model lacks adapter layers {missing[:3]}; load the base it was trained on")
+    if check_base and fingerprint(model, names) != m["base_fingerprint"]:
+        raise CheckpointError(f"adapter {path} was trained on a different base (fingerprint mismatch); load it "
+                              "onto the quantized checkpoint it was made for")
+    tensors = load_file(str(path / TENSORS))
+    cls = CLASSES[m["kind"]]
+    for name, conf in m["layers"].items():
+        state = {k[len(name) + 1:]: v for k, v in tensors.items() if k.startswith(name + ".")}
+        adapter = _construct(cls, conf, state)
+        adapter.load_state_dict(state)
+        layer = model.get_submodule(name)
+        attach(layer, adapter.to(layer.weight.device))
+    freeze_base(model)
+    return PeftConfig.from_dict(m["config"])
+
+
+def _construct(cls: type, conf: dict, state: dict[str, torch.Tensor]):
+    if cls.kind == "qwha":
+        return cls(conf["out_features"], conf["in_features"], state["rows"], state["cols"],
+                   scale=conf["scale"], path=conf["path"])
+    return cls(**conf)
+
+
+def _has(model: nn.Module, name: str) -> bool:
+    try:
+        model.get_submodule(name)
+        return True
+    except AttributeError:
+        return False
+
