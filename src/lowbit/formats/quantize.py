@@ -11,13 +11,14 @@ from typing import Callable
 import torch
 
 from lowbit.errors import SchemeError
+from lowbit.formats.fp4 import quantize_fp
 from lowbit.formats.integer import quantize_int
 from lowbit.formats.qtensor import QTensor
 from lowbit.formats.scheme import Scheme
 
 Quantizer = Callable[[torch.Tensor, Scheme, "torch.Tensor | None"], QTensor]
 
-QUANTIZERS: dict[str, Quantizer] = {"int": quantize_int}
+QUANTIZERS: dict[str, Quantizer] = {"int": quantize_int, "e2m1": quantize_fp, "e4m3": quantize_fp}
 
 
 def register(elem: str, fn: Quantizer) -> None:

@@ -18,7 +18,7 @@ from lowbit.errors import SchemeError
 
 ELEMS = ("int", "e2m1", "e4m3")
 SCALE_BITS = {"fp32": 32, "fp16": 16, "bf16": 16, "e4m3": 8, "ue5m3": 8, "e8m0": 8}
-RULES = ("absmax", "4over6", "brute", "search")
+RULES = ("absmax", "4over6", "span", "brute", "search")
 CRITERIA = ("mse", "mae", "max")
 E8M0_ROUNDING = ("floor", "ceil", "nearest")
 

@@ -1,0 +1,215 @@
+"""Block-scale rules for FP block formats: abs-max, 4-over-6, span, brute force, search.
+
+Every rule is "try some candidate block scales, keep the one with the lowest error in
+the dequantized domain", differing only in the candidate set, so one loop serves all:
+
+- ``absmax``: the block max maps to the element maximum (6 for E2M1). One candidate.
+- ``4over6``: the block max maps to 6 or to 4 (scale x 1.5); the E2M1 grid has nothing
+  between 4 and 6, so near-max values round badly under 6 and well under 4.
+- ``span`` (lowbit's improved rule): every scale code from one below the "6" scale to one
+  above the "4" scale, about 7 E4M3 codes: it finds the in-between scales that 4-over-6
+  cannot express, at a few times its cost and close to the brute-force optimum.
+- ``brute``: every positive code of the scale format, or a window of codes around the
+  abs-max scale (the reference lower bound).
+- ``search``: importance-weighted MSE over the grid of formats.md (NVFP4: block-max
+  multipliers 0.50..1.51; MX: {0.5, 1, 2} x the abs-max power of two). Because a 0.01
+  multiplier step is finer than the E4M3/UE5M3 grid spacing (>= 6.25 %), the multipliers
+  hit every code between the two ends, so the search runs over that code range: the
+  same candidates, evaluated once each.
+
+Candidates are tried abs-max first and a later one must be strictly better, so every
+rule is at least as good as abs-max on every block and ties keep the plain scale.
+Rules work on magnitudes ``a = |x| * enc`` (the sign never changes an error), shaped
+``[rows, blocks, block]``; scales come back on the scale format's grid, ``[rows, blocks]``.
+
+Underflow guard: a block scale of a non-zero block that rounds to 0 is clamped *after*
+rounding to the format's smallest positive value (``guard_scale``; ``when="before"``
+clamps the unrounded scale instead and gives the same scales). If even that scale maps
+the whole block below the smallest element value, the block's largest element keeps the
+smallest non-zero code, so with the guard no non-zero block ever dequantizes to zeros.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import torch
+
+from lowbit.errors import SchemeError
+from lowbit.formats import fp8
+from lowbit.formats.scheme import Scheme
+
+BRUTE_WINDOW = 8  # codes each side of the abs-max scale (one octave of E4M3 normals)
+SEARCH_RANGE = (0.50, 1.51)  # NVFP4 block-max multipliers of the importance search
+
+
+@dataclass(frozen=True)
+class ElemGrid:
+    """What a rule needs to know about an element grid (E2M1, E4M3)."""
+
+    name: str
+    max: float  # largest magnitude (6 for E2M1)
+    tiny: float  # smallest non-zero magnitude (0.5 for E2M1)
+    round_mag: Callable[[torch.Tensor], torch.Tensor]  # magnitudes -> grid magnitudes
+
+    @property
+    def emax(self) -> int:
+        """Exponent of the largest binade (2 for E2M1, 8 for E4M3), as the MX spec uses."""
+        return int(torch.tensor(self.max).log2().floor())
+
+
+# --------------------------------------------------------------- scale helpers
+def guard_scale(s: torch.Tensor, amax: torch.Tensor, fmt: str, when: str = "after",
+                hp: torch.Tensor | None = None, e8m0_round: str = "floor") -> torch.Tensor:
+    """Keep non-zero blocks' scales positive: clamp to the smallest scale of ``fmt``.
+
+    ``when="after"`` fixes the rounded scale ``s``; ``when="before"`` re-rounds the
+    unrounded scale ``hp`` clamped from below (same result, both are tested).
+    """
+    tiny = fp8.smallest_scale(fmt)
+    if when == "before":
+        if hp is None:
+            raise ValueError("guard before rounding needs the unrounded scale hp")
+        return fp8.cast_scale(torch.where(amax > 0, hp.clamp_min(tiny), hp), fmt, e8m0_round)
+    return torch.where((s <= 0) & (amax > 0), torch.full_like(s, tiny), s)
+
+
+def tensor_encode(amax_t: torch.Tensor, s: Scheme, elem: ElemGrid) -> torch.Tensor | None:
+    """NVFP4 tensor scale ``enc = elem_max * S_max / amax`` (1 for an all-zero tensor)."""
+    if not s.tensor_scale:
+        return None
+    amax_t = amax_t.float()
+    return torch.where(amax_t > 0, (elem.max * s.tensor_max) / amax_t, torch.ones_like(amax_t))
+
+
+def absmax_hp(amax: torch.Tensor, s: Scheme, elem: ElemGrid) -> torch.Tensor:
+    """Unrounded abs-max scale. E8M0 ``floor`` follows OCP MX: 2^(floor(log2 amax) - emax)."""
+    if s.scale == "e8m0" and s.e8m0_round == "floor":
+        return amax / 2.0**elem.emax
+    return amax / elem.max
+
+
+def cast(x: torch.Tensor, s: Scheme) -> torch.Tensor:
+    return fp8.cast_scale(x, s.scale, s.e8m0_round)
+
+
+def absmax_scale(amax: torch.Tensor, s: Scheme, elem: ElemGrid) -> torch.Tensor:
+    """The plain block scale (block max to the element maximum), guard applied if on."""
+    sc = cast(absmax_hp(amax, s, elem), s)
+    return guard_scale(sc, amax, s.scale) if s.guard else sc
+
+
+# ------------------------------------------------------------- quantize blocks
+def qdq_mag(a: torch.Tensor, sc: torch.Tensor, elem: ElemGrid, guard: bool) -> torch.Tensor:
+    """Dequantized magnitudes of ``a [..., g]`` under block scales ``sc [...]``."""
+    r = elem_mags(a, sc, elem, guard)
+    return r * sc.unsqueeze(-1)
+
+
+def elem_mags(a: torch.Tensor, sc: torch.Tensor, elem: ElemGrid, guard: bool) -> torch.Tensor:
+    """Element grid magnitudes chosen for ``a`` under ``sc`` (a zero scale gives zeros)."""
+    inv = torch.where(sc > 0, 1.0 / sc, torch.zeros_like(sc))
+    r = elem.round_mag(a * inv.unsqueeze(-1))
+    if guard:
+        r = _keep_block_alive(a, r, elem)
+    return r
+
+
+def _keep_block_alive(a: torch.Tensor, r: torch.Tensor, elem: ElemGrid) -> torch.Tensor:
+    """Give the largest element of a non-zero block rounded to all zeros the smallest code."""
+    amax = a.amax(-1, keepdim=True)
+    dead = (amax > 0) & (r.amax(-1, keepdim=True) == 0)
+    if not bool(dead.any()):
+        return r
+    return torch.where(dead & (a == amax), torch.full_like(r, elem.tiny), r)
+
+
+def block_error(d: torch.Tensor, criterion: str, weight: torch.Tensor | None = None) -> torch.Tensor:
+    """Error per block of differences ``d [..., g]``: sum of squares, sum of abs, or max abs."""
+    if criterion == "mse":
+        e = d * d
+    elif criterion in ("mae", "max"):
+        e = d.abs()
+    else:
+        raise SchemeError(f"criterion must be mse, mae or max, got {criterion!r}")
+    if weight is not None:
+        e = e * weight
+    return e.amax(-1) if criterion == "max" else e.sum(-1)
+
+
+# ------------------------------------------------------------------ candidates
+def _grid_index(grid: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    return torch.searchsorted(grid, v.contiguous()).clamp(max=grid.numel() - 1)
+
+
+def _range(grid: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor) -> Iterator[torch.Tensor]:
+    """Scales ``grid[lo..hi]`` per block; blocks whose range ended repeat their top code."""
+    n = int((hi - lo).max()) + 1 if lo.numel() else 0
+    for k in range(n):
+        yield grid[torch.minimum(lo + k, hi)]
+
+
+def candidates(amax: torch.Tensor, s: Scheme, elem: ElemGrid, window: int | None = BRUTE_WINDOW
+               ) -> Iterator[torch.Tensor]:
+    """Candidate block scales for ``s.rule``, abs-max first (all on the scale grid).
+
+    window: brute force only; codes each side of the abs-max scale, None = every code.
+    """
+    s6 = absmax_scale(amax, s, elem)
+    yield s6
+    if s.rule == "absmax":
+        return
+    hp = absmax_hp(amax, s, elem)
+    s4 = cast(hp * 1.5, s)
+    s4 = guard_scale(s4, amax, s.scale) if s.guard else s4
+    if s.rule == "4over6":
+        yield s4
+        return
+    if s.scale not in ("e4m3", "ue5m3", "e8m0"):
+        if s.rule == "search":
+            yield from (cast(hp * m, s) for m in torch.arange(SEARCH_RANGE[0], SEARCH_RANGE[1] + 1e-9, 0.01))
+            return
+        raise SchemeError(f"rule {s.rule} needs a scale format with a code grid (e4m3, ue5m3, e8m0), "
+                          f"not {s.scale}")
+    grid = fp8.scale_grid(s.scale).to(amax.device)
+    i6, i4 = _grid_index(grid, s6), _grid_index(grid, s4)
+    last = torch.full_like(i6, grid.numel() - 1)
+    if s.rule == "span":
+        lo, hi = (i6 - 1).clamp_min(0), torch.minimum(i4 + 1, last)
+    elif s.rule == "search":
+        if s.scale == "e8m0":
+            lo, hi = (i6 - 1).clamp_min(0), torch.minimum(i6 + 1, last)
+        else:
+            lo = _grid_index(grid, cast(hp * SEARCH_RANGE[0], s).clamp_min(grid[0]))
+            hi = _grid_index(grid, cast(hp * SEARCH_RANGE[1], s))
+    elif s.rule == "brute":
+        yield s4  # the 4-over-6 candidate is always in, so brute <= 4-over-6 by construction
+        if window is None:
+            lo, hi = torch.zeros_like(i6), last
+        else:
+            lo, hi = (i6 - window).clamp_min(0), torch.minimum(i6 + window, last)
+    else:
+        raise SchemeError(f"unknown scale rule {s.rule!r}")
+    yield from _range(grid, lo, hi)
+
+
+def choose_scales(a: torch.Tensor, s: Scheme, elem: ElemGrid, weight: torch.Tensor | None = None,
+                  window: int | None = BRUTE_WINDOW) -> torch.Tensor:
+    """Per block, the candidate scale of ``s.rule`` with the lowest ``s.criterion`` error.
+
+    a: magnitudes ``[..., g]`` (already times the tensor scale); weight: optional
+    per-element error weights broadcastable to ``a`` (the importance of the search rule).
+    """
+    amax = a.amax(-1)
+    it = candidates(amax, s, elem, window)
+    best = next(it)
+    if s.rule == "absmax":
+        return best
+    best_err = block_error(qdq_mag(a, best, elem, s.guard) - a, s.criterion, weight)
+    for sc in it:
+        err = block_error(qdq_mag(a, sc, elem, s.guard) - a, s.criterion, weight)
+        better = err < best_err
+        best_err = torch.where(better, err, best_err)
+        best = torch.where(better, sc, best)
+    return best
