@@ -1,0 +1,72 @@
+"""Metrics log (JSONL), loss smoothing and the steps-to-loss speed-up.
+
+The speed-up of a method over a baseline is measured on smoothed curves because
+per-step losses of small batches are noisy: a trailing moving average of ``window``
+steps (the first ``window-1`` points average what exists so far).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+from lowbit.io import atomic_write_text
+
+
+def smooth(losses: Sequence[float], window: int = 10) -> list[float]:
+    """Trailing moving average: point t is the mean of losses[max(0, t-window+1) : t+1]."""
+    if not losses:
+        return []
+    x = torch.tensor(list(losses), dtype=torch.float64)
+    c = torch.cat([torch.zeros(1, dtype=torch.float64), x.cumsum(0)])
+    t = torch.arange(1, len(x) + 1)
+    lo = (t - window).clamp(min=0)
+    return ((c[t] - c[lo]) / (t - lo)).tolist()
+
+
+def steps_to_reach(losses: Sequence[float], target: float, window: int = 10) -> int | None:
+    """First step (1-based) where the smoothed loss is <= target; None if never."""
+    s = torch.tensor(smooth(losses, window))
+    hit = (s <= target + 1e-12).nonzero()
+    return int(hit[0]) + 1 if len(hit) else None
+
+
+def speedup(baseline: Sequence[float], other: Sequence[float], window: int = 10) -> dict:
+    """(steps baseline needs to reach its own final smoothed loss) / (steps ``other`` needs)."""
+    target = smooth(baseline, window)[-1]
+    b = steps_to_reach(baseline, target, window)
+    o = steps_to_reach(other, target, window)
+    return {"target_loss": target, "baseline_steps": b, "other_steps": o,
+            "speedup": (b / o) if (b and o) else None, "smoothing": f"trailing mean, window {window}"}
+
+
+class MetricsLog:
+    """Append-only JSONL, one object per line; resuming cuts lines past the checkpoint."""
+
+    def __init__(self, path: Path | None) -> None:
+        self.path = None if path is None else Path(path)
+
+    def truncate_after(self, step: int) -> None:
+        """Drop records of steps beyond ``step`` (logged after the last checkpoint)."""
+        if self.path is None or not self.path.exists():
+            return
+        keep = [ln for ln in self.path.read_text().splitlines() if ln.strip() and json.loads(ln)["step"] <= step]
+        atomic_write_text(self.path, "".join(ln + "\n" for ln in keep))
+
+    def reset(self) -> None:
+        if self.path is not None and self.path.exists():
+            self.path.unlink()
+
+    def write(self, record: dict) -> None:
+        if self.path is None:
+            return
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.path, "a") as f:
+            f.write(json.dumps(record) + "\n")
+
+
+def read_metrics(path: str | Path) -> list[dict]:
+    return [json.loads(ln) for ln in Path(path).read_text().splitlines() if ln.strip()]
