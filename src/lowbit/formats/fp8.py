@@ -116,7 +116,7 @@ def round_e8m0(x: torch.Tensor, mode: str = "floor") -> torch.Tensor:
     if mode == "ceil":
         k = torch.where(m > 0.5, k + 1, k)
     elif mode == "nearest":
-        k = torch.where(m >= 2**-0.5, k + 1, k)
+        k = torch.where(m.double() >= 2**-0.5, k + 1, k)  # float64: 2^-0.5 is not a float32
     k = torch.where(a > 0, k, torch.full_like(k, E8M0_MIN_EXP))
     k = torch.where(torch.isinf(a), torch.full_like(k, E8M0_MAX_EXP), k)
     k = k.clamp(E8M0_MIN_EXP, E8M0_MAX_EXP)
