@@ -35,3 +35,46 @@ def __getattr__(name: str) -> Any:
     if name in _EXPORTS:
         return getattr(importlib.import_module(_EXPORTS[name]), name)
     raise AttributeError(f"module 'lowbit' has no attribute {name!r}")
+
+
+def _register_with_transformers() -> None:
+    """Make ``AutoModelForCausalLM.from_pretrained(native_dir)`` work after ``import lowbit``.
+
+    Registers lowbit's quantizer (lowbit.export.hf_quantizer) the moment transformers'
+    quantizer registry is imported, or now if it already is — without importing
+    transformers (or torch) here, so ``import lowbit`` stays quick.
+    """
+    import importlib.abc
+    import importlib.util
+    import sys
+
+    target = "transformers.quantizers.auto"
+
+    def register() -> None:
+        importlib.import_module("lowbit.export.hf_quantizer").register()
+
+    if target in sys.modules:
+        register()
+        return
+
+    class _Hook(importlib.abc.MetaPathFinder):
+        def find_spec(self, name, path, target_=None):  # noqa: ANN001
+            if name != target:
+                return None
+            sys.meta_path.remove(self)
+            spec = importlib.util.find_spec(name)
+            if spec is None or spec.loader is None:
+                return spec
+            run = spec.loader.exec_module
+
+            def exec_module(module) -> None:  # noqa: ANN001
+                run(module)
+                register()
+
+            spec.loader.exec_module = exec_module  # type: ignore[method-assign]
+            return spec
+
+    sys.meta_path.insert(0, _Hook())
+
+
+_register_with_transformers()
