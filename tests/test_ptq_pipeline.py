@@ -111,7 +111,7 @@ def test_disk_offload_keeps_one_fp_block_in_memory(tmp_path):
     tuner = SignRoundTuner(make_config(iters=2, batch_size=4))
 
     def counting(job):
-        blocks = decoder_blocks(m)
+        blocks = m.model.layers
         fp = sum(p.numel() for b in blocks for mod in b.modules() if isinstance(mod, torch.nn.Linear)
                  for p in mod.parameters(recurse=False) if p.device.type != "meta")
         seen.append(fp)
@@ -123,6 +123,6 @@ def test_disk_offload_keeps_one_fp_block_in_memory(tmp_path):
     cfg = make_config(iters=2, batch_size=4)
     quantize_blockwise(m, plan, calib(), counting, {"config": cfg.to_dict()},
                        PipelineOptions(chunk=4, offload_dir=str(tmp_path / "off")), progress=False)
-    one_block = sum(mod.weight.numel() for mod in decoder_blocks(ref)[0].modules() if isinstance(mod, QuantLinear))
+    one_block = sum(mod.weight.numel() for mod in ref.model.layers[0].modules() if isinstance(mod, QuantLinear))
     assert seen == [one_block] * 4
     assert same_weights(ref, m)

@@ -18,7 +18,7 @@ from ptq_helpers import calib, tiny_model, uniform
 def block0_mse(model, fp, c) -> float:
     x, kw = capture_inputs(fp, decoder_blocks(fp)[0], c, torch.device("cpu"))
     with torch.no_grad():
-        return float((decoder_blocks(model)[0](x, **kw) - decoder_blocks(fp)[0](x, **kw)).pow(2).mean())
+        return float((model.model.layers[0](x, **kw) - fp.model.layers[0](x, **kw)).pow(2).mean())
 
 
 @pytest.mark.parametrize("scheme,v2", [("w2g32", False), ("w3g32a", False), ("w2g32", True)])
@@ -101,3 +101,35 @@ def test_registered_methods_dispatch():
     with pytest.raises(SchemeError, match="unknown scheme"):
         quantize_model(copy.deepcopy(m), uniform(m, "w4g32"), "signround2", calib=calib(), avg_bits=3.0,
                        options="w2g32,int3")
+
+
+FP_SCHEMES = ["nvfp4", "nvfp4-46", "mxfp4", "mxfp8", "nvfp4-ue5m3"]
+
+
+@pytest.mark.parametrize("scheme", FP_SCHEMES)
+def test_fp_rounder_is_rtn_at_init_and_exports_its_forward(scheme):
+    pytest.importorskip("lowbit.formats.fp4")
+    from lowbit.ptq.fp_rounders import FpRounder
+
+    s = Scheme.parse(scheme)
+    w = torch.randn(16, 80) * 0.05
+    r = FpRounder(w, s)
+    assert torch.equal(r(), qdq(w, s))
+    with torch.no_grad():
+        r.v.uniform_(-0.5, 0.5)
+        r.f.uniform_(0.8, 1.0)
+    assert torch.equal(r.export().dequantize(), r())
+    r2 = FpRounder(w, s, imp=torch.rand(80), v2=True)
+    r2().pow(2).sum().backward()
+    assert r2.f.grad.abs().sum() > 0 and r2.v.grad.abs().sum() > 0
+
+
+@pytest.mark.parametrize("scheme", ["nvfp4-46", "mxfp4"])
+def test_fp_tuning_beats_rtn(scheme):
+    pytest.importorskip("lowbit.formats.fp4")
+    m = tiny_model(layers=1)
+    c = calib(16, 32)
+    rtn, sr = copy.deepcopy(m), copy.deepcopy(m)
+    rtn_quantize(rtn, uniform(m, scheme), progress=False)
+    signround_quantize(sr, None, uniform(m, scheme), make_config(iters=40, v2=True), c, progress=False)
+    assert block0_mse(sr, m, c) < 0.9 * block0_mse(rtn, m, c)

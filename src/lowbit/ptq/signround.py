@@ -51,6 +51,7 @@ class SignRoundConfig:
     v2: bool = False
     loss_filter: bool | None = None
     filter_frac: float = 1e-3
+    fp_scale_lr: float = 0.1
     fp_inputs: bool = False
     device: str = "cpu"
     offload_dir: str | None = None
@@ -261,9 +262,21 @@ class SignRoundTuner:
             return self.config.loss_filter
         return self.config.v2 and min(s.bits for _, s in job.layers.values()) < 4
 
+    def _groups(self, rounders: Mapping[str, nn.Module]) -> list[tuple[list[nn.Parameter], float]]:
+        """(parameters, lr multiplier): rounding offsets at lr, FP block-scale factors at fp_scale_lr."""
+        groups = []
+        for r in rounders.values():
+            if r.scheme.is_fp:
+                groups.append(([r.v], 1.0))
+                groups.append(([p for p in r.parameters() if p is not r.v], self.config.fp_scale_lr))
+            else:
+                groups.append((list(r.parameters()), 1.0))
+        return groups
+
     def _tune(self, job: BlockJob, rounders: Mapping[str, nn.Module]) -> dict[str, float]:
         cfg = self.config
         params = [p for r in rounders.values() for p in r.parameters()]
+        groups = self._groups(rounders)
         bits = min(s.bits for _, s in job.layers.values())
         lr0 = cfg.step_size(bits)
         frac = cfg.filter_frac if self._use_filter(job) else 0.0
@@ -279,7 +292,9 @@ class SignRoundTuner:
             if value < best:
                 best, best_state = value, [p.detach().clone() for p in params]
             loss.backward()
-            sign_step(params, lr0 * (1.0 - t / cfg.iters))
+            lr = lr0 * (1.0 - t / cfg.iters)
+            for ps, mult in groups:
+                sign_step(ps, lr * mult)
             for r in rounders.values():
                 r.clamp_()
         with torch.no_grad():
