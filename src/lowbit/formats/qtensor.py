@@ -65,7 +65,8 @@ class QTensor:
         d = {"codes": packing.pack(self.codes.reshape(out, ng * g), self.scheme.bits),
              "scales": _store_scales(self.scales, self.scheme)}
         if self.zeros is not None:
-            d["zeros"] = self.zeros.to(torch.uint8)
+            integral = bool(torch.equal(self.zeros, self.zeros.round()))  # QAT's 2-bit grid uses z = 1.5
+            d["zeros"] = self.zeros.to(torch.uint8 if integral else torch.float16)
         if self.tensor_scale is not None:
             d["tensor_scale"] = self.tensor_scale.reshape(1).float()
         return d
