@@ -83,6 +83,21 @@ def target_layers(model: nn.Module, names: Iterable[str] | None = None) -> dict[
     return out
 
 
+def check_shapes(cfg: PeftConfig, shapes: Mapping[str, tuple[int, int]]) -> None:
+    """Fail before any heavy work if the rank does not fit some layer (``name -> (out, in)``)."""
+    for name, (out_f, in_f) in shapes.items():
+        budget = lora_budget(cfg.rank, out_f, in_f)
+        if cfg.adapter in ("lora", "loftq") and cfg.rank > min(out_f, in_f):
+            raise ConfigError(f"{name}: rank {cfg.rank} exceeds min(out, in) = {min(out_f, in_f)}; "
+                              "use a smaller --rank")
+        if cfg.adapter in ("qwha", "fourierft") and budget > out_f * in_f:
+            raise ConfigError(f"{name}: rank {cfg.rank} budget {budget} exceeds the layer's {out_f}x{in_f} "
+                              "weights; use a smaller --rank")
+        if cfg.adapter == "qwha" and cfg.k_min * out_f > budget:
+            raise ConfigError(f"{name}: k_min={cfg.k_min} per row needs {cfg.k_min * out_f} coefficients but "
+                              f"the budget is {budget}; lower --k-min or raise --rank")
+
+
 def base_weight(layer: nn.Module) -> torch.Tensor:
     return layer.weight.detach()
 
@@ -92,13 +107,11 @@ def build_adapter(cfg: PeftConfig, layer: nn.Module, name: str = "layer", err: t
     """One adapter for ``layer`` under ``cfg`` (``err = W_fp - W_q`` for the QWHA/LoftQ inits)."""
     out_f, in_f = layer.out_features, layer.in_features
     budget = lora_budget(cfg.rank, out_f, in_f)
+    check_shapes(cfg, {name: (out_f, in_f)})
     if cfg.adapter in NEEDS_ERROR and err is None:
         raise ConfigError(f"{cfg.adapter} needs the full-precision weights of {name} to initialise; "
                           "pass the source model (e.g. --base-model) or use --adapter lora")
     if cfg.adapter == "qwha":
-        if budget > out_f * in_f:
-            raise ConfigError(f"{name}: rank {cfg.rank} budget {budget} exceeds the layer's {out_f}x{in_f} "
-                              "weights; use a smaller --rank")
         init = init_qwha(err.float(), budget, xtx if cfg.refine else None, cfg.k_min, cfg.damp, cfg.refine)
         return QWHAAdapter(out_f, in_f, init.rows, init.cols, init.values, scale=cfg.scale, path=cfg.path)
     if cfg.adapter == "fourierft":
