@@ -166,3 +166,44 @@ def test_failed_export_leaves_nothing(tmp_path):
     with pytest.raises(SchemeError):
         ct.export(model, None, tmp_path / "ct")
     assert list(tmp_path.iterdir()) == []
+
+
+def _native(tmp_path, scheme: str = "w4g32"):
+    from lowbit.export.native import save
+
+    model = quantized(dict.fromkeys(block_linears(tiny()), scheme))
+    save(model, None, tmp_path / "native")
+    return model, tmp_path / "native"
+
+
+def test_cli_export_and_inspect(tmp_path, capsys):
+    from lowbit.cli import main
+
+    model, native_dir = _native(tmp_path)
+    assert main(["export", str(native_dir), "--to", "compressed-tensors", "--out", str(tmp_path / "ct"),
+                 "--json"]) == 0
+    r = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert r["out"] == str(tmp_path / "ct") and r["bits_per_weight"] == 5.0  # 4 + fp32 scale / 32
+    loaded = ct.load_decompressed(tmp_path / "ct")
+    assert torch.equal(logits(loaded), logits(model))
+    assert main(["inspect", str(native_dir), "--json"]) == 0
+    info = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert info["format"] == "lowbit" and info["quantized_layers"] == 14
+    assert info["bits_per_weight"] == 4.5 and info["schemes"] == {"w4g32": 14}
+    assert info["fp16_bytes"] == 2 * sum(p.numel() for p in tiny().parameters())  # tied head counted once
+    assert main(["inspect", str(tmp_path / "ct")]) == 0
+    out, err = capsys.readouterr()
+    assert "compressed-tensors" in out and "pack-quantized: int4 g32" in err
+
+
+def test_cli_refuses_existing_out_and_foreign_folders(tmp_path, capsys):
+    from lowbit.cli import main
+
+    _, native_dir = _native(tmp_path)
+    (tmp_path / "ct").mkdir()
+    assert main(["export", str(native_dir), "--to", "compressed-tensors", "--out", str(tmp_path / "ct")]) != 0
+    assert "--force" in capsys.readouterr().err
+    assert main(["export", str(tmp_path / "ct"), "--to", "gguf", "--out", str(tmp_path / "x.gguf")]) != 0
+    assert "not a lowbit checkpoint" in capsys.readouterr().err
+    assert main(["inspect", str(tmp_path / "ct")]) != 0
+    assert "neither" in capsys.readouterr().err

@@ -1,6 +1,6 @@
 """GGUF export: the gguf reader and transformers' GGUF loader see lowbit's exact weights."""
 
-import numpy as np
+import json
 import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
@@ -173,3 +173,26 @@ def test_hf_bpe_tokenizer_round_trips_through_gguf(tmp_path):
     back = AutoTokenizer.from_pretrained(tmp_path, gguf_file="t.gguf")
     sample = "def small(w): return low bit"
     assert back(sample)["input_ids"][-len(tok(sample)["input_ids"]):] == tok(sample)["input_ids"]
+
+
+def test_cli_export_gguf_and_inspect(tmp_path, capsys):
+    from lowbit.cli import main
+    from lowbit.export.native import save
+
+    model = quantized(["w4g32", "w8g32"])
+    save(model, None, tmp_path / "native")
+    out = tmp_path / "m.gguf"
+    assert main(["export", str(tmp_path / "native"), "--to", "gguf", "--out", str(out), "--json"]) == 0
+    r = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert r["types"]["Q4_0"] == 7 and r["types"]["Q8_0"] == 7 and r["requantized"] == []
+    assert r["bits_per_weight"] == pytest.approx((4.5 * 7 + 8.5 * 7) / 14, abs=0.3)
+    assert main(["inspect", str(out), "--json"]) == 0
+    info = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert info["format"] == "gguf" and info["schemes"] == {"Q4_0": 7, "Q8_0": 7}
+    assert {r["bits_per_weight"] for r in info["layers"]} == {4.5, 8.5}
+    # a scheme with no exact type: refused by the CLI with the list, accepted with --allow-requant
+    save(quantized(["w4g64"]), None, tmp_path / "n2")
+    assert main(["export", str(tmp_path / "n2"), "--to", "gguf", "--out", str(tmp_path / "b.gguf")]) != 0
+    assert "Q4_0" in capsys.readouterr().err and not (tmp_path / "b.gguf").exists()
+    assert main(["export", str(tmp_path / "n2"), "--to", "gguf", "--out", str(tmp_path / "b.gguf"),
+                 "--allow-requant"]) == 0

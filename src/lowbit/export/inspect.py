@@ -1,0 +1,178 @@
+"""What an export holds: format, per-layer scheme, bits per weight, size against fp16.
+
+Works on the three outputs lowbit writes — a native checkpoint folder, a
+compressed-tensors folder, a GGUF file — reading only headers and small tensors, never
+building the model. Bits per weight are measured from the bytes actually stored for a
+layer (codes + scales + zeros + tensor scale), not from the scheme's nominal formula,
+so a format's padding or wider scale dtype shows up.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from lowbit.errors import CheckpointError
+
+NATIVE, CT, GGUF = "lowbit", "compressed-tensors", "gguf"
+_BYTES = {"U8": 1, "I8": 1, "F8_E4M3": 1, "F16": 2, "BF16": 2, "F32": 4, "I32": 4, "I64": 8, "F64": 8}
+
+
+@dataclass(frozen=True)
+class LayerInfo:
+    name: str
+    scheme: str
+    shape: tuple[int, int]
+    bits_per_weight: float
+
+
+def detect(path: str | Path) -> str:
+    """``lowbit`` | ``compressed-tensors`` | ``gguf``; anything else is a clear error."""
+    p = Path(path)
+    if not p.exists():
+        raise CheckpointError(f"{p} does not exist; pass a folder or .gguf file written by lowbit")
+    if p.is_file():
+        with open(p, "rb") as f:
+            if f.read(4) == b"GGUF":
+                return GGUF
+        raise CheckpointError(f"{p} is not a GGUF file (no GGUF magic); pass a .gguf written by `lowbit export`")
+    if (p / "lowbit.json").is_file():
+        return NATIVE
+    cfg = p / "config.json"
+    if cfg.is_file():
+        qc = json.loads(cfg.read_text()).get("quantization_config") or {}
+        if qc.get("quant_method") == CT:
+            return CT
+    raise CheckpointError(f"{p} is neither a lowbit checkpoint (lowbit.json), a compressed-tensors folder "
+                          "(config.json quant_method) nor a GGUF file")
+
+
+def _headers(folder: Path) -> dict[str, tuple[list[int], str]]:
+    """name -> (shape, dtype) for every tensor in the folder's safetensors files."""
+    from safetensors import safe_open
+
+    out: dict[str, tuple[list[int], str]] = {}
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise CheckpointError(f"{folder} has no .safetensors files; the export is incomplete")
+    for f in files:
+        with safe_open(str(f), framework="pt") as st:
+            for k in st.keys():
+                sl = st.get_slice(k)
+                out[k] = (list(sl.get_shape()), sl.get_dtype())
+    return out
+
+
+def _nbytes(shape: list[int], dtype: str) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n * _BYTES.get(dtype, 4)
+
+
+def _numel(shape: list[int]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def _layer_bits(headers: dict, prefix: str, keys: tuple[str, ...], shape: tuple[int, int]) -> float:
+    stored = sum(_nbytes(*headers[f"{prefix}.{k}"]) for k in keys if f"{prefix}.{k}" in headers)
+    return 8 * stored / max(shape[0] * shape[1], 1)
+
+
+def _dense_params(headers: dict, quant_keys: set[str]) -> int:
+    return sum(_numel(s) for k, (s, _) in headers.items() if k not in quant_keys)
+
+
+def inspect_native(folder: Path) -> tuple[list[LayerInfo], int]:
+    from lowbit.export.native import read_manifest
+    from lowbit.formats import Scheme
+
+    manifest = read_manifest(folder)
+    headers = _headers(folder)
+    keys = ("codes", "scales", "zeros", "tensor_scale")
+    layers, qkeys = [], set()
+    for name, spec in manifest["layers"].items():
+        shape = (int(spec["shape"][0]), int(spec["shape"][1]))
+        layers.append(LayerInfo(name, Scheme.from_dict(spec["scheme"]).name, shape,
+                                _layer_bits(headers, name, keys, shape)))
+        qkeys |= {f"{name}.{k}" for k in keys}
+    # tied copies (manifest aliases) are stored once, as an fp16 export would store them
+    return layers, _dense_params(headers, qkeys) + sum(i.shape[0] * i.shape[1] for i in layers)
+
+
+def _ct_label(weights: dict, fmt: str) -> str:
+    kind = "fp" if weights.get("type") == "float" else "int"
+    g = weights.get("group_size")
+    sym = "" if weights.get("symmetric", True) else " asym"
+    return f"{fmt}: {kind}{weights.get('num_bits')} {'g' + str(g) if g else weights.get('strategy')}{sym}"
+
+
+def inspect_ct(folder: Path) -> tuple[list[LayerInfo], int]:
+    from safetensors import safe_open
+
+    qc = json.loads((folder / "config.json").read_text())["quantization_config"]
+    headers = _headers(folder)
+    label = {}
+    for group in qc.get("config_groups", {}).values():
+        for target in group.get("targets", []):
+            label[target] = _ct_label(group.get("weights") or {}, group.get("format") or qc.get("format"))
+    keys = ("weight_packed", "weight_scale", "weight_zero_point", "weight_global_scale")
+    layers, qkeys = [], set()
+    for key in sorted(k for k in headers if k.endswith(".weight_packed")):
+        name = key[: -len(".weight_packed")]
+        out, packed_cols = headers[key][0]
+        if f"{name}.weight_shape" in headers:
+            f = next(p for p in sorted(folder.glob("*.safetensors")) if _has(p, f"{name}.weight_shape"))
+            with safe_open(str(f), framework="pt") as st:
+                shape = tuple(int(v) for v in st.get_tensor(f"{name}.weight_shape").tolist())
+        else:  # nvfp4: two E2M1 codes per byte
+            shape = (out, packed_cols * 2)
+        layers.append(LayerInfo(name, label.get(name, qc.get("format", CT)), shape,  # type: ignore[arg-type]
+                                _layer_bits(headers, name, keys, shape)))  # type: ignore[arg-type]
+        qkeys |= {f"{name}.{k}" for k in (*keys, "weight_shape")}
+    return layers, _dense_params(headers, qkeys) + sum(i.shape[0] * i.shape[1] for i in layers)
+
+
+def _has(path: Path, key: str) -> bool:
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="pt") as st:
+        return key in st.keys()
+
+
+def inspect_gguf(path: Path) -> tuple[list[LayerInfo], int]:
+    import gguf
+
+    reader = gguf.GGUFReader(str(path))
+    layers, total = [], 0
+    dense = {gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16, gguf.GGMLQuantizationType.BF16}
+    for t in reader.tensors:
+        n = int(t.n_elements)
+        total += n
+        if t.tensor_type in dense or len(t.shape) != 2:
+            continue
+        shape = (int(t.shape[1]), int(t.shape[0]))  # GGUF lists dims innermost first
+        layers.append(LayerInfo(t.name, t.tensor_type.name, shape, 8 * int(t.n_bytes) / max(n, 1)))
+    return layers, total
+
+
+def inspect(path: str | Path) -> dict[str, Any]:
+    """Summary of an export (see module docstring); ``layers`` holds the per-layer rows."""
+    p = Path(path)
+    fmt = detect(p)
+    layers, params = {NATIVE: inspect_native, CT: inspect_ct, GGUF: inspect_gguf}[fmt](p)
+    size = p.stat().st_size if p.is_file() else sum(f.stat().st_size for f in p.iterdir() if f.is_file())
+    qparams = sum(i.shape[0] * i.shape[1] for i in layers)
+    bits = sum(i.bits_per_weight * i.shape[0] * i.shape[1] for i in layers) / max(qparams, 1)
+    schemes: dict[str, int] = {}
+    for i in layers:
+        schemes[i.scheme] = schemes.get(i.scheme, 0) + 1
+    return {"format": fmt, "path": str(p), "quantized_layers": len(layers), "schemes": schemes,
+            "bits_per_weight": round(bits, 4), "params": params, "file_bytes": size, "fp16_bytes": 2 * params,
+            "size_vs_fp16": round(size / max(2 * params, 1), 4),
+            "layers": [asdict(i) | {"bits_per_weight": round(i.bits_per_weight, 4)} for i in layers]}
