@@ -1,0 +1,120 @@
+"""Text sources and their deterministic calibration / evaluation split.
+
+Every source is reduced to an ordered list of documents, then split by position:
+even positions (0, 2, 4, ...) are the calibration/training split, odd positions the
+evaluation split. The rule is the same for every source, needs no random state, and
+guarantees that no document is ever in both splits.
+
+- None: the bundled corpus, Python's own documentation (``pydoc_data.topics``), one
+  document per topic, topics in sorted key order.
+- ``.txt``: documents are paragraphs separated by blank lines.
+- ``.jsonl``: one document per line, from its ``"text"`` field, or its chat
+  ``"messages"`` rendered with the tokenizer's chat template.
+- a folder written by ``datasets``' ``save_to_disk``: one document per row (``text``
+  column, or ``messages``); for a DatasetDict its ``train`` split (else the first).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from lowbit.errors import DataError
+
+SPLITS = ("calib", "eval")
+
+
+def bundled_documents() -> list[str]:
+    from pydoc_data.topics import topics
+
+    return [topics[k] for k in sorted(topics)]
+
+
+def load_documents(source: str | Path | None, tokenizer: Any = None) -> list[str]:
+    """All documents of a source, in order (see module docstring)."""
+    if source is None:
+        return bundled_documents()
+    path = Path(source).expanduser()
+    if not path.exists():
+        raise DataError(f"text source {path} does not exist; pass a .txt, a .jsonl, a saved HF dataset "
+                        "folder, or omit --data for the bundled corpus")
+    if path.is_dir():
+        docs = _dataset_documents(path, tokenizer)
+    elif path.suffix.lower() == ".jsonl":
+        docs = _jsonl_documents(path, tokenizer)
+    else:
+        docs = _txt_documents(path)
+    docs = [d for d in docs if d.strip()]
+    if not docs:
+        raise DataError(f"{path} contains no text; give it some text (a .txt, or .jsonl with a 'text' field)")
+    return docs
+
+
+def split_documents(docs: list[str], split: str) -> list[str]:
+    if split not in SPLITS:
+        raise DataError(f"unknown split {split!r}; use one of {SPLITS}")
+    part = docs[0::2] if split == "calib" else docs[1::2]
+    if not part:
+        raise DataError(f"the text has {len(docs)} document(s), too few for a {split} split; "
+                        "give it at least two documents (paragraphs, lines or rows)")
+    return part
+
+
+def load_corpus(source: str | Path | None = None, split: str = "calib", tokenizer: Any = None) -> str:
+    """The text of one split, documents joined by blank lines."""
+    return "\n\n".join(split_documents(load_documents(source, tokenizer), split))
+
+
+def _read_text(path: Path) -> str:
+    raw = path.read_bytes()
+    if b"\x00" in raw[:8192]:
+        raise DataError(f"{path} looks binary, not text; pass a UTF-8 .txt or .jsonl file")
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise DataError(f"{path} is not UTF-8 text ({e.reason} at byte {e.start}); convert it to UTF-8") from None
+
+
+def _txt_documents(path: Path) -> list[str]:
+    text = _read_text(path).replace("\r\n", "\n")
+    return [p.strip() for p in text.split("\n\n") if p.strip()]
+
+
+def _jsonl_documents(path: Path, tokenizer: Any) -> list[str]:
+    docs = []
+    for i, line in enumerate(_read_text(path).splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except ValueError as e:
+            raise DataError(f"{path}:{i} is not valid JSON ({e}); each line must be one JSON object") from None
+        docs.append(row_text(row, tokenizer, f"{path}:{i}"))
+    return docs
+
+
+def row_text(row: Any, tokenizer: Any, where: str) -> str:
+    """The text of one record: its ``text`` field or its rendered chat ``messages``."""
+    if isinstance(row, dict) and isinstance(row.get("text"), str):
+        return row["text"]
+    if isinstance(row, dict) and isinstance(row.get("messages"), list):
+        if tokenizer is None or not getattr(tokenizer, "chat_template", None):
+            raise DataError(f"{where} has chat messages but the tokenizer has no chat template; "
+                            "use records with a 'text' field")
+        return tokenizer.apply_chat_template(row["messages"], tokenize=False)
+    raise DataError(f"{where} has neither a 'text' string nor a 'messages' list")
+
+
+def _dataset_documents(path: Path, tokenizer: Any) -> list[str]:
+    try:
+        import datasets
+    except ModuleNotFoundError:
+        raise DataError(f"{path} is a folder; reading saved HF datasets needs `pip install datasets`") from None
+    try:
+        ds = datasets.load_from_disk(str(path))
+    except (FileNotFoundError, ValueError) as e:
+        raise DataError(f"{path} is not a dataset saved with save_to_disk ({e})") from None
+    if isinstance(ds, datasets.DatasetDict):
+        ds = ds["train"] if "train" in ds else ds[next(iter(ds))]
+    return [row_text(r, tokenizer, f"{path} row {i}") for i, r in enumerate(ds)]

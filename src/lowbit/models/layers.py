@@ -1,0 +1,76 @@
+"""Finding decoder blocks and their Linear layers without naming an architecture.
+
+Llama, Qwen, Mistral and Gemma-3 all keep their decoder blocks in one ``nn.ModuleList``
+of identical modules (``model.layers``, or ``model.language_model.layers`` for
+multimodal wrappers). lowbit looks for the longest ModuleList whose children share one
+class and each contain Linear layers, so a new architecture of the same family works
+without code changes, and a model without such a list is an error.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+from torch import nn
+
+from lowbit.errors import ModelError
+
+
+def block_path(model: nn.Module) -> str:
+    """Dotted name of the ModuleList holding the decoder blocks."""
+    best, best_len = None, 0
+    for name, mod in model.named_modules():
+        if not isinstance(mod, nn.ModuleList) or len(mod) == 0:
+            continue
+        kinds = {type(child) for child in mod}
+        if len(kinds) != 1 or not all(_has_linear(child) for child in mod):
+            continue
+        if len(mod) > best_len:
+            best, best_len = name, len(mod)
+    if best is None:
+        raise ModelError(f"{type(model).__name__} has no decoder blocks (no list of repeated modules with "
+                         "Linear layers); lowbit quantizes transformer decoders such as Llama, Qwen, "
+                         "Mistral and Gemma")
+    return best
+
+
+def decoder_blocks(model: nn.Module) -> nn.ModuleList:
+    return model.get_submodule(block_path(model))
+
+
+def _has_linear(mod: nn.Module) -> bool:
+    return any(isinstance(m, nn.Linear) for m in mod.modules())
+
+
+def _is_linear_like(mod: nn.Module) -> bool:
+    from lowbit.nn import QuantLinear
+
+    return isinstance(mod, (nn.Linear, QuantLinear))
+
+
+def linear_layers(model: nn.Module, include_lm_head: bool = False) -> OrderedDict[str, nn.Module]:
+    """Full name -> Linear for every Linear inside the decoder blocks (+ the lm_head if asked).
+
+    Embeddings are never included; the lm_head stays 16-bit unless asked, because it is
+    small relative to its effect on the output distribution.
+    """
+    prefix = block_path(model) + "."
+    out: OrderedDict[str, nn.Module] = OrderedDict(
+        (n, m) for n, m in model.named_modules() if n.startswith(prefix) and _is_linear_like(m))
+    if include_lm_head:
+        head = _lm_head_name(model)
+        if head is None:
+            raise ModelError(f"{type(model).__name__} has no Linear lm_head to quantize")
+        out[head] = model.get_submodule(head)
+    return out
+
+
+def _lm_head_name(model: nn.Module) -> str | None:
+    get = getattr(model, "get_output_embeddings", None)
+    head = get() if get else None
+    if head is None:
+        return None
+    for n, m in model.named_modules():
+        if m is head and _is_linear_like(m):
+            return n
+    return None

