@@ -207,3 +207,40 @@ def test_cli_refuses_existing_out_and_foreign_folders(tmp_path, capsys):
     assert "not a lowbit checkpoint" in capsys.readouterr().err
     assert main(["inspect", str(tmp_path / "ct")]) != 0
     assert "neither" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_bundled_model_ct_same_perplexity_in_transformers(tmp_path):
+    """SmolLM2-135M, RTN w4g32 -> pack-quantized: transformers decompresses to lowbit's weights."""
+    from transformers import AutoModelForCausalLM, CompressedTensorsConfig
+
+    from lowbit.api import build_plan
+    from lowbit.data import eval_tokens
+    from lowbit.eval import perplexity
+    from lowbit.models import load_model
+    from lowbit.ptq.rtn import rtn_quantize
+
+    lm = load_model(None)
+    tokens = eval_tokens(lm.tokenizer)
+    rtn_quantize(lm.model, build_plan(lm.model, "w4g32", None), progress=False)
+    ours = perplexity(lm.model, tokens, seqlen=256, windows=2, progress=False).ppl
+    ct.export(lm.model, lm.tokenizer, tmp_path / "ct")
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path / "ct", dtype=torch.float32,
+                                              quantization_config=CompressedTensorsConfig(run_compressed=False))
+    for name, layer in quant_layers(lm.model).items():
+        assert torch.equal(hf.get_submodule(name).weight, layer.weight), name
+    assert perplexity(hf, tokens, seqlen=256, windows=2, progress=False).ppl == ours
+
+
+def test_cli_hand_edited_checkpoint_is_one_clear_error(tmp_path, capsys):
+    from lowbit.cli import main
+
+    _, native_dir = _native(tmp_path)
+    m = json.loads((native_dir / "lowbit.json").read_text())
+    m["layers"]["model.layers.0.mlp.up_proj"]["shape"] = [128, 32]
+    (native_dir / "lowbit.json").write_text(json.dumps(m))
+    for to, out in (("compressed-tensors", "ct"), ("gguf", "m.gguf")):
+        assert main(["export", str(native_dir), "--to", to, "--out", str(tmp_path / out)]) != 0
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and "up_proj" in err[0]
+        assert not (tmp_path / out).exists()

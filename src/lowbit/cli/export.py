@@ -60,7 +60,11 @@ def run(args: argparse.Namespace) -> dict:
 
 def _source_gguf(manifest: dict) -> Path | None:
     """The GGUF the checkpoint was made from, whose tokenizer keys llama.cpp knows exactly."""
+    from lowbit.models.loading import BUNDLED_NAME, bundled_gguf
+
     source = manifest.get("meta", {}).get("source")
+    if source == BUNDLED_NAME:
+        return bundled_gguf()
     if isinstance(source, str) and source.endswith(".gguf") and Path(source).is_file():
         return Path(source)
     return None

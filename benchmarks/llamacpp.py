@@ -1,0 +1,90 @@
+"""Perplexity of a lowbit GGUF export in llama.cpp (llama-cpp-python, CPU) next to lowbit's own.
+
+    python benchmarks/llamacpp.py [--scheme w4g32] [--windows 4] [--seqlen 512] [--json]
+
+Quantizes the bundled SmolLM2-135M with RTN, evaluates it in lowbit, exports it to GGUF
+(exact Q4_0/Q8_0/MXFP4 blocks), then evaluates the same token windows (lowbit's token ids,
+so only the model differs) in transformers' GGUF loader and in llama.cpp. lowbit and
+transformers agree to float rounding; llama.cpp computes with its own kernels (its CPU
+matmuls quantize activations to 8 bits for Q4_0/Q8_0 weights), so a small gap is expected.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+
+def llamacpp_nll(gguf_path: Path, windows: torch.Tensor, threads: int) -> tuple[float, int]:
+    """Summed NLL and token count over ``windows`` ([n, L] token ids), one llama.cpp context per window."""
+    from llama_cpp import Llama
+
+    L = windows.shape[1]
+    llm = Llama(model_path=str(gguf_path), n_ctx=L, n_batch=L, logits_all=True, n_threads=threads, verbose=False)
+    total, count = 0.0, 0
+    for row in windows.tolist():
+        llm.reset()
+        llm.eval(row)
+        logits = np.asarray(llm.scores[: L - 1], dtype=np.float64)
+        logits -= logits.max(-1, keepdims=True)
+        logp = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
+        total -= float(logp[np.arange(L - 1), row[1:]].sum())
+        count += L - 1
+    return total, count
+
+
+def main(argv: list[str] | None = None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--scheme", default="w4g32", help="a scheme with an exact GGUF type: w4g32, w8g32, mxfp4")
+    p.add_argument("--windows", type=int, default=4)
+    p.add_argument("--seqlen", type=int, default=512)
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--json", action="store_true")
+    args = p.parse_args(argv)
+
+    from transformers import AutoModelForCausalLM
+
+    from lowbit.api import build_plan
+    from lowbit.data import eval_tokens
+    from lowbit.eval import perplexity
+    from lowbit.eval.perplexity import eval_windows
+    from lowbit.export import gguf_export
+    from lowbit.models import load_model
+    from lowbit.models.loading import bundled_gguf
+    from lowbit.ptq.rtn import rtn_quantize
+
+    lm = load_model(None)
+    tokens = eval_tokens(lm.tokenizer)
+    plan = build_plan(lm.model, args.scheme, None)
+    rtn_quantize(lm.model, plan, progress=False)
+    res: dict = {"scheme": args.scheme, "windows": args.windows, "seqlen": args.seqlen}
+    res["ppl_lowbit"] = perplexity(lm.model, tokens, args.seqlen, args.windows, progress=False).ppl
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "model.gguf"
+        res["export"] = gguf_export.export(lm.model, lm.tokenizer, out, source_gguf=bundled_gguf())["types"]
+        res["gguf_mb"] = round(out.stat().st_size / 2**20, 1)
+        hf = AutoModelForCausalLM.from_pretrained(tmp, gguf_file=out.name, dtype=torch.float32).eval()
+        res["ppl_transformers_gguf"] = perplexity(hf, tokens, args.seqlen, args.windows, progress=False).ppl
+        del hf
+        try:
+            t0 = time.perf_counter()
+            nll, n = llamacpp_nll(out, eval_windows(tokens, args.seqlen, args.windows), args.threads)
+            res["ppl_llamacpp"] = math.exp(nll / n)
+            res["llamacpp_seconds"] = round(time.perf_counter() - t0, 1)
+        except ImportError:
+            res["ppl_llamacpp"] = None
+            res["llamacpp"] = "llama-cpp-python is not installed (pip install llama-cpp-python)"
+    print(json.dumps(res) if args.json else "\n".join(f"{k}: {v}" for k, v in res.items()))
+    return res
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
