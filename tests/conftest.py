@@ -1,0 +1,43 @@
+"""Shared fixtures: a tiny offline tokenizer and tiny random models built from configs."""
+
+import pytest
+import torch
+
+
+def make_tokenizer():
+    """A byte-level BPE tokenizer trained in memory on the bundled corpus (no downloads)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    from lowbit.data import load_corpus
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=512, special_tokens=["<|endoftext|>", "<pad>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator([load_corpus(None, "calib")[:200_000]], trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>", pad_token="<pad>")
+    fast.chat_template = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
+                          "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+    return fast
+
+
+@pytest.fixture(scope="session")
+def tiny_tokenizer():
+    return make_tokenizer()
+
+
+def make_llama(vocab: int = 512, layers: int = 2, seed: int = 0, tie: bool = True):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=layers, num_attention_heads=4,
+                      num_key_value_heads=2, vocab_size=vocab, tie_word_embeddings=tie,
+                      max_position_embeddings=1024)
+    return LlamaForCausalLM(cfg).eval()
+
+
+@pytest.fixture
+def tiny_llama(tiny_tokenizer):
+    return make_llama(len(tiny_tokenizer)), tiny_tokenizer
