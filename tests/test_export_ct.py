@@ -28,6 +28,13 @@ def block_linears(model) -> list[str]:
     return [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and ".layers." in n]
 
 
+def fake_mxfp4(out: int, cols: int, seed: int = 0) -> QTensor:
+    g = torch.Generator().manual_seed(seed)
+    codes = torch.randint(0, 16, (out, cols // 32, 32), dtype=torch.uint8, generator=g)
+    scales = 2.0 ** torch.randint(-20, 4, (out, cols // 32), generator=g).float()
+    return QTensor(codes, scales, None, None, (out, cols), Scheme.parse("mxfp4"))
+
+
 def fake_nvfp4(out: int, cols: int, scheme: str = "nvfp4-46", seed: int = 0) -> QTensor:
     """An NVFP4 QTensor with every E2M1 code and a wide spread of E4M3 block scales."""
     g = torch.Generator().manual_seed(seed)
@@ -40,7 +47,9 @@ def quantized(plan: dict[str, str], seed: int = 0) -> LlamaForCausalLM:
     model = tiny(seed)
     for i, (name, scheme) in enumerate(plan.items()):
         lin = model.get_submodule(name)
-        if scheme.startswith("nvfp4"):
+        if scheme == "mxfp4":
+            layer = QuantLinear(fake_mxfp4(lin.out_features, lin.in_features, seed + i))
+        elif scheme.startswith("nvfp4"):
             layer = QuantLinear(fake_nvfp4(lin.out_features, lin.in_features, scheme, seed + i))
         else:
             layer = QuantLinear.from_linear(lin, scheme)
@@ -87,17 +96,18 @@ def test_full_range_negative_scales_are_kept(tmp_path):
 
 def test_mixed_plan_int_and_nvfp4(tmp_path):
     names = block_linears(tiny())
-    options = ["w4g32", "nvfp4-46", "w8", "w3g32", "nvfp4"]
+    options = ["w4g32", "nvfp4-46", "w8", "w3g32", "nvfp4", "mxfp4"]
     model = quantized({n: options[i % len(options)] for i, n in enumerate(names)})
     ct.export(model, None, tmp_path / "ct")
     cfg = json.loads((tmp_path / "ct" / "config.json").read_text())["quantization_config"]
     assert cfg["format"] == "mixed-precision"
     formats = sorted(g["format"] for g in cfg["config_groups"].values())
     assert formats.count("nvfp4-pack-quantized") == 1 and formats.count("pack-quantized") == 3
+    assert formats.count("mxfp4-pack-quantized") == 1
     loaded = ct.load_decompressed(tmp_path / "ct")
     for name, layer in quant_layers(model).items():
         got = loaded.get_submodule(name).weight
-        if layer.scheme.is_fp:  # compressed-tensors decompresses NVFP4 to bf16: equal after that cast
+        if layer.scheme.scale == "e4m3":  # compressed-tensors decompresses NVFP4 to bf16: equal after that cast
             assert torch.equal(got, layer.weight.to(torch.bfloat16).float()), name
         else:
             assert torch.equal(got, layer.weight), name
@@ -140,7 +150,7 @@ def test_compress_roundtrip_matches_compressed_tensors_quantizer():
     assert torch.equal(theirs["weight_packed"], ours["weight_packed"])
 
 
-@pytest.mark.parametrize("scheme,cols", [("mxfp4", 64), ("nvfp4-ue5m3", 64), ("nvfp4:block=32", 64),
+@pytest.mark.parametrize("scheme,cols", [("nvfp4-ue5m3", 64), ("nvfp4:block=32", 64),
                                          ("w4g48", 64), ("mxfp8", 64)])
 def test_refuses_schemes_without_a_format(scheme, cols):
     with pytest.raises(SchemeError, match="compressed-tensors"):

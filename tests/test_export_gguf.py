@@ -1,6 +1,7 @@
 """GGUF export: the gguf reader and transformers' GGUF loader see lowbit's exact weights."""
 
 import json
+
 import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM

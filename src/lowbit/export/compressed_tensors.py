@@ -21,6 +21,8 @@ weights an engine decompresses are the ones lowbit evaluated:
   sides dequantize ``q * (s_b / enc)``. lowbit's tensor scale uses S_max = 256 for
   4-over-6 so the x1.5 scales never overflow E4M3; the block scales are already E4M3
   values, so the export is exact whichever S_max made them.
+* MXFP4 (``mxfp4-pack-quantized``): the same nibbles, ``weight_scale`` holds the biased
+  E8M0 exponent ``127 + log2 s`` as uint8; powers of two are exact in any float dtype.
 * A mixed plan becomes one config group per distinct scheme (targets = exact layer
   names); different formats make the top-level format ``mixed-precision``.
 """
@@ -43,9 +45,11 @@ from lowbit.nn import quant_layers
 WEIGHTS = "model.safetensors"
 PACK = "pack-quantized"
 NVFP4 = "nvfp4-pack-quantized"
+MXFP4 = "mxfp4-pack-quantized"
 HOLDS = ("INT 2..8 bit, symmetric (full-range or classic) or asymmetric, per group (group divides the "
          "row) or per row -> pack-quantized; NVFP4 (E2M1, block 16, E4M3 scales, optional tensor scale, "
-         "any rule incl. 4-over-6) -> nvfp4-pack-quantized")
+         "any rule incl. 4-over-6) -> nvfp4-pack-quantized; MXFP4 (E2M1, block 32, E8M0 scales) -> "
+         "mxfp4-pack-quantized")
 
 
 def _ct():
@@ -81,6 +85,9 @@ def target_for(scheme: Scheme, in_features: int, where: str = "layer") -> Target
     if scheme.elem == "e2m1" and scheme.scale == "e4m3" and g == 16:
         return Target(NVFP4, {"num_bits": 4, "type": "float", "symmetric": True, "strategy": "tensor_group",
                               "group_size": 16, "scale_dtype": torch.float8_e4m3fn})
+    if scheme.elem == "e2m1" and scheme.scale == "e8m0" and g == 32 and not scheme.tensor_scale:
+        return Target(MXFP4, {"num_bits": 4, "type": "float", "symmetric": True, "strategy": "group",
+                              "group_size": 32, "scale_dtype": torch.uint8})
     raise SchemeError(f"{where}: scheme {scheme.name} has no compressed-tensors format. It holds: {HOLDS}. "
                       "Re-quantize with one of those (e.g. w4g128, w8, nvfp4, nvfp4-46)")
 
@@ -112,8 +119,18 @@ def nvfp4_tensors(q: QTensor) -> dict[str, torch.Tensor]:
             "weight_global_scale": enc.float().reshape(1).contiguous()}
 
 
+def mxfp4_tensors(q: QTensor) -> dict[str, torch.Tensor]:
+    """``weight_packed`` nibbles as NVFP4, ``weight_scale`` = biased E8M0 exponent ``127 + log2 s``."""
+    from lowbit.formats import packing
+
+    out, cols = q.shape
+    exp = torch.log2(q.scales).round().to(torch.int32) + 127
+    return {"weight_packed": packing.pack(q.codes.reshape(out, -1)[:, :cols].contiguous(), 4),
+            "weight_scale": exp.clamp(0, 254).to(torch.uint8).contiguous()}
+
+
 def layer_tensors(q: QTensor, target: Target) -> dict[str, torch.Tensor]:
-    return int_tensors(q) if target.format == PACK else nvfp4_tensors(q)
+    return {PACK: int_tensors, NVFP4: nvfp4_tensors, MXFP4: mxfp4_tensors}[target.format](q)
 
 
 # ------------------------------------------------------------------- config
