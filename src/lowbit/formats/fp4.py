@@ -36,7 +36,8 @@ def round_e2m1_mag(a: torch.Tensor) -> torch.Tensor:
 
 def e2m1_index(r: torch.Tensor) -> torch.Tensor:
     """Magnitude index 0..7 of E2M1 magnitudes {0, .5, 1, 1.5, 2, 3, 4, 6}."""
-    idx = torch.where(r < 2.0, 2.0 * r, torch.where(r < 4.0, r + 2.0, 0.5 * r + 4.0))
+    # the index is piecewise linear and concave in r: 2r below 2, r + 2 up to 4, r/2 + 4 above
+    idx = torch.minimum(torch.minimum(2.0 * r, r + 2.0), 0.5 * r + 4.0)
     return idx.to(torch.uint8)
 
 
