@@ -1,0 +1,111 @@
+"""WinQ vs the STE baseline on the bundled model: speed-up to the baseline's final loss, ppl.
+
+For each scheme (w2 = 2-bit stretched elastic, ternary by default) and seed, train the
+same QAT model twice on the training (calibration) split — ``ste`` (no re-init, no noise)
+and ``winq`` (re-init every steps/4 with a = 0.2, noise) — then measure:
+
+- speed-up = (steps ste needs to reach its own final smoothed loss) / (steps winq needs),
+  on a trailing moving average of ``--smooth`` steps;
+- eval perplexity of both (default eval split, first ``--windows`` windows).
+
+The full benchmark (``--steps 300 --seeds 0,1``) is about an hour on two free cores; a
+shared machine runs a smoke version, e.g.
+
+    OMP_NUM_THREADS=1 python benchmarks/qat.py --schemes w2 --steps 24 --seeds 0 --batch-size 2 --seqlen 64
+
+Writes benchmarks/results/qat.json (only from real runs) and qat.png (loss curves).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import time
+from pathlib import Path
+
+RESULTS = Path(__file__).parent / "results"
+
+
+def run_one(base, rows, ev, scheme: str, method: str, seed: int, args) -> dict:
+    from lowbit.eval import perplexity
+    from lowbit.qat import STE, WinQCallback, WinQConfig, resolve, to_qat, to_quant_linear
+    from lowbit.train import TrainConfig, train
+
+    model = copy.deepcopy(base)
+    to_qat(model, resolve(scheme))
+    winq = WinQConfig(sigma_w=args.sigma_w, sigma_a=args.sigma_a, relative=args.relative, seed=seed)
+    cb = WinQCallback(winq if method == "winq" else STE)
+    cfg = TrainConfig(steps=args.steps, batch_size=args.batch_size, lr=args.lr, warmup=max(args.steps // 10, 1),
+                      seed=seed, progress=True)
+    r = train(model, rows, cfg, callbacks=[cb])
+    to_quant_linear(model)
+    ppl = perplexity(model, ev, seqlen=args.eval_seqlen, windows=args.windows, progress=False).ppl
+    return {"scheme": scheme, "method": method, "seed": seed, "losses": r.losses, "final_loss": r.final_loss,
+            "seconds": r.seconds, "ppl": ppl, "reinits": cb.reinits}
+
+
+def summarise(runs: list[dict], window: int) -> list[dict]:
+    from lowbit.train import speedup
+
+    out = []
+    for ste in (r for r in runs if r["method"] == "ste"):
+        winq = next(r for r in runs if r["method"] == "winq" and r["scheme"] == ste["scheme"]
+                    and r["seed"] == ste["seed"])
+        s = speedup(ste["losses"], winq["losses"], window)
+        out.append({"scheme": ste["scheme"], "seed": ste["seed"], **s, "ppl_ste": ste["ppl"],
+                    "ppl_winq": winq["ppl"], "ppl_winq_not_worse": winq["ppl"] <= ste["ppl"]})
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--schemes", default="w2,ternary")
+    p.add_argument("--seeds", default="0,1")
+    p.add_argument("--steps", type=int, default=300)
+    p.add_argument("--batch-size", type=int, default=4)
+    p.add_argument("--seqlen", type=int, default=128)
+    p.add_argument("--lr", type=float, default=5e-5)
+    p.add_argument("--sigma-w", type=float, default=1e-3)
+    p.add_argument("--sigma-a", type=float, default=1e-3)
+    p.add_argument("--relative", action="store_true", help="noise sigmas relative to each row's scale")
+    p.add_argument("--smooth", type=int, default=10)
+    p.add_argument("--eval-seqlen", type=int, default=256)
+    p.add_argument("--windows", type=int, default=8)
+    p.add_argument("--out", default=str(RESULTS / "qat.json"))
+    args = p.parse_args()
+
+    import torch
+
+    from lowbit.data import eval_tokens
+    from lowbit.data.batches import training_windows
+    from lowbit.eval import perplexity
+    from lowbit.models import load_model
+    from lowbit.train.plot import plot_losses
+
+    torch.manual_seed(0)
+    lm = load_model(None)
+    rows = training_windows(lm.tokenizer, None, args.seqlen, "calib")
+    ev = eval_tokens(lm.tokenizer, None)
+    t0 = time.perf_counter()
+    ppl_fp = perplexity(lm.model, ev, seqlen=args.eval_seqlen, windows=args.windows, progress=False).ppl
+    runs = []
+    for scheme in args.schemes.split(","):
+        for seed in map(int, args.seeds.split(",")):
+            for method in ("ste", "winq"):
+                runs.append(run_one(lm.model, rows, ev, scheme, method, seed, args))
+                print(json.dumps({k: v for k, v in runs[-1].items() if k != "losses"}), flush=True)
+    summary = summarise(runs, args.smooth)
+    png = Path(args.out).with_suffix(".png")
+    plot_losses({f"{r['scheme']} {r['method']} s{r['seed']}": r["losses"] for r in runs}, png, args.smooth,
+                title="QAT on SmolLM2-135M")
+    result = {"settings": vars(args), "ppl_fp": ppl_fp, "train_rows": len(rows), "summary": summary,
+              "runs": runs, "seconds": round(time.perf_counter() - t0, 1), "plot": png.name}
+    from lowbit.io import atomic_write_text
+
+    atomic_write_text(Path(args.out), json.dumps(result, indent=1))
+    print(json.dumps({"summary": summary, "ppl_fp": ppl_fp}))
+
+
+if __name__ == "__main__":
+    main()
