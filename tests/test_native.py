@@ -131,3 +131,22 @@ def test_plan_json_round_trip(tmp_path):
     plan.save(tmp_path / "p.json")
     assert dict(Plan.load(tmp_path / "p.json").items()) == dict(plan.items())
     assert plan.average_bits({"a": (10, 64), "b": (10, 64)}) == pytest.approx(((2 + 16 / 64) + (4 + 1)) / 2)
+
+
+def test_embeddings_stay_16bit_and_round_trip_exactly(tmp_path):
+    from safetensors import safe_open
+
+    from lowbit.ptq import quantize_model
+
+    model = tiny(tie=False)
+    quantize_model(model, Plan.uniform(block_linears(model), "w4g32"), "rtn", progress=False)
+    ids = torch.randint(0, 128, (1, 16))
+    with torch.no_grad():
+        before = model(ids).logits
+    save(model, None, tmp_path / "ck")
+    with safe_open(str(tmp_path / "ck" / "model.safetensors"), "pt") as f:
+        assert f.get_tensor("model.embed_tokens.weight").dtype == torch.float16
+        assert f.get_tensor("lm_head.weight").dtype == torch.float16
+    loaded, _ = load(tmp_path / "ck")
+    with torch.no_grad():
+        assert torch.equal(loaded(ids).logits, before)

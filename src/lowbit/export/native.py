@@ -80,11 +80,20 @@ def _tensors_to_save(model: nn.Module, qlayers: dict[str, QuantLinear]) -> tuple
             aliases[key] = seen[ident]
             continue
         seen[ident] = key
-        tensors[key] = t.detach().contiguous().cpu()
+        tensors[key] = _narrowest(t.detach().contiguous().cpu())
     for name, layer in qlayers.items():
         for k, t in layer.qweight.pack().items():
             tensors[f"{name}.{k}"] = t.contiguous().cpu()
     return tensors, aliases
+
+
+def _narrowest(t: torch.Tensor) -> torch.Tensor:
+    """fp32 tensors whose values are all fp16 numbers are stored in fp16 (lossless, half the bytes)."""
+    if t.dtype == torch.float32 and t.numel() > 1024:
+        h = t.half()
+        if torch.equal(h.float(), t):
+            return h
+    return t
 
 
 def read_manifest(path: str | Path) -> dict:

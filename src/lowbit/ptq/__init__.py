@@ -31,12 +31,28 @@ def register(name: str, fn: Method) -> None:
     METHODS[name] = fn
 
 
-def quantize_model(model: nn.Module, plan: Plan, method: str = "rtn", **kw: Any) -> Plan:
-    """Quantize ``model`` in place with ``method``; returns the applied plan."""
+def quantize_model(model: nn.Module, plan: Plan, method: str = "rtn", keep16: bool = True, **kw: Any) -> Plan:
+    """Quantize ``model`` in place with ``method``; returns the applied plan.
+
+    keep16: round the embeddings and an unquantized lm_head to fp16 values, so the
+    checkpoint stores them in 16 bits exactly (the numbers evaluated are the numbers saved).
+    """
     _load_optional_methods()
     if method not in METHODS:
         raise ConfigError(f"unknown method {method!r}; choose one of {sorted(METHODS)}")
-    return METHODS[method](model, plan, **kw)
+    applied = METHODS[method](model, plan, **kw)
+    if keep16:
+        round_unquantized_to_half(model)
+    return applied
+
+
+def round_unquantized_to_half(model: nn.Module) -> None:
+    """Embedding tables and a plain-Linear lm_head take fp16 values (dtype unchanged)."""
+    heads = [model.get_output_embeddings()] if hasattr(model, "get_output_embeddings") else []
+    for mod in [m for m in model.modules() if isinstance(m, nn.Embedding)] + heads:
+        if isinstance(mod, (nn.Embedding, nn.Linear)) and mod.weight.dtype == torch.float32:
+            with torch.no_grad():
+                mod.weight.copy_(mod.weight.half().float())
 
 
 def methods() -> list[str]:
