@@ -29,6 +29,11 @@ def llamacpp_nll(gguf_path: Path, windows: torch.Tensor, threads: int) -> tuple[
 
     L = windows.shape[1]
     llm = Llama(model_path=str(gguf_path), n_ctx=L, n_batch=L, logits_all=True, n_threads=threads, verbose=False)
+    return _nll(llm, windows)
+
+
+def _nll(llm, windows: torch.Tensor) -> tuple[float, int]:
+    L = windows.shape[1]
     total, count = 0.0, 0
     for row in windows.tolist():
         llm.reset()
@@ -76,7 +81,15 @@ def main(argv: list[str] | None = None) -> dict:
         del hf
         try:
             t0 = time.perf_counter()
-            nll, n = llamacpp_nll(out, eval_windows(tokens, args.seqlen, args.windows), args.threads)
+            from llama_cpp import Llama
+
+            win = eval_windows(tokens, args.seqlen, args.windows)
+            llm = Llama(model_path=str(out), n_ctx=args.seqlen, n_batch=args.seqlen, logits_all=True,
+                        n_threads=args.threads, verbose=False)
+            sample = lm.tokenizer.decode(win[0].tolist())
+            res["llamacpp_tokenizer_agrees"] = llm.tokenize(sample.encode(), add_bos=False, special=True) == \
+                lm.tokenizer(sample, add_special_tokens=False)["input_ids"]
+            nll, n = _nll(llm, win)
             res["ppl_llamacpp"] = math.exp(nll / n)
             res["llamacpp_seconds"] = round(time.perf_counter() - t0, 1)
         except ImportError:

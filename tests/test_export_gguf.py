@@ -77,6 +77,20 @@ def test_reader_dequantizes_to_lowbit_weights_and_transformers_round_trips(tmp_p
     assert torch.equal(logits(loaded), logits(model))
 
 
+def test_dense_tensors_use_the_narrowest_exact_float(tmp_path):
+    model = quantized(["w4g32"])
+    emb = model.model.embed_tokens.weight
+    with torch.no_grad():
+        emb.copy_(emb.to(torch.bfloat16).float())  # a bf16 checkpoint: exact in BF16, not all in F16
+        emb[0, 0] = 2.0**-30  # below fp16 range, exact in bf16
+    r = ge.export(model, None, tmp_path / "m.gguf")
+    assert r["types"]["BF16"] == 1 and r["types"]["F32"] == 5  # norms stay F32
+    qtype, w = read_weights(tmp_path / "m.gguf")["token_embd.weight"]
+    assert qtype == "BF16" and torch.equal(w, emb)
+    half = torch.randn(8, 32).half().float()
+    assert ge.dense_blocks(half)[1] == "F16" and ge.dense_blocks(torch.randn(8, 32))[1] == "F32"
+
+
 def test_rope_rows_match_the_reference_reshape():
     w = torch.arange(24 * 3).reshape(24, 3)
     ref = w.reshape(4, 2, 3, 3).swapaxes(1, 2).reshape(24, 3)  # the converters' numpy recipe

@@ -15,7 +15,7 @@ Q4_1 stores the block minimum ``m`` in fp16, so an asymmetric group is exact onl
 ``-z*d`` is an fp16 number; otherwise it needs ``allow_requant`` (m is then rounded).
 Every other scheme has no exact GGUF type and is refused unless ``allow_requant``, which
 re-quantizes the lowbit weights with the ``gguf`` package's own Q4_0 / Q8_0 quantizer.
-Unquantized tensors are written as F32.
+Unquantized tensors are written as F16 or BF16 when that holds them exactly, else F32.
 
 llama.cpp's llama graph expects q/k rows in interleaved-rotary order; converters permute
 them and transformers' GGUF loader undoes it, so the same permutation is applied here
@@ -258,12 +258,26 @@ def _layer_array(layer: Any, name: str, plan: TensorPlan, config: Any) -> tuple[
     return requantize(w if rows is None else w[rows], plan.qtype), plan.qtype
 
 
-def _dense_array(key: str, t: torch.Tensor, config: Any) -> np.ndarray:
+def dense_blocks(t: torch.Tensor) -> tuple[np.ndarray, str]:
+    """The narrowest GGUF float type that holds ``t`` exactly: F16, BF16, else F32 (1-D: F32).
+
+    A model loaded from fp16/bf16 weights keeps its exact values at half the size; one
+    whose float32 weights need all 24 bits (e.g. dequantized from a GGUF source) stays F32.
+    """
+    t = t.detach().float().contiguous()
+    if t.dim() == 2:
+        for dt, name in ((torch.float16, "F16"), (torch.bfloat16, "BF16")):
+            narrow = t.to(dt)
+            if torch.equal(narrow.float(), t):
+                return narrow.view(torch.uint8 if dt == torch.bfloat16 else torch.float16).numpy(), name
+    return t.numpy(), "F32"
+
+
+def _dense_tensor(key: str, t: torch.Tensor, config: Any) -> tuple[np.ndarray, str]:
     heads = _heads_for(key.rsplit(".", 1)[0], config) if key.endswith(".weight") else None
-    t = t.detach().float()
     if heads and t.dim() == 2:
         t = t[rope_rows(t.shape[0], heads)]
-    return t.contiguous().numpy()
+    return dense_blocks(t)
 
 
 def export(model: nn.Module, tokenizer: Any, out: str | Path, force: bool = False, allow_requant: bool = False,
@@ -316,8 +330,10 @@ def _add_tensors(writer: Any, model: nn.Module, qlayers: dict, types: dict[str, 
         if key in own or (t.numel() and ident in seen) or "rotary_emb" in key:
             continue
         seen.add(ident)
-        writer.add_tensor(_gguf_name(name_map, key), _dense_array(key, t, model.config))
-        counts["F32"] = counts.get("F32", 0) + 1
+        arr, kind = _dense_tensor(key, t, model.config)
+        raw = gguf.GGMLQuantizationType.BF16 if kind == "BF16" else None
+        writer.add_tensor(_gguf_name(name_map, key), arr, raw_dtype=raw)
+        counts[kind] = counts.get(kind, 0) + 1
     for name, layer in qlayers.items():
         arr, qtype = _layer_array(layer, name, types[name], model.config)
         writer.add_tensor(_gguf_name(name_map, f"{name}.weight"), arr, raw_dtype=gguf.GGMLQuantizationType[qtype])
