@@ -51,3 +51,45 @@ def test_json_flag_prints_one_object_last(capsys):
     emit({"a": 1, "b": 2.5}, True)
     last = capsys.readouterr().out.strip().splitlines()[-1]
     assert json.loads(last) == {"a": 1, "b": 2.5}
+
+
+def _save_tiny_qwen(path, tokenizer):
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    cfg = Qwen2Config(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, vocab_size=len(tokenizer), max_position_embeddings=512)
+    Qwen2ForCausalLM(cfg).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+
+
+def test_quantize_local_hf_folder_then_eval_checkpoint(tmp_path, capsys, tiny_tokenizer):
+    _save_tiny_qwen(tmp_path / "qwen", tiny_tokenizer)
+    out = tmp_path / "q"
+    code = main(["quantize", str(tmp_path / "qwen"), "--scheme", "w4g32", "--search", "--nsamples", "4",
+                 "--seqlen", "32", "--eval-seqlen", "64", "--windows", "3", "--out", str(out), "--json"])
+    assert code == 0
+    r = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert r["scheme"] == "w4g32:rule=search" and r["bits_per_weight"] == 4.5
+    assert (out / "lowbit.json").is_file()
+    assert main(["eval", str(out), "--seqlen", "64", "--windows", "3", "--json"]) == 0
+    e = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert e["ppl"] == r["ppl_q"] and e["windows"] == 3
+
+
+def test_group_larger_than_row_leaves_nothing(tmp_path, capsys, tiny_tokenizer):
+    _save_tiny_qwen(tmp_path / "qwen", tiny_tokenizer)
+    code = main(["quantize", str(tmp_path / "qwen"), "--scheme", "w4g256", "--out", str(tmp_path / "q"),
+                 "--no-eval"])
+    assert code != 0
+    assert "larger than the 64 input columns" in capsys.readouterr().err
+    assert not (tmp_path / "q").exists() and not list(tmp_path.glob(".q*"))
+
+
+def test_eval_seqlen_longer_than_text(tmp_path, capsys, tiny_tokenizer):
+    _save_tiny_qwen(tmp_path / "qwen", tiny_tokenizer)
+    (tmp_path / "t.txt").write_text("short one\n\nshort two\n\nshort three")
+    code = main(["eval", str(tmp_path / "qwen"), "--data", str(tmp_path / "t.txt"), "--seqlen", "512"])
+    assert code != 0
+    assert "fewer than one window" in capsys.readouterr().err
