@@ -1,0 +1,163 @@
+"""PTQ benchmark: lowbit SignRound(V2) vs auto-round 0.16.x on the bundled model.
+
+Protocol (issue 4): the bundled SmolLM2-135M, calibration 32 x 256 tokens from the
+calibration split (the *same* token tensor is handed to both tools), evaluation = the
+default perplexity protocol (40 windows x 512 tokens of the eval split), fp32, one
+thread each. Every (config, tool) row runs in its own subprocess so wall time and peak
+RSS are its own; rows are merged into ``benchmarks/results/ptq.json`` as they finish
+(atomically), so an interrupted sweep keeps what it measured.
+
+    python benchmarks/ptq.py --configs w4g128 --tools lowbit,autoround
+    python benchmarks/ptq.py --list
+
+auto-round settings: ``amp=False``, ``device_map='cpu'``, same iters / nsamples / seqlen
+/ batch size; its iters=0 default is an importance-searched RTN, plain RTN is
+``disable_opt_rtn=True``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+# this folder holds scripts named like packages (benchmarks/peft.py); never import them as such
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
+RESULTS = ROOT / "benchmarks" / "results" / "ptq.json"
+
+# name -> (lowbit method, lowbit scheme/extra, auto-round kwargs or None)
+CONFIGS: dict[str, dict] = {
+    "w4g128": {"lowbit": {"method": "signround2", "scheme": "w4g128", "iters": 50},
+               "autoround": {"bits": 4, "group_size": 128, "sym": True, "iters": 50}},
+    "w3g128": {"lowbit": {"method": "signround2", "scheme": "w3g128", "iters": 50},
+               "autoround": {"bits": 3, "group_size": 128, "sym": True, "iters": 50}},
+    "w2g64": {"lowbit": {"method": "signround2", "scheme": "w2g64", "iters": 50},
+              "autoround": {"bits": 2, "group_size": 64, "sym": True, "iters": 50}},
+    "w2g64-v2": {"autoround": {"bits": 2, "group_size": 64, "sym": True, "iters": 50, "enable_alg_ext": True}},
+    "w4g128-v1": {"lowbit": {"method": "signround", "scheme": "w4g128", "iters": 50}},
+    "mixed3": {"lowbit": {"method": "signround2", "scheme": "w4g128", "iters": 0, "avg_bits": 3.0,
+                          "options": "w2g64,w4g128"}},
+    "rtn-w4g128": {"lowbit": {"method": "rtn", "scheme": "w4g128"},
+                   "autoround": {"bits": 4, "group_size": 128, "sym": True, "iters": 0, "disable_opt_rtn": True}},
+    "nvfp4": {"lowbit": {"method": "signround2", "scheme": "nvfp4-46", "iters": 50}},
+    "rtn-nvfp4-46": {"lowbit": {"method": "rtn", "scheme": "nvfp4-46"}},
+    "mxfp4": {"lowbit": {"method": "signround2", "scheme": "mxfp4", "iters": 50}},
+    "rtn-mxfp4": {"lowbit": {"method": "rtn", "scheme": "mxfp4"}},
+}
+
+
+def peak_rss_mib() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+
+
+def setup(nsamples: int, seqlen: int):
+    import torch
+
+    from lowbit.data import calibration_batches, eval_tokens
+    from lowbit.models import load_model
+
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    lm = load_model(None)
+    calib = calibration_batches(lm.tokenizer, None, nsamples=nsamples, seqlen=seqlen, seed=0)
+    return lm, calib, eval_tokens(lm.tokenizer, None)
+
+
+def run_lowbit(spec: dict, lm, calib, workdir: str | None) -> dict:
+    from lowbit.models import linear_layers
+    from lowbit.formats.plan import Plan
+    from lowbit.ptq import quantize_model
+
+    plan = Plan.uniform(linear_layers(lm.model), spec["scheme"])
+    kw = {k: spec[k] for k in ("iters", "avg_bits", "options") if k in spec}
+    if workdir and spec["method"] != "rtn":
+        kw["workdir"] = workdir
+    plan = quantize_model(lm.model, plan, spec["method"], calib=calib, tokenizer=lm.tokenizer, progress=True,
+                          batch_size=8, **kw)
+    return {"plan": plan.describe()}
+
+
+def run_autoround(spec: dict, lm, calib) -> dict:
+    from auto_round import AutoRound
+
+    kw = dict(spec)
+    ar = AutoRound(lm.model, lm.tokenizer, dataset=[row.unsqueeze(0) for row in calib], nsamples=len(calib),
+                   seqlen=calib.shape[1], batch_size=8, amp=False, device_map="cpu", seed=0, **kw)
+    ar.quantize()
+    return {"autoround": dict(spec)}
+
+
+def child(tool: str, name: str, nsamples: int, seqlen: int, workdir: str | None) -> dict:
+    from lowbit.eval import perplexity
+
+    t0 = time.perf_counter()
+    lm, calib, ev = setup(nsamples, seqlen)
+    load_s = time.perf_counter() - t0
+    rss_loaded = peak_rss_mib()
+    spec = CONFIGS[name][tool]
+    t1 = time.perf_counter()
+    extra = run_lowbit(spec, lm, calib, workdir) if tool == "lowbit" else run_autoround(spec, lm, calib)
+    seconds = time.perf_counter() - t1
+    rss_quant = peak_rss_mib()
+    r = perplexity(lm.model, ev, seqlen=512, windows=40)
+    return {"config": name, "tool": tool, "ppl": r.ppl, "eval_tokens": r.tokens, "seconds": round(seconds, 1),
+            "load_seconds": round(load_s, 1), "peak_rss_mib_after_load": round(rss_loaded),
+            "peak_rss_mib": round(rss_quant), "nsamples": nsamples, "seqlen": seqlen, "threads": 1,
+            **{k: v for k, v in spec.items()}, **extra}
+
+
+def merge(row: dict) -> None:
+    sys.path.insert(0, str(ROOT / "src"))
+    from lowbit.io import atomic_write_text
+
+    data = json.loads(RESULTS.read_text()) if RESULTS.exists() else {"rows": []}
+    data["rows"] = [r for r in data["rows"] if (r["config"], r["tool"]) != (row["config"], row["tool"])] + [row]
+    data["protocol"] = ("bundled SmolLM2-135M fp32, calibration 32x256 tokens (calib split, seed 0, same tokens "
+                        "for both tools), eval 40x512 tokens of the eval split, 1 thread, batch 8")
+    atomic_write_text(RESULTS, json.dumps(data, indent=1))
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--configs", default="w4g128", help="comma-separated config names (see --list)")
+    p.add_argument("--tools", default="lowbit,autoround")
+    p.add_argument("--nsamples", type=int, default=32)
+    p.add_argument("--seqlen", type=int, default=256)
+    p.add_argument("--list", action="store_true")
+    p.add_argument("--child", nargs=2, metavar=("TOOL", "CONFIG"), help=argparse.SUPPRESS)
+    p.add_argument("--workdir", default=None, help=argparse.SUPPRESS)
+    a = p.parse_args()
+    if a.list:
+        for k, v in CONFIGS.items():
+            print(k, json.dumps(v))
+        return
+    if a.child:
+        print(json.dumps(child(a.child[0], a.child[1], a.nsamples, a.seqlen, a.workdir)), flush=True)
+        return
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PYTHONPATH": str(ROOT / "src")}
+    for name in a.configs.split(","):
+        if name not in CONFIGS:
+            raise SystemExit(f"unknown config {name!r}; --list shows them")
+        for tool in a.tools.split(","):
+            if tool not in CONFIGS[name]:
+                continue
+            cmd = [sys.executable, __file__, "--child", tool, name, "--nsamples", str(a.nsamples),
+                   "--seqlen", str(a.seqlen)]
+            print(f"== {name} / {tool}", file=sys.stderr, flush=True)
+            out = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, text=True)
+            if out.returncode != 0:
+                print(f"   failed (exit {out.returncode})", file=sys.stderr)
+                continue
+            row = json.loads(out.stdout.strip().splitlines()[-1])
+            merge(row)
+            print(f"   ppl {row['ppl']:.3f}  {row['seconds']} s  peak {row['peak_rss_mib']} MiB", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()
