@@ -161,3 +161,28 @@ def test_against_fouroversix():
         e_ours, e_theirs = relative_error(w, qdq(w, ours)), relative_error(w, theirs)
         assert abs(e_ours - e_theirs) < 1e-6 * e_theirs
         assert e_ours <= e_theirs * (1 + 1e-6)
+
+
+@pytest.mark.parametrize("name", ["nvfp4-46", "mxfp4"])
+def test_quantized_model_saves_and_loads(tmp_path, name):
+    """End to end: RTN-replace a tiny Llama's Linears, save natively, load, same logits."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from lowbit.export import native
+    from lowbit.formats.plan import Plan
+    from lowbit.models import linear_layers
+    from lowbit.nn import replace_linears
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, vocab_size=256)
+    model = LlamaForCausalLM(cfg).eval()
+    replace_linears(model, Plan.uniform(list(linear_layers(model)), name), progress=False)
+    ids = torch.randint(0, 256, (1, 16))
+    with torch.no_grad():
+        want = model(input_ids=ids).logits
+    native.save(model, None, tmp_path / "ckpt")
+    loaded, _ = native.load(tmp_path / "ckpt")
+    with torch.no_grad():
+        got = loaded(input_ids=ids).logits
+    assert torch.equal(got, want)
