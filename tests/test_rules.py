@@ -6,6 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
+from lowbit.errors import SchemeError
 from lowbit.formats import Scheme, fp8, quantize, rules
 from lowbit.formats.fp4 import E2M1, quantize_fp
 from lowbit.formats.groups import to_groups
@@ -96,5 +97,5 @@ def test_criteria_and_errors():
     assert rules.block_error(d, "mse").item() == 5.25
     assert rules.block_error(d, "mae").item() == 3.5
     assert rules.block_error(d, "max").item() == 2.0
-    with pytest.raises(Exception):
+    with pytest.raises(SchemeError):
         rules.block_error(d, "l3")

@@ -117,7 +117,7 @@ def verdicts(rows: Iterable[StudyRow], key: str = "rel_error") -> dict[str, dict
         vals = [getattr(r, key) for r in rs]
         if len(rs) < 2 or any(v is None for v in vals):
             continue
-        monotone = all(a <= b for a, b in zip(vals, vals[1:]))
+        monotone = all(a <= b for a, b in zip(vals, vals[1:], strict=False))
         out[label] = {"finest": rs[0].block, "coarsest": rs[-1].block, key + "_finest": vals[0],
                       key + "_coarsest": vals[-1], "finer_is_better": vals[0] < vals[-1],
                       "monotone": monotone}

@@ -1,0 +1,179 @@
+"""FP4 formats benchmark: lowbit vs fouroversix, scale rules, and the block-size study.
+
+Measured in one run, on one CPU thread (torch.set_num_threads(1)), medians of --repeats
+runs for timings:
+
+1. A synthetic heavy-tailed tensor (Student-t, 3 dof, 4096x4096, seed 0) and the bundled
+   model's quantized Linear weights: relative MSE and seconds of quantize+dequantize for
+   plain NVFP4 and 4-over-6, lowbit vs ``fouroversix`` (its PyTorch CPU path), and a plain
+   tensor copy of the same data as the memory-bound reference.
+2. Scale rules at block 8 on the bundled model: abs-max, 4-over-6, span, brute force.
+3. The block-size study (8, 16, 32, 64) on the bundled model, optionally with perplexity.
+
+Results go to benchmarks/results/formats.json (written atomically after every part, so a
+partial run keeps what it finished) and a table on stdout.
+
+    OMP_NUM_THREADS=1 PYTHONPATH=src python benchmarks/formats.py [--parts tensor,rules,study]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from lowbit.formats import qdq
+from lowbit.io import atomic_write_text
+
+RESULTS = Path(__file__).parent / "results" / "formats.json"
+
+
+def timed(fn, repeats: int):
+    """(median seconds, last result) of ``fn()`` over ``repeats`` runs."""
+    times, out = [], None
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        out = fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times), out
+
+
+def fouroversix_qdq(rule: str):
+    """fouroversix quantize + dequantize (PyTorch backend = its CPU path), or None if absent."""
+    try:
+        from fouroversix.quantize.config import QuantizationConfig
+        from fouroversix.quantize.frontend import dequantize, quantize_to_fp4
+    except ImportError:
+        return None
+    cfg = QuantizationConfig(scale_rule=rule, backend="pytorch")
+    return lambda w: dequantize(quantize_to_fp4(w, cfg), torch.float32)
+
+
+def compare(weights: list[torch.Tensor], repeats: int) -> dict:
+    """lowbit vs fouroversix on a list of tensors (errors pooled, times summed)."""
+    out = {}
+    den = sum(float((w.double() ** 2).sum()) for w in weights)
+    t_copy, _ = timed(lambda: [w.clone() for w in weights], max(repeats, 3))
+    out["copy_seconds"] = t_copy
+    for ours, theirs in (("nvfp4", "static_6"), ("nvfp4-46", "mse")):
+        for who, fn in (("lowbit", lambda w, s=ours: qdq(w, s)), ("fouroversix", fouroversix_qdq(theirs))):
+            if fn is None:
+                continue
+            secs, outs = timed(lambda fn=fn: [fn(w) for w in weights], repeats)
+            num = sum(float(((o.double() - w.double()) ** 2).sum()) for o, w in zip(outs, weights, strict=True))
+            out[f"{who}/{ours}"] = {"rel_mse": num / den, "seconds": secs, "x_copy": secs / t_copy}
+    for ours in ("nvfp4", "nvfp4-46"):
+        a, b = out.get(f"lowbit/{ours}"), out.get(f"fouroversix/{ours}")
+        if a and b:
+            out[f"{ours}_rel_mse_diff"] = abs(a["rel_mse"] - b["rel_mse"]) / b["rel_mse"]
+            out[f"{ours}_speedup_vs_fouroversix"] = b["seconds"] / a["seconds"]
+    return out
+
+
+def student_t() -> torch.Tensor:
+    torch.manual_seed(0)
+    return torch.distributions.StudentT(3.0).sample((4096, 4096))
+
+
+def model_weights() -> dict[str, torch.Tensor]:
+    from lowbit.models import linear_layers, load_model
+
+    model = load_model().model
+    return {n: m.weight.detach().clone() for n, m in linear_layers(model).items()}
+
+
+def rules_table(weights: dict[str, torch.Tensor], block: int = 8) -> dict:
+    from lowbit.formats import Scheme
+    from lowbit.studies import weight_error
+
+    out = {}
+    for name in ("nvfp4", "nvfp4-46:rule=absmax", "nvfp4-46", "nvfp4-46:rule=span", "nvfp4-46:rule=brute"):
+        s = Scheme.parse(name).replace(group_size=block)
+        t0 = time.perf_counter()
+        err = weight_error(weights, s)
+        out[s.name] = {"rel_mse": err, "seconds": time.perf_counter() - t0}
+        print(f"  rules  {s.name:<32} {err:.6f}  {out[s.name]['seconds']:.1f}s", flush=True)
+    return out
+
+
+def study(weights, schemes, blocks, ppl_windows: int) -> dict:
+    from lowbit.studies import block_size_study, verdicts
+
+    ppl_fn = fp = None
+    if ppl_windows:
+        from lowbit.data import eval_tokens
+        from lowbit.eval import perplexity
+        from lowbit.models import linear_layers, load_model
+
+        loaded = load_model()
+        layers = linear_layers(loaded.model)
+        tokens = eval_tokens(loaded.tokenizer)
+
+        def ppl_fn(s):
+            for n, m in layers.items():
+                m.weight.data.copy_(qdq(weights[n], s))
+            return perplexity(loaded.model, tokens, 512, ppl_windows, progress=False).ppl
+
+        fp = perplexity(loaded.model, tokens, 512, ppl_windows, progress=False).ppl
+    rows = block_size_study(weights, schemes, blocks, ppl_fn, progress=False)
+    res = {"rows": [r.to_dict() for r in rows], "fp_ppl": fp, "verdict_error": verdicts(rows)}
+    if ppl_windows:
+        res["verdict_ppl"] = verdicts(rows, "ppl")
+    return res
+
+
+def save(results: dict) -> None:
+    RESULTS.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(RESULTS, json.dumps(results, indent=1, default=float))
+
+
+def print_compare(name: str, r: dict) -> None:
+    print(f"\n{name}: copy {r['copy_seconds']:.3f}s")
+    print(f"{'impl/scheme':<24} {'rel MSE':>12} {'seconds':>9} {'x copy':>8}")
+    for k, v in r.items():
+        if isinstance(v, dict):
+            print(f"{k:<24} {v['rel_mse']:>12.7f} {v['seconds']:>9.2f} {v['x_copy']:>8.1f}")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--parts", default="tensor,model,rules,study")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--schemes", default="nvfp4,nvfp4:guard=1,nvfp4-46,nvfp4-46:rule=span,nvfp4-ue5m3")
+    p.add_argument("--blocks", default="8,16,32,64")
+    p.add_argument("--ppl-windows", type=int, default=0, help="perplexity windows per study point (0 = none)")
+    args = p.parse_args()
+    torch.set_num_threads(1)
+    parts = args.parts.split(",")
+    results = json.loads(RESULTS.read_text()) if RESULTS.exists() else {}
+    results["threads"] = 1
+    if "tensor" in parts:
+        results["student_t_4096"] = compare([student_t()], args.repeats)
+        print_compare("Student-t 3 dof 4096x4096", results["student_t_4096"])
+        save(results)
+    weights = model_weights() if {"model", "rules", "study"} & set(parts) else None
+    if "model" in parts:
+        results["bundled_model"] = compare(list(weights.values()), 1)
+        print_compare("bundled model Linear weights (block 16)", results["bundled_model"])
+        save(results)
+    if "rules" in parts:
+        results["rules_block8"] = rules_table(weights)
+        save(results)
+    if "study" in parts:
+        from lowbit.cli.formats import parse_schemes, print_table
+        from lowbit.studies import StudyRow
+
+        res = study(weights, parse_schemes(args.schemes), [int(b) for b in args.blocks.split(",")],
+                    args.ppl_windows)
+        results["study"] = res
+        save(results)
+        print_table([StudyRow(**r) for r in res["rows"]], res["fp_ppl"], file=None)
+    print(f"\nwrote {RESULTS}")
+
+
+if __name__ == "__main__":
+    main()
