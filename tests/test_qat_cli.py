@@ -62,8 +62,9 @@ def test_qat_saves_a_checkpoint_that_evaluates_like_ptq(model_dir, tmp_path, cap
 
     base = tmp_path / "ste"
     assert main(["qat", str(model_dir), "--scheme", "w2", "--method", "ste", *FAST, "--out", str(base),
-                 "--baseline", str(out)]) == 0
+                 "--baseline", str(out), "--kd"]) == 0  # distilled from the FP model
     s = last_json(capsys)
+    assert s["initial_loss"] < 1.0  # a KL to the FP teacher, not the CE of ~ln(vocab) = 4.8
     assert s["reinits"] == [] and s["baseline_loss"] == pytest.approx(
         sum(json.loads(ln)["loss"] for ln in (out / "metrics.jsonl").read_text().splitlines()) / 6)
 

@@ -1,6 +1,8 @@
 """Two gloo processes on CPU reproduce the single-process loss curve (same global batch).
 
-A tiny pure-torch language model keeps the spawned processes quick to start.
+A tiny pure-torch language model keeps the spawned processes quick to start; its hidden
+layer is a 2-bit QAT layer under WinQ (re-init + noise), so the check also covers noise
+that must be drawn identically on every rank.
 """
 
 from __future__ import annotations
@@ -30,9 +32,19 @@ class TinyLM(nn.Module):
 
 
 def _setup() -> tuple[nn.Module, torch.Tensor]:
+    from lowbit.qat import StretchedElastic, to_qat
+
     torch.manual_seed(0)
     data = torch.randint(0, 64, (12, 16), generator=torch.Generator().manual_seed(1))
-    return TinyLM(), data
+    model = TinyLM()
+    to_qat(model, StretchedElastic(), names=["up"])
+    return model, data
+
+
+def _callbacks() -> list:
+    from lowbit.qat import WinQCallback, WinQConfig
+
+    return [WinQCallback(WinQConfig(every=2, sigma_w=1e-2, sigma_a=1e-2))]
 
 
 def _config(parallel: str = "ddp") -> TrainConfig:
@@ -52,7 +64,7 @@ def _run(rank: int, world: int, port: int, parallel: str, out: str) -> None:
 
     init_from_env()
     model, data = _setup()
-    r = train(model, data, _config(parallel))
+    r = train(model, data, _config(parallel), callbacks=_callbacks())
     if rank == 0:
         torch.save(r.losses, out)
     dist.destroy_process_group()
@@ -61,7 +73,7 @@ def _run(rank: int, world: int, port: int, parallel: str, out: str) -> None:
 @pytest.mark.parametrize("parallel", ["ddp"])
 def test_two_processes_match_one(tmp_path, parallel):
     model, data = _setup()
-    single = train(model, data, _config()).losses
+    single = train(model, data, _config(), callbacks=_callbacks()).losses
     out = str(tmp_path / "losses.pt")
     mp.spawn(_run, args=(2, _free_port(), parallel, out), nprocs=2, join=True)
     assert torch.load(out) == pytest.approx(single, abs=1e-5)
