@@ -131,7 +131,7 @@ def plot(results: dict, path: Path) -> None:
 
     bases = results["bases"]
     fig, axes = plt.subplots(1, len(bases), figsize=(6 * len(bases), 4), squeeze=False)
-    for ax, b in zip(axes[0], bases):
+    for ax, b in zip(axes[0], bases, strict=True):
         for a in b["adapters"]:
             ax.plot([c["step"] for c in a["curve"]], [c["ppl"] for c in a["curve"]], marker="o", label=a["adapter"])
         ax.axhline(b["ppl_base"], color="gray", ls="--", label="un-repaired base")

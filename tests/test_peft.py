@@ -6,8 +6,16 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from lowbit.errors import ConfigError
-from lowbit.peft import (FourierFTAdapter, LoRAAdapter, QWHAAdapter, allocate, hadamard, init_qwha, loftq_adapter,
-                         lora_budget)
+from lowbit.peft import (
+    FourierFTAdapter,
+    LoRAAdapter,
+    QWHAAdapter,
+    allocate,
+    hadamard,
+    init_qwha,
+    loftq_adapter,
+    lora_budget,
+)
 from lowbit.peft.qwha import choose_path
 
 

@@ -10,8 +10,20 @@ from lowbit.errors import CheckpointError, ConfigError
 from lowbit.export.native import load, save
 from lowbit.formats.plan import Plan
 from lowbit.nn import QuantLinear, quant_layers, replace_linears
-from lowbit.peft import (KINDS, PeftConfig, adapters_of, apply_adapters, collect_xtx, count_trainable,
-                         load_adapters, lora_budget, merge, merge_and_requantize, save_adapters, unmerge)
+from lowbit.peft import (
+    KINDS,
+    PeftConfig,
+    adapters_of,
+    apply_adapters,
+    collect_xtx,
+    count_trainable,
+    load_adapters,
+    lora_budget,
+    merge,
+    merge_and_requantize,
+    save_adapters,
+    unmerge,
+)
 from lowbit.peft.finetune import IGNORE, lm_rows, masked_lm_loss, train_adapters
 from lowbit.train import TrainConfig
 
@@ -105,14 +117,14 @@ def test_merge_unmerge_restore_the_base_exactly(base):
     m = copy.deepcopy(q)
     apply_adapters(m, PeftConfig("qwha", rank=4), fp_weights=w, xtx=xtx)
     ids = batches(2, 16, seed=3)
-    codes = {n: l.codes.clone() for n, l in quant_layers(m).items()}
+    codes = {n: lay.codes.clone() for n, lay in quant_layers(m).items()}
     with_adapter = logits(m, ids)
     errs = merge(m, "w8")  # re-quantize finely so merged ~ unmerged
     assert all(e < 1e-3 for e in errs.values())
     assert torch.allclose(logits(m, ids), with_adapter, atol=5e-2)
     unmerge(m)
     assert torch.equal(logits(m, ids), with_adapter)
-    assert all(torch.equal(codes[n], l.codes) for n, l in quant_layers(m).items())
+    assert all(torch.equal(codes[n], lay.codes) for n, lay in quant_layers(m).items())
 
 
 def test_merged_requantized_model_exports_like_any_other(base, tmp_path):
@@ -120,8 +132,8 @@ def test_merged_requantized_model_exports_like_any_other(base, tmp_path):
     m = copy.deepcopy(q)
     apply_adapters(m, PeftConfig("loftq", rank=4), fp_weights=w, xtx=xtx)
     merge_and_requantize(m)
-    schemes = {n: l.scheme for n, l in quant_layers(q).items()}
-    assert not adapters_of(m) and all(l.scheme == schemes[n] for n, l in quant_layers(m).items())
+    schemes = {n: lay.scheme for n, lay in quant_layers(q).items()}
+    assert not adapters_of(m) and all(lay.scheme == schemes[n] for n, lay in quant_layers(m).items())
     ids = batches(2, 16, seed=3)
     save(m, None, tmp_path / "ck")
     back, _ = load(tmp_path / "ck")

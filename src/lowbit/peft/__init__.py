@@ -11,8 +11,19 @@ Typical use::
 """
 
 from lowbit.peft.adaalloc import allocate, lora_budget
-from lowbit.peft.apply import (KINDS, PeftConfig, adapters_of, apply_adapters, build_adapter, count_trainable,
-                               freeze_base, merge, merge_and_requantize, target_layers, unmerge)
+from lowbit.peft.apply import (
+                               KINDS,
+                               PeftConfig,
+                               adapters_of,
+                               apply_adapters,
+                               build_adapter,
+                               count_trainable,
+                               freeze_base,
+                               merge,
+                               merge_and_requantize,
+                               target_layers,
+                               unmerge,
+)
 from lowbit.peft.base import Adapter
 from lowbit.peft.calib import collect_xtx
 from lowbit.peft.fourierft import FourierFTAdapter

@@ -18,8 +18,14 @@ from typing import Any
 import torch
 
 from lowbit.errors import ConfigError, LowbitError
-from lowbit.peft.apply import (NEEDS_ERROR, PeftConfig, apply_adapters, check_shapes, count_trainable,
-                               merge_and_requantize)
+from lowbit.peft.apply import (
+    NEEDS_ERROR,
+    PeftConfig,
+    apply_adapters,
+    check_shapes,
+    count_trainable,
+    merge_and_requantize,
+)
 from lowbit.peft.calib import collect_xtx
 from lowbit.peft.finetune import instruction_rows, is_instruction_file, lm_rows, train_adapters
 from lowbit.peft.store import save_adapters

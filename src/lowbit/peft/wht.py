@@ -71,7 +71,7 @@ def _sylvester(n: int) -> torch.Tensor:
     return h
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _small_order(m: int) -> torch.Tensor | None:
     """A Hadamard matrix of order m (m = 1, 2 or a multiple of 4), or None if we have none."""
     if m in (1, 2):
@@ -107,7 +107,7 @@ class WidthPlan:
         return self.n // self.m
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def factor(n: int) -> int | None:
     """The smallest constructible m with n = m * 2^k, or None."""
     k = (n & -n).bit_length() - 1  # largest power of two dividing n
@@ -118,7 +118,7 @@ def factor(n: int) -> int | None:
     return None
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _next_width(width: int) -> int:
     n = width + 1
     while factor(n) is None:
