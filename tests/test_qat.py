@@ -9,8 +9,20 @@ from test_train import cfg, tiny_model, tokens
 from lowbit.errors import ConfigError, SchemeError
 from lowbit.formats import QTensor, Scheme
 from lowbit.nn import QuantLinear
-from lowbit.qat import (LSQ, QATLinear, SchemeFakeQuant, Sign, StretchedElastic, WinQCallback, WinQConfig,
-                        qat_layers, reinit_, resolve, to_qat, to_quant_linear)
+from lowbit.qat import (
+    LSQ,
+    QATLinear,
+    SchemeFakeQuant,
+    Sign,
+    StretchedElastic,
+    WinQCallback,
+    WinQConfig,
+    qat_layers,
+    reinit_,
+    resolve,
+    to_qat,
+    to_quant_linear,
+)
 from lowbit.qat.layer import Noise
 from lowbit.train import train
 

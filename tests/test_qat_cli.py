@@ -43,7 +43,6 @@ def last_json(capsys) -> dict:
 
 
 def test_qat_saves_a_checkpoint_that_evaluates_like_ptq(model_dir, tmp_path, capsys):
-    from lowbit.eval import perplexity
     from lowbit.export.native import load
     from lowbit.nn import QuantLinear
 
