@@ -254,3 +254,16 @@ def test_cli_hand_edited_checkpoint_is_one_clear_error(tmp_path, capsys):
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and "up_proj" in err[0]
         assert not (tmp_path / out).exists()
+
+
+def test_16_bit_dense_tensors_stored_as_fp16_losslessly(tmp_path):
+    from safetensors import safe_open
+
+    model = quantized(dict.fromkeys(block_linears(tiny()), "w8"))
+    with torch.no_grad():
+        model.model.embed_tokens.weight.copy_(model.model.embed_tokens.weight.half().float())
+    ct.export(model, None, tmp_path / "ct")
+    with safe_open(str(tmp_path / "ct" / "model.safetensors"), framework="pt") as f:
+        assert f.get_slice("model.embed_tokens.weight").get_dtype() == "F16"
+        assert f.get_slice("model.norm.weight").get_dtype() == "F32"
+    assert torch.equal(logits(ct.load_decompressed(tmp_path / "ct")), logits(model))

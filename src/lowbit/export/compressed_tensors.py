@@ -186,11 +186,20 @@ def _state_tensors(model: nn.Module, qlayers: dict, targets: dict[str, Target]) 
         if key in own or (t.numel() and ident in seen):
             continue
         seen.add(ident)
-        tensors[key] = t.detach().contiguous().cpu()
+        tensors[key] = _narrow(t.detach().cpu())
     for name, layer in qlayers.items():
         for k, t in layer_tensors(layer.qweight, targets[name]).items():
             tensors[f"{name}.{k}"] = t.cpu()
     return tensors
+
+
+def _narrow(t: torch.Tensor) -> torch.Tensor:
+    """fp16 when that holds a float32 tensor exactly (16-bit embeddings), else as it is."""
+    if t.dtype == torch.float32 and t.dim() >= 2:
+        half = t.to(torch.float16)
+        if torch.equal(half.float(), t):
+            return half.contiguous()
+    return t.contiguous()
 
 
 def load_decompressed(path: str | Path, dtype: torch.dtype = torch.float32) -> nn.Module:
