@@ -103,7 +103,17 @@ def time_paths(q, fp_w, xtx, args, tokens: int = 1024) -> dict:
     return {"tokens": tokens, "seconds_all_layers": out}
 
 
-def run_base(fp, tok, scheme: str, args, ev, rows) -> dict:
+def save(results: dict, args, complete: bool) -> None:
+    """Rewrite the results file after every adapter, so a cut-short run keeps what it measured."""
+    if args.dry:
+        return
+    out = Path(args.out)
+    atomic_write_text(out, json.dumps({**results, "complete": complete}, indent=1))
+    if complete:
+        plot(results, out.with_suffix(".png"))
+
+
+def run_base(fp, tok, scheme: str, args, ev, rows, results: dict) -> dict:
     names = targets(fp, args.blocks)
     q = copy.deepcopy(fp)
     replace_linears(q, Plan.uniform(names, Scheme.parse(scheme)))
@@ -114,8 +124,10 @@ def run_base(fp, tok, scheme: str, args, ev, rows) -> dict:
     base = {"scheme": scheme, "method": "rtn", "targets": len(names), "xtx_seconds": round(xtx_s, 2),
             "ppl_base": perplexity(q, ev, seqlen=args.eval_seqlen, windows=args.windows).ppl, "adapters": []}
     print(f"{scheme}: un-repaired ppl {base['ppl_base']:.3f}", file=sys.stderr, flush=True)
+    results["bases"].append(base)
     for kind in args.adapters.split(","):
         base["adapters"].append(run_adapter(q, kind, args, fp_w, xtx, rows, ev))
+        save(results, args, complete=False)
     if args.paths:
         base["qwha_paths"] = time_paths(q, fp_w, xtx, args)
     return base
@@ -158,12 +170,9 @@ def main() -> None:
                "ppl_fp": perplexity(fp, ev, seqlen=args.eval_seqlen, windows=args.windows).ppl, "bases": []}
     print(f"fp ppl {results['ppl_fp']:.3f}", file=sys.stderr, flush=True)
     for scheme in args.bases.split(","):
-        results["bases"].append(run_base(fp, tok, scheme, args, ev, rows))
+        run_base(fp, tok, scheme, args, ev, rows, results)
     print(json.dumps(results, indent=1))
-    if not args.dry:
-        out = Path(args.out)
-        atomic_write_text(out, json.dumps(results, indent=1))
-        plot(results, out.with_suffix(".png"))
+    save(results, args, complete=True)
 
 
 if __name__ == "__main__":
