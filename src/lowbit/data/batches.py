@@ -6,6 +6,7 @@ eval, calibration, quantized eval), so tokenized splits are cached per process.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -17,23 +18,44 @@ from lowbit.errors import DataError
 
 
 def tokenize_split(tokenizer: Any, source: str | Path | None = None, split: str = "calib") -> torch.Tensor:
-    """``LongTensor [1, T]`` of a whole split (cached per tokenizer and source)."""
-    key = (id(tokenizer), getattr(tokenizer, "name_or_path", ""), str(source), split)
-    return _cached(key, tokenizer, source, split)
+    """``LongTensor [1, T]`` of a whole split, cached per tokenizer object and source.
+
+    The cache is keyed weakly by the tokenizer object itself, not its ``name_or_path``,
+    because in-memory tokenizers often share an empty name and must not see each
+    other's tokens; files are keyed by path, size and mtime so an edited file is re-read.
+    A copy is returned, so a caller editing it in place cannot corrupt the cache.
+    """
+    key = (_source_key(source), split)
+    try:
+        per_tok = _CACHE.setdefault(tokenizer, {})
+    except TypeError:  # an object without weak references: tokenize every time
+        per_tok = {}
+    if key not in per_tok:
+        per_tok[key] = _tokenize(tokenizer, source, split)
+    return per_tok[key].clone()
 
 
-_CACHE: dict[tuple, torch.Tensor] = {}
+_CACHE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def _cached(key: tuple, tokenizer: Any, source: str | Path | None, split: str) -> torch.Tensor:
-    if key not in _CACHE:
-        text = load_corpus(source, split, tokenizer)
-        ids = tokenizer(text, return_attention_mask=False, verbose=False)["input_ids"]
-        if len(ids) < 2:
-            raise DataError(f"the {split} split of {source or 'the bundled corpus'} has {len(ids)} tokens; "
-                            "give it more text")
-        _CACHE[key] = torch.tensor(ids, dtype=torch.long).unsqueeze(0)
-    return _CACHE[key]
+def _source_key(source: str | Path | None) -> tuple:
+    if source is None:
+        return ("bundled",)
+    path = Path(source).expanduser()
+    try:
+        st = path.stat()
+    except OSError:
+        return (str(path),)
+    return (str(path.resolve()), st.st_size, st.st_mtime_ns)
+
+
+def _tokenize(tokenizer: Any, source: str | Path | None, split: str) -> torch.Tensor:
+    text = load_corpus(source, split, tokenizer)
+    ids = tokenizer(text, return_attention_mask=False, verbose=False)["input_ids"]
+    if len(ids) < 2:
+        raise DataError(f"the {split} split of {source or 'the bundled corpus'} has {len(ids)} tokens; "
+                        "give it more text")
+    return torch.tensor(ids, dtype=torch.long).unsqueeze(0)
 
 
 def eval_tokens(tokenizer: Any, source: str | Path | None = None) -> torch.Tensor:

@@ -11,7 +11,10 @@ guarantees that no document is ever in both splits.
 - ``.jsonl``: one document per line, from its ``"text"`` field, or its chat
   ``"messages"`` rendered with the tokenizer's chat template.
 - a folder written by ``datasets``' ``save_to_disk``: one document per row (``text``
-  column, or ``messages``); for a DatasetDict its ``train`` split (else the first).
+  column, or ``messages``). A DatasetDict that has a ``train`` split and a held-out one
+  (``validation``, else ``test``) already separates the data, so ``train`` is the
+  calibration split and the held-out one the evaluation split, whole; any other
+  DatasetDict is split by row parity over ``train`` (else its first split).
 """
 
 from __future__ import annotations
@@ -63,7 +66,18 @@ def split_documents(docs: list[str], split: str) -> list[str]:
 
 def load_corpus(source: str | Path | None = None, split: str = "calib", tokenizer: Any = None) -> str:
     """The text of one split, documents joined by blank lines."""
-    return "\n\n".join(split_documents(load_documents(source, tokenizer), split))
+    return "\n\n".join(split_texts(source, split, tokenizer))
+
+
+def split_texts(source: str | Path | None, split: str, tokenizer: Any = None) -> list[str]:
+    """The documents of one split of ``source`` (see module docstring)."""
+    if split not in SPLITS:
+        raise DataError(f"unknown split {split!r}; use one of {SPLITS}")
+    if source is not None and Path(source).expanduser().is_dir():
+        named = _dataset_named_split(Path(source).expanduser(), split, tokenizer)
+        if named is not None:
+            return named
+    return split_documents(load_documents(source, tokenizer), split)
 
 
 def _read_text(path: Path) -> str:
@@ -106,15 +120,50 @@ def row_text(row: Any, tokenizer: Any, where: str) -> str:
     raise DataError(f"{where} has neither a 'text' string nor a 'messages' list")
 
 
-def _dataset_documents(path: Path, tokenizer: Any) -> list[str]:
+def _open_dataset(path: Path) -> Any:
     try:
         import datasets
     except ModuleNotFoundError:
-        raise DataError(f"{path} is a folder; reading saved HF datasets needs `pip install datasets`") from None
+        raise DataError(f"{path} is a folder; reading saved HF datasets needs `pip install datasets` "
+                        "(or pass a .txt / .jsonl file)") from None
     try:
-        ds = datasets.load_from_disk(str(path))
+        return datasets.load_from_disk(str(path))
     except (FileNotFoundError, ValueError) as e:
-        raise DataError(f"{path} is not a dataset saved with save_to_disk ({e})") from None
-    if isinstance(ds, datasets.DatasetDict):
-        ds = ds["train"] if "train" in ds else ds[next(iter(ds))]
-    return [row_text(r, tokenizer, f"{path} row {i}") for i, r in enumerate(ds)]
+        raise DataError(f"{path} is not a dataset saved with save_to_disk ({_first_line(e)}); pass a "
+                        "save_to_disk folder, a .txt or a .jsonl file") from None
+
+
+def _held_out(ds: Any) -> str | None:
+    """Name of the evaluation split of a DatasetDict that has train + held-out splits."""
+    if not hasattr(ds, "keys") or "train" not in ds:
+        return None
+    return next((name for name in ("validation", "test") if name in ds), None)
+
+
+def _dataset_named_split(path: Path, split: str, tokenizer: Any) -> list[str] | None:
+    """Documents of ``split`` when the saved DatasetDict separates them itself, else None."""
+    ds = _open_dataset(path)
+    held = _held_out(ds)
+    if held is None:
+        return None
+    name = "train" if split == "calib" else held
+    docs = [d for d in _rows_text(ds[name], tokenizer, f"{path} [{name}]") if d.strip()]
+    if not docs:
+        raise DataError(f"split {name!r} of {path} contains no text; give it a 'text' or 'messages' column")
+    return docs
+
+
+def _dataset_documents(path: Path, tokenizer: Any) -> list[str]:
+    ds = _open_dataset(path)
+    if hasattr(ds, "keys"):  # a DatasetDict without a held-out split: parity over one split
+        ds = ds["train"] if "train" in ds else ds[next(iter(ds.keys()))]
+    return _rows_text(ds, tokenizer, str(path))
+
+
+def _rows_text(ds: Any, tokenizer: Any, where: str) -> list[str]:
+    return [row_text(r, tokenizer, f"{where} row {i}") for i, r in enumerate(ds)]
+
+
+def _first_line(e: BaseException) -> str:
+    lines = str(e).strip().splitlines()
+    return lines[0] if lines else type(e).__name__

@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import io
 import logging
+import struct
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -172,7 +173,8 @@ def _convert_gguf(path: Path, dtype: torch.dtype) -> tuple[Any, Any]:
         with _quiet():
             model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=dtype)
             tok = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
-    except (OSError, ValueError, KeyError, RuntimeError) as e:
+    except (OSError, ValueError, KeyError, RuntimeError, EOFError, ImportError, struct.error) as e:
+        # struct.error / EOFError: a truncated file; ImportError: the gguf package is missing
         raise ModelError(f"cannot load GGUF file {path}: {_first_line(e)}; transformers' GGUF loader "
                          "supports llama, mistral, qwen2/3, gemma2/3 and a few more architectures") from None
     return model.eval(), tok
