@@ -131,7 +131,9 @@ def main() -> None:
     p.add_argument("--seqlen", type=int, default=256)
     p.add_argument("--list", action="store_true")
     p.add_argument("--child", nargs=2, metavar=("TOOL", "CONFIG"), help=argparse.SUPPRESS)
-    p.add_argument("--workdir", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--workdir", default=None,
+                   help="folder for per-block results (one subfolder per lowbit row): an interrupted row resumes; "
+                        "its seconds then cover only the resumed part")
     a = p.parse_args()
     if a.list:
         for k, v in CONFIGS.items():
@@ -149,6 +151,8 @@ def main() -> None:
                 continue
             cmd = [sys.executable, __file__, "--child", tool, name, "--nsamples", str(a.nsamples),
                    "--seqlen", str(a.seqlen)]
+            if a.workdir and tool == "lowbit":
+                cmd += ["--workdir", str(Path(a.workdir) / name)]
             print(f"== {name} / {tool}", file=sys.stderr, flush=True)
             out = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, text=True)
             if out.returncode != 0:
