@@ -4,7 +4,8 @@ Every input is validated before the model loads (scheme vs quantizer, steps vs w
 an existing --out), so a typo fails in a second. Training artifacts (metrics.jsonl,
 checkpoint/, loss.png) live in a work folder next to --out so an interrupted run resumes
 from its last checkpoint; the finished model is saved in the native format, so it
-evaluates and exports exactly like a PTQ result.
+evaluates and exports exactly like a PTQ result. Under ``torchrun`` every rank trains
+its share of each global batch (DDP) and rank 0 alone evaluates and saves.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from lowbit.qat.convert import to_qat, to_quant_linear
 from lowbit.qat.quantizers import resolve
 from lowbit.qat.winq import STE, WinQCallback, WinQConfig
 from lowbit.train import TrainConfig, smooth, steps_to_reach, train
+from lowbit.train.distributed import init_from_env
 from lowbit.train.loop import causal_lm_loss, kd_loss
 
 METHODS = ("ste", "winq")
@@ -88,9 +90,10 @@ def qat_pipeline(job: QatJob, out: Path, model: str | None = None, data: str | N
     work = Path(workdir) if workdir else out.with_name(out.name + ".train")
     cfg = job.train if job.train.out_dir else _with_out(job.train, work)
     t0 = time.perf_counter()
+    rank, world = init_from_env()  # under torchrun: one process per rank, rank 0 evaluates and saves
     lm = load_model(model)
-    ev = eval_tokens(lm.tokenizer, data) if evaluate else None
-    res: dict[str, Any] = {"model": lm.source, "scheme": job.scheme, "method": job.method}
+    ev = eval_tokens(lm.tokenizer, data) if evaluate and rank == 0 else None
+    res: dict[str, Any] = {"model": lm.source, "scheme": job.scheme, "method": job.method, "world": world}
     if ev is not None:
         res["ppl_fp"] = perplexity(lm.model, ev, seqlen=eval_seqlen, windows=windows).ppl
     teacher = copy.deepcopy(lm.model) if job.kd else None
@@ -103,6 +106,8 @@ def qat_pipeline(job: QatJob, out: Path, model: str | None = None, data: str | N
              "seqlen": job.seqlen, "data": data}
     loss_fn = kd_loss(teacher, job.kd_temperature) if teacher is not None else causal_lm_loss
     r = train(lm.model, rows, cfg, callbacks=[cb], loss_fn=loss_fn, resume=resume, extra=extra)
+    if rank != 0:
+        return {"rank": rank, "steps": r.steps, "final_loss": r.final_loss}
     to_quant_linear(lm.model)
     sm = smooth(r.losses, job.smooth_window)
     res.update(quantizer=quantizer.name, layers=len(names), steps=r.steps, final_loss=r.final_loss,
