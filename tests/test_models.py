@@ -98,9 +98,11 @@ def test_lowbit_checkpoint_folder_goes_to_native_load(tmp_path, monkeypatch, tin
     (tmp_path / "ck").mkdir()
     (tmp_path / "ck" / "lowbit.json").write_text("{}")
     calls = []
+    tiny_llama[0].train()
     monkeypatch.setattr(native, "load", lambda path: calls.append(path) or tiny_llama)
     lm = load_model(tmp_path / "ck")
     assert lm.kind == "lowbit" and calls == [tmp_path / "ck"] and lm.model is tiny_llama[0]
+    assert not lm.model.training
 
 
 def test_gemma3_inside_a_wrapper_is_still_found():

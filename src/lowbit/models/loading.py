@@ -87,7 +87,7 @@ def _load_dir(path: Path, dtype: torch.dtype) -> LoadedModel:
 
     if native.is_checkpoint(path):
         model, tok = native.load(path)
-        return LoadedModel(model, tok, str(path), "lowbit")
+        return LoadedModel(model.eval(), tok, str(path), "lowbit")
     if not (path / "config.json").is_file():
         ggufs = sorted(path.glob("*.gguf"))
         hint = f" (it holds {ggufs[0].name}: pass that file)" if ggufs else ""
