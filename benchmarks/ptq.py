@@ -70,8 +70,8 @@ def setup(nsamples: int, seqlen: int):
 
 
 def run_lowbit(spec: dict, lm, calib, workdir: str | None) -> dict:
-    from lowbit.models import linear_layers
     from lowbit.formats.plan import Plan
+    from lowbit.models import linear_layers
     from lowbit.ptq import quantize_model
 
     plan = Plan.uniform(linear_layers(lm.model), spec["scheme"])

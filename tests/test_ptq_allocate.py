@@ -2,18 +2,17 @@
 
 import copy
 import itertools
-import json
 import math
 
 import pytest
 import torch
+from ptq_helpers import block_names, calib, tiny_model
 
 from lowbit.errors import ConfigError
 from lowbit.formats import Scheme, qdq
 from lowbit.formats.plan import Plan
-from lowbit.ptq.allocate import allocate, layer_bits, plot_bits, save_allocation, solve_mckp, tie_qkv
+from lowbit.ptq.allocate import allocate, layer_bits, save_allocation, solve_mckp, tie_qkv
 from lowbit.ptq.sensitivity import delta_loss
-from ptq_helpers import block_names, calib, tiny_model
 
 
 def brute(costs, values, budget):

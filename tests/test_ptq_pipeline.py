@@ -4,6 +4,7 @@ import copy
 
 import pytest
 import torch
+from ptq_helpers import calib, tiny_model, uniform
 
 from lowbit.errors import ConfigError
 from lowbit.nn import QuantLinear, quant_layers
@@ -11,7 +12,6 @@ from lowbit.ptq.importance import collect_importance
 from lowbit.ptq.pipeline import capture_inputs, decoder_blocks
 from lowbit.ptq.rtn import rtn_quantize
 from lowbit.ptq.signround import SignRoundTuner, make_config, signround_quantize
-from ptq_helpers import block_names, calib, tiny_model, uniform
 
 
 def same_weights(a, b) -> bool:

@@ -1,10 +1,10 @@
 """SignRound / SignRoundV2 tuning: better than RTN, loss filter, rounder export, configs."""
 
 import copy
-import itertools
 
 import pytest
 import torch
+from ptq_helpers import calib, tiny_model, uniform
 
 from lowbit.errors import ConfigError, SchemeError
 from lowbit.formats import Scheme, qdq
@@ -12,7 +12,6 @@ from lowbit.ptq import quantize_model
 from lowbit.ptq.pipeline import capture_inputs, decoder_blocks
 from lowbit.ptq.rtn import rtn_quantize
 from lowbit.ptq.signround import IntRounder, filtered_mse, make_config, sign_step, signround_quantize
-from ptq_helpers import calib, tiny_model, uniform
 
 
 def block0_mse(model, fp, c) -> float:

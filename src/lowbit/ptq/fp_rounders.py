@@ -14,8 +14,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from lowbit.formats import QTensor, Scheme
-from lowbit.formats import rules
+from lowbit.formats import QTensor, Scheme, rules
 from lowbit.formats.fp4 import ELEM_GRIDS, encode_codes
 from lowbit.formats.groups import from_groups, pad_mask, to_groups
 from lowbit.ptq.signround import ROUNDERS

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -26,7 +25,7 @@ from typing import Any, Protocol
 
 import torch
 from safetensors.torch import load as st_load
-from safetensors.torch import load_file, save, save_file
+from safetensors.torch import load_file, save
 from torch import nn
 from tqdm.auto import tqdm
 
@@ -204,13 +203,9 @@ class DiskOffload:
     def __init__(self, path: str | Path, blocks: nn.ModuleList) -> None:
         self.path = Path(path)
         self.path.mkdir(parents=True, exist_ok=True)
-        for i, b in enumerate(blocks):
-            f = self.path / f"fp_{i:04d}.safetensors"
-            if not f.exists():
-                tensors = {k: v.detach().contiguous().cpu() for k, v in _tensors(b).items()}
-                tmp = f.with_suffix(".tmp")
-                save_file(tensors, str(tmp))
-                os.replace(tmp, f)
+        for i, b in enumerate(blocks):  # always rewritten: files of another model must never be reused
+            tensors = {k: v.detach().contiguous().cpu() for k, v in _tensors(b).items()}
+            atomic_write_bytes(self.path / f"fp_{i:04d}.safetensors", save(tensors))
             b.to_empty(device="meta")
 
     def load(self, i: int, block: nn.Module, device: torch.device) -> None:
