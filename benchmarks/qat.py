@@ -34,7 +34,8 @@ def run_one(base, rows, ev, scheme: str, method: str, seed: int, args) -> dict:
 
     model = copy.deepcopy(base)
     to_qat(model, resolve(scheme))
-    winq = WinQConfig(sigma_w=args.sigma_w, sigma_a=args.sigma_a, relative=args.relative, seed=seed)
+    winq = WinQConfig(reinit=not args.no_reinit, noise=not args.no_noise, sigma_w=args.sigma_w,
+                      sigma_a=args.sigma_a, relative=args.relative, seed=seed)
     cb = WinQCallback(winq if method == "winq" else STE)
     cfg = TrainConfig(steps=args.steps, batch_size=args.batch_size, lr=args.lr, warmup=max(args.steps // 10, 1),
                       seed=seed, progress=True)
@@ -43,6 +44,18 @@ def run_one(base, rows, ev, scheme: str, method: str, seed: int, args) -> dict:
     ppl = perplexity(model, ev, seqlen=args.eval_seqlen, windows=args.windows, progress=False).ppl
     return {"scheme": scheme, "method": method, "seed": seed, "losses": r.losses, "final_loss": r.final_loss,
             "seconds": r.seconds, "ppl": ppl, "reinits": cb.reinits}
+
+
+def reused_ste(args) -> list[dict]:
+    """ste runs of an earlier results file, refused unless it was trained with the same settings."""
+    if not args.reuse_ste:
+        return []
+    prev = json.loads(Path(args.reuse_ste).read_text())
+    keys = ("steps", "batch_size", "seqlen", "lr", "eval_seqlen", "windows")
+    diff = {k: (prev["settings"].get(k), getattr(args, k)) for k in keys if prev["settings"].get(k) != getattr(args, k)}
+    if diff:
+        raise SystemExit(f"--reuse-ste {args.reuse_ste} was run with other settings {diff}; rerun the baseline")
+    return [r for r in prev["runs"] if r["method"] == "ste"]
 
 
 def summarise(runs: list[dict], window: int) -> list[dict]:
@@ -69,6 +82,10 @@ def main() -> None:
     p.add_argument("--sigma-w", type=float, default=1e-3)
     p.add_argument("--sigma-a", type=float, default=1e-3)
     p.add_argument("--relative", action="store_true", help="noise sigmas relative to each row's scale")
+    p.add_argument("--no-reinit", action="store_true", help="ablation: winq without re-initialisation")
+    p.add_argument("--no-noise", action="store_true", help="ablation: winq without noise")
+    p.add_argument("--reuse-ste", default=None, help="take the ste runs from this earlier results JSON "
+                   "(same settings) instead of training them again")
     p.add_argument("--smooth", type=int, default=10)
     p.add_argument("--eval-seqlen", type=int, default=256)
     p.add_argument("--windows", type=int, default=8)
@@ -89,10 +106,15 @@ def main() -> None:
     ev = eval_tokens(lm.tokenizer, None)
     t0 = time.perf_counter()
     ppl_fp = perplexity(lm.model, ev, seqlen=args.eval_seqlen, windows=args.windows, progress=False).ppl
+    old = reused_ste(args)
     runs = []
     for scheme in args.schemes.split(","):
         for seed in map(int, args.seeds.split(",")):
             for method in ("ste", "winq"):
+                prior = [r for r in old if (r["scheme"], r["method"], r["seed"]) == (scheme, "ste", seed)]
+                if method == "ste" and prior:
+                    runs.append(prior[0])
+                    continue
                 runs.append(run_one(lm.model, rows, ev, scheme, method, seed, args))
                 print(json.dumps({k: v for k, v in runs[-1].items() if k != "losses"}), flush=True)
     summary = summarise(runs, args.smooth)
