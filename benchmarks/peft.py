@@ -57,6 +57,8 @@ def parse() -> argparse.Namespace:
     p.add_argument("--paths", action="store_true", help="also time QWHA's dense vs sparse forward paths")
     p.add_argument("--out", default=str(RESULTS / "peft.json"))
     p.add_argument("--dry", action="store_true", help="do not write results (smoke run)")
+    p.add_argument("--combine", default=None, metavar="A.json,B.json",
+                   help="only merge finished per-base result files into --out (+ PNG); runs nothing")
     return p.parse_args()
 
 
@@ -157,8 +159,20 @@ def plot(results: dict, path: Path) -> None:
     atomic_write_bytes(path, buf.getvalue())
 
 
+def combine(files: list[str], out: Path) -> None:
+    """One results file from runs of single bases (e.g. run in parallel on a shared machine)."""
+    parts = [json.loads(Path(f).read_text()) for f in files]
+    merged = {**parts[0], "bases": [b for p in parts for b in p["bases"]],
+              "complete": all(p.get("complete") for p in parts), "combined_from": files}
+    atomic_write_text(out, json.dumps(merged, indent=1))
+    plot(merged, out.with_suffix(".png"))
+
+
 def main() -> None:
     args = parse()
+    if args.combine:
+        combine(args.combine.split(","), Path(args.out))
+        return
     torch.manual_seed(0)
     lm = load_model(None)
     fp, tok = lm.model, lm.tokenizer

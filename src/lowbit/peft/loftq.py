@@ -18,9 +18,9 @@ class LoftQAdapter(LoRAAdapter):
 
 def svd_factors(err: torch.Tensor, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``(B [out, r], A [r, in])`` with ``B @ A`` the best rank-r approximation of ``err``."""
-    u, s, vh = torch.linalg.svd(err.double(), full_matrices=False)
+    u, s, vh = torch.linalg.svd(err.float(), full_matrices=False)
     root = s[:rank].sqrt()
-    return (u[:, :rank] * root).float(), (root[:, None] * vh[:rank]).float()
+    return u[:, :rank] * root, root[:, None] * vh[:rank]
 
 
 def loftq_adapter(err: torch.Tensor, rank: int, alpha: float | None = None) -> LoftQAdapter:

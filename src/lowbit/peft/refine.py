@@ -66,35 +66,36 @@ def select_positions(score: torch.Tensor, counts: torch.Tensor) -> tuple[torch.T
 
 def solve_rows(gram: torch.Tensor, rhs: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor,
                counts: torch.Tensor) -> torch.Tensor:
-    """Solve ``G[S_i, S_i] x_i = rhs_i[S_i]`` for every row, batched in chunks of equal padding.
+    """Solve ``G[S_i, S_i] x_i = rhs_i[S_i]`` for every row, batched by padded size.
 
-    Rows are grouped after sorting by k_i so a chunk pads to its own largest k; padded
+    Rows are bucketed by k_i rounded up to a power of two (few buckets, at most 2x
+    padding), each bucket solved in chunks of at most ``SOLVE_CHUNK`` elements; padded
     slots get an identity row and a zero right-hand side, so they solve to 0.
     """
-    out_rows = counts.numel()
     starts = torch.cumsum(counts, 0) - counts
-    order = torch.argsort(counts)
     values = torch.zeros(rows.numel(), dtype=torch.float64, device=gram.device)
     ridge = 1e-9 * float(torch.diagonal(gram).mean().clamp_min(1e-300))
-    i = 0
-    while i < out_rows:
-        kmax = max(1, int(counts[order[min(out_rows - 1, i)]]))
-        step = max(1, SOLVE_CHUNK // (kmax * kmax))
-        chunk = order[i:i + step]
-        kmax = max(1, int(counts[chunk].max()))
-        slot = torch.arange(kmax, device=gram.device)
-        valid = slot[None, :] < counts[chunk, None]
-        flat = (starts[chunk, None] + slot[None, :]).clamp_max(max(rows.numel() - 1, 0))
-        idx = torch.where(valid, cols[flat], torch.zeros_like(flat))
-        g = gram[idx[:, :, None], idx[:, None, :]]
-        pair = valid[:, :, None] & valid[:, None, :]
-        eye = torch.eye(kmax, dtype=g.dtype, device=g.device).expand_as(g)
-        g = torch.where(pair, g + ridge * eye, eye)
-        b = torch.where(valid, torch.gather(rhs[chunk], 1, idx), torch.zeros_like(idx, dtype=rhs.dtype))
-        x = torch.linalg.solve(g, b.unsqueeze(-1)).squeeze(-1)
-        values[flat[valid]] = x[valid]
-        i += step
+    nonzero = counts > 0
+    size = torch.where(nonzero, 2 ** torch.ceil(torch.log2(counts.clamp_min(1).double())).long(), 0)
+    for k in torch.unique(size[nonzero]).tolist():
+        members = torch.nonzero(size == k).flatten()
+        for chunk in torch.split(members, max(1, SOLVE_CHUNK // (k * k))):
+            _solve_chunk(gram, rhs, cols, starts[chunk], counts[chunk], chunk, k, ridge, values)
     return values
+
+
+def _solve_chunk(gram, rhs, cols, starts, counts, chunk, k, ridge, values) -> None:
+    slot = torch.arange(k, device=gram.device)
+    valid = slot[None, :] < counts[:, None]
+    flat = torch.where(valid, starts[:, None] + slot[None, :], torch.zeros_like(valid, dtype=torch.long))
+    idx = torch.where(valid, cols[flat], torch.zeros_like(flat))
+    g = gram[idx[:, :, None], idx[:, None, :]]
+    pair = valid[:, :, None] & valid[:, None, :]
+    eye = torch.eye(k, dtype=g.dtype, device=g.device).expand_as(g)
+    g = torch.where(pair, g + ridge * eye, eye)
+    b = torch.where(valid, torch.gather(rhs[chunk], 1, idx), torch.zeros((), dtype=rhs.dtype))
+    x = torch.linalg.solve(g, b.unsqueeze(-1)).squeeze(-1)
+    values[flat[valid]] = x[valid]
 
 
 def init_qwha(err: torch.Tensor, budget: int, xtx: torch.Tensor | None = None, k_min: int = 1,
