@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from lowbit.formats import qdq
+from lowbit.formats import qdq, relative_error
 from lowbit.io import atomic_write_text
 
 RESULTS = Path(__file__).parent / "results" / "formats.json"
@@ -53,7 +53,7 @@ def fouroversix_qdq(rule: str):
     return lambda w: dequantize(quantize_to_fp4(w, cfg), torch.float32)
 
 
-def compare(weights: list[torch.Tensor], repeats: int) -> dict:
+def compare(weights: list[torch.Tensor], repeats: int, fos_repeats: int | None = None) -> dict:
     """lowbit vs fouroversix on a list of tensors (errors pooled, times summed)."""
     out = {}
     den = sum(float((w.double() ** 2).sum()) for w in weights)
@@ -63,7 +63,8 @@ def compare(weights: list[torch.Tensor], repeats: int) -> dict:
         for who, fn in (("lowbit", lambda w, s=ours: qdq(w, s)), ("fouroversix", fouroversix_qdq(theirs))):
             if fn is None:
                 continue
-            secs, outs = timed(lambda fn=fn: [fn(w) for w in weights], repeats)
+            n = repeats if who == "lowbit" or fos_repeats is None else fos_repeats
+            secs, outs = timed(lambda fn=fn: [fn(w) for w in weights], n)
             num = sum(float(((o.double() - w.double()) ** 2).sum()) for o, w in zip(outs, weights, strict=True))
             out[f"{who}/{ours}"] = {"rel_mse": num / den, "seconds": secs, "x_copy": secs / t_copy}
     for ours in ("nvfp4", "nvfp4-46"):
@@ -79,11 +80,29 @@ def student_t() -> torch.Tensor:
     return torch.distributions.StudentT(3.0).sample((4096, 4096))
 
 
-def model_weights() -> dict[str, torch.Tensor]:
+def model_weights(stride: int = 1) -> dict[str, torch.Tensor]:
+    """The bundled model's quantized Linear weights; ``stride`` > 1 keeps every stride-th layer."""
     from lowbit.models import linear_layers, load_model
 
     model = load_model().model
-    return {n: m.weight.detach().clone() for n, m in linear_layers(model).items()}
+    items = list(linear_layers(model).items())[::stride]
+    return {n: m.weight.detach().clone() for n, m in items}
+
+
+def per_tensor_check(weights: dict[str, torch.Tensor]) -> dict:
+    """On every tensor: |lowbit - fouroversix| for plain NVFP4 and lowbit 4-over-6 <= fouroversix's."""
+    f6, f46 = fouroversix_qdq("static_6"), fouroversix_qdq("mse")
+    if f6 is None:
+        return {"skipped": "fouroversix not installed"}
+    worst_diff, violations = 0.0, []
+    for n, w in weights.items():
+        e6 = relative_error(w, qdq(w, "nvfp4")), relative_error(w, f6(w))
+        e46 = relative_error(w, qdq(w, "nvfp4-46")), relative_error(w, f46(w))
+        worst_diff = max(worst_diff, abs(e6[0] - e6[1]) / e6[1])
+        if e46[0] > e46[1] * (1 + 1e-9):
+            violations.append(n)
+    return {"tensors": len(weights), "nvfp4_worst_rel_mse_diff": worst_diff,
+            "4over6_worse_than_fouroversix": violations}
 
 
 def rules_table(weights: dict[str, torch.Tensor], block: int = 8) -> dict:
@@ -141,28 +160,23 @@ def print_compare(name: str, r: dict) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--parts", default="tensor,model,rules,study")
+    p.add_argument("--parts", default="study,tensor,model,rules")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--schemes", default="nvfp4,nvfp4:guard=1,nvfp4-46,nvfp4-46:rule=span,nvfp4-ue5m3")
     p.add_argument("--blocks", default="8,16,32,64")
+    p.add_argument("--layer-stride", type=int, default=1,
+                   help="use every N-th Linear of the bundled model (1 = all; the CPU budget may need more)")
+    p.add_argument("--fos-repeats", type=int, default=None, help="repeats for fouroversix (default --repeats)")
     p.add_argument("--ppl-windows", type=int, default=0, help="perplexity windows per study point (0 = none)")
     args = p.parse_args()
     torch.set_num_threads(1)
     parts = args.parts.split(",")
     results = json.loads(RESULTS.read_text()) if RESULTS.exists() else {}
     results["threads"] = 1
-    if "tensor" in parts:
-        results["student_t_4096"] = compare([student_t()], args.repeats)
-        print_compare("Student-t 3 dof 4096x4096", results["student_t_4096"])
-        save(results)
-    weights = model_weights() if {"model", "rules", "study"} & set(parts) else None
-    if "model" in parts:
-        results["bundled_model"] = compare(list(weights.values()), 1)
-        print_compare("bundled model Linear weights (block 16)", results["bundled_model"])
-        save(results)
-    if "rules" in parts:
-        results["rules_block8"] = rules_table(weights)
-        save(results)
+    weights = model_weights(args.layer_stride) if {"model", "rules", "study"} & set(parts) else None
+    if weights is not None:
+        results["model_weights"] = {"layer_stride": args.layer_stride, "tensors": len(weights),
+                                    "params": sum(w.numel() for w in weights.values())}
     if "study" in parts:
         from lowbit.cli.formats import parse_schemes, print_table
         from lowbit.studies import StudyRow
@@ -172,6 +186,17 @@ def main() -> None:
         results["study"] = res
         save(results)
         print_table([StudyRow(**r) for r in res["rows"]], res["fp_ppl"], file=None)
+    if "tensor" in parts:
+        results["student_t_4096"] = compare([student_t()], args.repeats, args.fos_repeats)
+        print_compare("Student-t 3 dof 4096x4096", results["student_t_4096"])
+        save(results)
+    if "model" in parts:
+        results["bundled_model_per_tensor"] = per_tensor_check(weights)
+        print(results["bundled_model_per_tensor"], flush=True)
+        save(results)
+    if "rules" in parts:
+        results["rules_block8"] = rules_table(weights)
+        save(results)
     print(f"\nwrote {RESULTS}")
 
 

@@ -79,11 +79,15 @@ def quantize_fp(w: torch.Tensor, s: Scheme, imp: torch.Tensor | None = None,
     elem = ELEM_GRIDS[s.elem]
     x = to_groups(w.detach().float(), g)
     a = x.abs()
-    enc = rules.tensor_encode(a.amax(), s, elem)
+    amax = a.amax(-1)
+    enc = rules.tensor_encode(amax.amax(), s, elem)
+    hp = rules.absmax_hp(amax, s, elem)
     if enc is not None:
-        a = a * enc
+        a, hp = a * enc, hp * enc  # amax / 6 * enc: the NVFP4 recipe's order of operations
     weight = _block_weight(imp, cols, g, s)
-    sc = torch.cat([rules.choose_scales(c, s, elem, weight, window) for c in a.split(_rows_per_chunk(a), 0)])
+    n = _rows_per_chunk(a)
+    sc = torch.cat([rules.choose_scales(c, s, elem, weight, window, h) for c, h in zip(a.split(n), hp.split(n),
+                                                                                      strict=True)])
     r = rules.elem_mags(a, sc, elem, s.guard)
     return QTensor(encode_codes(x, r, s.elem), sc, None, enc, (out, cols), s)
 

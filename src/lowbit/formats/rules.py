@@ -80,7 +80,10 @@ def tensor_encode(amax_t: torch.Tensor, s: Scheme, elem: ElemGrid) -> torch.Tens
     if not s.tensor_scale:
         return None
     amax_t = amax_t.float()
-    return torch.where(amax_t > 0, (elem.max * s.tensor_max) / amax_t, torch.ones_like(amax_t))
+    # tensor / tensor: ``float / tensor`` is computed as a reciprocal times the float in
+    # torch, one ulp off the quotient, which flips E4M3 ties of the block scales
+    num = torch.tensor(elem.max * s.tensor_max, dtype=torch.float32, device=amax_t.device)
+    return torch.where(amax_t > 0, num / amax_t, torch.ones_like(amax_t))
 
 
 def absmax_hp(amax: torch.Tensor, s: Scheme, elem: ElemGrid) -> torch.Tensor:
@@ -94,9 +97,10 @@ def cast(x: torch.Tensor, s: Scheme) -> torch.Tensor:
     return fp8.cast_scale(x, s.scale, s.e8m0_round)
 
 
-def absmax_scale(amax: torch.Tensor, s: Scheme, elem: ElemGrid) -> torch.Tensor:
+def absmax_scale(amax: torch.Tensor, s: Scheme, elem: ElemGrid, hp: torch.Tensor | None = None
+                 ) -> torch.Tensor:
     """The plain block scale (block max to the element maximum), guard applied if on."""
-    sc = cast(absmax_hp(amax, s, elem), s)
+    sc = cast(absmax_hp(amax, s, elem) if hp is None else hp, s)
     return guard_scale(sc, amax, s.scale) if s.guard else sc
 
 
@@ -163,17 +167,18 @@ def _range(grid: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor) -> Iterator[t
         yield grid[torch.minimum(lo + k, hi)]
 
 
-def candidates(amax: torch.Tensor, s: Scheme, elem: ElemGrid, window: int | None = BRUTE_WINDOW
-               ) -> Iterator[torch.Tensor]:
+def candidates(amax: torch.Tensor, s: Scheme, elem: ElemGrid, window: int | None = BRUTE_WINDOW,
+               hp: torch.Tensor | None = None) -> Iterator[torch.Tensor]:
     """Candidate block scales for ``s.rule``, abs-max first (all on the scale grid).
 
     window: brute force only; codes each side of the abs-max scale, None = every code.
+    hp: the unrounded abs-max scale if the caller computed it (see ``choose_scales``).
     """
-    s6 = absmax_scale(amax, s, elem)
+    hp = absmax_hp(amax, s, elem) if hp is None else hp
+    s6 = absmax_scale(amax, s, elem, hp)
     yield s6
     if s.rule == "absmax":
         return
-    hp = absmax_hp(amax, s, elem)
     s4 = cast(hp * 1.5, s)
     s4 = guard_scale(s4, amax, s.scale) if s.guard else s4
     if s.rule == "4over6":
@@ -208,14 +213,17 @@ def candidates(amax: torch.Tensor, s: Scheme, elem: ElemGrid, window: int | None
 
 
 def choose_scales(a: torch.Tensor, s: Scheme, elem: ElemGrid, weight: torch.Tensor | None = None,
-                  window: int | None = BRUTE_WINDOW) -> torch.Tensor:
+                  window: int | None = BRUTE_WINDOW, hp: torch.Tensor | None = None) -> torch.Tensor:
     """Per block, the candidate scale of ``s.rule`` with the lowest ``s.criterion`` error.
 
     a: magnitudes ``[..., g]`` (already times the tensor scale); weight: optional
     per-element error weights broadcastable to ``a`` (the importance of the search rule).
+    hp: unrounded abs-max scales ``[...]``; NVFP4 computes them as ``amax / 6 * enc``
+    from the unscaled block max, the order of operations of the NVFP4 recipe, so that
+    scales agree bit for bit with other implementations of it.
     """
     amax = a.amax(-1)
-    it = candidates(amax, s, elem, window)
+    it = candidates(amax, s, elem, window, hp)
     best = next(it)
     if s.rule == "absmax":
         return best
