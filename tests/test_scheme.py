@@ -45,3 +45,9 @@ def test_bits_per_weight_counts_scale_and_zero():
 def test_group_wider_than_row_is_refused():
     with pytest.raises(SchemeError, match="larger than the 64 input columns"):
         Scheme.parse("w4g128").check_width(64)
+
+
+@pytest.mark.parametrize("text,name", [("w2g32", "w2g32"), ("w3g64a", "w3g64a"), ("w6", "w6"),
+                                       ("w2g32:full=0", "w2g32:full=0"), ("w4g128", "w4g128")])
+def test_int_names_are_canonical(text, name):
+    assert Scheme.parse(text).name == name

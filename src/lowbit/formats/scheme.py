@@ -252,14 +252,22 @@ def _fmt(v: Any) -> str:
 
 
 def _explicit_name(s: Scheme) -> str:
-    """Nearest preset plus the fields that differ, e.g. ``nvfp4:block=8,rule=4over6``."""
+    """Nearest base name plus the fields that differ, e.g. ``w3g32a`` or ``nvfp4:block=8,rule=4over6``.
+
+    INT schemes start from their own ``wBgG[a]`` form, so only non-default fields show.
+    """
+    if s.elem == "int":
+        base = f"w{s.bits}" + (f"g{s.group_size}" if s.group_size != -1 else "") + ("" if s.sym else "a")
+        candidates = {base: _base_scheme(base)}
+    else:
+        candidates = {k: p for k, p in PRESETS.items() if p.elem == s.elem}
     best_key, best_diff = None, None
-    for key, preset in PRESETS.items():
-        if preset.elem != s.elem:
-            continue
+    for key, preset in candidates.items():
         diff = {f: getattr(s, f) for f in _FIELD_TO_KEY if getattr(s, f) != getattr(preset, f)}
         if best_diff is None or len(diff) < len(best_diff):
             best_key, best_diff = key, diff
     assert best_key is not None and best_diff is not None
+    if not best_diff:
+        return best_key
     opts = ",".join(f"{_FIELD_TO_KEY[f]}={_fmt(v)}" for f, v in best_diff.items())
     return f"{best_key}:{opts}"
