@@ -14,7 +14,7 @@ setup: $(BIN)/lowbit
 # Quantize the bundled SmolLM2-135M to w4g128 (importance-searched RTN), evaluate FP vs
 # quantized perplexity, save the checkpoint to out/smollm2-w4g128, print the summary.
 demo: setup
-	$(BIN)/lowbit quantize --scheme w4g128 --method rtn --search --out out/smollm2-w4g128 --force
+	$(BIN)/lowbit quantize --scheme w4g128 --method rtn --out out/smollm2-w4g128 --force
 
 test: setup
 	$(BIN)/python -m pytest -q

@@ -17,7 +17,7 @@ def test_quantize_save_load_eval_same_perplexity(tmp_path, capsys):
     assert code == 0
     r = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert set(r) >= {"model", "scheme", "method", "seconds", "ppl_fp", "ppl_q", "bits_per_weight", "out"}
-    assert r["scheme"] == "w4g128" and r["bits_per_weight"] == pytest.approx(4.125)
+    assert r["scheme"] == "w4g128:rule=search" and r["bits_per_weight"] == pytest.approx(4.125)
     assert r["ppl_fp"] < r["ppl_q"] < 1.4 * r["ppl_fp"]
 
     code = main(["eval", str(out), "--windows", "4", "--json"])

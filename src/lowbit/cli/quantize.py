@@ -17,8 +17,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--scheme", default="w4g128", help="scheme name, e.g. w4g128, w2g64, nvfp4-46, mxfp4 "
                    "(see `Scheme.parse`); default w4g128")
     p.add_argument("--method", default="rtn", help="rtn | signround | signround2 (default rtn)")
-    p.add_argument("--search", action="store_true",
-                   help="RTN: choose scales by the importance-weighted search on calibration activations")
+    p.add_argument("--search", action=argparse.BooleanOptionalAction, default=True,
+                   help="RTN: choose scales by the importance-weighted search on calibration activations "
+                        "(default on; --no-search = plain round-to-nearest, no data needed)")
     p.add_argument("--plan", metavar="FILE", default=None, help="a plan JSON (layer -> scheme) instead of --scheme")
     p.add_argument("--lm-head", action="store_true", help="also quantize the lm_head (kept 16-bit by default)")
     p.add_argument("--iters", type=int, default=None, help="tuning iterations (signround methods)")
