@@ -93,3 +93,18 @@ def test_eval_seqlen_longer_than_text(tmp_path, capsys, tiny_tokenizer):
     code = main(["eval", str(tmp_path / "qwen"), "--data", str(tmp_path / "t.txt"), "--seqlen", "512"])
     assert code != 0
     assert "fewer than one window" in capsys.readouterr().err
+
+
+def test_mixed_precision_signround2_saves_plan_in_checkpoint(tmp_path, capsys, tiny_tokenizer):
+    _save_tiny_qwen(tmp_path / "qwen", tiny_tokenizer)
+    out = tmp_path / "q"
+    code = main(["quantize", str(tmp_path / "qwen"), "--method", "signround2", "--iters", "2",
+                 "--avg-bits", "3.5", "--options", "w2g32,w4g32", "--nsamples", "4", "--seqlen", "32",
+                 "--no-eval", "--out", str(out), "--json"])
+    assert code == 0, capsys.readouterr().err
+    r = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert r["scheme"].startswith("mixed(") and r["bits_per_weight"] <= 3.5
+    assert (out / "plan.json").is_file() and (out / "plan.png").is_file()
+    from lowbit.export.native import load
+
+    load(out)

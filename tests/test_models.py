@@ -118,3 +118,13 @@ def test_bundled_model_loads_in_float32():
     assert lm.kind == "bundled"
     assert next(lm.model.parameters()).dtype == torch.float32
     assert len(linear_layers(lm.model)) == 30 * 7
+
+
+def test_blocks_found_on_a_fully_quantized_model():
+    from lowbit.formats.plan import Plan
+    from lowbit.nn import replace_linears
+
+    model = LlamaForCausalLM(LlamaConfig(**SMALL))
+    replace_linears(model, Plan.uniform(linear_layers(model), "w4g32"))
+    assert len(decoder_blocks(model)) == 3
+    assert len(linear_layers(model)) == 21

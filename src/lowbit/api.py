@@ -7,6 +7,8 @@ its result only when complete.
 
 from __future__ import annotations
 
+import shutil
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -62,6 +64,11 @@ def quantize_pipeline(model: str | None, scheme: str, method: str, out: Path, da
     from lowbit.models import load_model
     from lowbit.ptq import methods, quantize_model
 
+    options = (tuning or {}).get("options")
+    if options and not plan_file:  # mixed precision: every layer starts from a candidate scheme
+        for opt in options.split(","):
+            Scheme.parse(opt)
+        scheme = options.split(",")[0]
     if not plan_file:
         Scheme.parse(scheme)
     if method not in methods():
@@ -76,9 +83,13 @@ def quantize_pipeline(model: str | None, scheme: str, method: str, out: Path, da
         result["ppl_fp"] = perplexity(lm.model, ev, seqlen=eval_seqlen, windows=windows).ppl
     needs_calib = search or method != "rtn" or (tuning or {}).get("avg_bits") is not None
     calib = calibration_batches(lm.tokenizer, data, nsamples=nsamples, seqlen=seqlen, seed=seed) if needs_calib else None
+    tuning = dict(tuning or {})
+    side = None
+    if tuning.get("avg_bits") is not None and "plan_out" not in tuning:
+        side = Path(tempfile.mkdtemp(prefix="lowbit-plan-"))
+        tuning["plan_out"] = str(side)  # plan.json / plan.png, copied into the checkpoint
     t0 = time.perf_counter()
-    plan = quantize_model(lm.model, plan, method, calib=calib, search=search, tokenizer=lm.tokenizer,
-                          **(tuning or {}))
+    plan = quantize_model(lm.model, plan, method, calib=calib, search=search, tokenizer=lm.tokenizer, **tuning)
     result["quantize_seconds"] = round(time.perf_counter() - t0, 2)
     result["scheme"] = plan.describe()
     if ev is not None:
@@ -88,7 +99,10 @@ def quantize_pipeline(model: str | None, scheme: str, method: str, out: Path, da
     result["bits_per_weight"] = round(plan.average_bits(layer_sizes(lm.model, plan)), 4)
     meta = {"source": lm.source, "method": method, "plan": plan.describe(),
             **{k: result[k] for k in ("ppl_fp", "ppl_q") if k in result}}
-    save(lm.model, lm.tokenizer, out, meta=meta, force=force)
+    extra = {p.name: p for p in side.iterdir()} if side is not None else {}
+    save(lm.model, lm.tokenizer, out, meta=meta, force=force, extra_files=extra)
+    if side is not None:
+        shutil.rmtree(side, ignore_errors=True)
     result["out"] = str(out)
     return result
 

@@ -42,6 +42,14 @@ def add_tuning_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch-size", type=int, default=8, help="tuning mini-batch (8)")
     p.add_argument("--preset", default=None, help="signround preset: light | default | best")
     p.add_argument("--workdir", default=None, help="folder for per-block results (resume)")
+    p.add_argument("--offload-dir", default=None, help="keep blocks on disk, one block's weights in memory")
+    p.add_argument("--fp-inputs", action="store_true", help="tune each block on FP inputs instead of quantized")
+    p.add_argument("--delta-mode", choices=("abs", "signed"), default=None, help="DeltaLoss score (abs)")
+    p.add_argument("--tie-qkv", dest="tie_qkv_layers", action="store_true", default=None,
+                   help="mixed precision: q/k/v of a block share one scheme")
+    p.add_argument("--ignore-scale-bits", dest="count_scales", action="store_false", default=None,
+                   help="mixed precision: budget counts element bits only")
+    p.add_argument("--device", default=None, help="compute device for block tuning (cpu, cuda)")
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -59,5 +67,9 @@ def run(args: argparse.Namespace) -> dict:
 
 
 def _tuning(args: argparse.Namespace) -> dict:
-    keys = ("iters", "avg_bits", "options", "batch_size", "preset", "workdir")
-    return {k: getattr(args, k) for k in keys if getattr(args, k, None) is not None}
+    keys = ("iters", "avg_bits", "options", "batch_size", "preset", "workdir", "offload_dir", "delta_mode",
+            "tie_qkv_layers", "count_scales", "device")
+    d = {k: getattr(args, k) for k in keys if getattr(args, k, None) is not None}
+    if args.fp_inputs:
+        d["fp_inputs"] = True
+    return d

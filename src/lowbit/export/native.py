@@ -17,6 +17,7 @@ hand-edited checkpoint fails loudly instead of loading wrong numbers.
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -41,8 +42,12 @@ def is_checkpoint(path: str | Path) -> bool:
     return (Path(path) / MANIFEST).is_file()
 
 
-def save(model: nn.Module, tokenizer: Any, out: str | Path, meta: dict | None = None, force: bool = False) -> Path:
-    """Write ``model`` (with its `QuantLinear` layers) to the folder ``out`` atomically."""
+def save(model: nn.Module, tokenizer: Any, out: str | Path, meta: dict | None = None, force: bool = False,
+         extra_files: dict[str, Path] | None = None) -> Path:
+    """Write ``model`` (with its `QuantLinear` layers) to the folder ``out`` atomically.
+
+    extra_files: name -> file copied into the folder (e.g. a mixed-precision plan and its plot).
+    """
     out = Path(out)
     qlayers = quant_layers(model)
     tensors, aliases = _tensors_to_save(model, qlayers)
@@ -61,6 +66,8 @@ def save(model: nn.Module, tokenizer: Any, out: str | Path, meta: dict | None = 
             del config.quantization_config
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
+        for name, src in (extra_files or {}).items():
+            shutil.copyfile(src, tmp / name)
         manifest["files"] = {WEIGHTS: sha256_file(tmp / WEIGHTS)}
         atomic_write_text(tmp / MANIFEST, json.dumps(manifest, indent=1))
     return out

@@ -39,7 +39,7 @@ def decoder_blocks(model: nn.Module) -> nn.ModuleList:
 
 
 def _has_linear(mod: nn.Module) -> bool:
-    return any(isinstance(m, nn.Linear) for m in mod.modules())
+    return any(_is_linear_like(m) for m in mod.modules())
 
 
 def _is_linear_like(mod: nn.Module) -> bool:
