@@ -24,10 +24,7 @@ them and transformers' GGUF loader undoes it, so the same permutation is applied
 
 from __future__ import annotations
 
-import contextlib
 import json
-import os
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -38,6 +35,7 @@ from torch import nn
 
 from lowbit.errors import LowbitError, ModelError, SchemeError
 from lowbit.formats import QTensor, Scheme
+from lowbit.io import atomic_file
 from lowbit.nn import quant_layers
 
 EXACT = ("Q4_0 (INT4 sym, group 32)", "Q4_1 (INT4 asym, group 32, when zero*scale is an fp16 number)",
@@ -293,11 +291,8 @@ def export(model: nn.Module, tokenizer: Any, out: str | Path, force: bool = Fals
     types = plan_types(model, allow_requant)
     qlayers = quant_layers(model)
     name_map = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, config.num_hidden_layers)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{out.name}.", suffix=".partial", dir=out.parent)
-    os.close(fd)
-    try:
-        writer = gguf.GGUFWriter(tmp, "llama")
+    with atomic_file(out) as tmp:
+        writer = gguf.GGUFWriter(str(tmp), "llama")
         add_model_metadata(writer, config, name)
         if source_gguf is not None:
             copy_tokenizer_fields(writer, Path(source_gguf))
@@ -308,13 +303,6 @@ def export(model: nn.Module, tokenizer: Any, out: str | Path, force: bool = Fals
         writer.write_kv_data_to_file()
         writer.write_tensors_to_file(progress=False)
         writer.close()
-        with open(tmp, "rb") as f:
-            os.fsync(f.fileno())
-        os.replace(tmp, out)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
-        raise
     return {"out": str(out), "types": counts,
             "requantized": sorted(n for n, p in types.items() if not p.exact)}
 
