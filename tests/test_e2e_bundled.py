@@ -13,7 +13,7 @@ def test_quantize_save_load_eval_same_perplexity(tmp_path, capsys):
 
     out = tmp_path / "q"
     code = main(["quantize", "--scheme", "w4g128", "--method", "rtn", "--out", str(out),
-                 "--windows", "4", "--json"])
+                 "--windows", "4", "--nsamples", "8", "--json"])
     assert code == 0
     r = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert set(r) >= {"model", "scheme", "method", "seconds", "ppl_fp", "ppl_q", "bits_per_weight", "out"}

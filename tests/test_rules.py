@@ -99,3 +99,10 @@ def test_criteria_and_errors():
     assert rules.block_error(d, "max").item() == 2.0
     with pytest.raises(SchemeError):
         rules.block_error(d, "l3")
+
+
+def test_tiny_tensor_does_not_overflow_tensor_scale():
+    w = torch.full((1, 16), 1e-38)
+    for name in ["nvfp4", "nvfp4-46"]:
+        d = quantize(w, Scheme.parse(name).replace(group_size=4, guard=True)).dequantize()
+        assert torch.isfinite(d).all() and (d > 0).all()

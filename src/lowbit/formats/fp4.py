@@ -88,8 +88,23 @@ def quantize_fp(w: torch.Tensor, s: Scheme, imp: torch.Tensor | None = None,
     n = _rows_per_chunk(a)
     sc = torch.cat([rules.choose_scales(c, s, elem, weight, window, h) for c, h in zip(a.split(n), hp.split(n),
                                                                                       strict=True)])
+    if s.guard:  # judged on the unscaled weights: x * enc can flush float32 subnormals to 0
+        sc = torch.where((amax > 0) & (sc == 0), torch.full_like(sc, fp8.smallest_scale(s.scale)), sc)
     r = rules.elem_mags(a, sc, elem, s.guard)
+    if s.guard:
+        r = _revive_underflowed(x.abs(), amax, r, elem)
     return QTensor(encode_codes(x, r, s.elem), sc, None, enc, (out, cols), s)
+
+
+def _revive_underflowed(a: torch.Tensor, amax: torch.Tensor, r: torch.Tensor, elem) -> torch.Tensor:
+    """Guard, judged on the unscaled weights: a block that is non-zero in ``w`` but whose
+    values vanished when multiplied by the tensor scale (float32 subnormals) still gets
+    the smallest code on its largest element."""
+    dead = (amax > 0) & (r.amax(-1) == 0)
+    if not bool(dead.any()):
+        return r
+    top = dead.unsqueeze(-1) & (a == amax.unsqueeze(-1))
+    return torch.where(top, torch.full_like(r, elem.tiny), r)
 
 
 def _rows_per_chunk(a: torch.Tensor, elems: int = 1 << 22) -> int:

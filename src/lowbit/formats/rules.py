@@ -76,14 +76,17 @@ def guard_scale(s: torch.Tensor, amax: torch.Tensor, fmt: str, when: str = "afte
 
 
 def tensor_encode(amax_t: torch.Tensor, s: Scheme, elem: ElemGrid) -> torch.Tensor | None:
-    """NVFP4 tensor scale ``enc = elem_max * S_max / amax`` (1 for an all-zero tensor)."""
+    """NVFP4 tensor scale ``enc = elem_max * S_max / amax`` (1 for an all-zero tensor, at most 2^100)."""
     if not s.tensor_scale:
         return None
     amax_t = amax_t.float()
     # tensor / tensor: ``float / tensor`` is computed as a reciprocal times the float in
     # torch, one ulp off the quotient, which flips E4M3 ties of the block scales
     num = torch.tensor(elem.max * s.tensor_max, dtype=torch.float32, device=amax_t.device)
-    return torch.where(amax_t > 0, num / amax_t, torch.ones_like(amax_t))
+    # a tensor whose max is below ~1e-35 would overflow enc to inf (NaN codes); capping enc
+    # only shrinks the block scales of such tensors, which the guard then keeps non-zero
+    enc = torch.where(amax_t > 0, num / amax_t, torch.ones_like(amax_t))
+    return enc.clamp(max=2.0**100)
 
 
 def absmax_hp(amax: torch.Tensor, s: Scheme, elem: ElemGrid) -> torch.Tensor:
