@@ -6,7 +6,7 @@ format is one function and one registry line.
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 

@@ -1,7 +1,14 @@
 """Studies: sweeps that people compare, as tables, JSON and PNG plots."""
 
-from lowbit.studies.blocks import (DEFAULT_BLOCKS, DEFAULT_SCHEMES, StudyRow, block_size_study,
-                                   model_block_study, verdicts, weight_error)
+from lowbit.studies.blocks import (
+                                   DEFAULT_BLOCKS,
+                                   DEFAULT_SCHEMES,
+                                   StudyRow,
+                                   block_size_study,
+                                   model_block_study,
+                                   verdicts,
+                                   weight_error,
+)
 from lowbit.studies.plot import plot_study
 
 __all__ = ["DEFAULT_BLOCKS", "DEFAULT_SCHEMES", "StudyRow", "block_size_study", "model_block_study",
