@@ -14,6 +14,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+from lowbit.configs import from_dict_strict
 from lowbit.errors import SchemeError
 
 ELEMS = ("int", "e2m1", "e4m3")
@@ -138,11 +139,7 @@ class Scheme:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Scheme:
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = set(d) - known
-        if unknown:
-            raise SchemeError(f"unknown scheme fields {sorted(unknown)}; known: {sorted(known)}")
-        return cls(**d)
+        return from_dict_strict(cls, d, SchemeError, "scheme fields")
 
     @classmethod
     def parse(cls, text: str | Scheme) -> Scheme:

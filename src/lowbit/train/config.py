@@ -13,6 +13,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+from lowbit.configs import from_dict_strict
 from lowbit.errors import ConfigError
 
 DTYPES = ("fp32", "bf16")
@@ -88,11 +89,7 @@ class TrainConfig:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> TrainConfig:
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = set(d) - known
-        if unknown:
-            raise ConfigError(f"unknown training settings {sorted(unknown)}; known: {sorted(known)}")
-        return cls(**d)
+        return from_dict_strict(cls, d, ConfigError, "training settings")
 
     def curve_settings(self) -> dict[str, Any]:
         """The settings a resume must share with the checkpoint (all but file/progress ones)."""
