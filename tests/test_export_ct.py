@@ -220,20 +220,13 @@ def test_cli_refuses_existing_out_and_foreign_folders(tmp_path, capsys):
 
 
 @pytest.mark.slow
-def test_bundled_model_ct_same_perplexity_in_transformers(tmp_path):
+def test_bundled_model_ct_same_perplexity_in_transformers(tmp_path, bundled_w4g32):
     """SmolLM2-135M, RTN w4g32 -> pack-quantized: transformers decompresses to lowbit's weights."""
     from transformers import AutoModelForCausalLM, CompressedTensorsConfig
 
-    from lowbit.api import build_plan
-    from lowbit.data import eval_tokens
     from lowbit.eval import perplexity
-    from lowbit.models import load_model
-    from lowbit.ptq.rtn import rtn_quantize
 
-    lm = load_model(None)
-    tokens = eval_tokens(lm.tokenizer)
-    rtn_quantize(lm.model, build_plan(lm.model, "w4g32", None), progress=False)
-    ours = perplexity(lm.model, tokens, seqlen=256, windows=2, progress=False).ppl
+    lm, tokens, ours = bundled_w4g32
     ct.export(lm.model, lm.tokenizer, tmp_path / "ct")
     hf = AutoModelForCausalLM.from_pretrained(tmp_path / "ct", dtype=torch.float32,
                                               quantization_config=CompressedTensorsConfig(run_compressed=False))

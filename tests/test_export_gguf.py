@@ -214,21 +214,14 @@ def test_cli_export_gguf_and_inspect(tmp_path, capsys):
 
 
 @pytest.mark.slow
-def test_bundled_model_gguf_same_perplexity_in_transformers(tmp_path):
+def test_bundled_model_gguf_same_perplexity_in_transformers(tmp_path, bundled_w4g32):
     """SmolLM2-135M, RTN w4g32 -> Q4_0: transformers' GGUF loader gives lowbit's perplexity."""
     from transformers import AutoModelForCausalLM
 
-    from lowbit.api import build_plan
-    from lowbit.data import eval_tokens
     from lowbit.eval import perplexity
-    from lowbit.models import load_model
     from lowbit.models.loading import bundled_gguf
-    from lowbit.ptq.rtn import rtn_quantize
 
-    lm = load_model(None)
-    tokens = eval_tokens(lm.tokenizer)
-    rtn_quantize(lm.model, build_plan(lm.model, "w4g32", None), progress=False)
-    ours = perplexity(lm.model, tokens, seqlen=256, windows=2, progress=False).ppl
+    lm, tokens, ours = bundled_w4g32
     r = ge.export(lm.model, lm.tokenizer, tmp_path / "m.gguf", source_gguf=bundled_gguf())
     assert r["types"]["Q4_0"] == 210 and r["requantized"] == []
     hf = AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file="m.gguf", dtype=torch.float32)
