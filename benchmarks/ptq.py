@@ -18,6 +18,7 @@ auto-round settings: ``amp=False``, ``device_map='cpu'``, same iters / nsamples 
 from __future__ import annotations
 
 import argparse
+import fcntl
 import json
 import os
 import resource
@@ -116,11 +117,14 @@ def merge(row: dict) -> None:
     sys.path.insert(0, str(ROOT / "src"))
     from lowbit.io import atomic_write_text
 
-    data = json.loads(RESULTS.read_text()) if RESULTS.exists() else {"rows": []}
-    data["rows"] = [r for r in data["rows"] if (r["config"], r["tool"]) != (row["config"], row["tool"])] + [row]
-    data["protocol"] = ("bundled SmolLM2-135M fp32, calibration 32x256 tokens (calib split, seed 0, same tokens "
-                        "for both tools), eval 40x512 tokens of the eval split, 1 thread, batch 8")
-    atomic_write_text(RESULTS, json.dumps(data, indent=1))
+    # two sweeps (one per tool, one core each) may finish rows at once: serialise the read-modify-write
+    with open(RESULTS.with_suffix(".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        data = json.loads(RESULTS.read_text()) if RESULTS.exists() else {"rows": []}
+        data["rows"] = [r for r in data["rows"] if (r["config"], r["tool"]) != (row["config"], row["tool"])] + [row]
+        data["protocol"] = ("bundled SmolLM2-135M fp32, calibration 32x256 tokens (calib split, seed 0, same tokens "
+                            "for both tools), eval 40x512 tokens of the eval split, 1 thread each, batch 8")
+        atomic_write_text(RESULTS, json.dumps(data, indent=1))
 
 
 def main() -> None:

@@ -230,3 +230,38 @@ def test_lora_matches_peft_on_float_linear():
     x = torch.randn(5, 24)
     assert torch.allclose(base(x) + ours(x), wrapped(x), atol=1e-5)
     assert sum(p.numel() for p in wrapped.parameters() if p.requires_grad) == ours.num_trainable()
+
+
+@pytest.mark.parametrize("kind", ["qwha-dense", "qwha-sparse", "fourierft", "lora"])
+def test_host_layer_folding_matches_separate_delta(kind):
+    """A folding adapter is summed into the weight before the one GEMM; outputs and grads must not change."""
+    from lowbit.nn import QuantLinear
+
+    torch.manual_seed(0)
+    base = torch.nn.Linear(48, 24)
+    layer = QuantLinear.from_linear(base, "w4g16")
+    if kind.startswith("qwha"):
+        ad = random_adapter(24, 48, 150, path=kind.split("-")[1])
+    elif kind == "fourierft":
+        ad = FourierFTAdapter(24, 48, 60, scaling=1.0)
+        with torch.no_grad():
+            ad.spectrum.normal_()
+    else:
+        ad = LoRAAdapter(24, 48, rank=4)
+        with torch.no_grad():
+            ad.lora_b.normal_()
+    layer.adapters["a"] = ad
+    x = torch.randn(3, 5, 48, requires_grad=True)
+    y = layer(x)
+    (y * torch.arange(24.0)).sum().backward()
+    got = (y.detach(), x.grad.clone(), [p.grad.clone() for p in ad.parameters()])
+    assert ad.folds(x) == (kind in ("qwha-dense", "fourierft"))
+    x2 = x.detach().clone().requires_grad_(True)
+    for p in ad.parameters():
+        p.grad = None
+    y2 = torch.nn.functional.linear(x2, layer.weight, layer.bias) + ad.delta(x2)
+    (y2 * torch.arange(24.0)).sum().backward()
+    assert torch.allclose(got[0], y2.detach(), atol=1e-5)
+    assert torch.allclose(got[1], x2.grad, atol=1e-4)
+    for g, p in zip(got[2], ad.parameters(), strict=True):
+        assert torch.allclose(g, p.grad, atol=1e-4, rtol=1e-4)

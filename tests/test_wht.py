@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from lowbit.errors import ConfigError
-from lowbit.peft.wht import factor, hadamard, pad_last, plan_width, wht
+from lowbit.peft.wht import METHODS, factor, hadamard, kron_factors, pad_last, plan_width, wht
 
 # widths of SmolLM2 (576, 1536, 192), Gemma-3-270M (640), each Paley order, and powers of two
 WIDTHS = [1, 2, 4, 8, 64, 12, 20, 24, 28, 36, 44, 48, 72, 192, 576, 640, 1536]
@@ -30,25 +30,38 @@ def test_dense_matrix_is_hadamard(n):
     assert torch.equal(h @ h.T, n * torch.eye(n, dtype=torch.float64))
 
 
+@pytest.mark.parametrize("method", METHODS)
 @pytest.mark.parametrize("n", WIDTHS)
-def test_fast_transform_matches_dense(n):
+def test_fast_transform_matches_dense(n, method):
     x = torch.randn(3, 5, n, dtype=torch.float64)
     h = hadamard(n, torch.float64)
-    assert torch.allclose(wht(x), x @ h.T, atol=1e-10 * n)
-    assert torch.allclose(wht(x, transpose=True), x @ h, atol=1e-10 * n)
+    assert torch.allclose(wht(x, method=method), x @ h.T, atol=1e-10 * n)
+    assert torch.allclose(wht(x, transpose=True, method=method), x @ h, atol=1e-10 * n)
 
 
+@pytest.mark.parametrize("method", METHODS)
 @pytest.mark.parametrize("n", [2, 16, 256, 1024])
-def test_powers_of_two_are_sylvester(n):
+def test_powers_of_two_are_sylvester(n, method):
     x = torch.randn(4, n, dtype=torch.float64)
-    assert torch.allclose(wht(x), x @ sylvester_brute(n), atol=1e-9 * n)
+    assert torch.allclose(wht(x, method=method), x @ sylvester_brute(n), atol=1e-9 * n)
 
 
-@pytest.mark.parametrize("n", [576, 1536, 192, 640, 20])
-def test_self_inverse_up_to_n(n):
+@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("n", [576, 1536, 192, 640, 20, 12 * 4096])
+def test_self_inverse_up_to_n(n, method):
     x = torch.randn(7, n, dtype=torch.float64)
-    assert torch.allclose(wht(wht(x), transpose=True) / n, x, atol=1e-12 * n)
-    assert torch.allclose(wht(wht(x, transpose=True)) / n, x, atol=1e-12 * n)
+    assert torch.allclose(wht(wht(x, method=method), transpose=True, method=method) / n, x, atol=1e-12 * n)
+    assert torch.allclose(wht(wht(x, transpose=True, method=method), method=method) / n, x, atol=1e-12 * n)
+
+
+def test_kron_splits_into_bounded_factors():
+    assert kron_factors(576) == (36, 16) and kron_factors(1536) == (24, 64) and kron_factors(640) == (20, 32)
+    assert kron_factors(1024) == (16, 64) and kron_factors(8192) == (16, 32, 16) and kron_factors(1) == (1,)
+    x = torch.randn(3, 576, dtype=torch.float64)
+    assert torch.allclose(wht(x, scale=0.25), 0.25 * wht(x, method="butterfly"), atol=1e-10)
+    assert torch.allclose(wht(x, scale=0.25, method="butterfly"), 0.25 * wht(x), atol=1e-10)
+    with pytest.raises(ConfigError, match="unknown WHT method"):
+        wht(torch.randn(2, 16), method="fft")
 
 
 def test_factorisations_of_model_widths():
@@ -59,6 +72,7 @@ def test_factorisations_of_model_widths():
 def test_float32_and_gradients():
     x = torch.randn(2, 24, dtype=torch.float64, requires_grad=True)
     assert torch.autograd.gradcheck(lambda t: wht(t, transpose=True), (x,))
+    assert torch.autograd.gradcheck(lambda t: wht(t, method="butterfly"), (x,))
     y = wht(torch.randn(3, 576))
     assert y.dtype == torch.float32
 

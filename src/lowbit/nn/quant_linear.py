@@ -6,6 +6,9 @@ The codes, scales, zeros and tensor scale are registered buffers, so ``state_dic
 quantized weight is replaced) because evaluation calls forward many times with the
 same weight. Adapters (QWHA, LoRA) plug in through ``self.adapters``: each is called on
 the layer input and its output is added, so the frozen quantized base never changes.
+An adapter whose ``folds(x)`` is true (a dense ``delta_weight``: QWHA's dense path,
+FourierFT) is instead added to the dequantized weight before the single GEMM: the
+forward and the input gradient then cost one GEMM each instead of two.
 """
 
 from __future__ import annotations
@@ -57,7 +60,7 @@ class QuantLinear(nn.Module):
         if self._cached is not None and self._cached.device == self.codes.device:
             return self._cached
         w = self.qweight.dequantize()
-        if self.cache and not torch.is_grad_enabled():
+        if self.cache:  # the base is frozen (buffers only), so training may reuse it too
             self._cached = w
         return w
 
@@ -66,8 +69,16 @@ class QuantLinear(nn.Module):
         return super()._apply(fn, recurse)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight.to(x.dtype), None if self.bias is None else self.bias.to(x.dtype))
+        w, rest = self.weight, []
         for adapter in self.adapters.values():
+            if getattr(adapter, "merged", False):
+                continue
+            if getattr(adapter, "folds", None) is not None and adapter.folds(x):
+                w = w + adapter.delta_weight().to(w.dtype)  # one GEMM for base + delta, not two
+            else:
+                rest.append(adapter)
+        y = F.linear(x, w.to(x.dtype), None if self.bias is None else self.bias.to(x.dtype))
+        for adapter in rest:
             y = y + adapter(x)
         return y
 

@@ -35,6 +35,14 @@ class Adapter(nn.Module):
     def num_trainable(self) -> int:
         return sum(p.numel() for p in self.parameters() if p.requires_grad)
 
+    def folds(self, x: torch.Tensor) -> bool:
+        """Whether the host layer should add ``delta_weight()`` to its weight for input ``x``.
+
+        True for adapters whose delta is a dense matrix anyway: folding saves the second
+        GEMM in the forward and in the input gradient. Low-rank / sparse paths say False.
+        """
+        return True
+
     def delta(self, x: torch.Tensor) -> torch.Tensor:
         """The adapter's contribution to the layer output (default: the dense path)."""
         return torch.nn.functional.linear(x, self.delta_weight().to(x.dtype))

@@ -44,5 +44,8 @@ class LoRAAdapter(Adapter):
     def delta_weight(self) -> torch.Tensor:
         return (self.lora_b @ self.lora_a) * self.scaling
 
+    def folds(self, x: torch.Tensor) -> bool:
+        return False  # two thin matmuls are cheaper than the dense product
+
     def delta(self, x: torch.Tensor) -> torch.Tensor:
         return (x @ self.lora_a.to(x.dtype).T) @ (self.lora_b.to(x.dtype) * self.scaling).T

@@ -5,7 +5,8 @@ and ``H`` the ``n x n`` Walsh-Hadamard matrix of `wht` (``H^-1 = H^T / n``). Onl
 values of F at those positions train. Two equivalent forward paths:
 
 * ``dense``: scatter F, one fast WHT per row gives Delta_W (cost independent of the
-  batch), then one GEMM with the activations;
+  batch); the host `QuantLinear` adds it to the dequantized base weight so base and
+  adapter share one GEMM (`folds`);
 * ``sparse``: transform the activations (``x H^-T``, cost tokens * n log n) and take
   the sparse product with F^T (cost tokens * nnz).
 
@@ -24,20 +25,26 @@ from torch import nn
 
 from lowbit.errors import ConfigError
 from lowbit.peft.base import Adapter
-from lowbit.peft.wht import pad_last, plan_width, wht
+from lowbit.peft.wht import kron_factors, pad_last, plan_width, wht
 
 PATHS = ("auto", "dense", "sparse")
-# Relative cost of one butterfly / sparse element vs one GEMM multiply-add. Calibrated on
-# CPU (576x576, forward+backward): dense wins above ~500 tokens, sparse below; the
-# elementwise passes are memory-bound, GEMMs are not.
-ELEMWISE_COST = 40.0
+# Relative costs in units of one GEMM multiply-add, calibrated on CPU (the 7 Linears of a
+# SmolLM2 block, forward+backward): the kron WHT's small batched matmuls run at about a
+# third of GEMM speed, the sparse COO product (gather, coalesce) about 80x slower.
+WHT_COST = 3.0
+ELEMWISE_COST = 80.0
 
 
 def choose_path(tokens: int, out_features: int, in_features: int, n: int, nnz: int) -> str:
-    """The cheaper forward path for this call's shape (cost model, not a timing)."""
-    logn = max(1.0, math.log2(n))
-    dense = ELEMWISE_COST * out_features * n * logn + tokens * out_features * in_features
-    sparse = ELEMWISE_COST * tokens * (n * logn + nnz)
+    """The cheaper training path for this call's shape (cost model, not a timing).
+
+    dense: WHT of the ``[out, n]`` coefficients, folded into the base GEMM, whose extra
+    cost is the weight gradient ``tokens * out * in``. sparse: WHT of the activations
+    plus the sparse product, both per token. Dense wins from ~100 tokens up.
+    """
+    per_elem = WHT_COST * sum(kron_factors(n))
+    dense = per_elem * out_features * n + tokens * out_features * in_features
+    sparse = per_elem * tokens * n + ELEMWISE_COST * tokens * nnz
     return "dense" if dense <= sparse else "sparse"
 
 
@@ -79,7 +86,7 @@ class QWHAAdapter(Adapter):
 
     def delta_weight(self) -> torch.Tensor:
         """``F H^-1`` cropped to ``in_features`` (only differs when the width was padded)."""
-        return wht(self.coefficients())[:, : self.in_features] / self.plan.n
+        return wht(self.coefficients(), scale=1.0 / self.plan.n)[:, : self.in_features]
 
     def delta_sparse(self, x: torch.Tensor) -> torch.Tensor:
         """Path b: ``F (H^T x^T) / n`` with a sparse COO product (no dense F or Delta_W)."""
@@ -91,12 +98,17 @@ class QWHAAdapter(Adapter):
         y = torch.sparse.mm(f, z.T).T
         return y.reshape(*lead, self.out_features)
 
+    def resolved_path(self, x: torch.Tensor) -> str:
+        if self.path != "auto":
+            return self.path
+        tokens = x.numel() // self.in_features
+        return choose_path(tokens, self.out_features, self.in_features, self.plan.n, self.nnz)
+
+    def folds(self, x: torch.Tensor) -> bool:
+        return self.resolved_path(x) == "dense"
+
     def delta(self, x: torch.Tensor) -> torch.Tensor:
-        path = self.path
-        if path == "auto":
-            tokens = x.numel() // self.in_features
-            path = choose_path(tokens, self.out_features, self.in_features, self.plan.n, self.nnz)
-        if path == "sparse":
+        if self.resolved_path(x) == "sparse":
             return self.delta_sparse(x)
         return super().delta(x)
 
