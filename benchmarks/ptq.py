@@ -43,7 +43,13 @@ CONFIGS: dict[str, dict] = {
     "w2g64-v2": {"autoround": {"bits": 2, "group_size": 64, "sym": True, "iters": 50, "enable_alg_ext": True}},
     "w4g128-v1": {"lowbit": {"method": "signround", "scheme": "w4g128", "iters": 50}},
     "mixed3": {"lowbit": {"method": "signround2", "scheme": "w4g128", "iters": 0, "avg_bits": 3.0,
-                          "options": "w2g64,w4g128"}},
+                          "options": "w2g64,w4g128"},
+               "autoround": {"iters": 0, "autoscheme": {"avg_bits": 3.0, "options": "W2A16G64,W4A16"}}},
+    # the position heuristics the DeltaLoss plan must beat at equal bits (same quantizer, iters 0)
+    "mixed3-first": {"lowbit": {"method": "signround2", "scheme": "w4g128", "iters": 0, "positional": "first",
+                                "avg_bits": 3.0, "options": "w2g64,w4g128"}},
+    "mixed3-last": {"lowbit": {"method": "signround2", "scheme": "w4g128", "iters": 0, "positional": "last",
+                               "avg_bits": 3.0, "options": "w2g64,w4g128"}},
     "rtn-w4g128": {"lowbit": {"method": "rtn", "scheme": "w4g128"},
                    "autoround": {"bits": 4, "group_size": 128, "sym": True, "iters": 0, "disable_opt_rtn": True}},
     "nvfp4": {"lowbit": {"method": "signround2", "scheme": "nvfp4-46", "iters": 50}},
@@ -77,6 +83,14 @@ def run_lowbit(spec: dict, lm, calib, workdir: str | None) -> dict:
 
     plan = Plan.uniform(linear_layers(lm.model), spec["scheme"])
     kw = {k: spec[k] for k in ("iters", "avg_bits", "options") if k in spec}
+    if "positional" in spec:
+        from lowbit.ptq.allocate import positional_plan
+
+        layers = linear_layers(lm.model)
+        sizes = {n: (m.out_features, m.in_features) for n, m in layers.items()}
+        low, high = spec["options"].split(",")
+        plan = positional_plan(sizes, low, high, spec["avg_bits"], from_end=spec["positional"] == "last").plan
+        kw = {"iters": spec["iters"]}
     if workdir and spec["method"] != "rtn":
         kw["workdir"] = workdir
     plan = quantize_model(lm.model, plan, spec["method"], calib=calib, tokenizer=lm.tokenizer, progress=True,
@@ -88,10 +102,44 @@ def run_autoround(spec: dict, lm, calib) -> dict:
     from auto_round import AutoRound
 
     kw = dict(spec)
+    if "autoscheme" in kw:
+        from auto_round import AutoScheme
+
+        a = kw.pop("autoscheme")
+        kw["scheme"] = AutoScheme(avg_bits=a["avg_bits"], options=a["options"], nsamples=len(calib),
+                                  seqlen=calib.shape[1], batch_size=8)
     ar = AutoRound(lm.model, lm.tokenizer, dataset=[row.unsqueeze(0) for row in calib], nsamples=len(calib),
                    seqlen=calib.shape[1], batch_size=8, amp=False, device_map="cpu", seed=0, **kw)
     ar.quantize()
-    return {"autoround": dict(spec)}
+    out = {"autoround": dict(spec)}
+    layer_config = getattr(ar, "layer_config", None)
+    if "autoscheme" in spec and isinstance(layer_config, dict):
+        out["plan_bits"] = {k: v.get("bits") for k, v in layer_config.items() if isinstance(v, dict)}
+    return out
+
+
+def gemm_gflops(repeats: int = 30) -> float:
+    """Median fp32 GEMM throughput of this thread on the block's biggest shape (the physical limit)."""
+    import torch
+
+    a, b = torch.randn(2048, 576), torch.randn(576, 1536)
+    for _ in range(3):
+        a @ b
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        a @ b
+        times.append(time.perf_counter() - t)
+    return 2 * 2048 * 576 * 1536 / sorted(times)[len(times) // 2] / 1e9
+
+
+def tuning_gflop(model, spec: dict, nsamples: int, seqlen: int, batch: int = 8) -> float:
+    """GEMM work of the tuning loop: per iteration a forward and a backward (dX and dW) of every
+    block Linear on ``batch * seqlen`` tokens, i.e. 3 x 2 x params x tokens; attention excluded."""
+    from lowbit.models import linear_layers
+
+    params = sum(m.weight.numel() for m in linear_layers(model).values())
+    return 3 * 2 * params * min(batch, nsamples) * seqlen * spec.get("iters", 0) / 1e9
 
 
 def child(tool: str, name: str, nsamples: int, seqlen: int, workdir: str | None) -> dict:
@@ -102,6 +150,8 @@ def child(tool: str, name: str, nsamples: int, seqlen: int, workdir: str | None)
     load_s = time.perf_counter() - t0
     rss_loaded = peak_rss_mib()
     spec = CONFIGS[name][tool]
+    work = tuning_gflop(lm.model, spec, nsamples, seqlen)
+    gflops = gemm_gflops()
     t1 = time.perf_counter()
     extra = run_lowbit(spec, lm, calib, workdir) if tool == "lowbit" else run_autoround(spec, lm, calib)
     seconds = time.perf_counter() - t1
@@ -110,6 +160,8 @@ def child(tool: str, name: str, nsamples: int, seqlen: int, workdir: str | None)
     return {"config": name, "tool": tool, "ppl": r.ppl, "eval_tokens": r.tokens, "seconds": round(seconds, 1),
             "load_seconds": round(load_s, 1), "peak_rss_mib_after_load": round(rss_loaded),
             "peak_rss_mib": round(rss_quant), "nsamples": nsamples, "seqlen": seqlen, "threads": 1,
+            "tuning_gemm_gflop": round(work, 1), "gemm_gflops": round(gflops, 1),
+            "gemm_limit_seconds": round(work / gflops, 1),
             **{k: v for k, v in spec.items()}, **extra}
 
 
@@ -127,6 +179,25 @@ def merge(row: dict) -> None:
         atomic_write_text(RESULTS, json.dumps(data, indent=1))
 
 
+def table(rows: list[dict]) -> str:
+    """Markdown: one line per config, lowbit and auto-round side by side, speed as a ratio."""
+    by = {}
+    for r in rows:
+        by.setdefault(r["config"], {})[r["tool"]] = r
+    lines = ["| config | lowbit ppl | auto-round ppl | lowbit s | auto-round s | lowbit / auto-round time "
+             "| GEMM limit s | lowbit peak RSS MiB |", "|---|---|---|---|---|---|---|---|"]
+    fmt = lambda r, k, f: "" if r is None or r.get(k) is None else f.format(r[k])  # noqa: E731
+    for name in CONFIGS:
+        if name not in by:
+            continue
+        lb, ar = by[name].get("lowbit"), by[name].get("autoround")
+        ratio = f"{lb['seconds'] / ar['seconds']:.2f}" if lb and ar and ar["seconds"] else ""
+        lines.append(f"| {name} | {fmt(lb, 'ppl', '{:.2f}')} | {fmt(ar, 'ppl', '{:.2f}')} | "
+                     f"{fmt(lb, 'seconds', '{:.0f}')} | {fmt(ar, 'seconds', '{:.0f}')} | {ratio} | "
+                     f"{fmt(lb or ar, 'gemm_limit_seconds', '{:.0f}')} | {fmt(lb, 'peak_rss_mib', '{}')} |")
+    return "\n".join(lines)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--configs", default="w4g128", help="comma-separated config names (see --list)")
@@ -138,7 +209,11 @@ def main() -> None:
     p.add_argument("--workdir", default=None,
                    help="folder for per-block results (one subfolder per lowbit row): an interrupted row resumes; "
                         "its seconds then cover only the resumed part")
+    p.add_argument("--table", action="store_true", help="print the results as a markdown table and exit")
     a = p.parse_args()
+    if a.table:
+        print(table(json.loads(RESULTS.read_text())["rows"]))
+        return
     if a.list:
         for k, v in CONFIGS.items():
             print(k, json.dumps(v))

@@ -11,7 +11,7 @@ from ptq_helpers import block_names, calib, tiny_model
 from lowbit.errors import ConfigError
 from lowbit.formats import Scheme, qdq
 from lowbit.formats.plan import Plan
-from lowbit.ptq.allocate import allocate, layer_bits, save_allocation, solve_mckp, tie_qkv
+from lowbit.ptq.allocate import allocate, layer_bits, positional_plan, save_allocation, solve_mckp, tie_qkv
 from lowbit.ptq.sensitivity import delta_loss
 
 
@@ -121,3 +121,21 @@ def test_plan_json_and_png(tmp_path):
     assert Plan.load(tmp_path / "plan.json").layers == a.plan.layers
     assert (tmp_path / "plan.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert not list(tmp_path.glob(".*tmp"))
+
+
+@pytest.mark.parametrize("from_end", [False, True])
+def test_positional_plan_fills_one_end_within_budget(from_end):
+    sizes = {f"model.layers.{i}.mlp.down_proj": (64, 128) for i in range(6)}
+    lo, hi = Scheme.parse("w2g64"), Scheme.parse("w4g128")
+    a = positional_plan(sizes, lo, hi, 3.0, from_end=from_end)
+    picks = [a.plan[n].name for n in sizes]
+    params = 6 * 64 * 128
+    assert a.total_bits <= math.floor(3.0 * params) == a.budget_bits
+    assert a.total_bits == sum(layer_bits(a.plan[n], sizes[n]) for n in sizes)
+    k = picks.count(hi.name)
+    assert 0 < k < 6
+    assert picks == ([hi.name] * k + [lo.name] * (6 - k) if not from_end else [lo.name] * (6 - k) + [hi.name] * k)
+    # one more high layer would break the budget
+    assert a.total_bits + layer_bits(hi, (64, 128)) - layer_bits(lo, (64, 128)) > a.budget_bits
+    with pytest.raises(ConfigError, match="below the all-w2g64 plan"):
+        positional_plan(sizes, lo, hi, 2.0)

@@ -17,7 +17,6 @@ learning-rate multiplier); `QWHAAdapter.rescale` changes it without changing Del
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import torch

@@ -154,6 +154,31 @@ def allocate(scores: Mapping[str, Mapping[str, float]], sizes: Mapping[str, tupl
     return Allocation(plan, total, budget, params, score)
 
 
+def positional_plan(sizes: Mapping[str, tuple[int, int]], low: Scheme | str, high: Scheme | str,
+                    avg_bits: float, from_end: bool = False, count_scales: bool = True) -> Allocation:
+    """The baseline a sensitivity-driven plan has to beat: ``high`` for the first (or last)
+    layers in model order, as many as fit in the budget, ``low`` for the rest.
+
+    Layers are taken contiguously from the chosen end; filling stops at the first layer
+    that no longer fits, so the plan is "the first k layers", never a patchwork.
+    """
+    lo, hi = Scheme.parse(low), Scheme.parse(high)
+    names = list(sizes)
+    params = sum(o * i for o, i in sizes.values())
+    budget = math.floor(avg_bits * params)
+    total = sum(layer_bits(lo, sizes[n], count_scales) for n in names)
+    if total > budget:
+        raise ConfigError(f"an average of {avg_bits} bits is below the all-{lo.name} plan "
+                          f"({total / params:.4f} bits); raise --avg-bits")
+    chosen = {n: lo for n in names}
+    for n in (reversed(names) if from_end else names):
+        extra = layer_bits(hi, sizes[n], count_scales) - layer_bits(lo, sizes[n], count_scales)
+        if total + extra > budget:
+            break
+        chosen[n], total = hi, total + extra
+    return Allocation(Plan(chosen), total, budget, params, math.nan)
+
+
 def _groups(names: list[str], ties: Sequence[Sequence[str]]) -> list[list[str]]:
     seen: dict[str, int] = {}
     groups: list[list[str]] = []

@@ -1,0 +1,146 @@
+"""Peak memory of block-wise SignRound: does it grow with one block, not with the model?
+
+Builds a random Llama from a config (default ~1.1B parameters, TinyLlama-like shape:
+hidden 2048, 22 layers, MLP 5632, vocab 32000), then runs signround2 W4g128 for a few
+iterations with the FP block weights offloaded to disk (``offload_dir``), sampling the
+process RSS every 50 ms. Reported, in MiB: the fp32 model, one block, the cached
+activations, RSS after the model is built, and the peak RSS while each block is tuned
+(block 0's window also covers writing the offload files). With offload the steady peak
+minus the non-block weights (embeddings, lm_head) should be about one block plus
+activations and tuning state, the same for 4 layers as for 22; without
+(``--no-offload``) the whole model stays resident as well.
+
+    OMP_NUM_THREADS=1 python benchmarks/ptq_memory.py                # ~1.1B, offloaded
+    OMP_NUM_THREADS=1 python benchmarks/ptq_memory.py --layers 4     # quick look
+
+Writes benchmarks/results/ptq_memory.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+RESULTS = Path(__file__).parent / "results" / "ptq_memory.json"
+MIB = 1024.0 * 1024.0
+
+
+def rss_mib() -> float:
+    """Current resident set size (from /proc, so it also falls when memory is returned)."""
+    with open("/proc/self/statm") as f:
+        pages = int(f.read().split()[1])
+    return pages * os.sysconf("SC_PAGE_SIZE") / MIB
+
+
+class Sampler:
+    """Background thread recording the maximum RSS; `lap()` returns the peak since the last lap."""
+
+    def __init__(self, every: float = 0.02) -> None:
+        self.every, self.peak, self._stop = every, 0.0, threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.peak = max(self.peak, rss_mib())
+            time.sleep(self.every)
+
+    def lap(self) -> float:
+        peak, self.peak = max(self.peak, rss_mib()), rss_mib()
+        return peak
+
+    def __enter__(self) -> Sampler:
+        self.peak = rss_mib()
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, rss_mib())
+
+
+def build(args):
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(hidden_size=args.hidden, intermediate_size=args.inter, num_hidden_layers=args.layers,
+                      num_attention_heads=args.heads, num_key_value_heads=args.kv_heads, vocab_size=args.vocab,
+                      max_position_embeddings=2048, tie_word_embeddings=False)
+    return LlamaForCausalLM(cfg).float().eval()
+
+
+def tensor_mib(tensors) -> float:
+    return sum(t.numel() * t.element_size() for t in tensors) / MIB
+
+
+def main() -> None:
+    if os.environ.get("MALLOC_MMAP_THRESHOLD_") is None:  # return freed tensors to the OS, so RSS can fall
+        os.execve(sys.executable, [sys.executable, *sys.argv], {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"})
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--hidden", type=int, default=2048)
+    p.add_argument("--inter", type=int, default=5632)
+    p.add_argument("--layers", type=int, default=22)
+    p.add_argument("--heads", type=int, default=32)
+    p.add_argument("--kv-heads", type=int, default=4)
+    p.add_argument("--vocab", type=int, default=32000)
+    p.add_argument("--nsamples", type=int, default=4)
+    p.add_argument("--seqlen", type=int, default=128)
+    p.add_argument("--iters", type=int, default=2)
+    p.add_argument("--no-offload", action="store_true")
+    p.add_argument("--out", default=str(RESULTS))
+    args = p.parse_args()
+
+    import torch
+    import transformers  # noqa: F401  (imported before the baseline RSS is read)
+
+    from lowbit.formats.plan import Plan
+    from lowbit.io import atomic_write_text
+    from lowbit.models import decoder_blocks, linear_layers
+    from lowbit.ptq.pipeline import PipelineOptions, quantize_blockwise
+    from lowbit.ptq.signround import SignRoundConfig, SignRoundTuner
+
+    torch.set_num_threads(1)
+    base = rss_mib()  # the interpreter with torch + transformers imported, before any model
+    model = build(args)
+    blocks = decoder_blocks(model)
+    model_mib = tensor_mib(model.state_dict().values())
+    block_mib = tensor_mib(blocks[0].state_dict().values())
+    calib = torch.randint(0, args.vocab, (args.nsamples, args.seqlen), generator=torch.Generator().manual_seed(0))
+    act_mib = args.nsamples * args.seqlen * args.hidden * 4 / MIB
+    plan = Plan.uniform(linear_layers(model, include_lm_head=False), "w4g128")
+    cfg = SignRoundConfig(iters=args.iters, v2=True, batch_size=args.nsamples)
+    before = rss_mib()
+    laps: list[float] = []
+    t0 = time.perf_counter()
+    with tempfile.TemporaryDirectory() as tmp, Sampler() as s:
+        opts = PipelineOptions(chunk=args.nsamples, offload_dir=None if args.no_offload else tmp)
+        quantize_blockwise(model, plan, calib, SignRoundTuner(cfg), {"method": "signround2"}, opts,
+                           on_block=lambda i: laps.append(s.lap()))
+    seconds = time.perf_counter() - t0
+    steady = max(laps[1:]) if len(laps) > 1 else laps[0]  # block 0's lap also covers the offload set-up
+    rest_mib = model_mib - block_mib * len(blocks)  # embeddings, lm_head, final norm
+    row = {"params_m": round(sum(t.numel() for t in model.state_dict().values()) / 1e6, 1),
+           "layers": args.layers, "hidden": args.hidden, "offload": not args.no_offload,
+           "model_fp32_mib": round(model_mib), "block_fp32_mib": round(block_mib),
+           "non_block_fp32_mib": round(rest_mib), "activations_mib": round(act_mib, 1),
+           "rss_after_build_mib": round(before), "peak_rss_per_block_mib": [round(v) for v in laps],
+           "steady_peak_rss_mib": round(steady), "rss_process_base_mib": round(base),
+           "steady_peak_minus_base_and_non_block_mib": round(steady - base - rest_mib),
+           "iters": args.iters, "nsamples": args.nsamples, "seqlen": args.seqlen, "seconds": round(seconds, 1)}
+    print(json.dumps(row, indent=1))
+    out = Path(args.out)
+    data = json.loads(out.read_text()) if out.exists() else {"rows": []}
+    key = (row["layers"], row["hidden"], row["offload"])
+    data["rows"] = [r for r in data["rows"] if (r["layers"], r["hidden"], r["offload"]) != key] + [row]
+    atomic_write_text(out, json.dumps(data, indent=1))
+
+
+if __name__ == "__main__":
+    main()
