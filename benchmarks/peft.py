@@ -54,6 +54,8 @@ def parse() -> argparse.Namespace:
     p.add_argument("--eval-seqlen", type=int, default=512)
     p.add_argument("--blocks", type=int, default=0, help="adapters on the first K decoder blocks only (0 = all)")
     p.add_argument("--lr-scale", type=float, default=1.0, help="multiply every adapter's learning rate")
+    p.add_argument("--qwha-scale", type=float, default=1.0,
+                   help="QWHA value scale (a learning-rate multiplier of its coefficients; Delta_W unchanged)")
     p.add_argument("--paths", action="store_true", help="also time QWHA's dense vs sparse forward paths")
     p.add_argument("--out", default=str(RESULTS / "peft.json"))
     p.add_argument("--dry", action="store_true", help="do not write results (smoke run)")
@@ -72,7 +74,8 @@ def targets(model, blocks: int) -> list[str]:
 def run_adapter(q, kind: str, args, fp_w, xtx, rows, ev) -> dict:
     m = copy.deepcopy(q)
     t0 = time.perf_counter()
-    apply_adapters(m, PeftConfig(kind, rank=args.rank), fp_weights=fp_w, xtx=xtx, names=list(fp_w))
+    extra = {"scale": args.qwha_scale} if kind == "qwha" else {}
+    apply_adapters(m, PeftConfig(kind, rank=args.rank, **extra), fp_weights=fp_w, xtx=xtx, names=list(fp_w))
     init_s = time.perf_counter() - t0
     ppl = lambda model: perplexity(model, ev, seqlen=args.eval_seqlen, windows=args.windows).ppl  # noqa: E731
     curve = [{"step": 0, "ppl": ppl(m)}]

@@ -11,7 +11,7 @@ from lowbit.formats import Scheme, qdq
 from lowbit.ptq import quantize_model
 from lowbit.ptq.pipeline import capture_inputs, decoder_blocks
 from lowbit.ptq.rtn import rtn_quantize
-from lowbit.ptq.signround import IntRounder, filtered_mse, make_config, sign_step, signround_quantize
+from lowbit.ptq.signround import IntRounder, epoch_batches, filtered_mse, make_config, sign_step, signround_quantize
 
 
 def block0_mse(model, fp, c) -> float:
@@ -132,3 +132,16 @@ def test_fp_tuning_beats_rtn(scheme):
     rtn_quantize(rtn, uniform(m, scheme), progress=False)
     signround_quantize(sr, None, uniform(m, scheme), make_config(iters=40, v2=True), c, progress=False)
     assert block0_mse(sr, m, c) < 0.9 * block0_mse(rtn, m, c)
+
+
+@pytest.mark.parametrize("n,bs", [(32, 8), (10, 4), (3, 8)])
+def test_epoch_batches_use_every_sample_once_per_epoch(n, bs):
+    batches = epoch_batches(n, bs, 13, torch.Generator().manual_seed(0))
+    size = min(bs, n)
+    per_epoch = n // size
+    assert len(batches) == 13 and all(len(b) == size for b in batches)
+    for e in range(13 // per_epoch):
+        seen = torch.cat(batches[e * per_epoch:(e + 1) * per_epoch])
+        assert seen.unique().numel() == seen.numel()  # no repeats inside an epoch
+        if n % size == 0:
+            assert sorted(seen.tolist()) == list(range(n))

@@ -218,6 +218,21 @@ def filtered_mse(pred: torch.Tensor, ref: torch.Tensor, frac: float) -> torch.Te
     return err[keep].mean()
 
 
+def epoch_batches(n: int, batch_size: int, steps: int, gen: torch.Generator) -> list[torch.Tensor]:
+    """``steps`` mini-batches of sample indices, drawn without replacement within an epoch.
+
+    Every sample is used once per epoch (a shuffle cut into batches; a remainder smaller
+    than a batch is dropped and the next epoch reshuffles), so 50 steps over 32 samples
+    see each sample ~12 times instead of a random-with-replacement count.
+    """
+    bs = min(batch_size, n)
+    out: list[torch.Tensor] = []
+    while len(out) < steps:
+        perm = torch.randperm(n, generator=gen)
+        out.extend(perm[i: i + bs] for i in range(0, n - bs + 1, bs))
+    return out[:steps]
+
+
 def sign_step(params: list[nn.Parameter], lr: float) -> None:
     """``p -= lr * sign(grad)`` for every parameter, then clear the gradients."""
     with torch.no_grad():
@@ -281,10 +296,10 @@ class SignRoundTuner:
         lr0 = cfg.step_size(bits)
         frac = cfg.filter_frac if self._use_filter(job) else 0.0
         gen = torch.Generator().manual_seed(cfg.seed * 100003 + job.index)
-        n = job.x.shape[0]
+        batches = epoch_batches(job.x.shape[0], cfg.batch_size, cfg.iters, gen)
         best, best_state, first = float("inf"), None, None
         for t in range(cfg.iters):
-            idx = torch.randperm(n, generator=gen)[: cfg.batch_size].to(job.x.device)
+            idx = batches[t].to(job.x.device)
             pred = run_block(job.block, job.x[idx], job.kwargs, cfg.batch_size)
             loss = filtered_mse(pred, job.y[idx], frac)
             value = float(loss.detach())
