@@ -190,3 +190,25 @@ def test_winq_run_resumes_bit_identically(tmp_path):
     with pytest.raises(KeyboardInterrupt):
         run([Crash(5)], str(tmp_path), 3)
     assert run([], str(tmp_path), 3).losses == full
+
+
+def test_qat_starts_from_a_ptq_model_at_its_weights():
+    """A PTQ result (QuantLinears) converts to QAT with the dequantized weights as latents;
+    with the same scheme the fake-quantized start reproduces the PTQ model's outputs."""
+    from lowbit.formats.plan import Plan
+    from lowbit.nn import replace_linears
+
+    m = tiny_model()
+    names = [n for n, mod in m.named_modules() if isinstance(mod, torch.nn.Linear) and "layers." in n]
+    replace_linears(m, Plan.uniform(names, "w4g16"))
+    batch = tokens(n=2)
+    m.eval()
+    with torch.no_grad():
+        ref = m(input_ids=batch).logits
+    deq = {n: m.get_submodule(n).weight.clone() for n in names}
+    assert to_qat(m, resolve("w4g16")) == names
+    for n in names:
+        assert torch.equal(m.get_submodule(n).weight.detach(), deq[n])
+    m.eval()
+    with torch.no_grad():
+        assert torch.allclose(m(input_ids=batch).logits, ref, atol=1e-4)

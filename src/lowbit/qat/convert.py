@@ -1,6 +1,8 @@
 """Swap a model's Linear layers for `QATLinear` for training, and back to `QuantLinear`.
 
-Training uses latent float weights; saving needs the exact quantized codes. The second
+Training uses latent float weights; saving needs the exact quantized codes. A model that
+is already quantized (a PTQ result, e.g. SignRound) can start QAT too: its QuantLinears
+become QATLinears whose latent weights are the dequantized PTQ weights. The second
 swap computes each layer's codes from its trained (W, alpha), so the saved model's
 outputs equal the trained model's clean (noise-free) quantized forward.
 """
@@ -18,13 +20,15 @@ from lowbit.qat.quantizers import Quantizer, SchemeFakeQuant
 
 
 def default_targets(model: nn.Module) -> list[str]:
-    """Decoder Linear layers (q,k,v,o,gate,up,down); embeddings and lm_head stay float."""
+    """Decoder Linear layers (q,k,v,o,gate,up,down), float or already quantized; embeddings
+    and lm_head stay float."""
     try:
         from lowbit.models import linear_layers
 
         return list(linear_layers(model, include_lm_head=False))
     except ImportError:
-        return [n for n, m in model.named_modules() if isinstance(m, nn.Linear) and not n.endswith("lm_head")]
+        return [n for n, m in model.named_modules()
+                if isinstance(m, nn.Linear | QuantLinear) and not n.endswith("lm_head")]
 
 
 def to_qat(model: nn.Module, quantizer: Quantizer, names: Iterable[str] | None = None) -> list[str]:
@@ -34,11 +38,17 @@ def to_qat(model: nn.Module, quantizer: Quantizer, names: Iterable[str] | None =
         raise ConfigError("the model has no Linear layers to train with quantization")
     for name in names:
         layer = model.get_submodule(name)
-        if not isinstance(layer, nn.Linear):
+        if not isinstance(layer, nn.Linear | QuantLinear):
             raise ConfigError(f"layer {name!r} is a {type(layer).__name__}, not a Linear")
         if isinstance(quantizer, SchemeFakeQuant):
             quantizer.scheme.check_width(layer.in_features, name)
-        set_module(model, name, QATLinear.from_linear(layer, quantizer))
+        if isinstance(layer, QuantLinear):  # a PTQ result (e.g. SignRound) as the starting point
+            if len(layer.adapters):
+                raise ConfigError(f"layer {name!r} carries adapters; merge them before QAT")
+            new = QATLinear(layer.weight.detach().clone(), layer.bias, quantizer).to(layer.codes.device)
+        else:
+            new = QATLinear.from_linear(layer, quantizer)
+        set_module(model, name, new)
     return names
 
 

@@ -96,6 +96,9 @@ def qat_pipeline(job: QatJob, out: Path, model: str | None = None, data: str | N
     res: dict[str, Any] = {"model": lm.source, "scheme": job.scheme, "method": job.method, "world": world}
     if ev is not None:
         res["ppl_fp"] = perplexity(lm.model, ev, seqlen=eval_seqlen, windows=windows).ppl
+    if job.kd and lm.kind == "lowbit":
+        raise ConfigError(f"{lm.source} is already quantized, so it cannot be the distillation teacher; "
+                          "start QAT from the full-precision model for --kd, or drop --kd")
     teacher = copy.deepcopy(lm.model) if job.kd else None
     quantizer = resolve(job.scheme, job.quantizer)
     names = to_qat(lm.model, quantizer)
