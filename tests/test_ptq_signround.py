@@ -11,7 +11,14 @@ from lowbit.formats import Scheme, qdq
 from lowbit.ptq import quantize_model
 from lowbit.ptq.pipeline import capture_inputs, decoder_blocks
 from lowbit.ptq.rtn import rtn_quantize
-from lowbit.ptq.signround import IntRounder, epoch_batches, filtered_mse, make_config, sign_step, signround_quantize
+from lowbit.ptq.signround import (
+    IntRounder,
+    epoch_batches,
+    filtered_mse,
+    make_config,
+    sign_step,
+    signround_quantize,
+)
 
 
 def block0_mse(model, fp, c) -> float:
