@@ -265,3 +265,21 @@ def test_host_layer_folding_matches_separate_delta(kind):
     assert torch.allclose(got[1], x2.grad, atol=1e-4)
     for g, p in zip(got[2], ad.parameters(), strict=True):
         assert torch.allclose(g, p.grad, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("kind", ["qwha-dense", "lora"])
+def test_training_after_an_inference_mode_eval(kind):
+    """Caches filled during an inference_mode eval (dequantized base, WHT factors) must not
+    break the next training step."""
+    from lowbit.nn import QuantLinear
+
+    from lowbit.peft.wht import _factor_matrix
+
+    _factor_matrix.cache_clear()  # so the eval below is what fills the WHT factor cache
+    layer = QuantLinear.from_linear(torch.nn.Linear(48, 24), "w4g16")
+    layer.adapters["a"] = random_adapter(24, 48, 100, path="dense") if kind != "lora" else LoRAAdapter(24, 48, 4)
+    with torch.inference_mode():
+        layer(torch.randn(2, 48))
+    x = torch.randn(3, 48, requires_grad=True)
+    layer(x).sum().backward()
+    assert x.grad is not None and all(p.grad is not None for p in layer.adapters["a"].parameters())

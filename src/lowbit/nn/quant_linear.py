@@ -57,8 +57,11 @@ class QuantLinear(nn.Module):
     @property
     def weight(self) -> torch.Tensor:
         """Dequantized weight (float32 unless the buffers were moved to another dtype)."""
-        if self._cached is not None and self._cached.device == self.codes.device:
-            return self._cached
+        c = self._cached
+        # a copy cached under inference_mode cannot enter autograd: rebuild it outside that mode
+        if c is not None and c.device == self.codes.device and (
+                not c.is_inference() or torch.is_inference_mode_enabled()):
+            return c
         w = self.qweight.dequantize()
         if self.cache:  # the base is frozen (buffers only), so training may reuse it too
             self._cached = w

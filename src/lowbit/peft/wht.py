@@ -206,7 +206,8 @@ def _factor_matrix(n: int, i: int, transpose: bool, scale: float, dtype: torch.d
     else:
         h = _sylvester(f)
     h = h.T if transpose else h
-    return (h.to(torch.float64) * scale).to(dtype=dtype, device=device)
+    with torch.inference_mode(False):  # cached: must stay usable by autograd after an eval
+        return (h.to(torch.float64) * scale).to(dtype=dtype, device=device)
 
 
 def _kron_apply(x: torch.Tensor, transpose: bool, scale: float) -> torch.Tensor:
