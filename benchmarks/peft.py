@@ -54,7 +54,7 @@ def parse() -> argparse.Namespace:
     p.add_argument("--eval-seqlen", type=int, default=512)
     p.add_argument("--blocks", type=int, default=0, help="adapters on the first K decoder blocks only (0 = all)")
     p.add_argument("--lr-scale", type=float, default=1.0, help="multiply every adapter's learning rate")
-    p.add_argument("--qwha-scale", type=float, default=1.0,
+    p.add_argument("--qwha-scale", type=float, default=PeftConfig.scale,
                    help="QWHA value scale (a learning-rate multiplier of its coefficients; Delta_W unchanged)")
     p.add_argument("--paths", action="store_true", help="also time QWHA's dense vs sparse forward paths")
     p.add_argument("--out", default=str(RESULTS / "peft.json"))

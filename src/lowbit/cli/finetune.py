@@ -26,7 +26,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--nsamples", type=common.positive("--nsamples"), default=64, help="training rows (64)")
     p.add_argument("--seqlen", type=common.positive("--seqlen"), default=256, help="tokens per row (256)")
     p.add_argument("--k-min", type=int, default=1, help="QWHA: coefficients every output row gets at least (1)")
-    p.add_argument("--scale", type=float, default=1.0, help="QWHA: learning-rate multiplier of the values (1)")
+    p.add_argument("--scale", type=float, default=None,
+                   help="QWHA: learning-rate multiplier of the values (default: PeftConfig's, 10)")
     p.add_argument("--no-refine", action="store_true", help="QWHA: skip the least-squares refinement")
     p.add_argument("--base-model", default=None,
                    help="full-precision model the checkpoint came from (default: the source recorded in it)")
@@ -51,8 +52,9 @@ def run(args: argparse.Namespace) -> dict:
     from lowbit.peft.pipeline import DataConfig, finetune_pipeline
     from lowbit.train import TrainConfig
 
-    cfg = PeftConfig(args.adapter, rank=args.rank, k_min=args.k_min, refine=not args.no_refine, scale=args.scale,
-                     seed=args.seed)
+    scale = {} if args.scale is None else {"scale": args.scale}
+    cfg = PeftConfig(args.adapter, rank=args.rank, k_min=args.k_min, refine=not args.no_refine, seed=args.seed,
+                     **scale)
     warmup = args.warmup if args.warmup is not None else int(0.06 * args.steps)
     train_cfg = TrainConfig(steps=args.steps, batch_size=args.batch_size, grad_accum=args.grad_accum,
                             lr=args.lr or DEFAULT_LR[cfg.adapter], warmup=warmup, seed=args.seed)
