@@ -100,6 +100,8 @@ def run_lowbit(spec: dict, lm, calib, workdir: str | None) -> dict:
 
 
 def run_autoround(spec: dict, lm, calib) -> dict:
+    import tempfile
+
     from auto_round import AutoRound
 
     kw = dict(spec)
@@ -107,8 +109,13 @@ def run_autoround(spec: dict, lm, calib) -> dict:
         from auto_round import AutoScheme
 
         a = kw.pop("autoscheme")
+        # AutoScheme scores layers on its own dataloader and only takes a dataset *name*; a local
+        # JSON list of texts is the offline way, so it gets the decoded calibration samples
+        texts = Path(tempfile.mkdtemp()) / "calib.json"
+        texts.write_text(json.dumps([lm.tokenizer.decode(row) for row in calib]))
+        # (re-tokenized texts can come out a few tokens short: score on the first seqlen - 16)
         kw["scheme"] = AutoScheme(avg_bits=a["avg_bits"], options=a["options"], nsamples=len(calib),
-                                  seqlen=calib.shape[1], batch_size=8)
+                                  seqlen=calib.shape[1] - 16, batch_size=8, dataset=str(texts))
     ar = AutoRound(lm.model, lm.tokenizer, dataset=[row.unsqueeze(0) for row in calib], nsamples=len(calib),
                    seqlen=calib.shape[1], batch_size=8, amp=False, device_map="cpu", seed=0, **kw)
     ar.quantize()
