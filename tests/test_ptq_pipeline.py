@@ -126,11 +126,3 @@ def test_disk_offload_keeps_one_fp_block_in_memory(tmp_path):
     one_block = sum(mod.weight.numel() for mod in ref.model.layers[0].modules() if isinstance(mod, QuantLinear))
     assert seen == [one_block] * 4
     assert same_weights(ref, m)
-
-
-def test_finished_blocks_keep_no_dequantized_copy():
-    """Peak memory must not grow with depth: no tuned block may hold an fp32 weight cache."""
-    m = tiny_model()
-    signround_quantize(m, None, uniform(m, "w4g32"), make_config(iters=1), calib(), progress=False)
-    layers = [q for q in m.modules() if isinstance(q, QuantLinear)]
-    assert layers and all(q._cached is None for q in layers)

@@ -67,10 +67,6 @@ class QuantLinear(nn.Module):
             self._cached = w
         return w
 
-    def drop_cache(self) -> None:
-        """Forget the dequantized copy (a pipeline that only passes through once keeps memory flat)."""
-        self._cached = None
-
     def _apply(self, fn, recurse=True):  # .to()/.cuda() must drop the cache
         self._cached = None
         return super()._apply(fn, recurse)

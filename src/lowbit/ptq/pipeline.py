@@ -287,9 +287,6 @@ def quantize_blockwise(model: nn.Module, plan: Plan, calib: torch.Tensor, tuner:
         if x_q is not None:
             with torch.no_grad():
                 x_q = run_block(block, x_q, kwargs, options.chunk)
-        for m in block.modules():  # else every finished block keeps an fp32 copy: memory would grow with depth
-            if isinstance(m, QuantLinear):
-                m.drop_cache()
         x_fp = y
         block.to("cpu")
         info["seconds"] = time.perf_counter() - t0
