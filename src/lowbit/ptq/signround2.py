@@ -5,7 +5,8 @@ Differences from V1 (all implemented in `signround.IntRounder` / `SignRoundTuner
 the group scale starts from the importance-weighted grid search (importance = summed
 squared inputs of each Linear, collected by hooks while the pipeline computes the FP
 targets), and only a multiplier on it is learned, bounded to [0, 2]; the largest 0.1%
-of output errors are dropped from the MSE by default below 4 bits.
+of output errors are dropped from the MSE by default (at every width; the reference
+does it below 4 bits only, but on the bundled model it also helps at W4).
 
 With ``avg_bits`` and ``options`` the plan is chosen first: DeltaLoss scores every
 layer under every option (RTN), an exact knapsack picks one option per layer within
