@@ -31,6 +31,7 @@ ROOT = Path(__file__).resolve().parents[1]
 # this folder holds scripts named like packages (benchmarks/peft.py); never import them as such
 sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
 RESULTS = ROOT / "benchmarks" / "results" / "ptq.json"
+BATCH = 8  # tuning mini-batch of both tools (and of AutoScheme's scoring)
 
 # name -> (lowbit method, lowbit scheme/extra, auto-round kwargs or None)
 CONFIGS: dict[str, dict] = {
@@ -95,7 +96,7 @@ def run_lowbit(spec: dict, lm, calib, workdir: str | None) -> dict:
     if workdir and spec["method"] != "rtn":
         kw["workdir"] = workdir
     plan = quantize_model(lm.model, plan, spec["method"], calib=calib, tokenizer=lm.tokenizer, progress=True,
-                          batch_size=8, **kw)
+                          batch_size=BATCH, **kw)
     return {"plan": plan.describe()}
 
 
@@ -115,9 +116,9 @@ def run_autoround(spec: dict, lm, calib) -> dict:
         texts.write_text(json.dumps([lm.tokenizer.decode(row) for row in calib]))
         # (re-tokenized texts can come out a few tokens short: score on the first seqlen - 16)
         kw["scheme"] = AutoScheme(avg_bits=a["avg_bits"], options=a["options"], nsamples=len(calib),
-                                  seqlen=calib.shape[1] - 16, batch_size=8, dataset=str(texts))
+                                  seqlen=calib.shape[1] - 16, batch_size=BATCH, dataset=str(texts))
     ar = AutoRound(lm.model, lm.tokenizer, dataset=[row.unsqueeze(0) for row in calib], nsamples=len(calib),
-                   seqlen=calib.shape[1], batch_size=8, amp=False, device_map="cpu", seed=0, **kw)
+                   seqlen=calib.shape[1], batch_size=BATCH, amp=False, device_map="cpu", seed=0, **kw)
     ar.quantize()
     out = {"autoround": dict(spec)}
     layer_config = getattr(ar, "layer_config", None)
@@ -141,7 +142,7 @@ def gemm_gflops(repeats: int = 30) -> float:
     return 2 * 2048 * 576 * 1536 / sorted(times)[len(times) // 2] / 1e9
 
 
-def tuning_gflop(model, spec: dict, nsamples: int, seqlen: int, batch: int = 8) -> float:
+def tuning_gflop(model, spec: dict, nsamples: int, seqlen: int, batch: int = BATCH) -> float:
     """GEMM work of the tuning loop: per iteration a forward and a backward (dX and dW) of every
     block Linear on ``batch * seqlen`` tokens, i.e. 3 x 2 x params x tokens; attention excluded."""
     from lowbit.models import linear_layers
@@ -183,7 +184,8 @@ def merge(row: dict) -> None:
         data = json.loads(RESULTS.read_text()) if RESULTS.exists() else {"rows": []}
         data["rows"] = [r for r in data["rows"] if (r["config"], r["tool"]) != (row["config"], row["tool"])] + [row]
         data["protocol"] = ("bundled SmolLM2-135M fp32, calibration 32x256 tokens (calib split, seed 0, same tokens "
-                            "for both tools), eval 40x512 tokens of the eval split, 1 thread each, batch 8")
+                            "for both tools), eval 40x512 tokens of the eval split, 1 thread each, "
+                            f"batch {BATCH}")
         atomic_write_text(RESULTS, json.dumps(data, indent=1))
 
 

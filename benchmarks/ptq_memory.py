@@ -3,7 +3,7 @@
 Builds a random Llama from a config (default ~1.1B parameters, TinyLlama-like shape:
 hidden 2048, 22 layers, MLP 5632, vocab 32000), then runs signround2 W4g128 for a few
 iterations with the FP block weights offloaded to disk (``offload_dir``), sampling the
-process RSS every 50 ms. Reported, in MiB: the fp32 model, one block, the cached
+process RSS every 20 ms. Reported, in MiB: the fp32 model, one block, the cached
 activations, RSS after the model is built, and the peak RSS while each block is tuned
 (block 0's window also covers writing the offload files). With offload the steady peak
 minus the non-block weights (embeddings, lm_head) should be about one block plus
