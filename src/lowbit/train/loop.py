@@ -110,6 +110,15 @@ def select_trainable(model: nn.Module, trainable: Trainable) -> list[nn.Paramete
 
 
 # ---------------------------------------------------------------- the loop
+def _can_fuse(params: list[torch.Tensor], config: TrainConfig) -> bool:
+    """Fused AdamW (one kernel for all parameters): a fifth of a CPU QAT step's non-GEMM time
+    goes to the per-parameter loop otherwise. FSDP's sharded parameters keep the default."""
+    if config.parallel == "fsdp" or not params:
+        return False
+    kinds = {p.device.type for p in params}
+    return len(kinds) == 1 and kinds <= {"cpu", "cuda"} and all(p.is_floating_point() for p in params)
+
+
 def train(model: nn.Module, batches: torch.Tensor | Sequence[torch.Tensor], config: TrainConfig,
           callbacks: Sequence[Callback] = (), trainable: Trainable = None, loss_fn: LossFn = causal_lm_loss,
           eval_fn: EvalFn | None = None, resume: bool = True, extra: dict | None = None) -> TrainResult:
@@ -134,7 +143,7 @@ def train(model: nn.Module, batches: torch.Tensor | Sequence[torch.Tensor], conf
     wrapped = dist.wrap(model, config.parallel)  # FSDP replaces parameters: build the optimizer after
     params = [p for p in wrapped.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=config.lr, betas=config.betas, eps=config.eps,
-                                  weight_decay=config.weight_decay)
+                                  weight_decay=config.weight_decay, fused=_can_fuse(params, config))
     state = TrainState(model=model, optimizer=optimizer, config=config, rank=rank, world=world)
     out = Path(config.out_dir) if config.out_dir else None
     log = MetricsLog(out / "metrics.jsonl" if out and rank == 0 else None)
