@@ -1,6 +1,7 @@
 """Block-wise pipeline: RTN equivalence at iters=0, resume, settings check, one block in memory."""
 
 import copy
+from pathlib import Path
 
 import pytest
 import torch
@@ -126,3 +127,23 @@ def test_disk_offload_keeps_one_fp_block_in_memory(tmp_path):
     one_block = sum(mod.weight.numel() for mod in ref.model.layers[0].modules() if isinstance(mod, QuantLinear))
     assert seen == [one_block] * 4
     assert same_weights(ref, m)
+    assert not pinned_file_maps(m, tmp_path / "off")
+
+
+def pinned_file_maps(model, folder) -> list[str]:
+    """Tensors of ``model`` whose memory lies in a mapping of a file under ``folder``.
+
+    A surviving view into an offload file's map (e.g. a norm weight) keeps the whole file
+    resident, so peak memory would grow by one FP block per tuned block.
+    """
+    maps = Path("/proc/self/maps")
+    if not maps.exists():
+        pytest.skip("needs /proc/self/maps")
+    spans = []
+    for line in maps.read_text().splitlines():
+        parts = line.split(maxsplit=5)
+        if len(parts) == 6 and parts[5].startswith(str(folder)):
+            lo, hi = (int(v, 16) for v in parts[0].split("-"))
+            spans.append((lo, hi, parts[5]))
+    return [f"{n} in {f}" for n, t in model.state_dict().items() for lo, hi, f in spans
+            if t.device.type == "cpu" and lo <= t.data_ptr() < hi]
