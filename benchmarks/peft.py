@@ -90,6 +90,28 @@ def run_adapter(q, kind: str, args, fp_w, xtx, rows, ev) -> dict:
             "step_seconds_median": round(timer.median(), 4), "losses": [round(x, 4) for x in result.losses]}
 
 
+def gemm_floor(model, names: list[str], rank: int, tokens: int, seqlen: int) -> dict:
+    """Multiply-adds of one training step, frozen-base LoRA vs QWHA's dense path.
+
+    Both run the base GEMM forward and its input gradient for every adapted Linear, the
+    tied lm_head (forward + input gradient) and attention (scores and values, forward and
+    backward). LoRA adds rank-r products; QWHA's dense delta adds the weight gradient of
+    each adapted Linear (``tokens * out * in``), which a rank-r adapter never forms. The
+    ratio is what step time would be if every multiply-add ran at the same speed: a floor
+    for the dense path, which no kernel tuning can go below.
+    """
+    cfg = model.config
+    lin = sum(model.get_submodule(n).weight.numel() for n in names)
+    lora = sum(rank * sum(model.get_submodule(n).weight.shape) for n in names)
+    head = cfg.vocab_size * cfg.hidden_size
+    attn = cfg.num_hidden_layers * 2 * seqlen * cfg.hidden_size  # QK^T and AV per token, causal ~ half x2
+    shared = tokens * (2 * lin + 2 * head + 3 * attn)
+    lora_macs = shared + tokens * 3 * lora
+    qwha_macs = shared + tokens * lin
+    return {"tokens_per_step": tokens, "lora_macs": lora_macs, "qwha_dense_macs": qwha_macs,
+            "qwha_over_lora_floor": round(qwha_macs / lora_macs, 3)}
+
+
 def time_paths(q, fp_w, xtx, args, tokens: int = 1024) -> dict:
     """Forward+backward time of every QWHA layer under each path, for one token count."""
     m = copy.deepcopy(q)
@@ -186,6 +208,8 @@ def main() -> None:
                            "threads": torch.get_num_threads(), "cpu": platform.processor() or platform.machine()},
                "ppl_fp": perplexity(fp, ev, seqlen=args.eval_seqlen, windows=args.windows).ppl, "bases": []}
     print(f"fp ppl {results['ppl_fp']:.3f}", file=sys.stderr, flush=True)
+    results["gemm_floor"] = gemm_floor(fp, targets(fp, args.blocks), args.rank, args.batch_size * args.seqlen,
+                                       args.seqlen)
     for scheme in args.bases.split(","):
         run_base(fp, tok, scheme, args, ev, rows, results)
     print(json.dumps(results, indent=1))

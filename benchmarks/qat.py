@@ -37,8 +37,8 @@ def run_one(base, rows, ev, scheme: str, method: str, seed: int, args) -> dict:
 
     model = copy.deepcopy(base)
     to_qat(model, resolve(scheme))
-    winq = WinQConfig(reinit=not args.no_reinit, noise=not args.no_noise, sigma_w=args.sigma_w,
-                      sigma_a=args.sigma_a, relative=args.relative, seed=seed)
+    winq = WinQConfig(reinit=not args.no_reinit, a=args.a, every=args.every, noise=not args.no_noise,
+                      sigma_w=args.sigma_w, sigma_a=args.sigma_a, relative=args.relative, seed=seed)
     cb = WinQCallback(winq if method == "winq" else STE)
     cfg = TrainConfig(steps=args.steps, batch_size=args.batch_size, lr=args.lr, warmup=max(args.steps // 10, 1),
                       seed=seed, progress=True)
@@ -82,6 +82,8 @@ def main() -> None:
     p.add_argument("--batch-size", type=int, default=4)
     p.add_argument("--seqlen", type=int, default=128)
     p.add_argument("--lr", type=float, default=5e-5)
+    p.add_argument("--a", type=float, default=0.2, help="re-init mix: W <- a*W + (1-a)*Q(W)")
+    p.add_argument("--every", type=int, default=None, help="re-init period (default steps // 4)")
     p.add_argument("--sigma-w", type=float, default=1e-3)
     p.add_argument("--sigma-a", type=float, default=1e-3)
     p.add_argument("--relative", action="store_true", help="noise sigmas relative to each row's scale")
