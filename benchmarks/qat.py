@@ -27,6 +27,10 @@ import json
 import time
 from pathlib import Path
 
+from lowbit.io import atomic_write_text
+from lowbit.train.metrics import smooth
+from lowbit.train.plot import plot_losses
+
 RESULTS = Path(__file__).parent / "results"
 
 
@@ -74,6 +78,44 @@ def summarise(runs: list[dict], window: int) -> list[dict]:
     return out
 
 
+VARIANT_KEYS = ("no_reinit", "no_noise", "a", "every", "sigma_w", "sigma_a", "relative")
+
+
+def variant(settings: dict) -> str:
+    """Short label of a run's WinQ switches, e.g. 're-init a=0.2 + noise abs 0.001/0.001'."""
+    parts = []
+    if not settings.get("no_reinit"):
+        parts.append(f"re-init a={settings.get('a', 0.2)}" + (f" every {settings['every']}" if settings.get("every")
+                                                               else ""))
+    if not settings.get("no_noise"):
+        kind = "rel" if settings.get("relative") else "abs"
+        parts.append(f"noise {kind} {settings.get('sigma_w')}/{settings.get('sigma_a')}")
+    return " + ".join(parts) or "neither"
+
+
+def merge(files: list[str], out: Path, window: int) -> dict:
+    """One sweep file from several runs sharing their ste baselines: a row per WinQ variant."""
+    rows, curves = [], {}
+    for f in files:
+        d = json.loads(Path(f).read_text())
+        label = variant(d["settings"])
+        for r in d["runs"]:
+            name = f"{r['scheme']} s{r['seed']} " + ("ste" if r["method"] == "ste" else label)
+            curves[name] = r["losses"]
+        for srow in summarise(d["runs"], window):
+            winq = next(r for r in d["runs"] if r["method"] == "winq" and (r["scheme"], r["seed"])
+                        == (srow["scheme"], srow["seed"]))
+            rows.append({"variant": label, "source": Path(f).name, **srow,
+                         "winq_final_smoothed_loss": smooth(winq["losses"], window)[-1]})
+    merged = {"window": window, "rows": rows, "curves": curves, "sources": files}
+    atomic_write_text(out, json.dumps(merged, indent=1))
+    plot_losses(curves, out.with_suffix(".png"), window, title="WinQ sweep on SmolLM2-135M")
+    for r in rows:
+        print(f"| {r['scheme']} | {r['seed']} | {r['variant']} | {r['target_loss']:.2f} | "
+              f"{r['winq_final_smoothed_loss']:.2f} | {r['speedup']} | {r['ppl_ste']:.0f} | {r['ppl_winq']:.0f} |")
+    return merged
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--schemes", default="w2,ternary")
@@ -95,7 +137,12 @@ def main() -> None:
     p.add_argument("--eval-seqlen", type=int, default=256)
     p.add_argument("--windows", type=int, default=8)
     p.add_argument("--out", default=str(RESULTS / "qat.json"))
+    p.add_argument("--merge", default=None, metavar="A.json,B.json",
+                   help="only combine finished result files into --out as a sweep table (+ PNG); runs nothing")
     args = p.parse_args()
+    if args.merge:
+        merge(args.merge.split(","), Path(args.out), args.smooth)
+        return
 
     import torch
 
@@ -103,7 +150,6 @@ def main() -> None:
     from lowbit.data.batches import training_windows
     from lowbit.eval import perplexity
     from lowbit.models import load_model
-    from lowbit.train.plot import plot_losses
 
     torch.manual_seed(0)
     lm = load_model(None)
@@ -128,8 +174,6 @@ def main() -> None:
                 title="QAT on SmolLM2-135M")
     result = {"settings": vars(args), "ppl_fp": ppl_fp, "train_rows": len(rows), "summary": summary,
               "runs": runs, "seconds": round(time.perf_counter() - t0, 1), "plot": png.name}
-    from lowbit.io import atomic_write_text
-
     atomic_write_text(Path(args.out), json.dumps(result, indent=1))
     print(json.dumps({"summary": summary, "ppl_fp": ppl_fp}))
 
