@@ -339,7 +339,9 @@ class SignRoundTuner:
         frac = cfg.filter_frac if self._use_filter(job) else 0.0
         gen = torch.Generator().manual_seed(cfg.seed * 100003 + job.index)
         batches = epoch_batches(job.x.shape[0], cfg.batch_size, cfg.iters, gen)
-        best, best_state, first = float("inf"), None, None
+        # the best parameters so far live in buffers allocated once: re-cloning on every
+        # improvement briefly held two copies of every rounding offset
+        best, best_state, first = float("inf"), [torch.empty_like(p) for p in params], None
         for t in range(cfg.iters):
             idx = batches[t].to(job.x.device)
             pred = run_block(job.block, job.x[idx], job.kwargs, cfg.batch_size)
@@ -347,7 +349,10 @@ class SignRoundTuner:
             value = float(loss.detach())
             first = value if first is None else first
             if value < best:
-                best, best_state = value, [p.detach().clone() for p in params]
+                best = value
+                with torch.no_grad():
+                    for b, p in zip(best_state, params, strict=True):
+                        b.copy_(p)
             loss.backward()
             lr = lr0 * (1.0 - t / cfg.iters)
             for ps, mult in groups:
@@ -355,8 +360,9 @@ class SignRoundTuner:
             for r in rounders.values():
                 r.clamp_()
         with torch.no_grad():
-            for p, b in zip(params, best_state or [], strict=False):
-                p.copy_(b)
+            if best < float("inf"):  # a NaN loss never improves: keep the parameters as they are
+                for p, b in zip(params, best_state, strict=True):
+                    p.copy_(b)
         return {"rtn_loss": first or 0.0, "loss": best}
 
 
