@@ -117,8 +117,12 @@ def run_autoround(spec: dict, lm, calib) -> dict:
         # (re-tokenized texts can come out a few tokens short: score on the first seqlen - 16)
         kw["scheme"] = AutoScheme(avg_bits=a["avg_bits"], options=a["options"], nsamples=len(calib),
                                   seqlen=calib.shape[1] - 16, batch_size=BATCH, dataset=str(texts))
-    ar = AutoRound(lm.model, lm.tokenizer, dataset=[row.unsqueeze(0) for row in calib], nsamples=len(calib),
-                   seqlen=calib.shape[1], batch_size=BATCH, amp=False, device_map="cpu", seed=0, **kw)
+        # its scorer reads AutoRound's own dataset argument too, which must then be that same file
+        data, seqlen = str(texts), calib.shape[1] - 16
+    else:
+        data, seqlen = [row.unsqueeze(0) for row in calib], calib.shape[1]
+    ar = AutoRound(lm.model, lm.tokenizer, dataset=data, nsamples=len(calib), seqlen=seqlen,
+                   batch_size=BATCH, amp=False, device_map="cpu", seed=0, **kw)
     ar.quantize()
     out = {"autoround": dict(spec)}
     layer_config = getattr(ar, "layer_config", None)
