@@ -114,11 +114,11 @@ def run_autoround(spec: dict, lm, calib) -> dict:
         # JSON list of texts is the offline way, so it gets the decoded calibration samples
         texts = Path(tempfile.mkdtemp()) / "calib.json"
         texts.write_text(json.dumps([lm.tokenizer.decode(row) for row in calib]))
-        # (re-tokenized texts can come out a few tokens short: score on the first seqlen - 16)
-        kw["scheme"] = AutoScheme(avg_bits=a["avg_bits"], options=a["options"], nsamples=len(calib),
-                                  seqlen=calib.shape[1] - 16, batch_size=BATCH, dataset=str(texts))
+        # (re-tokenized texts can come out a few tokens short: score on the first seqlen - 16);
         # its scorer reads AutoRound's own dataset argument too, which must then be that same file
         data, seqlen = str(texts), calib.shape[1] - 16
+        kw["scheme"] = AutoScheme(avg_bits=a["avg_bits"], options=a["options"], nsamples=len(calib),
+                                  seqlen=seqlen, batch_size=BATCH, dataset=data)
     else:
         data, seqlen = [row.unsqueeze(0) for row in calib], calib.shape[1]
     ar = AutoRound(lm.model, lm.tokenizer, dataset=data, nsamples=len(calib), seqlen=seqlen,

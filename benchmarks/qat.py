@@ -78,9 +78,6 @@ def summarise(runs: list[dict], window: int) -> list[dict]:
     return out
 
 
-VARIANT_KEYS = ("no_reinit", "no_noise", "a", "every", "sigma_w", "sigma_a", "relative")
-
-
 def variant(settings: dict) -> str:
     """Short label of a run's WinQ switches, e.g. 're-init a=0.2 + noise abs 0.001/0.001'."""
     parts = []

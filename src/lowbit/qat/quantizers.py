@@ -40,7 +40,7 @@ class _RowSTE(torch.autograd.Function):
     With ``x = w / alpha`` and ``y`` the output (which the following GEMM keeps alive anyway):
     ``dW = g * [lo <= x <= hi]`` and ``dalpha = gscale * (sum_row(g * y) / alpha -
     sum_row(dW * x))``, the same as autograd derives from the expression (tests compare
-    the two); the row sums are batched dot products, so no product tensor is built.
+    the two); the row sums are dot products, so no product tensor is built.
     """
 
     @staticmethod
@@ -69,8 +69,8 @@ class _RowSTE(torch.autograd.Function):
 
 
 def _row_dot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """``(a * b).sum(1, keepdim=True)`` as a batched GEMV: one read of each, no product tensor."""
-    return torch.bmm(a.unsqueeze(1), b.unsqueeze(2)).reshape(-1, 1)
+    """``(a * b).sum(1, keepdim=True)`` without building the product tensor."""
+    return torch.linalg.vecdot(a, b, dim=1).unsqueeze(1)
 
 
 def row_ste(w: torch.Tensor, alpha: torch.Tensor, levels, lo: float, hi: float,  # noqa: ANN001
@@ -92,7 +92,7 @@ def _qtensor(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, sc
 
 
 def _sign_levels(x: torch.Tensor) -> torch.Tensor:
-    """In place: ratio -> +-1 (zero counts as +1, matching `Sign.levels`)."""
+    """Ratio -> +-1 (zero counts as +1, matching `Sign.levels`)."""
     return torch.where(x >= 0, 1.0, -1.0).to(x.dtype)
 
 
