@@ -43,7 +43,9 @@ CONFIGS: dict[str, dict] = {
               "autoround": {"bits": 2, "group_size": 64, "sym": True, "iters": 50}},
     "w2g64-v2": {"autoround": {"bits": 2, "group_size": 64, "sym": True, "iters": 50, "enable_alg_ext": True}},
     "w4g128-v1": {"lowbit": {"method": "signround", "scheme": "w4g128", "iters": 50}},
+    # the loss filter is on at every width by default; these two pin it either way
     "w4g128-filter": {"lowbit": {"method": "signround2", "scheme": "w4g128", "iters": 50, "loss_filter": True}},
+    "w4g128-nofilter": {"lowbit": {"method": "signround2", "scheme": "w4g128", "iters": 50, "loss_filter": False}},
     "mixed3": {"lowbit": {"method": "signround2", "scheme": "w4g128", "iters": 0, "avg_bits": 3.0,
                           "options": "w2g64,w4g128"},
                "autoround": {"iters": 0, "autoscheme": {"avg_bits": 3.0, "options": "W2A16G64,W4A16"}}},

@@ -10,7 +10,13 @@ minus the non-block weights (embeddings, lm_head) should be about one block plus
 activations and tuning state, the same for 4 layers as for 22; without
 (``--no-offload``) the whole model stays resident as well.
 
+``--lazy`` is the path ``lowbit quantize --offload-dir`` takes on a safetensors folder: a
+child process builds the random model and saves it, and this process loads it with
+``lowbit.models.lazy`` (blocks stay in the file until reached), so the whole float model
+is never in memory, not even before block 0.
+
     OMP_NUM_THREADS=1 python benchmarks/ptq_memory.py                # ~1.1B, offloaded
+    OMP_NUM_THREADS=1 python benchmarks/ptq_memory.py --lazy         # ~1.1B, read from its checkpoint
     OMP_NUM_THREADS=1 python benchmarks/ptq_memory.py --layers 4     # quick look
 
 Writes benchmarks/results/ptq_memory.json.
@@ -76,6 +82,22 @@ def build(args):
     return LlamaForCausalLM(cfg).float().eval()
 
 
+def mode(args) -> str:
+    return "lazy" if args.lazy else "memory" if args.no_offload else "offload"
+
+
+def saved_then_lazy(args, folder: str):
+    """Build + save in a child (its memory is not ours), then load with the blocks left on disk."""
+    import subprocess
+
+    from lowbit.models.lazy import load_lazy
+
+    shape = ["--hidden", str(args.hidden), "--inter", str(args.inter), "--layers", str(args.layers),
+             "--heads", str(args.heads), "--kv-heads", str(args.kv_heads), "--vocab", str(args.vocab)]
+    subprocess.run([sys.executable, __file__, *shape, "--save-to", folder], check=True)
+    return load_lazy(Path(folder))
+
+
 def tensor_mib(tensors) -> float:
     return sum(t.numel() * t.element_size() for t in tensors) / MIB
 
@@ -94,8 +116,13 @@ def main() -> None:
     p.add_argument("--seqlen", type=int, default=128)
     p.add_argument("--iters", type=int, default=2)
     p.add_argument("--no-offload", action="store_true")
+    p.add_argument("--lazy", action="store_true", help="load the blocks from a saved checkpoint when reached")
+    p.add_argument("--save-to", default=None, help=argparse.SUPPRESS)  # the --lazy child: build, save, exit
     p.add_argument("--out", default=str(RESULTS))
     args = p.parse_args()
+    if args.save_to:
+        build(args).save_pretrained(args.save_to)
+        return
 
     import torch
     import transformers  # noqa: F401  (imported before the baseline RSS is read)
@@ -108,7 +135,8 @@ def main() -> None:
 
     torch.set_num_threads(1)
     base = rss_mib()  # the interpreter with torch + transformers imported, before any model
-    model = build(args)
+    ckpt = tempfile.TemporaryDirectory() if args.lazy else None
+    model = saved_then_lazy(args, ckpt.name) if ckpt else build(args)
     blocks = decoder_blocks(model)
     model_mib = tensor_mib(model.state_dict().values())
     block_mib = tensor_mib(blocks[0].state_dict().values())
@@ -120,14 +148,17 @@ def main() -> None:
     laps: list[float] = []
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp, Sampler() as s:
-        opts = PipelineOptions(chunk=args.nsamples, offload_dir=None if args.no_offload else tmp)
+        opts = PipelineOptions(chunk=args.nsamples, offload_dir=None if args.no_offload or args.lazy else tmp)
         quantize_blockwise(model, plan, calib, SignRoundTuner(cfg), {"method": "signround2"}, opts,
                            on_block=lambda i: laps.append(s.lap()))
     seconds = time.perf_counter() - t0
+    if ckpt:
+        ckpt.cleanup()
     steady = max(laps[1:]) if len(laps) > 1 else laps[0]  # block 0's lap also covers the offload set-up
     rest_mib = model_mib - block_mib * len(blocks)  # embeddings, lm_head, final norm
     row = {"params_m": round(sum(t.numel() for t in model.state_dict().values()) / 1e6, 1),
            "layers": args.layers, "hidden": args.hidden, "offload": not args.no_offload,
+           "mode": mode(args),
            "model_fp32_mib": round(model_mib), "block_fp32_mib": round(block_mib),
            "non_block_fp32_mib": round(rest_mib), "activations_mib": round(act_mib, 1),
            "rss_after_build_mib": round(before), "peak_rss_per_block_mib": [round(v) for v in laps],
@@ -137,8 +168,8 @@ def main() -> None:
     print(json.dumps(row, indent=1))
     out = Path(args.out)
     data = json.loads(out.read_text()) if out.exists() else {"rows": []}
-    key = (row["layers"], row["hidden"], row["offload"])
-    data["rows"] = [r for r in data["rows"] if (r["layers"], r["hidden"], r["offload"]) != key] + [row]
+    key = lambda r: (r["layers"], r["hidden"], r.get("mode", "offload" if r["offload"] else "memory"))  # noqa: E731
+    data["rows"] = [r for r in data["rows"] if key(r) != key(row)] + [row]
     atomic_write_text(out, json.dumps(data, indent=1))
 
 

@@ -78,6 +78,21 @@ def test_quantize_local_hf_folder_then_eval_checkpoint(tmp_path, capsys, tiny_to
     assert e["ppl"] == r["ppl_q"] and e["windows"] == 3
 
 
+def test_offload_dir_reads_blocks_from_the_checkpoint_with_the_same_result(tmp_path, capsys, tiny_tokenizer):
+    """--offload-dir on a safetensors folder loads lazily (Qwen2: q/k/v biases too)."""
+    _save_tiny_qwen(tmp_path / "qwen", tiny_tokenizer)
+    common = ["--scheme", "w4g32", "--method", "signround2", "--iters", "2", "--nsamples", "4", "--seqlen", "32",
+              "--batch-size", "2", "--eval-seqlen", "64", "--windows", "3", "--json"]
+    results = []
+    for name, extra in (("mem", []), ("lazy", ["--offload-dir", str(tmp_path / "off")])):
+        assert main(["quantize", str(tmp_path / "qwen"), *common, *extra, "--out", str(tmp_path / name)]) == 0
+        results.append(json.loads(capsys.readouterr().out.strip().splitlines()[-1]))
+    mem, lazy = results
+    assert "ppl_fp" in mem and "ppl_fp" not in lazy and "lowbit eval" in lazy["ppl_fp_skipped"]
+    assert lazy["ppl_q"] == mem["ppl_q"]
+    assert not (tmp_path / "off").exists() or not list((tmp_path / "off").iterdir())  # nothing copied
+
+
 def test_group_larger_than_row_leaves_nothing(tmp_path, capsys, tiny_tokenizer):
     _save_tiny_qwen(tmp_path / "qwen", tiny_tokenizer)
     code = main(["quantize", str(tmp_path / "qwen"), "--scheme", "w4g256", "--out", str(tmp_path / "q"),

@@ -62,7 +62,8 @@ def quantize_pipeline(model: str | None, scheme: str, method: str, out: Path, da
     from lowbit.eval import perplexity
     from lowbit.export.native import save
     from lowbit.models import load_model
-    from lowbit.ptq import methods, quantize_model
+    from lowbit.models.lazy import is_lazy
+    from lowbit.ptq import methods, quantize_model, streams_blocks
 
     options = (tuning or {}).get("options")
     if options and not plan_file:  # mixed precision: every layer starts from a candidate scheme
@@ -75,12 +76,17 @@ def quantize_pipeline(model: str | None, scheme: str, method: str, out: Path, da
         raise ConfigError(f"unknown method {method!r}; choose one of {methods()}")
     if Path(out).exists() and not force:
         raise LowbitError(f"{out} already exists; choose another --out or pass --force to replace it")
-    lm = load_model(model)
+    # with --offload-dir a block-wise method reads each block from the checkpoint when it gets
+    # there: the float model is never whole in memory (so its perplexity is not measured here)
+    lazy = bool((tuning or {}).get("offload_dir")) and streams_blocks(method, tuning or {})
+    lm = load_model(model, lazy=lazy)
     plan = build_plan(lm.model, scheme, plan_file, lm_head)
     ev = eval_tokens(lm.tokenizer, data) if evaluate else None
     result: dict[str, Any] = {"model": lm.source, "scheme": plan.describe(), "method": method}
-    if ev is not None:
+    if ev is not None and not is_lazy(lm.model):
         result["ppl_fp"] = perplexity(lm.model, ev, seqlen=eval_seqlen, windows=windows).ppl
+    elif ev is not None:
+        result["ppl_fp_skipped"] = "lazy load (--offload-dir): run `lowbit eval MODEL` for the float perplexity"
     needs_calib = search or method != "rtn" or (tuning or {}).get("avg_bits") is not None
     calib = calibration_batches(lm.tokenizer, data, nsamples=nsamples, seqlen=seqlen, seed=seed) if needs_calib else None
     tuning = dict(tuning or {})

@@ -57,8 +57,16 @@ def bundled_gguf() -> Path:
     return files[0]
 
 
-def load_model(source: str | Path | None = None, dtype: torch.dtype = torch.float32) -> LoadedModel:
-    """Load ``source`` (see module docstring) as ``LoadedModel``."""
+def load_model(source: str | Path | None = None, dtype: torch.dtype = torch.float32,
+               lazy: bool = False) -> LoadedModel:
+    """Load ``source`` (see module docstring) as ``LoadedModel``.
+
+    lazy: leave the decoder blocks in the checkpoint's safetensors files (see
+    ``lowbit.models.lazy``) so block-wise PTQ never holds the whole float model; a GGUF
+    source is converted to the float cache folder first and read lazily from there.
+    """
+    if lazy:
+        return _load_lazy(source, dtype)
     if source is None:
         path = bundled_gguf()
         model, tok = _load_gguf(path, dtype)
@@ -75,6 +83,48 @@ def load_model(source: str | Path | None = None, dtype: torch.dtype = torch.floa
     if _looks_like_path(text):
         raise ModelError(f"{text} does not exist; {_LOCAL_HINT}")
     return _load_hub(text, dtype)
+
+
+def _load_lazy(source: str | Path | None, dtype: torch.dtype) -> LoadedModel:
+    from transformers import AutoTokenizer
+
+    from lowbit.models.lazy import load_lazy
+
+    text = None if source is None else str(source)
+    path = None if text is None else Path(text).expanduser()
+    if path is None or (path.is_file() and path.suffix.lower() == ".gguf"):
+        gguf = bundled_gguf() if path is None else path
+        folder, kind, name = _gguf_cache_folder(gguf, dtype), ("bundled" if path is None else "gguf"), text
+    elif path.is_dir() and (path / "config.json").is_file():
+        folder, kind, name = path, "hf_dir", text
+    elif path.exists() or _looks_like_path(text):
+        return load_model(source, dtype)  # a lowbit checkpoint (already small) or a clear error
+    else:
+        folder, kind, name = _hub_snapshot(text), "hub", text
+    model = load_lazy(folder, dtype)
+    return LoadedModel(model, AutoTokenizer.from_pretrained(folder), name or BUNDLED_NAME, kind)
+
+
+def _gguf_cache_folder(path: Path, dtype: torch.dtype) -> Path:
+    """The float HF folder of a GGUF file in the cache, converting it on first use."""
+    cached = cache_root() / f"{path.stem}-{_cache_key(path)}"
+    if not (cached / "config.json").is_file():
+        model, tok = _convert_gguf(path, dtype)
+        if not _store_cache(cached, model, tok):
+            raise ModelError(f"cannot write the converted GGUF to {cached}; lazy loading reads from there: "
+                             "make the cache writable (XDG_CACHE_HOME) or drop --offload-dir")
+    return cached
+
+
+def _hub_snapshot(repo_id: str) -> Path:
+    """Download config, tokenizer and safetensors of a hub model (lazy loading reads the files)."""
+    try:
+        from huggingface_hub import snapshot_download
+
+        return Path(snapshot_download(repo_id, allow_patterns=["*.json", "*.safetensors", "*.model", "*.txt"]))
+    except Exception as e:  # noqa: BLE001 - offline / missing repo / auth: one message either way
+        raise ModelError(f"cannot download {repo_id!r} from the Hugging Face hub (offline, or no such model: "
+                         f"{_first_line(e)}); {_LOCAL_HINT}") from None
 
 
 def _looks_like_path(text: str) -> bool:

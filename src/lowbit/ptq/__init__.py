@@ -14,6 +14,7 @@ from torch import nn
 
 from lowbit.errors import ConfigError
 from lowbit.formats.plan import Plan
+from lowbit.models.lazy import materialize
 from lowbit.ptq.rtn import rtn_quantize
 
 Method = Callable[..., Plan]
@@ -40,10 +41,21 @@ def quantize_model(model: nn.Module, plan: Plan, method: str = "rtn", keep16: bo
     _load_optional_methods()
     if method not in METHODS:
         raise ConfigError(f"unknown method {method!r}; choose one of {sorted(METHODS)}")
+    if not streams_blocks(method, kw):
+        materialize(model)  # a lazily loaded model, for a method that needs all of it at once
     applied = METHODS[method](model, plan, **kw)
     if keep16:
         round_unquantized_to_half(model)
     return applied
+
+
+def streams_blocks(method: str, kw: dict[str, Any]) -> bool:
+    """Whether ``method`` reads the model one block at a time (so a lazily loaded model stays lazy).
+
+    The block-wise tuners do; RTN and the DeltaLoss sensitivity of mixed precision run
+    whole-model passes.
+    """
+    return method in ("signround", "signround2") and kw.get("avg_bits") is None
 
 
 def round_unquantized_to_half(model: nn.Module) -> None:

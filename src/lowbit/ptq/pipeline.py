@@ -29,10 +29,12 @@ from safetensors.torch import load_file, save
 from torch import nn
 from tqdm.auto import tqdm
 
-from lowbit.errors import ConfigError, ModelError
+from lowbit.errors import ConfigError
 from lowbit.formats import QTensor, Scheme
 from lowbit.formats.plan import Plan
 from lowbit.io import atomic_write_bytes, atomic_write_text
+from lowbit.models.layers import block_path, decoder_blocks
+from lowbit.models.lazy import is_lazy, load_block, materialize
 from lowbit.nn import QuantLinear, replace_linears, set_module
 from lowbit.ptq.importance import importance_hooks
 
@@ -70,22 +72,6 @@ class BlockTuner(Protocol):
 
 
 # ------------------------------------------------------------------ model access
-def decoder_blocks(model: nn.Module) -> nn.ModuleList:
-    """The decoder blocks, via `lowbit.models` when present (it knows every architecture)."""
-    try:
-        from lowbit.models import decoder_blocks as find
-    except ImportError:
-        find = None
-    if find is not None:
-        return find(model)
-    inner = getattr(model, "model", None)
-    layers = getattr(inner, "layers", None)
-    if not isinstance(layers, nn.ModuleList) or len(layers) == 0:
-        raise ModelError(f"{type(model).__name__} has no decoder blocks at model.layers; "
-                         "pass a causal LM with a stack of decoder layers")
-    return layers
-
-
 def module_names(model: nn.Module) -> dict[int, str]:
     return {id(m): n for n, m in model.named_modules()}
 
@@ -226,6 +212,23 @@ class DiskOffload:
                 mod._buffers[leaf] = t
 
 
+class ShardBlocks:
+    """Blocks of a lazily loaded model (``lowbit.models.lazy``), read from its own checkpoint."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model, self.prefix = model, block_path(model)
+
+    def load(self, i: int, block: nn.Module, device: torch.device) -> None:
+        load_block(self.model, f"{self.prefix}.{i}", block, device)
+
+
+def block_loader(model: nn.Module, blocks: nn.ModuleList, offload_dir: str | None) -> ShardBlocks | DiskOffload | None:
+    """Where each block's FP weights come from: the checkpoint (lazy model), an offload folder, or memory."""
+    if is_lazy(model):
+        return ShardBlocks(model)  # already on disk in the checkpoint: nothing to write
+    return DiskOffload(offload_dir, blocks) if offload_dir else None
+
+
 def _tensors(block: nn.Module) -> dict[str, torch.Tensor]:
     d = dict(block.named_parameters())
     d.update(dict(block.named_buffers()))
@@ -266,7 +269,7 @@ def quantize_blockwise(model: nn.Module, plan: Plan, calib: torch.Tensor, tuner:
     kwargs = _to(kwargs, device)
     wd = WorkDir(workdir, {**settings, "plan": plan.to_dict(), "fp_inputs": options.fp_inputs,
                            "chunk": options.chunk, **fingerprint(model, calib)}) if workdir else None
-    offload = DiskOffload(options.offload_dir, blocks) if options.offload_dir else None
+    offload = block_loader(model, blocks, options.offload_dir)
     start = wd.done(len(blocks)) if wd else 0
     x_fp, x_q = x, (None if options.fp_inputs else x.clone())
     infos: list[dict[str, float]] = []
@@ -303,6 +306,8 @@ def quantize_blockwise(model: nn.Module, plan: Plan, calib: torch.Tensor, tuner:
         if on_block is not None and i >= start:
             on_block(i)
     _quantize_rest(model, plan, names, blocks)
+    if is_lazy(model):
+        materialize(model)  # every block is loaded by now: this only drops the marker
     return infos
 
 

@@ -1,0 +1,157 @@
+"""Lazy loading: a model whose decoder blocks stay in their safetensors files until needed.
+
+Block-wise PTQ only ever needs one block's float weights at a time, so a model far larger
+than memory can be quantized if nothing loads it whole. ``load_lazy`` builds the model's
+skeleton with every parameter on the meta device (buffers stay real: rotary tables are
+computed at construction and are never in the checkpoint), loads the tensors outside the
+decoder blocks (embeddings, final norm, lm_head), and leaves each block on meta. A
+``ShardSource`` then fills one block from the checkpoint's own shards when the pipeline
+reaches it; nothing is copied to an offload folder first.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from lowbit.errors import ModelError
+from lowbit.models.layers import block_path
+
+SOURCE_ATTR = "_lowbit_lazy_source"  # set on a lazily loaded model: its ShardSource
+
+
+@dataclass(frozen=True)
+class ShardSource:
+    """Where every tensor of a safetensors checkpoint lives: name -> file."""
+
+    folder: Path
+    files: dict[str, str] = field(repr=False)
+    dtype: torch.dtype = torch.float32
+
+    @classmethod
+    def of(cls, folder: Path, dtype: torch.dtype = torch.float32) -> ShardSource:
+        index = folder / "model.safetensors.index.json"
+        if index.is_file():
+            files = dict(json.loads(index.read_text())["weight_map"])
+        elif (folder / "model.safetensors").is_file():
+            from safetensors import safe_open
+
+            with safe_open(str(folder / "model.safetensors"), framework="pt") as f:
+                files = dict.fromkeys(f.keys(), "model.safetensors")
+        else:
+            raise ModelError(f"{folder} has no model.safetensors (or index); lazy loading reads safetensors "
+                             "checkpoints only: drop --offload-dir, or convert the weights to safetensors")
+        return cls(folder, files, dtype)
+
+    def read(self, names: list[str], device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
+        """Tensors ``names``, each in memory of its own (never a view of a file map), cast to dtype."""
+        from safetensors import safe_open
+
+        missing = [n for n in names if n not in self.files]
+        if missing:
+            raise ModelError(f"checkpoint {self.folder} has no tensor {missing[0]!r} (and {len(missing) - 1} more); "
+                             "its names differ from the model's, so it cannot be loaded lazily: drop --offload-dir")
+        by_file: dict[str, list[str]] = {}
+        for n in names:
+            by_file.setdefault(self.files[n], []).append(n)
+        out = {}
+        for fname, group in by_file.items():
+            with safe_open(str(self.folder / fname), framework="pt") as f:
+                for n in group:
+                    t = f.get_tensor(n)
+                    out[n] = (t.to(self.dtype) if t.dtype != self.dtype and t.is_floating_point() else t.clone())
+        return {n: t.to(device) for n, t in out.items()}
+
+
+@contextlib.contextmanager
+def params_on_meta() -> Iterator[None]:
+    """Every parameter registered inside the block is created on the meta device; buffers are not."""
+    original = nn.Module.register_parameter
+
+    def register(self: nn.Module, name: str, param: nn.Parameter | None) -> None:
+        if param is not None and param.device.type != "meta":
+            param = nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
+        original(self, name, param)
+
+    nn.Module.register_parameter = register  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = original  # type: ignore[method-assign]
+
+
+def load_lazy(folder: Path, dtype: torch.dtype = torch.float32) -> Any:
+    """The model of HF folder ``folder`` with its decoder blocks still on meta (see module doc)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    source = ShardSource.of(folder, dtype)
+    config = AutoConfig.from_pretrained(folder)
+    with params_on_meta():
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    prefix = block_path(model) + "."
+    outside = [n for n, t in _state(model).items() if t.device.type == "meta" and not n.startswith(prefix)]
+    tied = _tied_names(model)
+    fill(model, source.read([n for n in outside if n not in tied or n in source.files]))
+    if tied:
+        model.tie_weights()
+    still = [n for n, t in _state(model).items() if t.device.type == "meta" and not n.startswith(prefix)]
+    if still:
+        raise ModelError(f"checkpoint {folder} leaves {still[0]!r} unset; it cannot be loaded lazily: drop --offload-dir")
+    setattr(model, SOURCE_ATTR, source)
+    return model.eval()
+
+
+def is_lazy(model: nn.Module) -> bool:
+    return isinstance(getattr(model, SOURCE_ATTR, None), ShardSource)
+
+
+def fill(module: nn.Module, tensors: dict[str, torch.Tensor]) -> None:
+    """Put ``tensors`` (names relative to ``module``) in place of its meta parameters / buffers."""
+    for name, t in tensors.items():
+        parent, _, leaf = name.rpartition(".")
+        mod = module.get_submodule(parent) if parent else module
+        if leaf in mod._parameters:
+            mod._parameters[leaf] = nn.Parameter(t, requires_grad=mod._parameters[leaf].requires_grad)
+        else:
+            mod._buffers[leaf] = t
+
+
+def load_block(model: nn.Module, prefix: str, block: nn.Module, device: str | torch.device = "cpu") -> None:
+    """Fill ``block`` (full name ``prefix``) from the model's checkpoint, when it is still on meta."""
+    source: ShardSource = getattr(model, SOURCE_ATTR)
+    names = [n for n, t in _state(block).items() if t.device.type == "meta"]
+    if names:
+        got = source.read([f"{prefix}.{n}" for n in names], device)
+        fill(block, {n: got[f"{prefix}.{n}"] for n in names})
+
+
+def materialize(model: nn.Module) -> None:
+    """Load every block still on meta: for methods that need the whole model at once."""
+    if not is_lazy(model):
+        return
+    path = block_path(model)
+    for i, block in enumerate(model.get_submodule(path)):
+        load_block(model, f"{path}.{i}", block)
+    delattr(model, SOURCE_ATTR)
+
+
+def _state(module: nn.Module) -> dict[str, torch.Tensor]:
+    d: dict[str, torch.Tensor] = dict(module.named_parameters(remove_duplicate=False))
+    d.update(dict(module.named_buffers(remove_duplicate=False)))
+    return d
+
+
+def _tied_names(model: nn.Module) -> set[str]:
+    """The output embedding's weight name when the config ties it to the input embedding."""
+    config = getattr(model, "config", None)
+    if not getattr(config, "tie_word_embeddings", False):
+        return set()
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    return {f"{n}.weight" for n, m in model.named_modules() if m is head}
