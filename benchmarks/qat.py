@@ -44,13 +44,28 @@ def run_one(base, rows, ev, scheme: str, method: str, seed: int, args) -> dict:
     winq = WinQConfig(reinit=not args.no_reinit, a=args.a, every=args.every, noise=not args.no_noise,
                       sigma_w=args.sigma_w, sigma_a=args.sigma_a, relative=args.relative, seed=seed)
     cb = WinQCallback(winq if method == "winq" else STE)
+    before = codes(model)
     cfg = TrainConfig(steps=args.steps, batch_size=args.batch_size, lr=args.lr, warmup=max(args.steps // 10, 1),
                       seed=seed, progress=True)
     r = train(model, rows, cfg, callbacks=[cb])
+    changed = changed_fraction(before, codes(model))
     to_quant_linear(model)
     ppl = perplexity(model, ev, seqlen=args.eval_seqlen, windows=args.windows, progress=False).ppl
     return {"scheme": scheme, "method": method, "seed": seed, "losses": r.losses, "final_loss": r.final_loss,
-            "seconds": r.seconds, "ppl": ppl, "reinits": cb.reinits}
+            "seconds": r.seconds, "ppl": ppl, "reinits": cb.reinits, "changed_codes": changed}
+
+
+def codes(model) -> dict:
+    """Integer code of every QAT weight: how far training moved the weights on the grid."""
+    from lowbit.qat.convert import qat_layers
+
+    return {n: layer.to_qtensor().codes for n, layer in qat_layers(model).items()}
+
+
+def changed_fraction(before: dict, after: dict) -> float:
+    """Share of weights whose code differs: re-init and noise can only matter if this is not ~0."""
+    total = sum(c.numel() for c in before.values())
+    return sum((before[n] != after[n]).sum().item() for n in before) / total
 
 
 def reused_ste(args) -> list[dict]:

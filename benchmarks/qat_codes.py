@@ -1,0 +1,76 @@
+"""How far QAT moves the weights on the grid: the quantity WinQ's two mechanisms act on.
+
+Re-init (W <- a*W + (1-a)*Q(W)) pulls each latent weight back towards its grid point and
+noise shakes it across decision boundaries; both only matter if training moves weights
+between codes. This trains the bundled model at W2 (stretched elastic) with the
+benchmark's protocol (80 steps of 4 x 64 tokens of the calibration split) and reports
+the share of weights whose code changed, the median latent drift |W_end - W_0| next to
+the median grid step (alpha / 2), the smoothed final loss and the eval ppl (4 x 256).
+
+    OMP_NUM_THREADS=1 python benchmarks/qat_codes.py --lr 1e-3 --method ste
+    OMP_NUM_THREADS=1 python benchmarks/qat_codes.py --lr 1e-3 --method winq --no-noise
+
+Writes benchmarks/results/qat_codes/<method>_lr<lr>[...].json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+from pathlib import Path
+
+RESULTS = Path(__file__).parent / "results" / "qat_codes"
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--lr", type=float, default=1e-4)
+    p.add_argument("--method", choices=("ste", "winq"), default="ste")
+    p.add_argument("--no-noise", action="store_true", help="winq: re-init only")
+    p.add_argument("--a", type=float, default=0.2)
+    p.add_argument("--steps", type=int, default=80)
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args()
+
+    import torch
+
+    from lowbit.data import eval_tokens
+    from lowbit.data.batches import training_windows
+    from lowbit.eval import perplexity
+    from lowbit.io import atomic_write_text
+    from lowbit.models import load_model
+    from lowbit.qat import STE, WinQCallback, WinQConfig, resolve, to_qat, to_quant_linear
+    from lowbit.qat.convert import qat_layers
+    from lowbit.train import TrainConfig, train
+    from lowbit.train.metrics import smooth
+
+    torch.manual_seed(0)
+    lm = load_model(None)
+    rows = training_windows(lm.tokenizer, None, 64, "calib")
+    model = copy.deepcopy(lm.model)
+    to_qat(model, resolve("w2"))
+    layers = qat_layers(model)
+    codes0 = {n: q.to_qtensor().codes for n, q in layers.items()}
+    w0 = {n: q.weight.detach().clone() for n, q in layers.items()}
+    cfg = WinQConfig(a=args.a, noise=not args.no_noise, seed=args.seed) if args.method == "winq" else STE
+    r = train(model, rows, TrainConfig(steps=args.steps, batch_size=4, lr=args.lr, warmup=max(args.steps // 10, 1),
+                                       seed=args.seed, progress=False), callbacks=[WinQCallback(cfg)])
+    total = sum(c.numel() for c in codes0.values())
+    changed = sum((codes0[n] != q.to_qtensor().codes).sum().item() for n, q in layers.items()) / total
+    drift = torch.cat([(q.weight.detach() - w0[n]).abs().flatten()[::97] for n, q in layers.items()]).median()
+    step = torch.cat([(q.alpha.detach().abs() / 2).flatten() for q in layers.values()]).median()
+    to_quant_linear(model)
+    ppl = perplexity(model, eval_tokens(lm.tokenizer, None), seqlen=256, windows=4, progress=False).ppl
+    res = {"settings": vars(args), "changed_codes": changed, "median_drift": drift.item(),
+           "median_grid_step": step.item(), "final_smoothed_loss": smooth(r.losses, 8)[-1], "ppl": ppl,
+           "losses": r.losses}
+    name = f"{args.method}_lr{args.lr:g}" + ("_nonoise" if args.no_noise and args.method == "winq" else "")
+    out = RESULTS / f"{name}_s{args.seed}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(out, json.dumps(res, indent=1))
+    print(json.dumps({k: v for k, v in res.items() if k != "losses"}))
+
+
+if __name__ == "__main__":
+    main()
