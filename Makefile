@@ -3,13 +3,21 @@ PY ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: setup demo test lint bench clean
+.PHONY: setup bench-setup demo test lint bench clean
 
 $(BIN)/lowbit: pyproject.toml scripts/setup.sh
 	PYTHON=$(PY) VENV=$(VENV) bash scripts/setup.sh
 	@touch $@
 
 setup: $(BIN)/lowbit
+
+# The peers the benchmarks compare against (auto-round, fouroversix, peft, compressed-tensors).
+# fouroversix ships only an sdist whose setup.py builds CUDA kernels; SKIP_CUDA_BUILD=1 with the
+# venv's own torch (no build isolation) gives its pure-PyTorch reference path on a CPU machine.
+bench-setup: setup
+	$(BIN)/pip install -q setuptools wheel
+	SKIP_CUDA_BUILD=1 $(BIN)/pip install -q --no-build-isolation "fouroversix>=1.0"
+	$(BIN)/pip install -q -e ".[dev,demo,bench]"
 
 # Quantize the bundled SmolLM2-135M to w4g128 (importance-searched RTN), evaluate FP vs
 # quantized perplexity, save the checkpoint to out/smollm2-w4g128, print the summary.
