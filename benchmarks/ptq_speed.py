@@ -54,19 +54,14 @@ def truncated_model(blocks: int):
     return lm, calib
 
 
-def gemm_gflops(repeats: int = 30) -> float:
-    """Median fp32 GEMM rate of this thread on the block's largest shape."""
-    import torch
+def gemm_gflops() -> float:
+    """The thread's median fp32 GEMM rate, measured exactly as ``benchmarks/ptq.py`` does."""
+    import importlib.util
 
-    a, b = torch.randn(BATCH * SEQLEN, 576), torch.randn(576, 1536)
-    for _ in range(3):
-        a @ b
-    times = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        a @ b
-        times.append(time.perf_counter() - t)
-    return 2 * a.shape[0] * 576 * 1536 / statistics.median(times) / 1e9
+    spec = importlib.util.spec_from_file_location("ptq_bench", ROOT / "benchmarks" / "ptq.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.gemm_gflops()
 
 
 def tuning_gflop(model, iters: int) -> float:
