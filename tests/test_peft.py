@@ -282,3 +282,33 @@ def test_training_after_an_inference_mode_eval(kind):
     x = torch.randn(3, 48, requires_grad=True)
     layer(x).sum().backward()
     assert x.grad is not None and all(p.grad is not None for p in layer.adapters["a"].parameters())
+
+
+def test_csr_product_gradients_match_finite_differences():
+    from lowbit.peft.sparse import _SparseProduct, sparse_index
+
+    g = torch.Generator().manual_seed(3)
+    flat = torch.randperm(7 * 12, generator=g)[:20]
+    index = sparse_index(flat // 12, flat % 12, 7, 12)
+    z_t = torch.randn(12, 5, dtype=torch.float64, requires_grad=True)
+    values = torch.randn(20, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda z, v: _SparseProduct.apply(z, v, index), (z_t, values))
+
+
+def test_sparse_path_input_gradient_equals_dense():
+    grads = []
+    for path in ("dense", "sparse"):
+        x = torch.randn(3, 9, 576, generator=torch.Generator().manual_seed(1), requires_grad=True)
+        a = random_adapter(40, 576, 300, path=path)
+        (a(x) * torch.linspace(-1, 1, 40)).sum().backward()
+        grads.append(x.grad)
+    assert torch.allclose(grads[0], grads[1], atol=1e-4)
+
+
+def test_sparse_index_follows_loaded_positions():
+    a = random_adapter(20, 48, 100, path="sparse")
+    x = torch.randn(6, 48)
+    a(x)  # builds the CSR index for the constructor's positions
+    b = random_adapter(20, 48, 100, seed=5, path="sparse")
+    a.load_state_dict(b.state_dict())
+    assert torch.allclose(a(x), b(x), atol=1e-5) and torch.allclose(a(x), x @ b.delta_weight().T, atol=1e-5)

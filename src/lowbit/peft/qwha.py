@@ -24,26 +24,32 @@ from torch import nn
 
 from lowbit.errors import ConfigError
 from lowbit.peft.base import Adapter
-from lowbit.peft.wht import kron_factors, pad_last, plan_width, wht
+from lowbit.peft.sparse import SparseIndex, sparse_index, sparse_product, transpose
+from lowbit.peft.wht import kron_factors, pad_last, plan_width, wht, wht_columns
 
 PATHS = ("auto", "dense", "sparse")
-# Relative costs in units of one GEMM multiply-add, calibrated on CPU (the 7 Linears of a
-# SmolLM2 block, forward+backward): the kron WHT's small batched matmuls run at about a
-# third of GEMM speed, the sparse COO product (gather, coalesce) about 80x slower.
-WHT_COST = 3.0
-ELEMWISE_COST = 80.0
+# Costs in units of one GEMM multiply-add, fitted to the extra forward+backward time of
+# each path over the bare base layer on CPU (the four Linear shapes of SmolLM2 at 128 to
+# 2048 tokens, one thread): the dense path's batch-independent part (scatter, WHT of
+# the [out, n] coefficients and of their gradient, the fold into the weight) costs ~7.5
+# per coefficient per factor order; the activations' WHT ~4.7 per element per factor
+# order (transposes included); the three CSR kernels together ~32 per stored value per token.
+DENSE_WHT_COST = 7.5
+ACT_WHT_COST = 4.7
+SPARSE_COST = 32.0
 
 
 def choose_path(tokens: int, out_features: int, in_features: int, n: int, nnz: int) -> str:
     """The cheaper training path for this call's shape (cost model, not a timing).
 
-    dense: WHT of the ``[out, n]`` coefficients, folded into the base GEMM, whose extra
-    cost is the weight gradient ``tokens * out * in``. sparse: WHT of the activations
-    plus the sparse product, both per token. Dense wins from ~100 tokens up.
+    dense: batch-independent WHT work on the coefficients plus the weight gradient
+    ``tokens * out * in`` a folded delta needs. sparse: WHT of the activations and the
+    CSR products, both per token. On SmolLM2's shapes the crossover is ~1000 tokens for
+    the square and wide layers; narrow outputs (k/v, 192 rows) stay dense.
     """
-    per_elem = WHT_COST * sum(kron_factors(n))
-    dense = per_elem * out_features * n + tokens * out_features * in_features
-    sparse = per_elem * tokens * n + ELEMWISE_COST * tokens * nnz
+    orders = sum(kron_factors(n))
+    dense = DENSE_WHT_COST * orders * out_features * n + tokens * out_features * in_features
+    sparse = tokens * (ACT_WHT_COST * orders * n + SPARSE_COST * nnz)
     return "dense" if dense <= sparse else "sparse"
 
 
@@ -70,6 +76,8 @@ class QWHAAdapter(Adapter):
         self.values = nn.Parameter(init.clone())
         self.scale = float(scale)
         self.path = path
+        self._index: SparseIndex | None = None
+        self._index_key: tuple | None = None
 
     @property
     def nnz(self) -> int:
@@ -87,15 +95,24 @@ class QWHAAdapter(Adapter):
         """``F H^-1`` cropped to ``in_features`` (only differs when the width was padded)."""
         return wht(self.coefficients(), scale=1.0 / self.plan.n)[:, : self.in_features]
 
+    def sparse_index(self) -> SparseIndex:
+        """The CSR layouts of the positions, rebuilt only when rows/cols change (load, device move)."""
+        key = (self.rows.data_ptr(), self.rows._version, self.cols.data_ptr(), self.cols._version)
+        if self._index_key != key:
+            self._index = sparse_index(self.rows, self.cols, self.out_features, self.plan.n)
+            self._index_key = key
+        return self._index
+
     def delta_sparse(self, x: torch.Tensor) -> torch.Tensor:
-        """Path b: ``F (H^T x^T) / n`` with a sparse COO product (no dense F or Delta_W)."""
+        """Path b: ``(x H^-T) F^T`` = ``(x H) F^T / n`` through fixed-position CSR kernels (`peft.sparse`).
+
+        Computed token-last (``F (H^T x^T)``): one transpose in, one out, none inside.
+        """
         lead = x.shape[:-1]
-        z = wht(pad_last(x.reshape(-1, self.in_features), self.plan.n), transpose=True)
-        vals = (self.values * (self.scale / self.plan.n)).to(x.dtype)
-        f = torch.sparse_coo_tensor(torch.stack((self.rows, self.cols)), vals, (self.out_features, self.plan.n),
-                                    check_invariants=False, is_coalesced=False)
-        y = torch.sparse.mm(f, z.T).T
-        return y.reshape(*lead, self.out_features)
+        x_t = transpose(pad_last(x.reshape(-1, self.in_features), self.plan.n))
+        z_t = wht_columns(x_t, transpose=True)
+        y_t = sparse_product(z_t, self.values * (self.scale / self.plan.n), self.sparse_index())
+        return transpose(y_t).reshape(*lead, self.out_features)
 
     def resolved_path(self, x: torch.Tensor) -> str:
         if self.path != "auto":

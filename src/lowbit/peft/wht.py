@@ -218,19 +218,34 @@ def _kron_apply(x: torch.Tensor, transpose: bool, scale: float) -> torch.Tensor:
     copies a transposed tensor. ``scale`` (e.g. 1/n) rides on the first factor for free.
     """
     n = x.shape[-1]
-    dims = kron_factors(n)
     lead = x.shape[:-1]
-    y = x.reshape(-1, n)
-    left, right = y.shape[0], n
-    for i, f in enumerate(dims):
-        h = _factor_matrix(n, i, transpose, scale if i == 0 else 1.0, x.dtype, x.device)
+    return _kron_axes(x.reshape(-1, n), n, 1, transpose, scale).reshape(*lead, n)
+
+
+def _kron_axes(y: torch.Tensor, n: int, trailing: int, transpose: bool, scale: float) -> torch.Tensor:
+    """The factor loop of `_kron_apply` on ``y`` viewed as ``[lead, f_1, ..., f_k, trailing]``."""
+    left, right = y.numel() // (n * trailing), n * trailing
+    for i, f in enumerate(kron_factors(n)):
+        h = _factor_matrix(n, i, transpose, scale if i == 0 else 1.0, y.dtype, y.device)
         right //= f
         if right == 1:
             y = y.reshape(-1, f) @ h.T
         else:
             y = torch.matmul(h, y.reshape(left, f, right))
         left *= f
-    return y.reshape(*lead, n)
+    return y
+
+
+def wht_columns(x: torch.Tensor, transpose: bool = False, scale: float = 1.0) -> torch.Tensor:
+    """`wht` of every column of ``x`` (``[n, T]``), i.e. ``wht(x.T, ...).T`` without transposing.
+
+    QWHA's sparse path keeps activations token-last (``[n, T]``, the layout its sparse
+    kernels want); applying the factors to the leading axes avoids two transposed copies.
+    """
+    n, cols = x.shape
+    if factor(n) is None:
+        raise ConfigError(f"no Hadamard construction for width {n}; pad with plan_width() first")
+    return _kron_axes(x, n, cols, transpose, scale).reshape(n, cols)
 
 
 def wht(x: torch.Tensor, transpose: bool = False, method: str = "kron", scale: float = 1.0) -> torch.Tensor:
