@@ -41,6 +41,8 @@ CONFIGS: dict[str, dict] = {
                "autoround": {"bits": 3, "group_size": 128, "sym": True, "iters": 50}},
     "w2g64": {"lowbit": {"method": "signround2", "scheme": "w2g64", "iters": 50},
               "autoround": {"bits": 2, "group_size": 64, "sym": True, "iters": 50}},
+    # the tuning seed (mini-batch order) only: how much of a W2 gap is seed noise
+    "w2g64-seed1": {"lowbit": {"method": "signround2", "scheme": "w2g64", "iters": 50, "seed": 1}},
     "w2g64-v2": {"autoround": {"bits": 2, "group_size": 64, "sym": True, "iters": 50, "enable_alg_ext": True}},
     "w4g128-v1": {"lowbit": {"method": "signround", "scheme": "w4g128", "iters": 50}},
     # the loss filter is on at every width by default; these two pin it either way
@@ -86,7 +88,7 @@ def run_lowbit(spec: dict, lm, calib, workdir: str | None) -> dict:
     from lowbit.ptq import quantize_model
 
     plan = Plan.uniform(linear_layers(lm.model), spec["scheme"])
-    kw = {k: spec[k] for k in ("iters", "avg_bits", "options", "loss_filter") if k in spec}
+    kw = {k: spec[k] for k in ("iters", "avg_bits", "options", "loss_filter", "seed") if k in spec}
     if "positional" in spec:
         from lowbit.ptq.allocate import positional_plan
 
