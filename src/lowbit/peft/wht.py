@@ -242,9 +242,7 @@ def wht_columns(x: torch.Tensor, transpose: bool = False, scale: float = 1.0) ->
     QWHA's sparse path keeps activations token-last (``[n, T]``, the layout its sparse
     kernels want); applying the factors to the leading axes avoids two transposed copies.
     """
-    n, cols = x.shape
-    if factor(n) is None:
-        raise ConfigError(f"no Hadamard construction for width {n}; pad with plan_width() first")
+    n, cols = x.shape  # an unplanned n is refused by kron_factors, with the same message as wht's
     return _kron_axes(x, n, cols, transpose, scale).reshape(n, cols)
 
 
