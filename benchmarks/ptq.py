@@ -44,6 +44,17 @@ CONFIGS: dict[str, dict] = {
     # the tuning seed (mini-batch order) only: how much of a W2 gap is seed noise
     "w2g64-seed1": {"lowbit": {"method": "signround2", "scheme": "w2g64", "iters": 50, "seed": 1}},
     "w2g64-v2": {"autoround": {"bits": 2, "group_size": 64, "sym": True, "iters": 50, "enable_alg_ext": True}},
+    # bf16 products in the tuning loop (fp32 offsets, scales, targets and loss); auto-round's own
+    # mixed-precision mode (amp=True) beside it for a like-for-like speed comparison
+    "w4g128-bf16": {"lowbit": {"method": "signround2", "scheme": "w4g128", "iters": 50, "tune_dtype": "bf16"},
+                    "autoround": {"bits": 4, "group_size": 128, "sym": True, "iters": 50, "amp": True}},
+    "w3g128-bf16": {"lowbit": {"method": "signround2", "scheme": "w3g128", "iters": 50, "tune_dtype": "bf16"},
+                    "autoround": {"bits": 3, "group_size": 128, "sym": True, "iters": 50, "amp": True}},
+    "w2g64-bf16": {"lowbit": {"method": "signround2", "scheme": "w2g64", "iters": 50, "tune_dtype": "bf16"},
+                   "autoround": {"bits": 2, "group_size": 64, "sym": True, "iters": 50, "amp": True,
+                                 "enable_alg_ext": True}},
+    "w2g64-bf16-seed1": {"lowbit": {"method": "signround2", "scheme": "w2g64", "iters": 50, "tune_dtype": "bf16",
+                                    "seed": 1}},
     "w4g128-v1": {"lowbit": {"method": "signround", "scheme": "w4g128", "iters": 50}},
     # the loss filter is on at every width by default; these two pin it either way
     "w4g128-filter": {"lowbit": {"method": "signround2", "scheme": "w4g128", "iters": 50, "loss_filter": True}},
@@ -88,7 +99,7 @@ def run_lowbit(spec: dict, lm, calib, workdir: str | None) -> dict:
     from lowbit.ptq import quantize_model
 
     plan = Plan.uniform(linear_layers(lm.model), spec["scheme"])
-    kw = {k: spec[k] for k in ("iters", "avg_bits", "options", "loss_filter", "seed") if k in spec}
+    kw = {k: spec[k] for k in ("iters", "avg_bits", "options", "loss_filter", "seed", "tune_dtype") if k in spec}
     if "positional" in spec:
         from lowbit.ptq.allocate import positional_plan
 
@@ -110,6 +121,7 @@ def run_autoround(spec: dict, lm, calib) -> dict:
     from auto_round import AutoRound
 
     kw = dict(spec)
+    amp = kw.pop("amp", False)
     if "autoscheme" in kw:
         from auto_round import AutoScheme
 
@@ -126,7 +138,7 @@ def run_autoround(spec: dict, lm, calib) -> dict:
     else:
         data, seqlen = [row.unsqueeze(0) for row in calib], calib.shape[1]
     ar = AutoRound(lm.model, lm.tokenizer, dataset=data, nsamples=len(calib), seqlen=seqlen,
-                   batch_size=BATCH, amp=False, device_map="cpu", seed=0, **kw)
+                   batch_size=BATCH, amp=amp, device_map="cpu", seed=0, **kw)
     ar.quantize()
     out = {"autoround": dict(spec)}
     layer_config = getattr(ar, "layer_config", None)
@@ -135,11 +147,12 @@ def run_autoround(spec: dict, lm, calib) -> dict:
     return out
 
 
-def gemm_gflops(repeats: int = 30) -> float:
-    """Median fp32 GEMM throughput of this thread on the block's biggest shape (the physical limit)."""
+def gemm_gflops(repeats: int = 30, dtype: str = "fp32") -> float:
+    """Median GEMM throughput of this thread on the block's biggest shape (the physical limit)."""
     import torch
 
-    a, b = torch.randn(2048, 576), torch.randn(576, 1536)
+    dt = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype]
+    a, b = torch.randn(2048, 576, dtype=dt), torch.randn(576, 1536, dtype=dt)
     for _ in range(3):
         a @ b
     times = []
@@ -168,7 +181,7 @@ def child(tool: str, name: str, nsamples: int, seqlen: int, workdir: str | None)
     rss_loaded = peak_rss_mib()
     spec = CONFIGS[name][tool]
     work = tuning_gflop(lm.model, spec, nsamples, seqlen)
-    gflops = gemm_gflops()
+    gflops, bf16_gflops = gemm_gflops(), gemm_gflops(dtype="bf16")
     t1 = time.perf_counter()
     extra = run_lowbit(spec, lm, calib, workdir) if tool == "lowbit" else run_autoround(spec, lm, calib)
     seconds = time.perf_counter() - t1
@@ -178,7 +191,7 @@ def child(tool: str, name: str, nsamples: int, seqlen: int, workdir: str | None)
             "load_seconds": round(load_s, 1), "peak_rss_mib_after_load": round(rss_loaded),
             "peak_rss_mib": round(rss_quant), "nsamples": nsamples, "seqlen": seqlen, "threads": 1,
             "tuning_gemm_gflop": round(work, 1), "gemm_gflops": round(gflops, 1),
-            "gemm_limit_seconds": round(work / gflops, 1),
+            "gemm_limit_seconds": round(work / gflops, 1), "bf16_gemm_gflops": round(bf16_gflops, 1),
             **{k: v for k, v in spec.items()}, **extra}
 
 

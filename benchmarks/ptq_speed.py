@@ -13,6 +13,12 @@ input gradients excluded because nothing upstream is trained) at this thread's m
 fp32 GEMM rate.
 
     python benchmarks/ptq_speed.py --blocks 4 --repeats 3 --scheme w4g128
+    python benchmarks/ptq_speed.py --blocks 4 --repeats 3 --scheme w4g128 --tune-dtype bf16
+
+``--tune-dtype bf16`` runs lowbit's tuned products in bf16 (``SignRoundConfig.tune_dtype``)
+against auto-round's fp32 (the issue's protocol); ``--amp`` gives auto-round its own mixed
+precision instead (``amp=True``). The bf16 GEMM rate is measured beside the fp32 one, so the
+row also shows the bf16 floor.
 """
 
 from __future__ import annotations
@@ -54,14 +60,14 @@ def truncated_model(blocks: int):
     return lm, calib
 
 
-def gemm_gflops() -> float:
-    """The thread's median fp32 GEMM rate, measured exactly as ``benchmarks/ptq.py`` does."""
+def gemm_gflops(dtype: str = "fp32") -> float:
+    """The thread's median GEMM rate in ``dtype``, measured exactly as ``benchmarks/ptq.py`` does."""
     import importlib.util
 
     spec = importlib.util.spec_from_file_location("ptq_bench", ROOT / "benchmarks" / "ptq.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    return module.gemm_gflops()
+    return module.gemm_gflops(dtype=dtype)
 
 
 def tuning_gflop(model, iters: int) -> float:
@@ -78,10 +84,10 @@ def tuning_gflop(model, iters: int) -> float:
     return total * iters / 1e9
 
 
-def child(tool: str, blocks: int, scheme: str, iters: int, v2: bool) -> dict:
+def child(tool: str, blocks: int, scheme: str, iters: int, v2: bool, tune_dtype: str, amp: bool) -> dict:
     lm, calib = truncated_model(blocks)
     bits, group = SCHEMES[scheme]
-    gflops = gemm_gflops()
+    gflops, bf16_gflops = gemm_gflops(), gemm_gflops("bf16")
     work = tuning_gflop(lm.model, iters)
     t0 = time.perf_counter()
     if tool == "lowbit":
@@ -91,21 +97,23 @@ def child(tool: str, blocks: int, scheme: str, iters: int, v2: bool) -> dict:
 
         plan = Plan.uniform({n: m for n, m in linear_layers(lm.model).items() if ".layers." in n}, scheme)
         quantize_model(lm.model, plan, "signround2" if v2 else "signround", calib=calib, tokenizer=lm.tokenizer,
-                       progress=False, batch_size=BATCH, iters=iters)
+                       progress=False, batch_size=BATCH, iters=iters, tune_dtype=tune_dtype)
     else:
         from auto_round import AutoRound
 
         ar = AutoRound(lm.model, lm.tokenizer, dataset=[row.unsqueeze(0) for row in calib], nsamples=NSAMPLES,
-                       seqlen=SEQLEN, batch_size=BATCH, amp=False, device_map="cpu", seed=0, bits=bits,
+                       seqlen=SEQLEN, batch_size=BATCH, amp=amp, device_map="cpu", seed=0, bits=bits,
                        group_size=group, sym=True, iters=iters, enable_alg_ext=v2)
         ar.quantize()
     seconds = time.perf_counter() - t0
-    return {"tool": tool, "seconds": seconds, "gemm_gflops": gflops, "tuning_gemm_gflop": work}
+    return {"tool": tool, "seconds": seconds, "gemm_gflops": gflops, "bf16_gemm_gflops": bf16_gflops,
+            "tuning_gemm_gflop": work}
 
 
 def run_child(tool: str, a: argparse.Namespace) -> dict:
     cmd = [sys.executable, __file__, "--child", tool, "--blocks", str(a.blocks), "--scheme", a.scheme,
-           "--iters", str(a.iters)] + (["--v2"] if a.v2 else [])
+           "--iters", str(a.iters), "--tune-dtype", a.tune_dtype] + (["--v2"] if a.v2 else []) + (
+               ["--amp"] if a.amp else [])
     out = subprocess.run(cmd, check=True, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
     return json.loads(out.stdout.strip().splitlines()[-1])
 
@@ -115,12 +123,15 @@ def summarise(runs: list[dict], a: argparse.Namespace) -> dict:
     med = {t: statistics.median(r["seconds"] for r in rs) for t, rs in by.items() if rs}
     rate = statistics.median(r["gemm_gflops"] for r in runs)
     work = by["lowbit"][0]["tuning_gemm_gflop"] if by["lowbit"] else runs[0]["tuning_gemm_gflop"]
+    bf16 = statistics.median(r["bf16_gemm_gflops"] for r in runs)
     out = {"scheme": a.scheme, "blocks": a.blocks, "iters": a.iters, "v2": a.v2, "repeats": a.repeats,
+           "lowbit_tune_dtype": a.tune_dtype, "autoround_amp": a.amp,
            "batch": BATCH, "nsamples": NSAMPLES, "seqlen": SEQLEN, "threads": 1,
            "median_seconds": {t: round(s, 1) for t, s in med.items()},
            "seconds_per_block": {t: round(s / a.blocks, 2) for t, s in med.items()},
            "gemm_gflops": round(rate, 1), "tuning_gemm_gflop": round(work, 1),
-           "gemm_limit_seconds": round(work / rate, 1), "runs": runs}
+           "gemm_limit_seconds": round(work / rate, 1), "bf16_gemm_gflops": round(bf16, 1),
+           "bf16_gemm_limit_seconds": round(work / bf16, 1), "runs": runs}
     if len(med) == 2:
         out["lowbit_over_autoround"] = round(med["lowbit"] / med["autoround"], 3)
     return out
@@ -131,8 +142,11 @@ def save(result: dict) -> None:
     from lowbit.io import atomic_write_text
 
     data = json.loads(RESULTS.read_text()) if RESULTS.exists() else {"rows": []}
-    key = (result["scheme"], result["v2"], result["blocks"], result["iters"])
-    data["rows"] = [r for r in data["rows"] if (r["scheme"], r["v2"], r["blocks"], r["iters"]) != key] + [result]
+    def key(r: dict) -> tuple:
+        return (r["scheme"], r["v2"], r["blocks"], r["iters"], r.get("lowbit_tune_dtype", "fp32"),
+                r.get("autoround_amp", False))
+
+    data["rows"] = [r for r in data["rows"] if key(r) != key(result)] + [result]
     atomic_write_text(RESULTS, json.dumps(data, indent=1))
 
 
@@ -145,10 +159,13 @@ def main() -> None:
     p.add_argument("--v2", action="store_true", help="auto-round enable_alg_ext vs lowbit signround2 "
                    "(default: auto-round V1 vs lowbit signround2, the issue's pairing)")
     p.add_argument("--tools", default="lowbit,autoround")
+    p.add_argument("--tune-dtype", default="fp32", choices=("fp32", "bf16", "auto"), help="lowbit's tuning products")
+    p.add_argument("--amp", action="store_true", help="auto-round amp=True (its bf16 autocast)")
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
     a = p.parse_args()
     if a.child:
-        print(json.dumps(child(a.child, a.blocks, a.scheme, a.iters, a.child == "lowbit" or a.v2)))
+        print(json.dumps(child(a.child, a.blocks, a.scheme, a.iters, a.child == "lowbit" or a.v2, a.tune_dtype,
+                               a.amp)))
         return
     tools = a.tools.split(",")
     runs = []
@@ -164,7 +181,8 @@ def main() -> None:
     for t, s in result["median_seconds"].items():
         print(f"| {t} | {s} | {result['seconds_per_block'][t]} | {s / result['gemm_limit_seconds']:.2f}x |")
     print(f"GEMM limit {result['gemm_limit_seconds']} s ({result['tuning_gemm_gflop']} GFLOP at "
-          f"{result['gemm_gflops']} GFLOP/s); lowbit / auto-round {result.get('lowbit_over_autoround')}")
+          f"{result['gemm_gflops']} GFLOP/s fp32; {result['bf16_gemm_limit_seconds']} s at "
+          f"{result['bf16_gemm_gflops']} GFLOP/s bf16); lowbit / auto-round {result.get('lowbit_over_autoround')}")
 
 
 if __name__ == "__main__":

@@ -123,3 +123,14 @@ def test_mixed_precision_signround2_saves_plan_in_checkpoint(tmp_path, capsys, t
     from lowbit.export.native import load
 
     load(out)
+
+
+def test_tune_dtype_reaches_the_tuning_options():
+    from lowbit.cli import build_parser
+    from lowbit.cli.quantize import _tuning
+
+    args = build_parser().parse_args(["quantize", "--method", "signround2", "--tune-dtype", "bf16", "--out", "o"])
+    assert _tuning(args)["tune_dtype"] == "bf16"
+    assert "tune_dtype" not in _tuning(build_parser().parse_args(["quantize", "--out", "o"]))
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["quantize", "--tune-dtype", "fp16", "--out", "o"])

@@ -27,14 +27,50 @@ def block0_mse(model, fp, c) -> float:
         return float((model.model.layers[0](x, **kw) - fp.model.layers[0](x, **kw)).pow(2).mean())
 
 
-@pytest.mark.parametrize("scheme,v2", [("w2g32", False), ("w3g32a", False), ("w2g32", True)])
-def test_tuning_reduces_block_output_mse_vs_rtn(scheme, v2):
+@pytest.mark.parametrize("scheme,v2,dtype", [("w2g32", False, "fp32"), ("w3g32a", False, "fp32"),
+                                             ("w2g32", True, "fp32"), ("w2g32", True, "bf16")])
+def test_tuning_reduces_block_output_mse_vs_rtn(scheme, v2, dtype):
     m = tiny_model(layers=1)
     c = calib(16, 32)
     rtn, sr = copy.deepcopy(m), copy.deepcopy(m)
     rtn_quantize(rtn, uniform(m, scheme), progress=False)
-    signround_quantize(sr, None, uniform(m, scheme), make_config(iters=60, batch_size=8, v2=v2), c, progress=False)
+    cfg = make_config(iters=60, batch_size=8, v2=v2, tune_dtype=dtype)
+    signround_quantize(sr, None, uniform(m, scheme), cfg, c, progress=False)
     assert block0_mse(sr, m, c) < 0.8 * block0_mse(rtn, m, c)
+
+
+def test_bf16_tuning_runs_the_block_products_in_bf16(monkeypatch):
+    """The bf16 option must really reach the block's Linears (and fp32 must not)."""
+    import torch.nn.functional as F
+
+    from lowbit.ptq import signround
+
+    seen: list[torch.dtype] = []
+    real = F.linear
+
+    def spy(x, w, b=None):
+        out = real(x, w, b)
+        seen.append(out.dtype)
+        return out
+
+    monkeypatch.setattr(signround.F, "linear", spy)
+    m = tiny_model(layers=1)
+    for dtype, tuned_in_bf16 in (("bf16", True), ("fp32", False)):
+        seen.clear()
+        signround_quantize(copy.deepcopy(m), None, uniform(m, "w4g32"), make_config(iters=2, tune_dtype=dtype),
+                           calib(8, 16), progress=False)
+        # targets and propagation stay fp32 either way; only the tuning products change
+        assert torch.float32 in seen and (torch.bfloat16 in seen) == tuned_in_bf16
+
+
+def test_auto_dtype_follows_the_cpu_flags(monkeypatch):
+    from lowbit.nn import precision
+
+    monkeypatch.setattr(precision, "_cpu_flags", lambda: frozenset({"avx2", "avx512_bf16"}))
+    assert precision.resolve_dtype("auto", "cpu") == "bf16"
+    monkeypatch.setattr(precision, "_cpu_flags", lambda: frozenset({"avx2"}))
+    assert precision.resolve_dtype("auto", "cpu") == "fp32"
+    assert precision.resolve_dtype("fp32", "cpu") == "fp32"
 
 
 def test_filtered_mse_drops_exactly_k_largest():
@@ -115,6 +151,8 @@ def test_presets_and_bad_options():
         make_config(itres=3)
     with pytest.raises(ConfigError, match="iters"):
         make_config(iters=-1)
+    with pytest.raises(ConfigError, match="tune_dtype"):
+        make_config(tune_dtype="fp16")
 
 
 def test_registered_methods_dispatch():
