@@ -145,6 +145,7 @@ def test_presets_and_bad_options():
     assert make_config("light").iters == 50
     assert make_config("best").step_size(2) == 2e-3 and make_config("best").step_size(4) == 1e-3
     assert make_config(iters=200).step_size(4) == 5e-3
+    assert make_config().tune_dtype == "auto" and make_config("best").tune_dtype == "fp32"
     with pytest.raises(ConfigError, match="preset"):
         make_config("fast")
     with pytest.raises(ConfigError, match="unknown signround options"):

@@ -51,8 +51,8 @@ def add_tuning_flags(p: argparse.ArgumentParser) -> None:
                    help="mixed precision: budget counts element bits only")
     p.add_argument("--device", default=None, help="compute device for block tuning (cpu, cuda)")
     p.add_argument("--tune-dtype", choices=("auto", "bf16", "fp32"), default=None,
-                   help="precision of the tuning loop's products (fp32; bf16 = autocast, ~2x faster "
-                        "where the hardware has bf16 dot products; auto = bf16 there)")
+                   help="precision of the tuned layers' products: auto (default) = bf16 where the "
+                        "CPU/GPU has bf16 dot products (~2x faster tuning), else fp32")
 
 
 def run(args: argparse.Namespace) -> dict:
