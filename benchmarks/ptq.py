@@ -35,17 +35,18 @@ BATCH = 8  # tuning mini-batch of both tools (and of AutoScheme's scoring)
 
 # name -> (lowbit method, lowbit scheme/extra, auto-round kwargs or None)
 CONFIGS: dict[str, dict] = {
-    "w4g128": {"lowbit": {"method": "signround2", "scheme": "w4g128", "iters": 50},
+    "w4g128": {"lowbit": {"method": "signround2", "scheme": "w4g128", "iters": 50, "tune_dtype": "fp32"},
                "autoround": {"bits": 4, "group_size": 128, "sym": True, "iters": 50}},
-    "w3g128": {"lowbit": {"method": "signround2", "scheme": "w3g128", "iters": 50},
+    "w3g128": {"lowbit": {"method": "signround2", "scheme": "w3g128", "iters": 50, "tune_dtype": "fp32"},
                "autoround": {"bits": 3, "group_size": 128, "sym": True, "iters": 50}},
-    "w2g64": {"lowbit": {"method": "signround2", "scheme": "w2g64", "iters": 50},
+    "w2g64": {"lowbit": {"method": "signround2", "scheme": "w2g64", "iters": 50, "tune_dtype": "fp32"},
               "autoround": {"bits": 2, "group_size": 64, "sym": True, "iters": 50}},
     # the tuning seed (mini-batch order) only: how much of a W2 gap is seed noise
-    "w2g64-seed1": {"lowbit": {"method": "signround2", "scheme": "w2g64", "iters": 50, "seed": 1}},
+    "w2g64-seed1": {"lowbit": {"method": "signround2", "scheme": "w2g64", "iters": 50, "tune_dtype": "fp32",
+                               "seed": 1}},
     "w2g64-v2": {"autoround": {"bits": 2, "group_size": 64, "sym": True, "iters": 50, "enable_alg_ext": True}},
-    # bf16 products in the tuning loop (fp32 offsets, scales, targets and loss); auto-round's own
-    # mixed-precision mode (amp=True) beside it for a like-for-like speed comparison
+    # bf16 products of the tuned Linears (what tune_dtype "auto" picks on CPUs with AVX512-BF16);
+    # the rows above pin fp32. auto-round's own mixed precision (amp=True) is the like-for-like peer
     "w4g128-bf16": {"lowbit": {"method": "signround2", "scheme": "w4g128", "iters": 50, "tune_dtype": "bf16"},
                     "autoround": {"bits": 4, "group_size": 128, "sym": True, "iters": 50, "amp": True}},
     "w3g128-bf16": {"lowbit": {"method": "signround2", "scheme": "w3g128", "iters": 50, "tune_dtype": "bf16"},
@@ -55,10 +56,12 @@ CONFIGS: dict[str, dict] = {
                                  "enable_alg_ext": True}},
     "w2g64-bf16-seed1": {"lowbit": {"method": "signround2", "scheme": "w2g64", "iters": 50, "tune_dtype": "bf16",
                                     "seed": 1}},
-    "w4g128-v1": {"lowbit": {"method": "signround", "scheme": "w4g128", "iters": 50}},
+    "w4g128-v1": {"lowbit": {"method": "signround", "scheme": "w4g128", "iters": 50, "tune_dtype": "fp32"}},
     # the loss filter is on at every width by default; these two pin it either way
-    "w4g128-filter": {"lowbit": {"method": "signround2", "scheme": "w4g128", "iters": 50, "loss_filter": True}},
-    "w4g128-nofilter": {"lowbit": {"method": "signround2", "scheme": "w4g128", "iters": 50, "loss_filter": False}},
+    "w4g128-filter": {"lowbit": {"method": "signround2", "scheme": "w4g128", "iters": 50, "tune_dtype": "fp32",
+                                 "loss_filter": True}},
+    "w4g128-nofilter": {"lowbit": {"method": "signround2", "scheme": "w4g128", "iters": 50, "tune_dtype": "fp32",
+                                   "loss_filter": False}},
     "mixed3": {"lowbit": {"method": "signround2", "scheme": "w4g128", "iters": 0, "avg_bits": 3.0,
                           "options": "w2g64,w4g128"},
                "autoround": {"iters": 0, "autoscheme": {"avg_bits": 3.0, "options": "W2A16G64,W4A16"}}},
@@ -69,9 +72,9 @@ CONFIGS: dict[str, dict] = {
                                "avg_bits": 3.0, "options": "w2g64,w4g128"}},
     "rtn-w4g128": {"lowbit": {"method": "rtn", "scheme": "w4g128"},
                    "autoround": {"bits": 4, "group_size": 128, "sym": True, "iters": 0, "disable_opt_rtn": True}},
-    "nvfp4": {"lowbit": {"method": "signround2", "scheme": "nvfp4-46", "iters": 50}},
+    "nvfp4": {"lowbit": {"method": "signround2", "scheme": "nvfp4-46", "iters": 50, "tune_dtype": "fp32"}},
     "rtn-nvfp4-46": {"lowbit": {"method": "rtn", "scheme": "nvfp4-46"}},
-    "mxfp4": {"lowbit": {"method": "signround2", "scheme": "mxfp4", "iters": 50}},
+    "mxfp4": {"lowbit": {"method": "signround2", "scheme": "mxfp4", "iters": 50, "tune_dtype": "fp32"}},
     "rtn-mxfp4": {"lowbit": {"method": "rtn", "scheme": "mxfp4"}},
 }
 
