@@ -115,6 +115,30 @@ def test_delta_loss_matches_manual_gradient_and_restores_weights():
     assert all(got[n] >= abs(signed[n]) for n in names)
 
 
+def test_bf16_delta_loss_ranks_layers_like_fp32_and_runs_bf16_products():
+    """bf16 only has to keep the ranking the knapsack sees; the weights must stay fp32."""
+    m = tiny_model(layers=2)
+    names = block_names(m)
+    before = {n: m.get_submodule(n).weight.detach().clone() for n in names}
+    c = calib(8, 16)
+    key = Scheme.parse("w2g32").name
+    ref = delta_loss(m, names, ["w2g32"], c, batch_size=4, progress=False)[key]
+    seen = []  # autocast casts below F.linear: the products' dtype shows in the outputs
+    hooks = [m.get_submodule(n).register_forward_hook(lambda _m, _i, out: seen.append(out.dtype)) for n in names]
+    got = delta_loss(m, names, ["w2g32"], c, batch_size=4, progress=False, dtype="bf16")[key]
+    for h in hooks:
+        h.remove()
+    assert seen and set(seen) == {torch.bfloat16}
+    assert all(torch.equal(m.get_submodule(n).weight, before[n]) for n in names)
+    assert all(m.get_submodule(n).weight.dtype == torch.float32 for n in names)
+    a, b = torch.tensor([ref[n] for n in names]), torch.tensor([got[n] for n in names])
+    rank = lambda t: t.argsort().argsort().double()  # noqa: E731
+    assert torch.corrcoef(torch.stack([rank(a), rank(b)]))[0, 1] > 0.95
+    assert torch.allclose(a, b, rtol=0.02)
+    with pytest.raises(ConfigError, match="dtype"):
+        delta_loss(m, names, ["w2g32"], c, progress=False, dtype="fp16")
+
+
 def test_plan_json_and_png(tmp_path):
     a = allocate(scores_for(SIZES), SIZES, ["w2g64", "w4g64"], avg_bits=3.0)
     save_allocation(a, SIZES, tmp_path / "plan.json", tmp_path / "plan.png")

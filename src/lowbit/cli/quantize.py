@@ -51,8 +51,9 @@ def add_tuning_flags(p: argparse.ArgumentParser) -> None:
                    help="mixed precision: budget counts element bits only")
     p.add_argument("--device", default=None, help="compute device for block tuning (cpu, cuda)")
     p.add_argument("--tune-dtype", choices=("auto", "bf16", "fp32"), default=None,
-                   help="precision of the tuned layers' products: auto (default) = bf16 where the "
-                        "CPU/GPU has bf16 dot products (~2x faster tuning), else fp32")
+                   help="precision of the tuned layers' products and of the DeltaLoss passes: auto "
+                        "(default) = bf16 where the CPU/GPU has bf16 dot products (~2x faster "
+                        "tuning), else fp32")
 
 
 def run(args: argparse.Namespace) -> dict:

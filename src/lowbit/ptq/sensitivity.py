@@ -9,6 +9,11 @@ first-order change of the loss between its FP and quantized weight:
   ``Q(W)``, i.e. the estimated loss increase, which may be negative.
 
 Gradients are summed over the batches. Original weights are restored bit-exactly.
+
+``dtype="bf16"`` runs the forward and backward under bf16 autocast. The scores only rank
+layers against each other for the knapsack, so the products' precision matters little,
+while the whole-model passes (the 49k-vocabulary head included) are most of a mixed
+run's time; the weights, their gradients and the score sums stay fp32.
 """
 
 from __future__ import annotations
@@ -23,14 +28,17 @@ from lowbit.errors import ConfigError
 from lowbit.formats import Scheme, qdq
 
 MODES = ("abs", "signed")
+DTYPES = ("fp32", "bf16")
 
 
 def delta_loss(model: nn.Module, layers: Iterable[str], schemes: Sequence[Scheme | str],
                batches: torch.Tensor, mode: str = "abs", batch_size: int = 4,
-               progress: bool = True) -> dict[str, dict[str, float]]:
+               progress: bool = True, dtype: str = "fp32") -> dict[str, dict[str, float]]:
     """Scores ``scheme name -> layer name -> DeltaLoss`` (lower = safer to quantize)."""
     if mode not in MODES:
         raise ConfigError(f"DeltaLoss mode must be one of {MODES}, got {mode!r}")
+    if dtype not in DTYPES:
+        raise ConfigError(f"DeltaLoss dtype must be one of {DTYPES}, got {dtype!r}")
     if batches.dim() != 2 or batches.shape[1] < 2:
         raise ConfigError("DeltaLoss needs token batches [n, seqlen >= 2]")
     names = list(layers)
@@ -43,7 +51,7 @@ def delta_loss(model: nn.Module, layers: Iterable[str], schemes: Sequence[Scheme
         for p, _ in flags:
             p.requires_grad_(False)
         for s in tqdm([Scheme.parse(s) for s in schemes], desc="deltaloss", unit="scheme", disable=not progress):
-            out[s.name] = _score_scheme(model, mods, originals, s, batches, mode, batch_size)
+            out[s.name] = _score_scheme(model, mods, originals, s, batches, mode, batch_size, dtype)
     finally:
         with torch.no_grad():
             for n, m in mods.items():
@@ -55,7 +63,8 @@ def delta_loss(model: nn.Module, layers: Iterable[str], schemes: Sequence[Scheme
 
 
 def _score_scheme(model: nn.Module, mods: dict[str, nn.Module], originals: dict[str, torch.Tensor],
-                  scheme: Scheme, batches: torch.Tensor, mode: str, batch_size: int) -> dict[str, float]:
+                  scheme: Scheme, batches: torch.Tensor, mode: str, batch_size: int,
+                  dtype: str = "fp32") -> dict[str, float]:
     with torch.no_grad():
         for n, m in mods.items():
             m.weight.copy_(qdq(originals[n], scheme))
@@ -65,7 +74,8 @@ def _score_scheme(model: nn.Module, mods: dict[str, nn.Module], originals: dict[
     device = next(model.parameters()).device
     for chunk in batches.split(batch_size):
         ids = chunk.to(device)
-        loss = model(input_ids=ids, labels=ids, use_cache=False).loss * (len(chunk) / len(batches))
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=dtype == "bf16"):
+            loss = model(input_ids=ids, labels=ids, use_cache=False).loss.float() * (len(chunk) / len(batches))
         loss.backward()
     scores = {}
     with torch.no_grad():

@@ -25,6 +25,7 @@ from torch import nn
 from lowbit.errors import ConfigError
 from lowbit.formats import Scheme
 from lowbit.formats.plan import Plan
+from lowbit.nn.precision import resolve_dtype
 from lowbit.ptq import register
 from lowbit.ptq.allocate import Allocation, allocate, save_allocation, tie_qkv
 from lowbit.ptq.sensitivity import delta_loss
@@ -43,14 +44,17 @@ def parse_options(options: str | Sequence[str | Scheme]) -> list[Scheme]:
 def mixed_plan(model: nn.Module, plan: Plan, options: str | Sequence[str | Scheme], avg_bits: float,
                calib: torch.Tensor, nsamples: int = 16, mode: str = "abs", tie: bool = False,
                count_scales: bool = True, lm_head_min_bits: int = 6, beam: int | None = None,
-               progress: bool = True) -> Allocation:
-    """DeltaLoss-scored, knapsack-allocated plan over the layers of ``plan``."""
+               progress: bool = True, dtype: str = "fp32") -> Allocation:
+    """DeltaLoss-scored, knapsack-allocated plan over the layers of ``plan``.
+
+    dtype: precision of the DeltaLoss passes ("fp32" | "bf16", see `sensitivity`).
+    """
     opts = parse_options(options)
     sizes = {n: _shape(model, n) for n in plan}
     for n, (_, cols) in sizes.items():
         for o in opts:
             o.check_width(cols, n)
-    scores = delta_loss(model, list(plan), opts, calib[:nsamples], mode=mode, progress=progress)
+    scores = delta_loss(model, list(plan), opts, calib[:nsamples], mode=mode, progress=progress, dtype=dtype)
     ties = tie_qkv(list(plan)) if tie else ()
     return allocate(scores, sizes, opts, avg_bits, ties=ties, count_scales=count_scales,
                     lm_head_min_bits=lm_head_min_bits, beam=beam)
@@ -79,16 +83,18 @@ def _method(model: nn.Module, plan: Plan, *, calib: torch.Tensor | None = None, 
         raise ConfigError("signround2 needs calibration data")
     if (avg_bits is None) != (options is None):
         raise ConfigError("mixed precision needs both --avg-bits and --options (e.g. --avg-bits 3 --options w2g64,w4g128)")
+    cfg = config or method_config(preset, True, **kw)
     if avg_bits is not None:
+        device = next(model.parameters()).device
         alloc = mixed_plan(model, plan, options, avg_bits, calib, mode=delta_mode, tie=tie_qkv_layers,
-                           count_scales=count_scales, progress=progress)
+                           count_scales=count_scales, progress=progress,
+                           dtype=resolve_dtype(cfg.tune_dtype, device))
         plan = alloc.plan
         out = plan_out or workdir
         if out is not None:
             sizes = {n: _shape(model, n) for n in plan}
             Path(out).mkdir(parents=True, exist_ok=True)
             save_allocation(alloc, sizes, Path(out) / "plan.json", Path(out) / "plan.png")
-    cfg = config or method_config(preset, True, **kw)
     signround2_quantize(model, tokenizer, plan, cfg, calib, workdir=workdir, progress=progress)
     return plan
 
