@@ -65,6 +65,9 @@ CONFIGS: dict[str, dict] = {
     "mixed3": {"lowbit": {"method": "signround2", "scheme": "w4g128", "iters": 0, "avg_bits": 3.0,
                           "options": "w2g64,w4g128"},
                "autoround": {"iters": 0, "autoscheme": {"avg_bits": 3.0, "options": "W2A16G64,W4A16"}}},
+    # DeltaLoss passes in fp32 (the default follows tune_dtype=auto: bf16 where it is fast)
+    "mixed3-fp32": {"lowbit": {"method": "signround2", "scheme": "w4g128", "iters": 0, "avg_bits": 3.0,
+                               "options": "w2g64,w4g128", "tune_dtype": "fp32"}},
     # the position heuristics the DeltaLoss plan must beat at equal bits (same quantizer, iters 0)
     "mixed3-first": {"lowbit": {"method": "signround2", "scheme": "w4g128", "iters": 0, "positional": "first",
                                 "avg_bits": 3.0, "options": "w2g64,w4g128"}},
