@@ -1,6 +1,7 @@
 """SignRound / SignRoundV2 tuning: better than RTN, loss filter, rounder export, configs."""
 
 import copy
+import math
 
 import pytest
 import torch
@@ -82,6 +83,14 @@ def test_filtered_mse_drops_exactly_k_largest():
     big = torch.zeros(3000)
     big[[5, 17, 900]] = 100.0  # k = 3 outliers vanish entirely
     assert filtered_mse(big, torch.zeros(3000), 1e-3).item() == 0.0
+    # outliers 1e12 times the rest must not swallow the rest, and get no gradient
+    small = torch.full((3000,), 1e-3)
+    small[[5, 17, 900]] = 1e3
+    small.requires_grad_(True)
+    loss = filtered_mse(small, torch.zeros(3000), 1e-3)
+    assert math.isclose(loss.item(), 1e-6, rel_tol=1e-5)
+    loss.backward()
+    assert torch.all(small.grad[[5, 17, 900]] == 0) and torch.allclose(small.grad[:5], torch.tensor(2e-3 / 2997))
 
 
 def test_sign_step_moves_by_lr_times_sign():
