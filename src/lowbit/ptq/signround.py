@@ -250,38 +250,26 @@ def _load_fp_rounders() -> None:
         pass
 
 
-# Linears whose output only feeds the gated MLP's elementwise activation and product, then
-# the down projection: with bf16 products their outputs can stay bf16 (saves six casts of
-# the widest activations per iteration and halves the elementwise traffic, ~7% of a step)
-MLP_INPUT_PROJ = ("gate_proj", "up_proj")
-
-
 class TunedLinear(nn.Module):
     """A Linear whose weight is its rounder's fake-quantized output (used while tuning).
 
     ``dtype`` (e.g. bf16) casts input, weight and bias for the product only and returns the
-    layer's own dtype (fp32), so just the GEMMs run in low precision; ``low_out`` keeps the
-    product's dtype instead (for `MLP_INPUT_PROJ`, whose outputs are rounded to bf16 for the
-    down projection anyway). Autocast over the whole block was measured worse at W2 g64
-    (ppl 28.98 vs 27.26 in fp32).
+    input's dtype, so just the GEMMs run in low precision. Autocast over the whole block was
+    measured worse at W2 g64 (ppl 28.98 vs 27.26 in fp32), likely from bf16 attention.
     """
 
-    def __init__(self, linear: nn.Linear, rounder: nn.Module, dtype: torch.dtype | None = None,
-                 low_out: bool = False) -> None:
+    def __init__(self, linear: nn.Linear, rounder: nn.Module, dtype: torch.dtype | None = None) -> None:
         super().__init__()
         self.rounder = rounder
         self.dtype = dtype
-        self.out_dtype = linear.weight.dtype
-        self.low_out = low_out and dtype is not None
         self.bias = None if linear.bias is None else linear.bias.detach()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         w, b = self.rounder(), self.bias
-        if self.dtype is None:
+        if self.dtype is None or self.dtype == x.dtype:
             return F.linear(x, w, b)
         b = None if b is None else b.to(self.dtype)
-        y = F.linear(x.to(self.dtype), w.to(self.dtype), b)
-        return y if self.low_out else y.to(self.out_dtype)
+        return F.linear(x.to(self.dtype), w.to(self.dtype), b).to(x.dtype)
 
 
 # ------------------------------------------------------------------- tuning
@@ -349,8 +337,7 @@ class SignRoundTuner:
             lin = job.block.get_submodule(rel)
             imp = None if job.imp is None else job.imp[name]
             r = make_rounder(lin.weight.detach(), scheme, imp, self.config.v2)
-            low_out = rel.rsplit(".", 1)[-1] in MLP_INPUT_PROJ
-            set_module(job.block, rel, TunedLinear(lin, r, dtype, low_out))
+            set_module(job.block, rel, TunedLinear(lin, r, dtype))
             rounders[name] = r
         return rounders
 
