@@ -54,11 +54,15 @@ def test_bf16_tuning_runs_the_block_products_in_bf16(monkeypatch):
         seen.append(out.dtype)
         return out
 
+    from lowbit.nn import precision
+
     monkeypatch.setattr(signround.F, "linear", spy)
+    monkeypatch.setattr(precision, "_cpu_flags", lambda: frozenset({"avx512_bf16"}))
     m = tiny_model(layers=1)
-    for dtype, tuned_in_bf16 in (("bf16", True), ("fp32", False)):
+    cases = (("bf16", "w4g32", True), ("fp32", "w4g32", False), ("auto", "w4g32", True), ("auto", "w2g32", False))
+    for dtype, scheme, tuned_in_bf16 in cases:
         seen.clear()
-        signround_quantize(copy.deepcopy(m), None, uniform(m, "w4g32"), make_config(iters=2, tune_dtype=dtype),
+        signround_quantize(copy.deepcopy(m), None, uniform(m, scheme), make_config(iters=2, tune_dtype=dtype),
                            calib(8, 16), progress=False)
         # targets and propagation stay fp32 either way; only the tuning products change
         assert torch.float32 in seen and (torch.bfloat16 in seen) == tuned_in_bf16
@@ -69,8 +73,14 @@ def test_auto_dtype_follows_the_cpu_flags(monkeypatch):
 
     monkeypatch.setattr(precision, "_cpu_flags", lambda: frozenset({"avx2", "avx512_bf16"}))
     assert precision.resolve_dtype("auto", "cpu") == "bf16"
+    # 2-bit blocks stay fp32 under auto (bf16 cost ~1 ppl at W2 g64); explicit bf16 is obeyed
+    cfg = make_config()
+    assert cfg.product_dtype(4, "cpu") == "bf16" and cfg.product_dtype(3, "cpu") == "bf16"
+    assert cfg.product_dtype(2, "cpu") == "fp32"
+    assert make_config(tune_dtype="bf16").product_dtype(2, "cpu") == "bf16"
     monkeypatch.setattr(precision, "_cpu_flags", lambda: frozenset({"avx2"}))
     assert precision.resolve_dtype("auto", "cpu") == "fp32"
+    assert cfg.product_dtype(4, "cpu") == "fp32" and make_config(tune_dtype="bf16").product_dtype(4, "cpu") == "bf16"
     assert precision.resolve_dtype("fp32", "cpu") == "fp32"
 
 

@@ -53,7 +53,7 @@ def add_tuning_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tune-dtype", choices=("auto", "bf16", "fp32"), default=None,
                    help="precision of the tuned layers' products and of the DeltaLoss passes: auto "
                         "(default) = bf16 where the CPU/GPU has bf16 dot products (~2x faster "
-                        "tuning), else fp32")
+                        "tuning) except for 2-bit blocks, else fp32")
 
 
 def run(args: argparse.Namespace) -> dict:

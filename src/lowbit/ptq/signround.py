@@ -34,6 +34,8 @@ from lowbit.ptq import register
 from lowbit.ptq.pipeline import BlockJob, PipelineOptions, quantize_blockwise, run_block
 
 TUNE_DTYPES = ("auto", "bf16", "fp32")
+# "auto" keeps blocks of <= this many bits in fp32: at W2 the bf16 products cost ~1 ppl on average
+AUTO_FP32_BITS = 2
 
 
 @dataclass(frozen=True)
@@ -50,10 +52,12 @@ class SignRoundConfig:
         rounding offsets and scales, norms, attention, residuals, targets and loss. Only the
         sign of each gradient is used. On CPUs with AVX512-BF16 (and on GPUs) bf16 GEMMs run
         several times faster than fp32. "fp32" is the exact reference; "auto" (the default) =
-        bf16 where the hardware has fast bf16 products, else fp32. Measured on the bundled
-        model (50 iters): ppl W4 g128 15.85 vs 15.80 fp32, W3 g128 18.57 vs 18.51, W2 g64
-        27.60 vs 27.08 (means of 2 seeds) for a 2.2x faster tuning loop; preset "best" pins fp32.
-        SignRoundV2's DeltaLoss passes (mixed precision) follow the same setting.
+        bf16 where the hardware has fast bf16 products, for blocks whose schemes all have
+        more than 2 bits, else fp32. Measured on the bundled model (50 iters, ppl): W4 g128
+        bf16 15.87 / 15.79 (2 seeds) vs 15.80 fp32, W3 g128 18.22 vs 18.51, but W2 g64 bf16
+        27.58-28.92 (5 runs, mean 28.2) vs fp32 27.26 / 26.91, so 2-bit blocks stay fp32
+        under "auto". Preset "best" pins fp32. SignRoundV2's DeltaLoss passes (mixed
+        precision) follow the hardware rule only: they rank layers, and bf16 ranked as well.
     """
 
     iters: int = 200
@@ -82,6 +86,12 @@ class SignRoundConfig:
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+    def product_dtype(self, bits: int, device: torch.device | str) -> str:
+        """"bf16" or "fp32" for a block whose narrowest scheme has ``bits`` bits."""
+        if self.tune_dtype == "auto" and bits <= AUTO_FP32_BITS:
+            return "fp32"
+        return resolve_dtype(self.tune_dtype, device)
 
     def step_size(self, bits: int) -> float:
         if self.lr_low_bits is not None and bits <= 3:
@@ -332,7 +342,8 @@ class SignRoundTuner:
 
     def _wrap(self, job: BlockJob) -> dict[str, nn.Module]:
         rounders = {}
-        dtype = torch.bfloat16 if resolve_dtype(self.config.tune_dtype, job.x.device) == "bf16" else None
+        bits = min(s.bits for _, s in job.layers.values())
+        dtype = torch.bfloat16 if self.config.product_dtype(bits, job.x.device) == "bf16" else None
         for name, (rel, scheme) in job.layers.items():
             lin = job.block.get_submodule(rel)
             imp = None if job.imp is None else job.imp[name]
