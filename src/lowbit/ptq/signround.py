@@ -34,7 +34,7 @@ from lowbit.ptq import register
 from lowbit.ptq.pipeline import BlockJob, PipelineOptions, quantize_blockwise, run_block
 
 TUNE_DTYPES = ("auto", "bf16", "fp32")
-# "auto" keeps blocks of <= this many bits in fp32: at W2 the bf16 products cost ~1 ppl on average
+# "auto" keeps blocks of <= this many bits in fp32: at W2 the bf16 products cost ~0.75 ppl on average
 AUTO_FP32_BITS = 2
 
 
@@ -55,7 +55,8 @@ class SignRoundConfig:
         bf16 where the hardware has fast bf16 products, for blocks whose schemes all have
         more than 2 bits, else fp32. Measured on the bundled model (50 iters, ppl): W4 g128
         bf16 15.87 / 15.79 (2 seeds) vs 15.80 fp32, W3 g128 18.22 vs 18.51, but W2 g64 bf16
-        27.58-28.92 (5 runs, mean 28.2) vs fp32 27.26 / 26.91, so 2-bit blocks stay fp32
+        27.58-28.92 (5 runs, mean 28.2) vs fp32 27.26 / 26.91 / 28.13 (mean 27.4; auto-round
+        V2 27.53 fp32, 27.68 amp), so 2-bit blocks stay fp32
         under "auto". Preset "best" pins fp32. SignRoundV2's DeltaLoss passes (mixed
         precision) follow the hardware rule only: they rank layers, and bf16 ranked as well.
     """
