@@ -56,9 +56,9 @@ class SignRoundConfig:
         more than 2 bits, else fp32. Measured on the bundled model (50 iters, ppl): W4 g128
         bf16 15.87 / 15.79 (2 seeds) vs 15.80 fp32, W3 g128 18.22 vs 18.51, but W2 g64 bf16
         27.58-28.92 (5 runs, mean 28.2) vs fp32 27.26 / 26.91 / 28.13 (mean 27.4; auto-round
-        V2 27.53 fp32, 27.68 amp), so 2-bit blocks stay fp32
-        under "auto". Preset "best" pins fp32. SignRoundV2's DeltaLoss passes (mixed
-        precision) follow the hardware rule only: they rank layers, and bf16 ranked as well.
+        V2 27.53 fp32, 27.68 amp), so 2-bit blocks stay fp32 under "auto". Preset "best"
+        pins fp32. SignRoundV2's DeltaLoss passes (mixed precision) follow the hardware rule
+        only: they rank layers, and bf16 ranked them as fp32 did.
     """
 
     iters: int = 200
@@ -321,6 +321,11 @@ def sign_step(params: list[nn.Parameter], lr: float) -> None:
                 p.grad = None
 
 
+def narrowest_bits(job: BlockJob) -> int:
+    """The fewest bits among the block's schemes: step size and product dtype follow it."""
+    return min(s.bits for _, s in job.layers.values())
+
+
 class SignRoundTuner:
     """The pipeline's per-block tuner (SignRound V1 or V2 by ``config.v2``)."""
 
@@ -343,7 +348,7 @@ class SignRoundTuner:
 
     def _wrap(self, job: BlockJob) -> dict[str, nn.Module]:
         rounders = {}
-        bits = min(s.bits for _, s in job.layers.values())
+        bits = narrowest_bits(job)
         dtype = torch.bfloat16 if self.config.product_dtype(bits, job.x.device) == "bf16" else None
         for name, (rel, scheme) in job.layers.items():
             lin = job.block.get_submodule(rel)
@@ -373,8 +378,7 @@ class SignRoundTuner:
         cfg = self.config
         params = [p for r in rounders.values() for p in r.parameters()]
         groups = self._groups(rounders)
-        bits = min(s.bits for _, s in job.layers.values())
-        lr0 = cfg.step_size(bits)
+        lr0 = cfg.step_size(narrowest_bits(job))
         frac = cfg.filter_frac if self._use_filter(job) else 0.0
         gen = torch.Generator().manual_seed(cfg.seed * 100003 + job.index)
         batches = epoch_batches(job.x.shape[0], cfg.batch_size, cfg.iters, gen)
