@@ -165,6 +165,20 @@ def run_autoround(spec: dict, lm, calib) -> dict:
     return out
 
 
+def cpu_model() -> str:
+    """Model name and bf16 flags of this CPU: GEMM rates, and so the tools' ratios, change with
+    it (this project's machines have been a Zen 4 and an AMX Xeon, 435 vs 1383 GFLOP/s bf16)."""
+    from lowbit.nn.precision import _cpu_flags
+
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return "unknown"
+    name = next((ln.split(":", 1)[1].strip() for ln in lines if ln.startswith("model name")), "unknown")
+    flags = sorted(f for f in _cpu_flags() if f in ("avx512_bf16", "amx_bf16"))
+    return f"{name} ({', '.join(flags) or 'no bf16 products'}), {os.cpu_count()} cores"
+
+
 def gemm_gflops(repeats: int = 30, dtype: str = "fp32") -> float:
     """Median GEMM throughput of this thread on the block's biggest shape (the physical limit)."""
     import torch
@@ -210,7 +224,7 @@ def child(tool: str, name: str, nsamples: int, seqlen: int, workdir: str | None)
             "peak_rss_mib": round(rss_quant), "nsamples": nsamples, "seqlen": seqlen, "threads": 1,
             "tuning_gemm_gflop": round(work, 1), "gemm_gflops": round(gflops, 1),
             "gemm_limit_seconds": round(work / gflops, 1), "bf16_gemm_gflops": round(bf16_gflops, 1),
-            **{k: v for k, v in spec.items()}, **extra}
+            "cpu": cpu_model(), **{k: v for k, v in spec.items()}, **extra}
 
 
 def merge(row: dict) -> None:

@@ -60,14 +60,19 @@ def truncated_model(blocks: int):
     return lm, calib
 
 
-def gemm_gflops(dtype: str = "fp32") -> float:
-    """The thread's median GEMM rate in ``dtype``, measured exactly as ``benchmarks/ptq.py`` does."""
+def ptq_bench():
+    """``benchmarks/ptq.py`` as a module (this folder is not a package)."""
     import importlib.util
 
     spec = importlib.util.spec_from_file_location("ptq_bench", ROOT / "benchmarks" / "ptq.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    return module.gemm_gflops(dtype=dtype)
+    return module
+
+
+def gemm_gflops(dtype: str = "fp32") -> float:
+    """The thread's median GEMM rate in ``dtype``, measured exactly as ``benchmarks/ptq.py`` does."""
+    return ptq_bench().gemm_gflops(dtype=dtype)
 
 
 def tuning_gflop(model, iters: int) -> float:
@@ -125,6 +130,7 @@ def summarise(runs: list[dict], a: argparse.Namespace) -> dict:
     work = by["lowbit"][0]["tuning_gemm_gflop"] if by["lowbit"] else runs[0]["tuning_gemm_gflop"]
     bf16 = statistics.median(r["bf16_gemm_gflops"] for r in runs)
     out = {"scheme": a.scheme, "blocks": a.blocks, "iters": a.iters, "v2": a.v2, "repeats": a.repeats,
+           "cpu": ptq_bench().cpu_model(),
            "lowbit_tune_dtype": a.tune_dtype, "autoround_amp": a.amp,
            "batch": BATCH, "nsamples": NSAMPLES, "seqlen": SEQLEN, "threads": 1,
            "median_seconds": {t: round(s, 1) for t, s in med.items()},
