@@ -166,17 +166,11 @@ def run_autoround(spec: dict, lm, calib) -> dict:
 
 
 def cpu_model() -> str:
-    """Model name and bf16 flags of this CPU: GEMM rates, and so the tools' ratios, change with
-    it (this project's machines have been a Zen 4 and an AMX Xeon, 435 vs 1383 GFLOP/s bf16)."""
-    from lowbit.nn.precision import _cpu_flags
+    """This CPU, recorded in every row: this project's machines have been a Zen 4 and an AMX
+    Xeon (435 vs 1383 GFLOP/s bf16 per core), so rates and ratios only compare within one."""
+    from lowbit.nn.precision import cpu_description
 
-    try:
-        lines = Path("/proc/cpuinfo").read_text().splitlines()
-    except OSError:
-        return "unknown"
-    name = next((ln.split(":", 1)[1].strip() for ln in lines if ln.startswith("model name")), "unknown")
-    flags = sorted(f for f in _cpu_flags() if f in ("avx512_bf16", "amx_bf16"))
-    return f"{name} ({', '.join(flags) or 'no bf16 products'}), {os.cpu_count()} cores"
+    return cpu_description()
 
 
 def gemm_gflops(repeats: int = 30, dtype: str = "fp32") -> float:

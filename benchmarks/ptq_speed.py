@@ -24,6 +24,7 @@ row also shows the bf16 floor.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import statistics
@@ -60,8 +61,9 @@ def truncated_model(blocks: int):
     return lm, calib
 
 
+@functools.cache
 def ptq_bench():
-    """``benchmarks/ptq.py`` as a module (this folder is not a package)."""
+    """``benchmarks/ptq.py`` as a module (this folder is not a package), loaded once."""
     import importlib.util
 
     spec = importlib.util.spec_from_file_location("ptq_bench", ROOT / "benchmarks" / "ptq.py")

@@ -10,6 +10,7 @@ and gain nothing, so "auto" picks bf16 only where the instructions exist.
 from __future__ import annotations
 
 import functools
+import os
 from pathlib import Path
 
 import torch
@@ -18,16 +19,28 @@ _BF16_CPU_FLAGS = ("avx512_bf16", "amx_bf16")
 
 
 @functools.cache
-def _cpu_flags() -> frozenset[str]:
-    """The CPU feature flags Linux reports (empty elsewhere: then "auto" means fp32)."""
+def _cpuinfo_field(key: str) -> str:
+    """The first ``key : value`` line of /proc/cpuinfo ("" where there is none, e.g. not Linux)."""
     try:
         text = Path("/proc/cpuinfo").read_text()
     except OSError:
-        return frozenset()
+        return ""
     for line in text.splitlines():
-        if line.startswith("flags"):
-            return frozenset(line.split(":", 1)[1].split())
-    return frozenset()
+        if line.startswith(key):
+            return line.split(":", 1)[1].strip()
+    return ""
+
+
+def _cpu_flags() -> frozenset[str]:
+    """The CPU feature flags Linux reports (empty elsewhere: then "auto" means fp32)."""
+    return frozenset(_cpuinfo_field("flags").split())
+
+
+def cpu_description() -> str:
+    """Model name and bf16 flags of this CPU: benchmark rates (and ratios) only compare on one."""
+    flags = sorted(f for f in _cpu_flags() if f in _BF16_CPU_FLAGS)
+    name = _cpuinfo_field("model name") or "unknown"
+    return f"{name} ({', '.join(flags) or 'no bf16 products'}), {os.cpu_count()} cores"
 
 
 def fast_bf16(device: torch.device | str) -> bool:
