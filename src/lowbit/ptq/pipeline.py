@@ -94,12 +94,15 @@ def run_block(block: nn.Module, x: torch.Tensor, kwargs: Mapping[str, Any], chun
 # ---------------------------------------------------------------------- capture
 def capture_inputs(model: nn.Module, block0: nn.Module, calib: torch.Tensor,
                    device: torch.device) -> tuple[torch.Tensor, dict[str, Any]]:
-    """Hidden states entering block 0 for every sample, and the kwargs the block gets.
+    """Hidden states entering block 0 for every sample, and the kwargs the block gets, on ``device``.
 
     Samples go one at a time (only embeddings run before the hook stops the model), so
-    every captured kwarg has batch dimension 1 and broadcasts over any mini-batch.
+    every captured kwarg has batch dimension 1 and broadcasts over any mini-batch. The
+    embeddings run where the model's input embedding lives (the model stays off the
+    compute device; only one block at a time goes there), then the results move.
     """
     store: list[tuple[tuple, dict]] = []
+    src = input_device(model)
 
     def hook(_mod: nn.Module, args: tuple, kwargs: dict) -> None:
         store.append((args, kwargs))
@@ -111,11 +114,11 @@ def capture_inputs(model: nn.Module, block0: nn.Module, calib: torch.Tensor,
         with torch.no_grad():
             for row in calib:
                 try:
-                    model(input_ids=row.unsqueeze(0).to(device), use_cache=False)
+                    model(input_ids=row.unsqueeze(0).to(src), use_cache=False)
                 except _StopForward:
                     pass
                 args, kw = store.pop()
-                xs.append((args[0] if args else kw["hidden_states"]).detach())
+                xs.append((args[0] if args else kw["hidden_states"]).detach().to(device))
                 if len(xs) == 1:
                     first = kw
     finally:
@@ -124,7 +127,16 @@ def capture_inputs(model: nn.Module, block0: nn.Module, calib: torch.Tensor,
         raise ConfigError("no calibration samples; pass nsamples >= 1")
     kwargs = {k: v for k, v in first.items() if k not in _DROP_KWARGS and k != "hidden_states"}
     kwargs["use_cache"] = False
-    return torch.cat(xs), kwargs
+    return torch.cat(xs), _to(kwargs, device)
+
+
+def input_device(model: nn.Module) -> torch.device:
+    """Where the token ids must go: the input embedding's device (CPU for a lazy model's meta stub)."""
+    emb = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    weight = getattr(emb, "weight", None)
+    if weight is None or weight.device.type == "meta":
+        return torch.device("cpu")
+    return weight.device
 
 
 # ---------------------------------------------------------------- resume state
@@ -167,7 +179,7 @@ class WorkDir:
         return k
 
     def save_block(self, i: int, qts: Mapping[str, QTensor]) -> None:
-        tensors = {f"{n}::{k}": v.contiguous() for n, q in qts.items() for k, v in q.pack().items()}
+        tensors = {f"{n}::{k}": v.detach().cpu().contiguous() for n, q in qts.items() for k, v in q.pack().items()}
         atomic_write_bytes(self.block_file(i), save(tensors))
 
     def load_block(self, i: int, layers: Mapping[str, tuple[str, Scheme]],
@@ -266,7 +278,6 @@ def quantize_blockwise(model: nn.Module, plan: Plan, calib: torch.Tensor, tuner:
     names = module_names(model)
     device = torch.device(options.device)
     x, kwargs = capture_inputs(model, blocks[0], calib, device)
-    kwargs = _to(kwargs, device)
     wd = WorkDir(workdir, {**settings, "plan": plan.to_dict(), "fp_inputs": options.fp_inputs,
                            "chunk": options.chunk, **fingerprint(model, calib)}) if workdir else None
     offload = block_loader(model, blocks, options.offload_dir)
@@ -295,6 +306,7 @@ def quantize_blockwise(model: nn.Module, plan: Plan, calib: torch.Tensor, tuner:
             if wd:
                 wd.save_block(i, qts)
         _install(block, layers, qts)
+        block.to(device)  # resumed blocks' codes were read onto the CPU
         if x_q is not None:
             with torch.no_grad():
                 x_q = run_block(block, x_q, kwargs, options.chunk)

@@ -1,0 +1,191 @@
+"""The GPU paths: formats, block tuning, mixed precision, checkpoints, adapters and QAT on CUDA.
+
+Everything else in the suite runs on the CPU, where CI runs. These tests compare the
+CUDA results with the CPU ones (exact where the arithmetic is elementwise, a bounded
+share of near-tie flips where reductions run in another order) and exercise the paths
+that move tensors between devices: the pipeline keeps the model on the CPU and moves
+one block at a time to the GPU, a resumed run reads its codes back onto the CPU.
+
+They skip without a GPU. ``LOWBIT_TEST_DEVICE=cpu`` runs them on the CPU instead, which
+checks the tests themselves where no GPU is at hand (the comparisons are then trivial).
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+
+import pytest
+import torch
+from ptq_helpers import calib, tiny_model, uniform
+
+from lowbit.formats import Scheme, fp8, qdq
+from lowbit.nn import QuantLinear, quant_layers, replace_linears
+
+DEVICE = os.environ.get("LOWBIT_TEST_DEVICE") or ("cuda" if torch.cuda.is_available() else "")
+pytestmark = pytest.mark.skipif(not DEVICE, reason="no CUDA device (LOWBIT_TEST_DEVICE=cpu runs these on the CPU)")
+
+EXACT = ["w4g128", "w3g32a", "w2g64", "w8", "nvfp4", "nvfp4-ue5m3", "mxfp4", "mxfp8"]
+# rules that compare candidate errors (sums): another summation order may flip a near tie
+SEARCHED = ["w4g32:rule=search", "w2g64:rule=search", "nvfp4-46", "mxfp4:rule=search"]
+
+
+def weight(rows: int = 64, cols: int = 256, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(rows, cols, generator=g) * 0.02
+    w[::7, ::13] *= 40  # outliers, so groups differ in range
+    return w
+
+
+@pytest.mark.parametrize("scheme", EXACT)
+def test_rtn_on_device_equals_cpu_exactly(scheme):
+    w = weight()
+    s = Scheme.parse(scheme)
+    assert torch.equal(qdq(w.to(DEVICE), s).cpu(), qdq(w, s))
+
+
+@pytest.mark.parametrize("scheme", SEARCHED)
+def test_searched_rules_on_device_agree_with_cpu(scheme):
+    w = weight(seed=1)
+    s = Scheme.parse(scheme)
+    got, ref = qdq(w.to(DEVICE), s).cpu(), qdq(w, s)
+    assert (got != ref).float().mean() < 0.01
+
+
+def test_e4m3_cast_on_device_matches_torch_float8():
+    grid = fp8.minifloat_grid(fp8.E4M3)
+    mids = (grid[1:] + grid[:-1]) / 2
+    x = torch.cat([grid, mids, -mids, torch.rand(4096) * 500, torch.tensor([0.0, 448.0, 464.0, 1e6])])
+    got = fp8.round_minifloat(x.to(DEVICE), fp8.E4M3).cpu()
+    assert torch.equal(got, x.to(DEVICE).to(torch.float8_e4m3fn).float().cpu())
+
+
+def code_agreement(a, b) -> float:
+    qa, qb = quant_layers(a), quant_layers(b)
+    assert qa.keys() == qb.keys() and qa
+    same = sum((qa[n].codes == qb[n].codes).sum().item() for n in qa)
+    return same / sum(qa[n].codes.numel() for n in qa)
+
+
+def signround(model, scheme: str, device: str, v2: bool = True, iters: int = 12, **kw):
+    from lowbit.ptq.signround import make_config, signround_quantize
+
+    cfg = make_config(iters=iters, batch_size=4, v2=v2, device=device, **kw)
+    return signround_quantize(model, None, uniform(model, scheme), cfg, calib(), progress=False)
+
+
+def test_signround2_on_device_tracks_the_cpu_run():
+    m = tiny_model(layers=2)
+    gpu, cpu = copy.deepcopy(m), copy.deepcopy(m)
+    infos = signround(gpu, "w4g32", DEVICE, tune_dtype="fp32")
+    ref = signround(cpu, "w4g32", "cpu", tune_dtype="fp32")
+    assert all(i["loss"] <= i["rtn_loss"] for i in infos)
+    # sign descent flips a code wherever a gradient's sign differs in float noise
+    assert code_agreement(gpu, cpu) > 0.97
+    for i, r in zip(infos, ref, strict=True):
+        assert i["loss"] == pytest.approx(r["loss"], rel=0.1)
+    # the pipeline hands the model back where it was: on the CPU
+    assert {p.device.type for p in gpu.parameters()} | {b.device.type for b in gpu.buffers()} == {"cpu"}
+    ids = calib(2, 16, seed=5)
+    with torch.no_grad():
+        assert torch.isfinite(gpu(ids).logits).all()
+
+
+@pytest.mark.parametrize("scheme,v2", [("w4g32a", False), ("nvfp4-46", True), ("mxfp4", True), ("w2g32", True)])
+def test_every_rounder_tunes_on_device(scheme, v2):
+    m = tiny_model(layers=1)
+    infos = signround(m, scheme, DEVICE, v2=v2, iters=6)
+    assert all(torch.isfinite(torch.tensor(i["loss"])) and i["loss"] <= i["rtn_loss"] for i in infos)
+    assert len(quant_layers(m)) == 7
+
+
+def test_bf16_products_on_device():
+    m = tiny_model(layers=1)
+    infos = signround(m, "w4g32", DEVICE, tune_dtype="bf16")
+    assert all(i["loss"] <= i["rtn_loss"] for i in infos)
+
+
+def test_resume_on_device_continues_from_saved_blocks(tmp_path):
+    from lowbit.ptq.pipeline import PipelineOptions, quantize_blockwise
+    from lowbit.ptq.signround import SignRoundTuner, make_config
+
+    class Stop(Exception):
+        pass
+
+    def run(model, stop_after=None):
+        def on_block(i):
+            if i == stop_after:
+                raise Stop
+
+        cfg = make_config(iters=4, batch_size=4)
+        return quantize_blockwise(model, plan, calib(), SignRoundTuner(cfg), {"method": "signround", "config": cfg.to_dict()},
+                                  PipelineOptions(chunk=4, device=DEVICE), workdir=tmp_path / "w", progress=False,
+                                  on_block=on_block)
+
+    m = tiny_model(layers=3)
+    plan = uniform(m, "w2g32")
+    with pytest.raises(Stop):
+        run(copy.deepcopy(m), stop_after=0)
+    resumed = copy.deepcopy(m)
+    infos = run(resumed)
+    assert [i.get("resumed", 0.0) for i in infos] == [1.0, 0.0, 0.0]
+    assert len(quant_layers(resumed)) == 21
+
+
+def test_mixed_precision_on_device(tmp_path):
+    from lowbit.ptq import quantize_model
+
+    m = tiny_model(layers=2)
+    plan = uniform(m, "w4g32")
+    applied = quantize_model(m, plan, "signround2", calib=calib(), progress=False, iters=2, batch_size=4,
+                             avg_bits=3.2, options="w2g32,w4g32", device=DEVICE, workdir=str(tmp_path / "w"))
+    assert {s.bits for _, s in applied.items()} == {2, 4}
+    assert (tmp_path / "w" / "plan.json").exists()
+
+
+def test_quantized_model_and_checkpoint_on_device(tmp_path):
+    from lowbit.export.native import load, save
+
+    m = tiny_model(layers=2)
+    replace_linears(m, uniform(m, "w4g32"))
+    ids = calib(2, 16, seed=3)
+    with torch.no_grad():
+        ref = m(ids).logits
+        m.to(DEVICE)
+        got = m(ids.to(DEVICE)).logits.cpu()
+    assert torch.allclose(got, ref, atol=1e-4, rtol=1e-4)
+    assert all(isinstance(q, QuantLinear) and q.codes.device.type == torch.device(DEVICE).type
+               for q in quant_layers(m).values())
+    save(m, None, tmp_path / "ck")
+    loaded, _ = load(tmp_path / "ck")
+    with torch.no_grad():
+        assert torch.equal(loaded(ids).logits, m.cpu()(ids).logits)
+
+
+@pytest.mark.parametrize("in_f", [48, 576])
+def test_qwha_paths_agree_on_device(in_f):
+    from test_peft import random_adapter
+
+    x = torch.randn(2, 7, in_f, device=DEVICE)
+    outs, grads = [], []
+    for path in ("dense", "sparse"):
+        a = random_adapter(20, in_f, 150, path=path).to(DEVICE)
+        y = a(x)
+        (y * torch.arange(20.0, device=DEVICE)).sum().backward()
+        outs.append(y.detach().cpu())
+        grads.append(a.values.grad.cpu())
+    ref = x.cpu().double() @ random_adapter(20, in_f, 150).delta_weight().double().detach().T
+    assert torch.allclose(outs[0].double(), ref, atol=1e-4) and torch.allclose(outs[1].double(), ref, atol=1e-4)
+    assert torch.allclose(grads[0], grads[1], atol=1e-3, rtol=1e-4)
+
+
+def test_qat_trains_on_device():
+    from test_train import cfg, tokens
+
+    from lowbit.qat import resolve, to_qat
+    from lowbit.train import train
+
+    m = tiny_model().to(DEVICE)
+    to_qat(m, resolve("w2"))
+    r = train(m, tokens(), cfg(steps=8, lr=1e-2))
+    assert r.losses[-1] < r.losses[0]
