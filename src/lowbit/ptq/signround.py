@@ -313,12 +313,20 @@ def epoch_batches(n: int, batch_size: int, steps: int, gen: torch.Generator) -> 
 
 
 def sign_step(params: list[nn.Parameter], lr: float) -> None:
-    """``p -= lr * sign(grad)`` for every parameter, then clear the gradients."""
+    """``p -= lr * sign(grad)`` for every parameter, then clear the gradients.
+
+    One multi-tensor sign and one multi-tensor add for the whole list: per-parameter ops
+    cost three kernel launches each, which on a GPU is most of a small block's step.
+    ``p + (-lr) * sign`` is bitwise ``p - lr * sign`` (the product is exact).
+    """
+    live = [p for p in params if p.grad is not None]
+    if not live:
+        return
     with torch.no_grad():
-        for p in params:
-            if p.grad is not None:
-                p.sub_(lr * p.grad.sign())
-                p.grad = None
+        signs = torch._foreach_sign([p.grad for p in live])
+        torch._foreach_add_(live, signs, alpha=-lr)
+    for p in live:
+        p.grad = None
 
 
 def narrowest_bits(job: BlockJob) -> int:
@@ -394,8 +402,7 @@ class SignRoundTuner:
             if value < best:
                 best = value
                 with torch.no_grad():
-                    for b, p in zip(best_state, params, strict=True):
-                        b.copy_(p)
+                    torch._foreach_copy_(best_state, params)
             loss.backward()
             lr = lr0 * (1.0 - t / cfg.iters)
             for ps, mult in groups:
@@ -404,8 +411,7 @@ class SignRoundTuner:
                 r.clamp_()
         with torch.no_grad():
             if best < float("inf"):  # a NaN loss never improves: keep the parameters as they are
-                for p, b in zip(params, best_state, strict=True):
-                    p.copy_(b)
+                torch._foreach_copy_(params, best_state)
         return {"rtn_loss": first or 0.0, "loss": best}
 
 
