@@ -185,6 +185,10 @@ def summarise(rows: list[dict]) -> list[dict]:
                 continue
             row = {"model": m, "config": c, **{f"{t}_seconds": round(s, 1) for t, (s, _) in med.items()},
                    **{f"{t}_runs": n for t, (_, n) in med.items()}}
+            for tool in ("lowbit", "autoround"):  # runs past --timeout: only known to be slower than it
+                cut = [r for r in rows if (r["model"], r["config"], r["tool"]) == (m, c, tool) and "error" in r]
+                if cut:
+                    row[f"{tool}_unfinished"] = [r["error"][:80] for r in cut]
             if len(med) == 2:
                 row["lowbit_over_autoround"] = round(med["lowbit"][0] / med["autoround"][0], 3)
             out.append(row)
