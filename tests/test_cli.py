@@ -25,6 +25,8 @@ def test_help_lists_core_commands():
     (["quantize", "--scheme", "w4g128", "--method", "magic", "--out", "OUT"], "unknown method"),
     (["quantize", "/no/such/model", "--out", "OUT"], "does not exist"),
     (["eval", "/no/such/model"], "does not exist"),
+    (["quantize", "--device", "banana", "--out", "OUT"], "unknown device"),
+    (["eval", "--device", "meta"], "not supported"),
 ])
 def test_bad_input_is_one_clear_line(tmp_path, capsys, args, needle):
     args = [a.replace("OUT", str(tmp_path / "out")) for a in args]
@@ -34,6 +36,15 @@ def test_bad_input_is_one_clear_line(tmp_path, capsys, args, needle):
     assert needle in err
     assert len(err.strip().splitlines()) == 1
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="checks the message on a machine without CUDA")
+def test_cuda_device_without_a_gpu_is_one_clear_line_before_loading(tmp_path, capsys):
+    code = main(["quantize", "/no/such/model", "--method", "signround2", "--device", "cuda",
+                 "--out", str(tmp_path / "out")])
+    err = capsys.readouterr().err
+    assert code != 0 and "sees no CUDA device" in err and "--device cpu" in err  # before the missing model
+    assert len(err.strip().splitlines()) == 1 and not (tmp_path / "out").exists()
 
 
 def test_folder_that_is_no_model(tmp_path, capsys):

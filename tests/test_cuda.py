@@ -198,3 +198,41 @@ def test_qat_trains_on_device():
     to_qat(m, resolve("w2"))
     r = train(m, tokens(), cfg(steps=8, lr=1e-2))
     assert r.losses[-1] < r.losses[0]
+
+
+def test_cli_quantize_and_eval_on_device_match_the_cpu(tmp_path, capsys, tiny_tokenizer):
+    """RTN and both perplexities move the whole model to the device and back; tuning places blocks."""
+    import json
+
+    from test_cli import _save_tiny_qwen
+
+    from lowbit.cli import main
+
+    _save_tiny_qwen(tmp_path / "qwen", tiny_tokenizer)
+    common = ["--scheme", "w4g32", "--nsamples", "4", "--seqlen", "32", "--eval-seqlen", "64", "--windows", "3",
+              "--json"]
+    runs = {}
+    for i, dev in enumerate(("cpu", DEVICE)):
+        for method in ("rtn", "signround2"):
+            extra = ["--iters", "2", "--batch-size", "2", "--tune-dtype", "fp32"] if method != "rtn" else []
+            out = tmp_path / f"{method}-{i}"
+            assert main(["quantize", str(tmp_path / "qwen"), "--method", method, *common, *extra,
+                         "--device", dev, "--out", str(out)]) == 0, capsys.readouterr().err
+            runs[method, dev] = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    for method in ("rtn", "signround2"):
+        a, b = runs[method, "cpu"], runs[method, DEVICE]
+        assert a["ppl_fp"] == pytest.approx(b["ppl_fp"], rel=1e-4)
+        assert a["ppl_q"] == pytest.approx(b["ppl_q"], rel=0.02)
+    assert main(["eval", str(tmp_path / "rtn-1"), "--seqlen", "64", "--windows", "3", "--device", DEVICE,
+                 "--json"]) == 0
+    e = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert e["ppl"] == pytest.approx(runs["rtn", DEVICE]["ppl_q"], rel=1e-4)
+
+
+def test_on_device_puts_the_model_back():
+    from lowbit.models.placement import model_device, on_device
+
+    m = tiny_model(layers=1)
+    with on_device(m, DEVICE) as moved:
+        assert model_device(moved).type == torch.device(DEVICE).type
+    assert {p.device.type for p in m.parameters()} == {"cpu"}

@@ -63,6 +63,7 @@ def quantize_pipeline(model: str | None, scheme: str, method: str, out: Path, da
     from lowbit.export.native import save
     from lowbit.models import load_model
     from lowbit.models.lazy import is_lazy
+    from lowbit.models.placement import check_device, on_device
     from lowbit.ptq import methods, quantize_model, streams_blocks
 
     options = (tuning or {}).get("options")
@@ -76,6 +77,7 @@ def quantize_pipeline(model: str | None, scheme: str, method: str, out: Path, da
         raise ConfigError(f"unknown method {method!r}; choose one of {methods()}")
     if Path(out).exists() and not force:
         raise LowbitError(f"{out} already exists; choose another --out or pass --force to replace it")
+    device = check_device((tuning or {}).get("device"))
     # with --offload-dir a block-wise method reads each block from the checkpoint when it gets
     # there: the float model is never whole in memory (so its perplexity is not measured here)
     lazy = bool((tuning or {}).get("offload_dir")) and streams_blocks(method, tuning or {})
@@ -84,7 +86,8 @@ def quantize_pipeline(model: str | None, scheme: str, method: str, out: Path, da
     ev = eval_tokens(lm.tokenizer, data) if evaluate else None
     result: dict[str, Any] = {"model": lm.source, "scheme": plan.describe(), "method": method}
     if ev is not None and not is_lazy(lm.model):
-        result["ppl_fp"] = perplexity(lm.model, ev, seqlen=eval_seqlen, windows=windows).ppl
+        with on_device(lm.model, device):
+            result["ppl_fp"] = perplexity(lm.model, ev, seqlen=eval_seqlen, windows=windows).ppl
     elif ev is not None:
         result["ppl_fp_skipped"] = "lazy load (--offload-dir): run `lowbit eval MODEL` for the float perplexity"
     needs_calib = search or method != "rtn" or (tuning or {}).get("avg_bits") is not None
@@ -95,11 +98,14 @@ def quantize_pipeline(model: str | None, scheme: str, method: str, out: Path, da
         side = Path(tempfile.mkdtemp(prefix="lowbit-plan-"))
         tuning["plan_out"] = str(side)  # plan.json / plan.png, copied into the checkpoint
     t0 = time.perf_counter()
-    plan = quantize_model(lm.model, plan, method, calib=calib, search=search, tokenizer=lm.tokenizer, **tuning)
+    # RTN works on the whole model at once; the block-wise methods place blocks themselves
+    with on_device(lm.model, device if method == "rtn" else None):
+        plan = quantize_model(lm.model, plan, method, calib=calib, search=search, tokenizer=lm.tokenizer, **tuning)
     result["quantize_seconds"] = round(time.perf_counter() - t0, 2)
     result["scheme"] = plan.describe()
     if ev is not None:
-        r = perplexity(lm.model, ev, seqlen=eval_seqlen, windows=windows)
+        with on_device(lm.model, device):
+            r = perplexity(lm.model, ev, seqlen=eval_seqlen, windows=windows)
         result["ppl_q"] = r.ppl
         result["eval_tokens"] = r.tokens
     result["bits_per_weight"] = round(plan.average_bits(layer_sizes(lm.model, plan)), 4)
@@ -114,18 +120,21 @@ def quantize_pipeline(model: str | None, scheme: str, method: str, out: Path, da
 
 
 def evaluate_pipeline(model: str | None, data: str | None = None, seqlen: int = 512, windows: int = 40,
-                      tasks: list[str] | None = None, limit: int | None = None) -> dict:
+                      tasks: list[str] | None = None, limit: int | None = None, device: str | None = None) -> dict:
     from lowbit.data import eval_tokens
     from lowbit.eval import perplexity
     from lowbit.models import load_model
+    from lowbit.models.placement import check_device, on_device
 
     if seqlen <= 1:
         raise SchemeError("--seqlen must be at least 2 tokens")
+    dev = check_device(device)
     lm = load_model(model)
-    r = perplexity(lm.model, eval_tokens(lm.tokenizer, data), seqlen=seqlen, windows=windows)
-    result: dict[str, Any] = {"model": lm.source, "ppl": r.ppl, "tokens": r.tokens, "windows": r.windows}
-    if tasks:
-        from lowbit.eval import zero_shot
+    with on_device(lm.model, dev):
+        r = perplexity(lm.model, eval_tokens(lm.tokenizer, data), seqlen=seqlen, windows=windows)
+        result: dict[str, Any] = {"model": lm.source, "ppl": r.ppl, "tokens": r.tokens, "windows": r.windows}
+        if tasks:
+            from lowbit.eval import zero_shot
 
-        result["tasks"] = zero_shot(lm.model, lm.tokenizer, tasks, limit=limit)
+            result["tasks"] = zero_shot(lm.model, lm.tokenizer, tasks, limit=limit)
     return result

@@ -49,7 +49,8 @@ def add_tuning_flags(p: argparse.ArgumentParser) -> None:
                    help="mixed precision: q/k/v of a block share one scheme")
     p.add_argument("--ignore-scale-bits", dest="count_scales", action="store_false", default=None,
                    help="mixed precision: budget counts element bits only")
-    p.add_argument("--device", default=None, help="compute device for block tuning (cpu, cuda)")
+    p.add_argument("--device", default=None, help="compute device (cpu, cuda, cuda:N): block tuning moves one "
+                   "block at a time there; evaluation, RTN and DeltaLoss move the whole model there")
     p.add_argument("--tune-dtype", choices=("auto", "bf16", "fp32"), default=None,
                    help="precision of the tuned layers' products and of the DeltaLoss passes: auto "
                         "(default) = bf16 where the CPU/GPU has bf16 dot products (~2x faster "

@@ -35,6 +35,7 @@ from lowbit.formats.plan import Plan
 from lowbit.io import atomic_write_bytes, atomic_write_text
 from lowbit.models.layers import block_path, decoder_blocks
 from lowbit.models.lazy import is_lazy, load_block, materialize
+from lowbit.models.placement import check_device
 from lowbit.nn import QuantLinear, replace_linears, set_module
 from lowbit.ptq.importance import importance_hooks
 
@@ -276,7 +277,7 @@ def quantize_blockwise(model: nn.Module, plan: Plan, calib: torch.Tensor, tuner:
     """
     blocks = decoder_blocks(model)
     names = module_names(model)
-    device = torch.device(options.device)
+    device = check_device(options.device) or torch.device("cpu")
     x, kwargs = capture_inputs(model, blocks[0], calib, device)
     wd = WorkDir(workdir, {**settings, "plan": plan.to_dict(), "fp_inputs": options.fp_inputs,
                            "chunk": options.chunk, **fingerprint(model, calib)}) if workdir else None

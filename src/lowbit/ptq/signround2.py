@@ -25,6 +25,7 @@ from torch import nn
 from lowbit.errors import ConfigError
 from lowbit.formats import Scheme
 from lowbit.formats.plan import Plan
+from lowbit.models.placement import on_device
 from lowbit.nn.precision import resolve_dtype
 from lowbit.ptq import register
 from lowbit.ptq.allocate import Allocation, allocate, save_allocation, tie_qkv
@@ -85,10 +86,10 @@ def _method(model: nn.Module, plan: Plan, *, calib: torch.Tensor | None = None, 
         raise ConfigError("mixed precision needs both --avg-bits and --options (e.g. --avg-bits 3 --options w2g64,w4g128)")
     cfg = config or method_config(preset, True, **kw)
     if avg_bits is not None:
-        device = next(model.parameters()).device
-        alloc = mixed_plan(model, plan, options, avg_bits, calib, mode=delta_mode, tie=tie_qkv_layers,
-                           count_scales=count_scales, progress=progress,
-                           dtype=resolve_dtype(cfg.tune_dtype, device))
+        with on_device(model, cfg.device):  # DeltaLoss is whole-model forward/backward passes
+            alloc = mixed_plan(model, plan, options, avg_bits, calib, mode=delta_mode, tie=tie_qkv_layers,
+                               count_scales=count_scales, progress=progress,
+                               dtype=resolve_dtype(cfg.tune_dtype, cfg.device))
         plan = alloc.plan
         out = plan_out or workdir
         if out is not None:
