@@ -62,6 +62,11 @@ CONFIGS: dict[str, dict] = {
                                     "seed": 2}},
     "w2g64-v2-seed1": {"autoround": {"bits": 2, "group_size": 64, "sym": True, "iters": 50, "enable_alg_ext": True,
                                      "seed": 1}},
+    # a third seed of each tool at W2 g64 fp32 (>= 3 seeds per tool before a W2 claim)
+    "w2g64-v2-seed2": {"autoround": {"bits": 2, "group_size": 64, "sym": True, "iters": 50, "enable_alg_ext": True,
+                                     "seed": 2}},
+    "w2g64-seed3": {"lowbit": {"method": "signround2", "scheme": "w2g64", "iters": 50, "tune_dtype": "fp32",
+                               "seed": 3}},
     "w2g64-v2-amp-seed1": {"autoround": {"bits": 2, "group_size": 64, "sym": True, "iters": 50, "amp": True,
                                          "enable_alg_ext": True, "seed": 1}},
     "w4g128-bf16-seed1": {"lowbit": {"method": "signround2", "scheme": "w4g128", "iters": 50, "tune_dtype": "bf16",
