@@ -75,6 +75,14 @@ def build_model(name: str, vocab: int):
     return model.float().cpu().eval()
 
 
+def block_plan(model, scheme: str):
+    """``scheme`` on every decoder-block Linear (lm_head and embeddings stay float, as in auto-round)."""
+    from lowbit.formats.plan import Plan
+    from lowbit.models import linear_layers
+
+    return Plan.uniform({n: m for n, m in linear_layers(model).items() if ".layers." in n}, scheme)
+
+
 def child(folder: Path, tool: str, model_name: str, config: str, iters: int) -> dict:
     import torch
     import transformers
@@ -91,13 +99,10 @@ def child(folder: Path, tool: str, model_name: str, config: str, iters: int) -> 
     t0 = time.perf_counter()
     info: dict = {}
     if tool == "lowbit":
-        from lowbit.formats.plan import Plan
-        from lowbit.models import linear_layers
         from lowbit.ptq import quantize_model
 
-        plan = Plan.uniform({n: m for n, m in linear_layers(model).items() if ".layers." in n}, scheme)
-        quantize_model(model, plan, "signround2", calib=calib, tokenizer=tok, progress=False, batch_size=BATCH,
-                       iters=iters, device=device)
+        quantize_model(model, block_plan(model, scheme), "signround2", calib=calib, tokenizer=tok, progress=False,
+                       batch_size=BATCH, iters=iters, device=device)
     else:
         from auto_round import AutoRound
 
@@ -119,8 +124,6 @@ def profile(folder: Path, blocks: int, config: str, rows: int) -> None:
     from torch.profiler import ProfilerActivity
     from transformers import AutoTokenizer
 
-    from lowbit.formats.plan import Plan
-    from lowbit.models import linear_layers
     from lowbit.models.layers import decoder_blocks
     from lowbit.ptq import quantize_model
 
@@ -128,7 +131,7 @@ def profile(folder: Path, blocks: int, config: str, rows: int) -> None:
     model = build_model("smollm2-135m", len(tok))
     del decoder_blocks(model)[blocks:]
     model.config.num_hidden_layers = blocks
-    plan = Plan.uniform({n: m for n, m in linear_layers(model).items() if ".layers." in n}, CONFIGS[config][0])
+    plan = block_plan(model, CONFIGS[config][0])
     device = "cuda" if torch.cuda.is_available() else "cpu"
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
     with torch.profiler.profile(activities=acts) as prof:

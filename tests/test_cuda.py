@@ -115,28 +115,14 @@ def test_bf16_products_on_device():
 
 
 def test_resume_on_device_continues_from_saved_blocks(tmp_path):
-    from lowbit.ptq.pipeline import PipelineOptions, quantize_blockwise
-    from lowbit.ptq.signround import SignRoundTuner, make_config
-
-    class Stop(Exception):
-        pass
-
-    def run(model, stop_after=None):
-        def on_block(i):
-            if i == stop_after:
-                raise Stop
-
-        cfg = make_config(iters=4, batch_size=4)
-        return quantize_blockwise(model, plan, calib(), SignRoundTuner(cfg), {"method": "signround", "config": cfg.to_dict()},
-                                  PipelineOptions(chunk=4, device=DEVICE), workdir=tmp_path / "w", progress=False,
-                                  on_block=on_block)
+    from test_ptq_pipeline import Interrupt, run_sr
 
     m = tiny_model(layers=3)
     plan = uniform(m, "w2g32")
-    with pytest.raises(Stop):
-        run(copy.deepcopy(m), stop_after=0)
+    with pytest.raises(Interrupt):
+        run_sr(copy.deepcopy(m), plan, tmp_path / "w", stop_after=0, device=DEVICE)
     resumed = copy.deepcopy(m)
-    infos = run(resumed)
+    infos = run_sr(resumed, plan, tmp_path / "w", device=DEVICE)
     assert [i.get("resumed", 0.0) for i in infos] == [1.0, 0.0, 0.0]
     assert len(quant_layers(resumed)) == 21
 

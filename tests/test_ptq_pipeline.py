@@ -65,7 +65,7 @@ class Interrupt(Exception):
     pass
 
 
-def run_sr(model, plan, workdir, stop_after=None, iters=4):
+def run_sr(model, plan, workdir, stop_after=None, iters=4, device="cpu"):
     def on_block(i):
         if stop_after is not None and i == stop_after:
             raise Interrupt
@@ -74,7 +74,8 @@ def run_sr(model, plan, workdir, stop_after=None, iters=4):
 
     cfg = make_config(iters=iters, batch_size=4)
     return quantize_blockwise(model, plan, calib(), SignRoundTuner(cfg), {"method": "signround", "config": cfg.to_dict()},
-                              PipelineOptions(chunk=4), workdir=workdir, progress=False, on_block=on_block)
+                              PipelineOptions(chunk=4, device=device), workdir=workdir, progress=False,
+                              on_block=on_block)
 
 
 def test_resume_after_interrupt_is_bit_identical(tmp_path):

@@ -306,8 +306,7 @@ def quantize_blockwise(model: nn.Module, plan: Plan, calib: torch.Tensor, tuner:
             qts, info = tuner(job)
             if wd:
                 wd.save_block(i, qts)
-        _install(block, layers, qts)
-        block.to(device)  # resumed blocks' codes were read onto the CPU
+        _install(block, layers, qts, device)
         if x_q is not None:
             with torch.no_grad():
                 x_q = run_block(block, x_q, kwargs, options.chunk)
@@ -343,13 +342,17 @@ def _shapes(block: nn.Module, layers: Mapping[str, tuple[str, Scheme]]) -> dict[
     return out
 
 
-def _install(block: nn.Module, layers: Mapping[str, tuple[str, Scheme]], qts: Mapping[str, QTensor]) -> None:
-    """Swap the block's Linears for frozen QuantLinears holding the tuned weights."""
+def _install(block: nn.Module, layers: Mapping[str, tuple[str, Scheme]], qts: Mapping[str, QTensor],
+             device: torch.device) -> None:
+    """Swap the block's Linears for frozen QuantLinears holding the tuned weights, on ``device``.
+
+    A resumed block's codes were read onto the CPU; tuned ones are already on ``device``.
+    """
     for name, (rel, _) in layers.items():
         old = block.get_submodule(rel)
         bias = getattr(old, "bias", None)
         new = QuantLinear(qts[name], None if bias is None else bias.detach())
-        set_module(block, rel, new.to(qts[name].codes.device))
+        set_module(block, rel, new.to(device))
 
 
 def _quantize_rest(model: nn.Module, plan: Plan, names: Mapping[int, str], blocks: nn.ModuleList) -> None:
