@@ -1,4 +1,5 @@
 # The two entry points of the README. Both set up .venv from scratch when needed.
+# The bundled model's package is installed with --no-deps (see scripts/setup.sh).
 PY ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
@@ -17,7 +18,7 @@ setup: $(BIN)/lowbit
 bench-setup: setup
 	$(BIN)/pip install -q setuptools wheel
 	SKIP_CUDA_BUILD=1 $(BIN)/pip install -q --no-build-isolation "fouroversix>=1.0"
-	$(BIN)/pip install -q -e ".[dev,demo,bench]"
+	$(BIN)/pip install -q -e ".[dev,bench]"
 
 # Quantize the bundled SmolLM2-135M to w4g128 (importance-searched RTN), evaluate FP vs
 # quantized perplexity, save the checkpoint to out/smollm2-w4g128, print the summary.

