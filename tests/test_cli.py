@@ -131,17 +131,18 @@ def test_mixed_precision_signround2_saves_plan_in_checkpoint(tmp_path, capsys, t
     r = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert r["scheme"].startswith("mixed(") and r["bits_per_weight"] <= 3.5
     assert (out / "plan.json").is_file() and (out / "plan.png").is_file()
-    from lowbit.export.native import load
+    from lowbit.models.native import load
 
     load(out)
 
 
 def test_tune_dtype_reaches_the_tuning_options():
     from lowbit.cli import build_parser
-    from lowbit.cli.quantize import _tuning
+    from lowbit.cli.quantize import build_job
 
     args = build_parser().parse_args(["quantize", "--method", "signround2", "--tune-dtype", "bf16", "--out", "o"])
-    assert _tuning(args)["tune_dtype"] == "bf16"
-    assert "tune_dtype" not in _tuning(build_parser().parse_args(["quantize", "--out", "o"]))
+    assert build_job(args).settings.tune_dtype == "bf16"
+    args = build_parser().parse_args(["quantize", "--method", "signround2", "--out", "o"])
+    assert build_job(args).settings.tune_dtype == "auto"
     with pytest.raises(SystemExit):
         build_parser().parse_args(["quantize", "--tune-dtype", "fp16", "--out", "o"])

@@ -79,8 +79,8 @@ def code_agreement(a, b) -> float:
 def signround(model, scheme: str, device: str, v2: bool = True, iters: int = 12, **kw):
     from lowbit.ptq.signround import make_config, signround_quantize
 
-    cfg = make_config(iters=iters, batch_size=4, v2=v2, device=device, **kw)
-    return signround_quantize(model, None, uniform(model, scheme), cfg, calib(), progress=False)
+    cfg = make_config(iters=iters, batch_size=4, v2=v2, **kw)
+    return signround_quantize(model, uniform(model, scheme), cfg, calib(), device=device, progress=False)
 
 
 def test_signround2_on_device_tracks_the_cpu_run():
@@ -128,18 +128,18 @@ def test_resume_on_device_continues_from_saved_blocks(tmp_path):
 
 
 def test_mixed_precision_on_device(tmp_path):
-    from lowbit.ptq import quantize_model
+    from lowbit.ptq import MixedSettings, quantize_model
 
     m = tiny_model(layers=2)
     plan = uniform(m, "w4g32")
-    applied = quantize_model(m, plan, "signround2", calib=calib(), progress=False, iters=2, batch_size=4,
-                             avg_bits=3.2, options="w2g32,w4g32", device=DEVICE, workdir=str(tmp_path / "w"))
+    applied = quantize_model(m, plan, "signround2", {"iters": 2, "batch_size": 4}, calib=calib(), progress=False,
+                             mixed=MixedSettings(3.2, ("w2g32", "w4g32")), device=DEVICE,
+                             workdir=str(tmp_path / "w"))
     assert {s.bits for _, s in applied.items()} == {2, 4}
-    assert (tmp_path / "w" / "plan.json").exists()
 
 
 def test_quantized_model_and_checkpoint_on_device(tmp_path):
-    from lowbit.export.native import load, save
+    from lowbit.models.native import load, save
 
     m = tiny_model(layers=2)
     replace_linears(m, uniform(m, "w4g32"))

@@ -179,7 +179,7 @@ def test_failed_export_leaves_nothing(tmp_path):
 
 
 def _native(tmp_path, scheme: str = "w4g32"):
-    from lowbit.export.native import save
+    from lowbit.models.native import save
 
     model = quantized(dict.fromkeys(block_linears(tiny()), scheme))
     save(model, None, tmp_path / "native")

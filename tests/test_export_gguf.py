@@ -155,7 +155,12 @@ def test_existing_output_refused_unless_force(tmp_path):
     (tmp_path / "m.gguf").write_bytes(b"old")
     with pytest.raises(LowbitError, match="--force"):
         ge.export(model, None, tmp_path / "m.gguf")
+    with pytest.raises(LowbitError, match="not a GGUF lowbit wrote"):  # --force replaces only lowbit's own files
+        ge.export(model, None, tmp_path / "m.gguf", force=True)
     assert (tmp_path / "m.gguf").read_bytes() == b"old"
+    (tmp_path / "m.gguf").unlink()
+    ge.export(model, None, tmp_path / "m.gguf")
+    assert ge.written_by_lowbit(tmp_path / "m.gguf")
     ge.export(model, None, tmp_path / "m.gguf", force=True)
     assert gguf.GGUFReader(str(tmp_path / "m.gguf")).fields["general.architecture"].contents() == "llama"
     assert [p.name for p in tmp_path.iterdir()] == ["m.gguf"]
@@ -192,7 +197,7 @@ def test_hf_bpe_tokenizer_round_trips_through_gguf(tmp_path):
 
 def test_cli_export_gguf_and_inspect(tmp_path, capsys):
     from lowbit.cli import main
-    from lowbit.export.native import save
+    from lowbit.models.native import save
 
     model = quantized(["w4g32", "w8g32"])
     save(model, None, tmp_path / "native")

@@ -168,7 +168,7 @@ def test_quantized_model_saves_and_loads(tmp_path, name):
     """End to end: RTN-replace a tiny Llama's Linears, save natively, load, same logits."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from lowbit.export import native
+    from lowbit.models import native
     from lowbit.formats.plan import Plan
     from lowbit.models import linear_layers
     from lowbit.nn import replace_linears

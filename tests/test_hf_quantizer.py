@@ -11,7 +11,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 from lowbit.errors import CheckpointError
 from lowbit.export import hf_quantizer
-from lowbit.export.native import load, save
+from lowbit.models.native import load, save
 from lowbit.formats import QTensor, Scheme
 from lowbit.nn import QuantLinear, quant_layers, set_module
 

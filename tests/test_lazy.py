@@ -49,14 +49,14 @@ def test_lazy_blockwise_ptq_equals_the_in_memory_run(tmp_path, method):
     ref, folder = saved(tmp_path, dtype=torch.bfloat16)  # bf16 on disk, fp32 in memory, as from the hub
     ref = ref.to(torch.bfloat16).float()
     plan, c = uniform(ref, "w4g32"), calib()
-    quantize_model(ref, plan, method, calib=c, iters=3, batch_size=4, progress=False)
+    quantize_model(ref, plan, method, {"iters": 3, "batch_size": 4}, calib=c, progress=False)
     lazy = load_lazy(folder)
     seen = []
     for b in lazy.model.layers:
         b.register_forward_pre_hook(lambda mod, *_: seen.append(sum(
             1 for other in lazy.model.layers for p in other.parameters() if p.device.type != "meta"
             and other is not mod and p.dim() == 2 and p.dtype == torch.float32)))
-    quantize_model(lazy, plan, method, calib=c, iters=3, batch_size=4, progress=False)
+    quantize_model(lazy, plan, method, {"iters": 3, "batch_size": 4}, calib=c, progress=False)
     assert not is_lazy(lazy)
     assert same_weights(ref, lazy)
     # while a block ran, no other block held float matrices (finished ones hold codes only)
@@ -67,9 +67,9 @@ def test_lazy_blockwise_ptq_equals_the_in_memory_run(tmp_path, method):
 def test_methods_that_need_the_whole_model_load_it_first(tmp_path):
     ref, folder = saved(tmp_path)
     plan = uniform(ref, "w4g32")
-    quantize_model(ref, plan, "rtn", progress=False)
+    quantize_model(ref, plan, "rtn", {"search": False}, progress=False)
     lazy = load_lazy(folder)
-    quantize_model(lazy, plan, "rtn", progress=False)
+    quantize_model(lazy, plan, "rtn", {"search": False}, progress=False)
     assert not is_lazy(lazy) and same_weights(ref, lazy)
 
 

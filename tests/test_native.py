@@ -7,7 +7,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from lowbit.errors import CheckpointError, LowbitError, SchemeError
-from lowbit.export.native import load, save
+from lowbit.models.native import load, save
 from lowbit.formats import Scheme, qdq
 from lowbit.formats.plan import Plan
 from lowbit.nn import QuantLinear, fake_quant, quant_layers, replace_linears
@@ -139,7 +139,7 @@ def test_embeddings_stay_16bit_and_round_trip_exactly(tmp_path):
     from lowbit.ptq import quantize_model
 
     model = tiny(tie=False)
-    quantize_model(model, Plan.uniform(block_linears(model), "w4g32"), "rtn", progress=False)
+    quantize_model(model, Plan.uniform(block_linears(model), "w4g32"), "rtn", {"search": False}, progress=False)
     ids = torch.randint(0, 128, (1, 16))
     with torch.no_grad():
         before = model(ids).logits

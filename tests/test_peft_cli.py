@@ -66,14 +66,14 @@ def test_finetune_writes_an_adapter_that_loads(checkpoint, tmp_path, capsys, ada
     data = write_jsonl(tmp_path / "train.jsonl")
     out = tmp_path / "adapter"
     code = main(["finetune", str(checkpoint / "q"), "--adapter", adapter, "--rank", "4", "--steps", "4",
-                 "--batch-size", "24", "--lr", "1e-2", "--seqlen", "24", "--data", str(data), "--windows", "-1",
+                 "--batch-size", "24", "--lr", "1e-2", "--seqlen", "24", "--data", str(data), "--no-eval",
                  "--out", str(out), "--json"])
     assert code == 0
     r = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert r["adapter"] == adapter and r["steps"] == 4 and r["trainable_params"] == \
         sum(4 * (o + i) for o, i in [(64, 64), (32, 64), (32, 64), (64, 64), (128, 64), (128, 64), (64, 128)]) * 2
     assert (out / "adapter.json").is_file() and r["loss_last"] < r["loss_first"]
-    from lowbit.export.native import load
+    from lowbit.models.native import load
     from lowbit.peft import adapters_of, load_adapters
 
     model, _ = load(checkpoint / "q")
@@ -85,9 +85,9 @@ def test_finetune_merge_writes_a_checkpoint(checkpoint, tmp_path, capsys):
     data = write_jsonl(tmp_path / "train.jsonl")
     out = tmp_path / "merged"
     assert main(["finetune", str(checkpoint / "q"), "--adapter", "loftq", "--rank", "2", "--steps", "2",
-                 "--batch-size", "4", "--seqlen", "24", "--data", str(data), "--windows", "-1", "--merge",
+                 "--batch-size", "4", "--seqlen", "24", "--data", str(data), "--no-eval", "--merge",
                  "--out", str(out), "--json"]) == 0
-    from lowbit.export.native import load
+    from lowbit.models.native import load
 
     model, _ = load(out)
     assert model(torch.randint(0, 60, (1, 8))).logits.isfinite().all()
@@ -100,7 +100,7 @@ def test_finetune_merge_writes_a_checkpoint(checkpoint, tmp_path, capsys):
 def test_bad_finetune_input_is_one_line(checkpoint, tmp_path, capsys, extra, needle):
     data = write_jsonl(tmp_path / "train.jsonl", 8)
     code = main(["finetune", str(checkpoint / "q"), *extra, "--steps", "1", "--batch-size", "4", "--seqlen", "24",
-                 "--data", str(data), "--windows", "-1", "--out", str(tmp_path / "o")])
+                 "--data", str(data), "--no-eval", "--out", str(tmp_path / "o")])
     err = capsys.readouterr().err
     assert code != 0 and needle in err and len(err.strip().splitlines()) == 1
     assert not (tmp_path / "o").exists()

@@ -7,15 +7,15 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from lowbit.errors import CheckpointError, ConfigError
-from lowbit.export.native import load, save
+from lowbit.models.native import load, save
 from lowbit.formats.plan import Plan
 from lowbit.nn import QuantLinear, quant_layers, replace_linears
+from lowbit.models.activations import second_moments
 from lowbit.peft import (
     KINDS,
     PeftConfig,
     adapters_of,
     apply_adapters,
-    collect_xtx,
     count_trainable,
     load_adapters,
     lora_budget,
@@ -62,7 +62,7 @@ def logits(model, ids):
 @pytest.fixture(scope="module")
 def base():
     fp, q, w = quantized()
-    xtx = collect_xtx(q, list(w), batches())
+    xtx = second_moments(q, batches(), list(w))
     return fp, q, w, xtx
 
 

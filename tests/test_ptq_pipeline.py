@@ -9,7 +9,7 @@ from ptq_helpers import calib, tiny_model, uniform
 
 from lowbit.errors import ConfigError
 from lowbit.nn import QuantLinear, quant_layers
-from lowbit.ptq.importance import collect_importance
+from lowbit.models.activations import importance as collect_importance
 from lowbit.ptq.pipeline import capture_inputs, decoder_blocks
 from lowbit.ptq.rtn import rtn_quantize
 from lowbit.ptq.signround import SignRoundTuner, make_config, signround_quantize
@@ -28,7 +28,7 @@ def test_iters0_equals_rtn_of_every_layer(scheme):
     m = tiny_model()
     ref, got = copy.deepcopy(m), copy.deepcopy(m)
     rtn_quantize(ref, uniform(m, scheme), progress=False)
-    signround_quantize(got, None, uniform(m, scheme), make_config(iters=0), calib(), progress=False)
+    signround_quantize(got, uniform(m, scheme), make_config(iters=0), calib(), progress=False)
     assert same_weights(ref, got)
     ids = calib(2, 16, seed=5)
     assert torch.equal(ref(ids).logits, got(ids).logits)
@@ -41,7 +41,7 @@ def test_v2_iters0_equals_searched_rtn():
     imp = collect_importance(m, c, list(plan))
     ref, got = copy.deepcopy(m), copy.deepcopy(m)
     rtn_quantize(ref, plan, search=True, imp=imp, progress=False)
-    signround_quantize(got, None, plan, make_config(iters=0, v2=True), c, progress=False)
+    signround_quantize(got, plan, make_config(iters=0, v2=True), c, progress=False)
     qa, qb = quant_layers(ref), quant_layers(got)
     # importance comes from the block-wise FP pass here, from a whole-model pass there:
     # equal up to float summation order, so allow a sliver of groups to pick another candidate
@@ -108,7 +108,7 @@ def test_disk_offload_keeps_one_fp_block_in_memory(tmp_path):
     m = tiny_model(layers=4)
     plan = uniform(m, "w4g32")
     ref = copy.deepcopy(m)
-    signround_quantize(ref, None, plan, make_config(iters=2, batch_size=4), calib(), progress=False)
+    signround_quantize(ref, plan, make_config(iters=2, batch_size=4), calib(), progress=False)
     seen = []
     tuner = SignRoundTuner(make_config(iters=2, batch_size=4))
 

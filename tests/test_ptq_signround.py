@@ -9,11 +9,11 @@ from ptq_helpers import calib, tiny_model, uniform
 
 from lowbit.errors import ConfigError, SchemeError
 from lowbit.formats import Scheme, qdq
-from lowbit.ptq import quantize_model
+from lowbit.ptq import MixedSettings, quantize_model
 from lowbit.ptq.pipeline import capture_inputs, decoder_blocks
 from lowbit.ptq.rtn import rtn_quantize
+from lowbit.ptq.int_rounder import IntRounder
 from lowbit.ptq.signround import (
-    IntRounder,
     epoch_batches,
     filtered_mse,
     make_config,
@@ -36,7 +36,7 @@ def test_tuning_reduces_block_output_mse_vs_rtn(scheme, v2, dtype):
     rtn, sr = copy.deepcopy(m), copy.deepcopy(m)
     rtn_quantize(rtn, uniform(m, scheme), progress=False)
     cfg = make_config(iters=60, batch_size=8, v2=v2, tune_dtype=dtype)
-    signround_quantize(sr, None, uniform(m, scheme), cfg, c, progress=False)
+    signround_quantize(sr, uniform(m, scheme), cfg, c, progress=False)
     assert block0_mse(sr, m, c) < 0.8 * block0_mse(rtn, m, c)
 
 
@@ -62,7 +62,7 @@ def test_bf16_tuning_runs_the_block_products_in_bf16(monkeypatch):
     cases = (("bf16", "w4g32", True), ("fp32", "w4g32", False), ("auto", "w4g32", True), ("auto", "w2g32", False))
     for dtype, scheme, tuned_in_bf16 in cases:
         seen.clear()
-        signround_quantize(copy.deepcopy(m), None, uniform(m, scheme), make_config(iters=2, tune_dtype=dtype),
+        signround_quantize(copy.deepcopy(m), uniform(m, scheme), make_config(iters=2, tune_dtype=dtype),
                            calib(8, 16), progress=False)
         # targets and propagation stay fp32 either way; only the tuning products change
         assert torch.float32 in seen and (torch.bfloat16 in seen) == tuned_in_bf16
@@ -177,17 +177,21 @@ def test_presets_and_bad_options():
 
 def test_registered_methods_dispatch():
     m = tiny_model(layers=1)
-    plan = quantize_model(copy.deepcopy(m), uniform(m, "w4g32"), "signround", calib=calib(), iters=2,
-                          batch_size=4, progress=False)
+    fast = {"iters": 2, "batch_size": 4}
+    plan = quantize_model(copy.deepcopy(m), uniform(m, "w4g32"), "signround", fast, calib=calib(), progress=False)
     assert plan.is_uniform
-    mixed = quantize_model(copy.deepcopy(m), uniform(m, "w4g32"), "signround2", calib=calib(), iters=2,
-                           batch_size=4, avg_bits=3.5, options="w2g32,w4g32", progress=False)
-    assert set(mixed.schemes()) <= {Scheme.parse("w2g32"), Scheme.parse("w4g32")} and len(mixed) == len(plan)
-    with pytest.raises(ConfigError, match="both --avg-bits and --options"):
-        quantize_model(copy.deepcopy(m), uniform(m, "w4g32"), "signround2", calib=calib(), avg_bits=3.0)
+    for method in ("rtn", "signround", "signround2"):  # a mixed plan first, then any method applies it
+        mixed = quantize_model(copy.deepcopy(m), uniform(m, "w4g32"), method, None if method == "rtn" else fast,
+                               calib=calib(), mixed=MixedSettings(3.5, ("w2g32", "w4g32")), progress=False)
+        assert {s.replace(rule="absmax") for s in mixed.schemes()} <= {Scheme.parse("w2g32"), Scheme.parse("w4g32")}
+        assert len(mixed) == len(plan)
+    with pytest.raises(ConfigError, match="--iters does not apply to --method rtn; it applies to --method "
+                                          "signround | signround2"):
+        quantize_model(copy.deepcopy(m), uniform(m, "w4g32"), "rtn", {"iters": 3}, calib=calib())
+    with pytest.raises(ConfigError, match="needs calibration"):
+        quantize_model(copy.deepcopy(m), uniform(m, "w4g32"), "rtn")
     with pytest.raises(SchemeError, match="unknown scheme"):
-        quantize_model(copy.deepcopy(m), uniform(m, "w4g32"), "signround2", calib=calib(), avg_bits=3.0,
-                       options="w2g32,int3")
+        MixedSettings(3.0, ("w2g32", "int3"))
 
 
 FP_SCHEMES = ["nvfp4", "nvfp4-46", "mxfp4", "mxfp8", "nvfp4-ue5m3"]
@@ -218,7 +222,7 @@ def test_fp_tuning_beats_rtn(scheme):
     c = calib(16, 32)
     rtn, sr = copy.deepcopy(m), copy.deepcopy(m)
     rtn_quantize(rtn, uniform(m, scheme), progress=False)
-    signround_quantize(sr, None, uniform(m, scheme), make_config(iters=40, v2=True), c, progress=False)
+    signround_quantize(sr, uniform(m, scheme), make_config(iters=40, v2=True), c, progress=False)
     assert block0_mse(sr, m, c) < 0.9 * block0_mse(rtn, m, c)
 
 

@@ -43,7 +43,7 @@ def last_json(capsys) -> dict:
 
 
 def test_qat_saves_a_checkpoint_that_evaluates_like_ptq(model_dir, tmp_path, capsys):
-    from lowbit.export.native import load
+    from lowbit.models.native import load
     from lowbit.nn import QuantLinear
 
     out = tmp_path / "winq"
@@ -82,7 +82,9 @@ def test_bad_qat_input_is_one_line(model_dir, tmp_path, capsys, extra, needle):
 
 def test_resume_with_other_settings_is_refused(model_dir, tmp_path, capsys):
     out, work = tmp_path / "o", tmp_path / "work"
-    args = ["qat", str(model_dir), "--scheme", "ternary", *FAST, "--no-eval", "--checkpoint-every", "2",
+    train = [a for i, a in enumerate(FAST) if a not in ("--eval-seqlen", "--windows")
+             and FAST[i - 1] not in ("--eval-seqlen", "--windows")]
+    args = ["qat", str(model_dir), "--scheme", "ternary", *train, "--no-eval", "--checkpoint-every", "2",
             "--workdir", str(work), "--out", str(out)]
     assert main(args) == 0
     first = last_json(capsys)

@@ -56,9 +56,11 @@ def test_model_study_restores_weights_and_measures_ppl(tiny, tmp_path):
 
 def test_parse_cli_lists():
     assert parse_schemes("nvfp4,nvfp4:guard=1,block=8;mxfp4") == ["nvfp4", "nvfp4:guard=1,block=8", "mxfp4"]
-    assert parse_blocks("32,8,16,8") == [8, 16, 32]
+    from lowbit.api import FormatsJob
+
+    assert FormatsJob(("nvfp4",), parse_blocks("32,8,16,8")).blocks == (8, 16, 32)
     with pytest.raises(ConfigError):
-        parse_blocks("2,8")
+        FormatsJob(("nvfp4",), parse_blocks("2,8"))
     with pytest.raises(ConfigError):
         parse_blocks("eight")
 

@@ -23,8 +23,8 @@ _EXPORTS = {
     "quantize_model": "lowbit.ptq",
     "perplexity": "lowbit.eval",
     "evaluate": "lowbit.eval",
-    "save": "lowbit.export.native",
-    "load": "lowbit.export.native",
+    "save": "lowbit.models.native",
+    "load": "lowbit.models.native",
     "LowbitError": "lowbit.errors",
 }
 

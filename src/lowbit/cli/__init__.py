@@ -13,6 +13,7 @@ import importlib
 import json
 import sys
 from collections.abc import Sequence
+from typing import NoReturn
 
 from lowbit.errors import LowbitError
 
@@ -27,22 +28,22 @@ COMMAND_MODULES = [
 ]
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse with lowbit's error contract: one line on stderr naming the fix, exit code 2."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="lowbit", description="Make LLMs small: quantize, train, fine-tune, "
-                                "evaluate, export.")
+    p = _Parser(prog="lowbit", description="Make LLMs small: quantize, train, fine-tune, evaluate, export.")
     from lowbit import __version__
 
     p.add_argument("--version", action="version", version=f"lowbit {__version__}")
-    sub = p.add_subparsers(dest="command", metavar="COMMAND")
+    sub = p.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     sub.required = True
     for mod in COMMAND_MODULES:
-        try:
-            module = importlib.import_module(mod)
-        except ModuleNotFoundError as e:
-            if e.name == mod:  # command not built in this version
-                continue
-            raise
-        module.register(sub)
+        importlib.import_module(mod).register(sub)
     return p
 
 

@@ -3,22 +3,26 @@
 from __future__ import annotations
 
 import argparse
-import time
 
 from lowbit.cli import common
+from lowbit.cli.common import UNSET
 
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("eval", help="perplexity and zero-shot tasks",
                        description="Perplexity = exp(mean token NLL) over non-overlapping windows of the "
-                                   "evaluation split.")
+                                   "evaluation split; optionally lm-eval tasks.")
     common.add_model(p)
     common.add_data(p)
     p.add_argument("--seqlen", type=common.positive("--seqlen"), default=512, help="tokens per window (512)")
-    p.add_argument("--windows", type=int, default=40, help="windows from the start (40); 0 = the whole text")
-    p.add_argument("--tasks", default=None, help="comma-separated lm-eval tasks (needs lm-eval, local data)")
-    p.add_argument("--limit", type=int, default=None, help="zero-shot: examples per task")
-    p.add_argument("--device", default=None, help="run the evaluation on this device (cpu, cuda, cuda:N)")
+    p.add_argument("--windows", type=common.nonnegative("--windows"), default=40,
+                   help="windows from the start (40); 0 = the whole text")
+    p.add_argument("--tasks", default=None,
+                   help="comma-separated lm-eval tasks: registered names, task YAML files or task folders "
+                        "(needs lm-eval; task data must be local)")
+    p.add_argument("--limit", type=common.positive("--limit"), default=UNSET,
+                   help="with --tasks: examples per task")
+    common.add_device(p, "the evaluation")
     common.add_json(p)
     p.set_defaults(func=run)
 
@@ -26,9 +30,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> dict:
     from lowbit import api
 
-    t0 = time.perf_counter()
-    r = api.evaluate_pipeline(args.model, data=args.data, seqlen=args.seqlen, windows=args.windows,
-                              tasks=args.tasks.split(",") if args.tasks else None, limit=args.limit,
-                              device=args.device)
-    r["seconds"] = round(time.perf_counter() - t0, 2)
-    return r
+    tasks = tuple(t.strip() for t in args.tasks.split(",") if t.strip()) if args.tasks else ()
+    job = api.EvalJob(model=args.model, evaluation=api.Evaluation(args.data, args.seqlen, args.windows),
+                      tasks=tasks, limit=vars(args).get("limit"), device=args.device, progress=not args.json)
+    return api.evaluate(job)

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import argparse
-import time
 
 from lowbit.cli import common
+from lowbit.cli.common import UNSET
+
+ADAPTER_FLAGS = ("k_min", "scale", "refine")
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -25,43 +27,42 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--warmup", type=int, default=None, help="warm-up steps (default 6%% of --steps)")
     p.add_argument("--nsamples", type=common.positive("--nsamples"), default=64, help="training rows (64)")
     p.add_argument("--seqlen", type=common.positive("--seqlen"), default=256, help="tokens per row (256)")
-    p.add_argument("--k-min", type=int, default=1, help="QWHA: coefficients every output row gets at least (1)")
-    p.add_argument("--scale", type=float, default=None,
-                   help="QWHA: learning-rate multiplier of the values (default: PeftConfig's, 10)")
-    p.add_argument("--no-refine", action="store_true", help="QWHA: skip the least-squares refinement")
+    g = p.add_argument_group("QWHA settings (--adapter qwha only)")
+    g.add_argument("--k-min", type=common.nonnegative("--k-min"), default=UNSET,
+                   help="coefficients every output row gets at least (1)")
+    g.add_argument("--scale", type=float, default=UNSET,
+                   help="learning-rate multiplier of the values (default: PeftConfig's, 10)")
+    g.add_argument("--no-refine", dest="refine", action="store_false", default=UNSET,
+                   help="skip the least-squares refinement")
     p.add_argument("--base-model", default=None,
-                   help="full-precision model the checkpoint came from (default: the source recorded in it)")
+                   help="qwha, loftq: the float model the checkpoint came from (default: the one it recorded, "
+                        "verified by its weight digest)")
     p.add_argument("--merge", action="store_true",
                    help="merge the adapters and re-quantize: --out becomes a plain lowbit checkpoint")
     p.add_argument("--seed", type=int, default=0)
+    common.add_device(p, "initialisation, training and evaluation")
     common.add_data(p)
     p.add_argument("--eval-data", default=None, help="text for perplexity (default: the bundled corpus' eval split)")
-    p.add_argument("--eval-seqlen", type=int, default=512, metavar="N", help="tokens per eval window (512)")
-    p.add_argument("--windows", type=int, default=40, metavar="N",
-                   help="eval windows (40); 0 = the whole text; -1 = no evaluation")
+    common.add_eval(p)
     common.add_out(p)
     common.add_json(p)
     p.set_defaults(func=run)
 
 
-DEFAULT_LR = {"qwha": 2e-4, "lora": 2e-4, "loftq": 2e-4, "fourierft": 1e-3}
+def build_job(args: argparse.Namespace):
+    from lowbit.api.finetune import DEFAULT_LR, FinetuneJob, TrainConfig, TrainingData, peft_config
+
+    cfg = peft_config(args.adapter, rank=args.rank, seed=args.seed, **common.given(args, *ADAPTER_FLAGS))
+    warmup = args.warmup if args.warmup is not None else int(0.06 * args.steps)
+    train = TrainConfig(steps=args.steps, batch_size=args.batch_size, grad_accum=args.grad_accum,
+                        lr=args.lr or DEFAULT_LR[cfg.adapter], warmup=warmup, seed=args.seed, progress=not args.json)
+    data = TrainingData(args.data, nsamples=args.nsamples, seqlen=args.seqlen, seed=args.seed)
+    return FinetuneJob(args.quantized_dir, args.out, cfg, train, data=data, base_model=args.base_model,
+                       evaluation=common.evaluation(args, args.eval_data), merge=args.merge, device=args.device,
+                       force=args.force, progress=not args.json)
 
 
 def run(args: argparse.Namespace) -> dict:
-    from lowbit.peft.apply import PeftConfig
-    from lowbit.peft.pipeline import DataConfig, finetune_pipeline
-    from lowbit.train import TrainConfig
+    from lowbit import api
 
-    scale = {} if args.scale is None else {"scale": args.scale}
-    cfg = PeftConfig(args.adapter, rank=args.rank, k_min=args.k_min, refine=not args.no_refine, seed=args.seed,
-                     **scale)
-    warmup = args.warmup if args.warmup is not None else int(0.06 * args.steps)
-    train_cfg = TrainConfig(steps=args.steps, batch_size=args.batch_size, grad_accum=args.grad_accum,
-                            lr=args.lr or DEFAULT_LR[cfg.adapter], warmup=warmup, seed=args.seed)
-    data = DataConfig(args.data, nsamples=args.nsamples, seqlen=args.seqlen, seed=args.seed)
-    t0 = time.perf_counter()
-    r = finetune_pipeline(args.quantized_dir, cfg, train_cfg, args.out, data=data, base_model=args.base_model,
-                          eval_data=args.eval_data, eval_seqlen=args.eval_seqlen, windows=args.windows,
-                          merge=args.merge, force=args.force)
-    r["seconds"] = round(time.perf_counter() - t0, 2)
-    return r
+    return api.finetune(build_job(args))

@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 
 from lowbit.cli import common
+from lowbit.cli.common import UNSET
 from lowbit.errors import ConfigError
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    from lowbit.studies import DEFAULT_BLOCKS, DEFAULT_SCHEMES
+    from lowbit.api.formats import DEFAULT_BLOCKS, DEFAULT_SCHEMES
 
     p = sub.add_parser("formats", help="block-size study of FP4 formats and scale rules",
                        description="For each scheme and block size: the relative weight error over all "
@@ -26,8 +26,12 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="comma-separated block sizes (8,16,32,64)")
     p.add_argument("--ppl", action="store_true", help="also measure perplexity per point (slower)")
     p.add_argument("--plot", metavar="FILE", default=None, help="write a PNG plot (error, or ppl with --ppl)")
+    common.add_device(p, "the perplexity passes (--ppl)")
     common.add_data(p)
-    common.add_eval(p)
+    p.add_argument("--eval-seqlen", type=common.positive("--eval-seqlen"), default=UNSET, metavar="N",
+                   help="with --ppl: tokens per eval window (512)")
+    p.add_argument("--windows", type=common.nonnegative("--windows"), default=UNSET, metavar="N",
+                   help="with --ppl: eval windows (40); 0 = the whole text")
     common.add_json(p)
     p.set_defaults(func=run)
 
@@ -47,41 +51,25 @@ def parse_schemes(text: str) -> list[str]:
 
 def parse_blocks(text: str) -> list[int]:
     try:
-        blocks = [int(t) for t in text.split(",") if t.strip()]
+        return [int(t) for t in text.split(",") if t.strip()]
     except ValueError:
         raise ConfigError(f"--block-sizes must be comma-separated integers, got {text!r}") from None
-    if not blocks or any(not 4 <= b <= 256 for b in blocks):
-        raise ConfigError(f"--block-sizes must be in 4..256 for FP block formats, got {text!r}")
-    return sorted(set(blocks))
 
 
 def run(args: argparse.Namespace) -> dict:
-    from lowbit.formats import Scheme
-    from lowbit.models import load_model
-    from lowbit.studies import model_block_study, plot_study, verdicts
+    from lowbit import api
 
-    t0 = time.perf_counter()
-    schemes = parse_schemes(args.schemes)
-    for s in schemes:
-        Scheme.parse(s)  # reject bad names before loading anything
-    blocks = parse_blocks(args.block_sizes)
-    loaded = load_model(args.model)
-    tokens = None
-    if args.ppl:
-        from lowbit.data import eval_tokens
-
-        tokens = eval_tokens(loaded.tokenizer, args.data)
-    rows, fp_ppl = model_block_study(loaded.model, schemes, blocks, tokens, args.eval_seqlen,
-                                     args.windows or None, progress=not args.json)
-    print_table(rows, fp_ppl)
-    result = {"model": str(loaded.source), "block_sizes": blocks, "schemes": schemes,
-              "rows": [r.to_dict() for r in rows], "fp_ppl": fp_ppl,
-              "verdict_error": verdicts(rows, "rel_error")}
-    if args.ppl:
-        result["verdict_ppl"] = verdicts(rows, "ppl")
-    if args.plot:
-        result["plot"] = str(plot_study(rows, args.plot, "ppl" if args.ppl else "rel_error", fp_ppl=fp_ppl))
-    result["seconds"] = round(time.perf_counter() - t0, 2)
+    ev = common.given(args, "eval_seqlen", "windows")
+    if ev and not args.ppl:
+        raise ConfigError(f"{', '.join(common.flag(k) for k in ev)} set the perplexity passes; add --ppl")
+    if args.data is not None and not args.ppl:
+        raise ConfigError("--data is the text of the perplexity passes; add --ppl (the weight error needs no text)")
+    evaluation = api.Evaluation(args.data, ev.get("eval_seqlen", 512), ev.get("windows", 40))
+    job = api.FormatsJob(schemes=parse_schemes(args.schemes), blocks=parse_blocks(args.block_sizes),
+                         model=args.model, ppl=args.ppl, plot=args.plot, evaluation=evaluation, device=args.device,
+                         progress=not args.json)
+    result, rows = api.formats_study(job)
+    print_table(rows, result["fp_ppl"])
     return result
 
 

@@ -10,17 +10,18 @@ from lowbit.cli import common
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("inspect", help="show what a checkpoint / export holds",
-                       description="Reads a native lowbit checkpoint, a compressed-tensors folder or a GGUF file: "
-                                   "format, per-layer scheme, bits per weight (from stored bytes), size vs fp16.")
+                       description="Reads a native lowbit checkpoint (checksums verified), a compressed-tensors "
+                                   "folder or a GGUF file: format, per-layer scheme, bits per weight (from stored "
+                                   "bytes), size vs fp16.")
     p.add_argument("path", metavar="PATH", help="checkpoint folder, compressed-tensors folder or .gguf file")
     common.add_json(p)
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> dict:
-    from lowbit.export.inspect import inspect
+    from lowbit import api
 
-    info = inspect(args.path)
+    info = api.inspect(args.path)
     if not args.json:
         _table(info["layers"])
         info = {k: v for k, v in info.items() if k != "layers"}

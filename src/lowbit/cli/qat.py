@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
 
 from lowbit.cli import common
+from lowbit.cli.common import UNSET
+
+WINQ_FLAGS = ("no_reinit", "reinit_a", "reinit_every", "no_noise", "sigma_w", "sigma_a", "relative_noise")
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -28,24 +30,27 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--warmup", type=int, default=None, help="warm-up steps (default 10%% of --steps)")
     p.add_argument("--grad-clip", type=float, default=1.0)
     p.add_argument("--dtype", default="fp32", help="fp32 | bf16 autocast")
+    p.add_argument("--parallel", default="ddp", help="under torchrun: ddp (replicas) | fsdp (sharded, GPUs)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--kd", action="store_true", help="distil from the FP model (KL on logits) instead of CE")
-    p.add_argument("--kd-temperature", type=float, default=1.0)
-    g = p.add_argument_group("WinQ switches (ignored with --method ste)")
-    g.add_argument("--no-reinit", action="store_true", help="turn periodic re-initialisation off")
-    g.add_argument("--reinit-a", type=float, default=0.2, help="W <- a*W + (1-a)*Q(W); default 0.2")
-    g.add_argument("--reinit-every", type=int, default=None, help="re-init period K (default steps/4)")
-    g.add_argument("--no-noise", action="store_true", help="turn noise injection off")
-    g.add_argument("--sigma-w", type=float, default=1e-3, help="weight noise std (1e-3)")
-    g.add_argument("--sigma-a", type=float, default=1e-3, help="scale noise std (1e-3)")
-    g.add_argument("--relative-noise", action="store_true", help="sigmas are multiples of each row's scale")
+    p.add_argument("--kd-temperature", type=float, default=UNSET, help="with --kd: softmax temperature (1)")
+    g = p.add_argument_group("WinQ switches (--method winq only)")
+    g.add_argument("--no-reinit", action="store_true", default=UNSET, help="turn periodic re-initialisation off")
+    g.add_argument("--reinit-a", type=float, default=UNSET, help="W <- a*W + (1-a)*Q(W); default 0.2")
+    g.add_argument("--reinit-every", type=int, default=UNSET, help="re-init period K (default steps/4)")
+    g.add_argument("--no-noise", action="store_true", default=UNSET, help="turn noise injection off")
+    g.add_argument("--sigma-w", type=float, default=UNSET, help="weight noise std (1e-3)")
+    g.add_argument("--sigma-a", type=float, default=UNSET, help="scale noise std (1e-3)")
+    g.add_argument("--relative-noise", action="store_true", default=UNSET,
+                   help="sigmas are multiples of each row's scale")
     p.add_argument("--baseline", default=None,
                    help="a ste run's folder/metrics.jsonl (or a loss value): report steps to reach its final loss")
     p.add_argument("--smooth", type=common.positive("--smooth"), default=10, help="loss smoothing window (10)")
-    p.add_argument("--checkpoint-every", type=int, default=0, help="checkpoint period in steps (0 = none)")
+    p.add_argument("--checkpoint-every", type=common.nonnegative("--checkpoint-every"), default=0,
+                   help="checkpoint period in steps (0 = none)")
     p.add_argument("--workdir", default=None, help="metrics/checkpoints folder (default OUT.train)")
     p.add_argument("--no-resume", action="store_true", help="ignore a checkpoint in the work folder")
-    p.add_argument("--no-eval", action="store_true", help="skip the perplexity evaluations")
+    common.add_device(p, "training and evaluation")
     common.add_data(p)
     common.add_eval(p)
     common.add_out(p)
@@ -53,23 +58,35 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
-def run(args: argparse.Namespace) -> dict:
-    from lowbit.qat.pipeline import QatJob, qat_pipeline
-    from lowbit.qat.quantizers import resolve
-    from lowbit.qat.winq import WinQConfig
-    from lowbit.train import TrainConfig
+def build_job(args: argparse.Namespace):
+    from lowbit.api.qat import QatJob, TrainConfig, WinQConfig, default_lr, work_folder
+    from lowbit.errors import ConfigError
 
-    q = resolve(args.scheme, args.quantizer)
-    lr = args.lr if args.lr is not None else (2e-5 if q.bits <= 2 else 1e-5)
+    winq = common.given(args, *WINQ_FLAGS)
+    if winq and args.method != "winq":
+        raise ConfigError(f"{', '.join(common.flag(k) for k in winq)} switch WinQ parts; --method {args.method} "
+                          "has none (use --method winq)")
+    kd_t = common.given(args, "kd_temperature")
+    if kd_t and not args.kd:
+        raise ConfigError("--kd-temperature applies to distillation; add --kd")
+    lr = args.lr if args.lr is not None else default_lr(args.scheme, args.quantizer)
     warmup = args.warmup if args.warmup is not None else args.steps // 10
-    cfg = TrainConfig(steps=args.steps, batch_size=args.batch_size, grad_accum=args.grad_accum, lr=lr,
-                      min_lr=args.min_lr, warmup=warmup, grad_clip=args.grad_clip, dtype=args.dtype,
-                      seed=args.seed, checkpoint_every=args.checkpoint_every,
-                      out_dir=args.workdir or str(Path(args.out).with_name(Path(args.out).name + ".train")))
-    winq = WinQConfig(reinit=not args.no_reinit, a=args.reinit_a, every=args.reinit_every, noise=not args.no_noise,
-                      sigma_w=args.sigma_w, sigma_a=args.sigma_a, relative=args.relative_noise, seed=args.seed)
-    job = QatJob(scheme=args.scheme, method=args.method, train=cfg, winq=winq, quantizer=args.quantizer,
-                 seqlen=args.seqlen, kd=args.kd, kd_temperature=args.kd_temperature, smooth_window=args.smooth)
-    return qat_pipeline(job, Path(args.out), model=args.model, data=args.data, evaluate=not args.no_eval,
-                        eval_seqlen=args.eval_seqlen, windows=args.windows, baseline=args.baseline,
-                        resume=not args.no_resume, force=args.force)
+    train = TrainConfig(steps=args.steps, batch_size=args.batch_size, grad_accum=args.grad_accum, lr=lr,
+                        min_lr=args.min_lr, warmup=warmup, grad_clip=args.grad_clip, dtype=args.dtype,
+                        seed=args.seed, checkpoint_every=args.checkpoint_every, parallel=args.parallel,
+                        progress=not args.json, out_dir=str(work_folder(args.out, args.workdir)))
+    cfg = WinQConfig(reinit=not winq.get("no_reinit", False), a=winq.get("reinit_a", 0.2),
+                     every=winq.get("reinit_every"), noise=not winq.get("no_noise", False),
+                     sigma_w=winq.get("sigma_w", 1e-3), sigma_a=winq.get("sigma_a", 1e-3),
+                     relative=winq.get("relative_noise", False), seed=args.seed)
+    return QatJob(out=args.out, scheme=args.scheme, train=train, method=args.method, winq=cfg,
+                  quantizer=args.quantizer, model=args.model, data=args.data, seqlen=args.seqlen, kd=args.kd,
+                  kd_temperature=kd_t.get("kd_temperature", 1.0), smooth_window=args.smooth,
+                  evaluation=common.evaluation(args, args.data), baseline=args.baseline, workdir=args.workdir,
+                  resume=not args.no_resume, device=args.device, force=args.force)
+
+
+def run(args: argparse.Namespace) -> dict:
+    from lowbit import api
+
+    return api.qat(build_job(args))

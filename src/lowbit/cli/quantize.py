@@ -3,78 +3,106 @@
 from __future__ import annotations
 
 import argparse
-import time
-from pathlib import Path
 
 from lowbit.cli import common
+from lowbit.cli.common import UNSET
+
+# flags that set fields of the chosen method's settings dataclass (field = flag name)
+METHOD_FLAGS = ("search", "iters", "batch_size", "preset", "fp_inputs", "tune_dtype")
+MIXED_FLAGS = ("avg_bits", "options", "delta_mode", "tie_qkv", "count_scales")
+CALIB_FLAGS = ("nsamples", "seqlen")
 
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("quantize", help="post-training quantization of a model",
-                       description="Quantize MODEL with a scheme (or a mixed plan), report FP vs quantized "
-                                   "perplexity, and save a lowbit checkpoint to --out.")
+                       description="Quantize MODEL with a scheme (or a plan, or a mixed-precision budget), report "
+                                   "FP vs quantized perplexity, and save a lowbit checkpoint to --out.")
     common.add_model(p)
-    p.add_argument("--scheme", default="w4g128", help="scheme name, e.g. w4g128, w2g64, nvfp4-46, mxfp4 "
+    p.add_argument("--scheme", default=UNSET, help="scheme name, e.g. w4g128, w2g64, nvfp4-46, mxfp4 "
                    "(see `Scheme.parse`); default w4g128")
-    p.add_argument("--method", default="rtn", help="rtn | signround | signround2 (default rtn)")
-    p.add_argument("--search", action=argparse.BooleanOptionalAction, default=True,
-                   help="RTN: choose scales by the importance-weighted search on calibration activations "
-                        "(default on; --no-search = plain round-to-nearest, no data needed)")
     p.add_argument("--plan", metavar="FILE", default=None, help="a plan JSON (layer -> scheme) instead of --scheme")
+    p.add_argument("--method", default="rtn", help="rtn | signround | signround2 (default rtn)")
     p.add_argument("--lm-head", action="store_true", help="also quantize the lm_head (kept 16-bit by default)")
-    p.add_argument("--iters", type=int, default=None, help="tuning iterations (signround methods)")
-    p.add_argument("--nsamples", type=common.positive("--nsamples"), default=32, help="calibration samples (32)")
-    p.add_argument("--seqlen", type=common.positive("--seqlen"), default=256, help="calibration tokens per sample (256)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--no-eval", action="store_true", help="skip the perplexity evaluations")
+    g = p.add_argument_group("method settings (each applies to the methods named)")
+    g.add_argument("--search", action=argparse.BooleanOptionalAction, default=UNSET,
+                   help="rtn: choose scales by the importance-weighted search on calibration activations "
+                        "(default on; --no-search = plain round-to-nearest, no data needed)")
+    g.add_argument("--iters", type=common.nonnegative("--iters"), default=UNSET,
+                   help="signround, signround2: tuning iterations per block (200)")
+    g.add_argument("--batch-size", type=common.positive("--batch-size"), default=UNSET,
+                   help="signround, signround2: tuning mini-batch (8)")
+    g.add_argument("--preset", default=UNSET, help="signround, signround2: light | default | best")
+    g.add_argument("--fp-inputs", action="store_true", default=UNSET,
+                   help="signround, signround2: tune each block on FP inputs instead of quantized ones")
+    g.add_argument("--tune-dtype", choices=("auto", "bf16", "fp32"), default=UNSET,
+                   help="signround, signround2: precision of the tuned layers' products (and of the DeltaLoss "
+                        "passes): auto (default) = bf16 where the CPU/GPU has bf16 dot products except for "
+                        "2-bit blocks, else fp32")
+    g.add_argument("--workdir", default=None, help="signround, signround2: folder for per-block results (resume)")
+    g.add_argument("--offload-dir", default=None,
+                   help="signround, signround2: keep blocks on disk, one block's weights in memory")
+    m = p.add_argument_group("mixed precision (any method)")
+    m.add_argument("--avg-bits", type=float, default=UNSET, help="average bits per weight budget")
+    m.add_argument("--options", default=UNSET, help="comma-separated candidate schemes, e.g. w2g64,w4g128")
+    m.add_argument("--delta-mode", choices=("abs", "signed"), default=UNSET, help="DeltaLoss score (abs)")
+    m.add_argument("--tie-qkv", action="store_true", default=UNSET, help="q/k/v of a block share one scheme")
+    m.add_argument("--ignore-scale-bits", dest="count_scales", action="store_false", default=UNSET,
+                   help="the budget counts element bits only")
+    c = p.add_argument_group("calibration (when the method or the mixed plan uses data)")
+    c.add_argument("--nsamples", type=common.positive("--nsamples"), default=UNSET, help="calibration samples (32)")
+    c.add_argument("--seqlen", type=common.positive("--seqlen"), default=UNSET,
+                   help="calibration tokens per sample (256)")
+    c.add_argument("--seed", type=int, default=UNSET,
+                   help="where calibration samples start, and the tuning seed of signround methods (0)")
+    common.add_device(p, "block tuning (one block at a time) and the whole-model passes (evaluation, RTN, "
+                         "DeltaLoss)")
     common.add_data(p)
     common.add_eval(p)
     common.add_out(p)
     common.add_json(p)
-    add_tuning_flags(p)
     p.set_defaults(func=run)
 
 
-def add_tuning_flags(p: argparse.ArgumentParser) -> None:
-    """Flags of the tuning methods (signround, signround2, mixed precision)."""
-    p.add_argument("--avg-bits", type=float, default=None, help="mixed precision: average bits budget")
-    p.add_argument("--options", default=None, help="mixed precision: comma-separated candidate schemes")
-    p.add_argument("--batch-size", type=int, default=8, help="tuning mini-batch (8)")
-    p.add_argument("--preset", default=None, help="signround preset: light | default | best")
-    p.add_argument("--workdir", default=None, help="folder for per-block results (resume)")
-    p.add_argument("--offload-dir", default=None, help="keep blocks on disk, one block's weights in memory")
-    p.add_argument("--fp-inputs", action="store_true", help="tune each block on FP inputs instead of quantized")
-    p.add_argument("--delta-mode", choices=("abs", "signed"), default=None, help="DeltaLoss score (abs)")
-    p.add_argument("--tie-qkv", dest="tie_qkv_layers", action="store_true", default=None,
-                   help="mixed precision: q/k/v of a block share one scheme")
-    p.add_argument("--ignore-scale-bits", dest="count_scales", action="store_false", default=None,
-                   help="mixed precision: budget counts element bits only")
-    p.add_argument("--device", default=None, help="compute device (cpu, cuda, cuda:N): block tuning moves one "
-                   "block at a time there; evaluation, RTN and DeltaLoss move the whole model there")
-    p.add_argument("--tune-dtype", choices=("auto", "bf16", "fp32"), default=None,
-                   help="precision of the tuned layers' products and of the DeltaLoss passes: auto "
-                        "(default) = bf16 where the CPU/GPU has bf16 dot products (~2x faster "
-                        "tuning) except for 2-bit blocks, else fp32")
+def build_job(args: argparse.Namespace):
+    """The `QuantizeJob` the flags describe; a flag the chosen path cannot honour is an error."""
+    from lowbit.api import Calibration, QuantizeJob
+    from lowbit.api.quantize import make_settings, method_options
+    from lowbit.errors import ConfigError
+
+    opts = common.given(args, *METHOD_FLAGS)
+    calib = common.given(args, *CALIB_FLAGS, "seed")
+    if "seed" in calib and "seed" in method_options(args.method):
+        opts["seed"] = calib["seed"]
+    settings = make_settings(args.method, opts)
+    mixed = _mixed(args)
+    job = QuantizeJob(out=args.out, model=args.model, scheme=vars(args).get("scheme"), plan_file=args.plan,
+                      lm_head=args.lm_head, method=args.method, settings=settings, mixed=mixed,
+                      calib=Calibration(args.data, **calib), evaluation=common.evaluation(args, args.data),
+                      device=args.device, workdir=args.workdir, offload_dir=args.offload_dir, force=args.force,
+                      progress=not args.json)
+    if calib and not job.needs_calib:
+        raise ConfigError(f"{', '.join(common.flag(k) for k in calib)} set the calibration data, which "
+                          f"--method {args.method} {'with --no-search ' if args.method == 'rtn' else ''}does not "
+                          "use; drop them (or use --search, --avg-bits, or a tuning method)")
+    return job
+
+
+def _mixed(args: argparse.Namespace):
+    from lowbit.api.quantize import MixedSettings
+    from lowbit.errors import ConfigError
+
+    got = common.given(args, *MIXED_FLAGS)
+    if not got:
+        return None
+    if "avg_bits" not in got or "options" not in got:
+        extra = [common.flag(k) for k in got if k not in ("avg_bits", "options")]
+        raise ConfigError("mixed precision needs both --avg-bits and --options (e.g. --avg-bits 3 --options "
+                          f"w2g64,w4g128){'; ' + ', '.join(extra) + ' apply only to it' if extra else ''}")
+    tune = vars(args).get("tune_dtype")
+    return MixedSettings(**got, **({"dtype": tune} if tune is not None else {}))
 
 
 def run(args: argparse.Namespace) -> dict:
     from lowbit import api
 
-    t0 = time.perf_counter()
-    r = api.quantize_pipeline(
-        model=args.model, scheme=args.scheme, method=args.method, out=Path(args.out), data=args.data,
-        search=args.search, plan_file=args.plan, lm_head=args.lm_head, nsamples=args.nsamples,
-        seqlen=args.seqlen, seed=args.seed, evaluate=not args.no_eval, eval_seqlen=args.eval_seqlen,
-        windows=args.windows, force=args.force, tuning=_tuning(args),
-    )
-    r["seconds"] = round(time.perf_counter() - t0, 2)
-    return r
-
-
-def _tuning(args: argparse.Namespace) -> dict:
-    keys = ("iters", "avg_bits", "options", "batch_size", "preset", "workdir", "offload_dir", "delta_mode",
-            "tie_qkv_layers", "count_scales", "device", "tune_dtype")
-    d = {k: getattr(args, k) for k in keys if getattr(args, k, None) is not None}
-    if args.fp_inputs:
-        d["fp_inputs"] = True
-    return d
+    return api.quantize(build_job(args))

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from tqdm.auto import tqdm
 
 from lowbit.errors import DataError
+from lowbit.models.placement import model_device
 
 
 @dataclass(frozen=True)
@@ -50,7 +51,7 @@ def perplexity(model: torch.nn.Module, tokens: torch.Tensor, seqlen: int = 512, 
     """exp(mean token NLL) of ``model`` over the first ``windows`` windows of ``tokens``."""
     t0 = time.perf_counter()
     win = eval_windows(tokens, seqlen, windows)
-    device = next(model.parameters()).device
+    device = model_device(model)
     total, count = 0.0, 0
     was_training = model.training
     model.eval()

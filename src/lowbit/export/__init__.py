@@ -1,5 +1,4 @@
-"""Writers and readers: the native lowbit checkpoint, compressed-tensors, GGUF."""
+"""Files other engines load: compressed-tensors (vLLM, transformers), GGUF (llama.cpp), and inspect.
 
-from lowbit.export.native import is_checkpoint, load, save
-
-__all__ = ["is_checkpoint", "load", "save"]
+lowbit's own checkpoint format lives with the other model sources in `lowbit.models.native`.
+"""

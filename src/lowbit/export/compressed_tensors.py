@@ -164,7 +164,7 @@ def export(model: nn.Module, tokenizer: Any, out: str | Path, force: bool = Fals
     ignore = [n for n, m in model.named_modules() if isinstance(m, nn.Linear) and n not in qlayers]
     qconfig = build_config(targets, ignore)
     config = model.config
-    with atomic_dir(Path(out), force=force) as tmp:
+    with atomic_dir(Path(out), force=force, kind="compressed-tensors export") as tmp:
         save_file(tensors, str(tmp / WEIGHTS), metadata={"format": "pt"})
         config.quantization_config = qconfig
         try:

@@ -38,6 +38,8 @@ from lowbit.formats import QTensor, Scheme
 from lowbit.io import atomic_file
 from lowbit.nn import quant_layers
 
+# every GGUF lowbit writes carries this key, so --force can tell its own files from others
+MARKER_KEY = "lowbit.written_by"
 EXACT = ("Q4_0 (INT4 sym, group 32)", "Q4_1 (INT4 asym, group 32, when zero*scale is an fp16 number)",
          "Q8_0 (INT8 sym, group 32)", "MXFP4 (E2M1, block 32, E8M0 scales)")
 ARCHS = ("llama",)
@@ -157,6 +159,20 @@ def add_model_metadata(writer: Any, config: Any, name: str) -> None:
     writer.add_layer_norm_rms_eps(float(config.rms_norm_eps))
     writer.add_vocab_size(int(config.vocab_size))
     writer.add_file_type(1)  # mostly F16-or-better; per-tensor types are what readers use
+    writer.add_string(MARKER_KEY, "lowbit")
+
+
+def written_by_lowbit(path: str | Path) -> bool:
+    """Whether ``path`` is a readable GGUF file that lowbit wrote (its metadata says so)."""
+    gguf = _gguf()
+    try:
+        with open(path, "rb") as f:
+            if f.read(4) != b"GGUF":
+                return False
+        field = gguf.GGUFReader(str(path)).fields.get(MARKER_KEY)
+        return field is not None and field.contents() == "lowbit"
+    except (OSError, ValueError, IndexError, KeyError):
+        return False
 
 
 def copy_tokenizer_fields(writer: Any, source_gguf: Path) -> None:
@@ -286,8 +302,9 @@ def export(model: nn.Module, tokenizer: Any, out: str | Path, force: bool = Fals
     config = model.config
     if getattr(config, "model_type", None) not in ARCHS:
         raise ModelError(f"GGUF export supports {ARCHS} models, not {getattr(config, 'model_type', None)!r}")
-    if out.exists() and not force:
-        raise LowbitError(f"{out} already exists; choose another --out or pass --force to replace it")
+    if out.exists() and not (force and written_by_lowbit(out)):
+        raise LowbitError(f"{out} already exists and is not a GGUF lowbit wrote; choose another --out"
+                          if force else f"{out} already exists; choose another --out or pass --force to replace it")
     types = plan_types(model, allow_requant)
     qlayers = quant_layers(model)
     name_map = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, config.num_hidden_layers)

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from lowbit.errors import CheckpointError
-from lowbit.export import native
+from lowbit.models import native
 
 METHOD = native.FORMAT
 _KNOWN_KEYS = {"quant_method", "format_version"}

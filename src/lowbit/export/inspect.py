@@ -89,8 +89,8 @@ def _dense_params(headers: dict, quant_keys: set[str]) -> int:
 
 
 def inspect_native(folder: Path) -> tuple[list[LayerInfo], int]:
-    from lowbit.export.native import read_manifest
     from lowbit.formats import Scheme
+    from lowbit.models.native import read_manifest
 
     manifest = read_manifest(folder)
     headers = _headers(folder)

@@ -84,7 +84,7 @@ def quantize_fp(w: torch.Tensor, s: Scheme, imp: torch.Tensor | None = None,
     hp = rules.absmax_hp(amax, s, elem)
     if enc is not None:
         a, hp = a * enc, hp * enc  # amax / 6 * enc: the NVFP4 recipe's order of operations
-    weight = _block_weight(imp, cols, g, s)
+    weight = _block_weight(None if imp is None else imp.to(w.device), cols, g, s)
     n = _rows_per_chunk(a)
     sc = torch.cat([rules.choose_scales(c, s, elem, weight, window, h) for c, h in zip(a.split(n), hp.split(n),
                                                                                       strict=True)])

@@ -77,7 +77,8 @@ def search_shrinks(s: Scheme) -> torch.Tensor:
 def _group_importance(imp: torch.Tensor | None, cols: int, g: int, like: torch.Tensor) -> torch.Tensor:
     if imp is None:
         imp = torch.ones(cols, device=like.device)
-    return to_groups(imp.float().reshape(1, cols), g)[0]  # [ng, g], zero on padding
+    # the importance comes from a calibration pass that may have run elsewhere (CPU sums)
+    return to_groups(imp.to(like.device, torch.float32).reshape(1, cols), g)[0]  # [ng, g], zero on padding
 
 
 def _weighted_err(wg, scale, zero, s: Scheme, imp_g) -> torch.Tensor:

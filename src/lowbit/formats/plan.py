@@ -73,10 +73,13 @@ class Plan:
     def from_dict(cls, d: Mapping) -> Plan:
         return cls({name: Scheme.from_dict(dict(v)) for name, v in d.items()})
 
+    def to_json(self) -> str:
+        return json.dumps({"layers": self.to_dict()}, indent=1)
+
     def save(self, path: str | Path) -> None:
         from lowbit.io import atomic_write_text
 
-        atomic_write_text(Path(path), json.dumps({"layers": self.to_dict()}, indent=1))
+        atomic_write_text(Path(path), self.to_json())
 
     @classmethod
     def load(cls, path: str | Path) -> Plan:

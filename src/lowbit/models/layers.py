@@ -9,8 +9,11 @@ without code changes, and a model without such a list is an error.
 
 from __future__ import annotations
 
+import hashlib
 from collections import OrderedDict
+from collections.abc import Iterable
 
+import torch
 from torch import nn
 
 from lowbit.errors import ModelError
@@ -74,3 +77,24 @@ def _lm_head_name(model: nn.Module) -> str | None:
         if m is head and _is_linear_like(m):
             return n
     return None
+
+
+def weight_digest(model: nn.Module, names: Iterable[str]) -> str:
+    """sha256 over the named layers' weights: a float Linear's weight, a QuantLinear's stored parts.
+
+    Identifies the exact numbers a checkpoint or an adapter was made from, so work that
+    depends on them (an adapter, the quantization error a fine-tune starts from) is never
+    applied to other weights with the same shapes.
+    """
+    from lowbit.nn import QuantLinear
+
+    h = hashlib.sha256()
+    for name in sorted(names):
+        layer = model.get_submodule(name)
+        h.update(f"{name}:{layer.out_features}x{layer.in_features};".encode())
+        parts = ([layer.codes, layer.scales, layer.zeros, layer.tensor_scale] if isinstance(layer, QuantLinear)
+                 else [layer.weight])
+        for t in parts:
+            if t is not None:
+                h.update(t.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()

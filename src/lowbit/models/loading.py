@@ -91,13 +91,13 @@ def load_model(source: str | Path | None = None, dtype: torch.dtype = torch.floa
         return LoadedModel(model, tok, BUNDLED_NAME, "bundled")
     text = str(source)
     path = Path(text).expanduser()
-    if path.is_dir():
-        return _load_dir(path, dtype)
+    if path.is_dir():  # local sources are recorded absolute: a checkpoint must name its source unambiguously
+        return _load_dir(path.resolve(), dtype)
     if path.is_file():
         if path.suffix.lower() != ".gguf":
             raise ModelError(f"{path} is a file but not a .gguf model; {_LOCAL_HINT}")
         model, tok = _load_gguf(path, dtype)
-        return LoadedModel(model, tok, str(path), "gguf")
+        return LoadedModel(model, tok, str(path.resolve()), "gguf")
     if _looks_like_path(text):
         raise ModelError(f"{text} does not exist; {_LOCAL_HINT}")
     return _load_hub(text, dtype)
@@ -151,7 +151,7 @@ def _looks_like_path(text: str) -> bool:
 
 
 def _load_dir(path: Path, dtype: torch.dtype) -> LoadedModel:
-    from lowbit.export import native
+    from lowbit.models import native
 
     if native.is_checkpoint(path):
         model, tok = native.load(path)
@@ -216,7 +216,7 @@ def _store_cache(cached: Path, model: Any, tok: Any) -> bool:
     config = model.config
     qc = config.__dict__.pop("quantization_config", None)
     try:
-        with atomic_dir(cached, force=True) as tmp:
+        with atomic_dir(cached, force=True, kind="converted GGUF (cache)") as tmp:
             config.save_pretrained(tmp)
             seen, tensors = set(), {}
             for k, t in model.state_dict().items():
@@ -227,7 +227,7 @@ def _store_cache(cached: Path, model: Any, tok: Any) -> bool:
             save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
             tok.save_pretrained(tmp)
         return True
-    except OSError:
+    except OSError:  # OutputError included: another process stored the same conversion first
         return False  # a read-only or full cache only costs time next run
     finally:
         if qc is not None:

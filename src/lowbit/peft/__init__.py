@@ -3,13 +3,14 @@
 Typical use::
 
     cfg = PeftConfig(adapter="qwha", rank=8)
-    xtx = collect_xtx(qmodel, target_layers(qmodel), calib_batches)   # calibration split only
+    xtx = second_moments(qmodel, calib_batches, target_layers(qmodel))   # lowbit.models.activations
     apply_adapters(qmodel, cfg, fp_weights=fp_linear_weights, xtx=xtx)
     ... train the adapter parameters (lowbit.train) ...
     save_adapters(qmodel, "adapter/", cfg)          # adapter alone, with base fingerprint
     merge_and_requantize(qmodel)                    # or: a plain quantized model again
 """
 
+from lowbit.formats.wht import hadamard, plan_width, wht
 from lowbit.peft.adaalloc import allocate, lora_budget
 from lowbit.peft.apply import (
                                KINDS,
@@ -25,16 +26,14 @@ from lowbit.peft.apply import (
                                unmerge,
 )
 from lowbit.peft.base import Adapter
-from lowbit.peft.calib import collect_xtx
 from lowbit.peft.fourierft import FourierFTAdapter
 from lowbit.peft.loftq import LoftQAdapter, loftq_adapter
 from lowbit.peft.lora import LoRAAdapter
 from lowbit.peft.qwha import QWHAAdapter
 from lowbit.peft.refine import init_qwha
 from lowbit.peft.store import fingerprint, load_adapters, save_adapters
-from lowbit.peft.wht import hadamard, plan_width, wht
 
 __all__ = ["KINDS", "Adapter", "FourierFTAdapter", "LoRAAdapter", "LoftQAdapter", "PeftConfig", "QWHAAdapter",
-           "adapters_of", "allocate", "apply_adapters", "build_adapter", "collect_xtx", "count_trainable",
+           "adapters_of", "allocate", "apply_adapters", "build_adapter", "count_trainable",
            "fingerprint", "freeze_base", "hadamard", "init_qwha", "load_adapters", "loftq_adapter", "lora_budget",
            "merge", "merge_and_requantize", "plan_width", "save_adapters", "target_layers", "unmerge", "wht"]

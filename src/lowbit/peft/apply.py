@@ -71,6 +71,27 @@ class PeftConfig:
         return cls(**dict(d))
 
 
+# which adapters read each PeftConfig field (fields not listed apply to every adapter)
+FIELD_ADAPTERS: dict[str, tuple[str, ...]] = {
+    "k_min": ("qwha",), "damp": ("qwha",), "refine": ("qwha",), "scale": ("qwha",), "path": ("qwha",),
+    "alpha": ("lora", "loftq"), "fourier_scaling": ("fourierft",),
+}
+
+
+def peft_config(adapter: str, **given: Any) -> PeftConfig:
+    """A `PeftConfig` from the fields a user set; a field the adapter does not read is an error.
+
+    ``--k-min`` with ``--adapter lora`` would otherwise be ignored without a word.
+    """
+    for name in given:
+        users = FIELD_ADAPTERS.get(name)
+        if users is not None and adapter not in users:
+            flag = "--" + name.replace("_", "-")
+            raise ConfigError(f"{flag} does not apply to --adapter {adapter}; it applies to "
+                              f"--adapter {' | '.join(users)}")
+    return PeftConfig(adapter, **given)
+
+
 def target_layers(model: nn.Module, names: Iterable[str] | None = None) -> dict[str, nn.Module]:
     """The layers adapters go on: every `QuantLinear` (default) or the named Linears."""
     if names is None:

@@ -10,7 +10,6 @@ silently adding a correction meant for other weights.
 
 from __future__ import annotations
 
-import hashlib
 import json
 from pathlib import Path
 from typing import Any
@@ -21,7 +20,7 @@ from torch import nn
 
 from lowbit.errors import CheckpointError
 from lowbit.io import atomic_dir, atomic_write_text, sha256_file
-from lowbit.nn import QuantLinear
+from lowbit.models.layers import weight_digest
 from lowbit.peft.apply import CLASSES, PeftConfig, adapters_of, attach, freeze_base
 
 FORMAT = "lowbit-adapter"
@@ -32,16 +31,7 @@ TENSORS = "adapter.safetensors"
 
 def fingerprint(model: nn.Module, names: list[str]) -> str:
     """sha256 over the named layers' base weights (quantized buffers, or float weights)."""
-    h = hashlib.sha256()
-    for name in sorted(names):
-        layer = model.get_submodule(name)
-        h.update(f"{name}:{layer.out_features}x{layer.in_features};".encode())
-        parts = ([layer.codes, layer.scales, layer.zeros, layer.tensor_scale] if isinstance(layer, QuantLinear)
-                 else [layer.weight])
-        for t in parts:
-            if t is not None:
-                h.update(t.detach().contiguous().cpu().view(-1).view(torch.uint8).numpy().tobytes())
-    return h.hexdigest()
+    return weight_digest(model, names)
 
 
 def save_adapters(model: nn.Module, out: str | Path, cfg: PeftConfig, meta: dict | None = None,
@@ -58,7 +48,7 @@ def save_adapters(model: nn.Module, out: str | Path, cfg: PeftConfig, meta: dict
         "layers": {n: a.config() for n, a in adapters.items()},
         "base_fingerprint": fingerprint(model, list(adapters)), "meta": meta or {},
     }
-    with atomic_dir(Path(out), force=force) as tmp:
+    with atomic_dir(Path(out), force=force, kind="lowbit adapter") as tmp:
         save_file(tensors, str(tmp / TENSORS))
         manifest["sha256"] = sha256_file(tmp / TENSORS)
         atomic_write_text(tmp / MANIFEST, json.dumps(manifest, indent=1))

@@ -1,61 +1,53 @@
-"""Post-training quantization: one entry point, methods looked up in a plain registry.
+"""Post-training quantization: one entry point over a registry of methods.
 
-Each method is ``fn(model, plan, *, calib, config, tokenizer, progress, **kw) -> Plan``
-and replaces the planned Linear layers in place.
+Each method module registers a `Method` (frozen settings dataclass + run function) in
+`lowbit.ptq.methods`; the three built-in ones are imported here so the registry is
+complete whenever ``lowbit.ptq`` is. Mixed precision (`lowbit.ptq.mixed`) chooses a
+plan first; any method then applies it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import nn
 
-from lowbit.errors import ConfigError
 from lowbit.formats.plan import Plan
 from lowbit.models.lazy import materialize
-from lowbit.ptq.rtn import rtn_quantize
+from lowbit.ptq import rtn, signround  # noqa: F401  (register rtn, signround, signround2)
+from lowbit.ptq.methods import RunContext, coerce_settings, get, make_settings, names
+from lowbit.ptq.mixed import MixedSettings, mixed_plan
+from lowbit.ptq.rtn import RTNSettings
+from lowbit.ptq.signround import SignRoundSettings
 
-Method = Callable[..., Plan]
-
-
-def _rtn(model: nn.Module, plan: Plan, *, calib: torch.Tensor | None = None, search: bool = False,
-         progress: bool = True, **_: Any) -> Plan:
-    return rtn_quantize(model, plan, calib=calib, search=search, progress=progress)
-
-
-METHODS: dict[str, Method] = {"rtn": _rtn}
+__all__ = ["MixedSettings", "RTNSettings", "RunContext", "SignRoundSettings", "make_settings", "names",
+           "quantize_model", "round_unquantized_to_half"]
 
 
-def register(name: str, fn: Method) -> None:
-    METHODS[name] = fn
-
-
-def quantize_model(model: nn.Module, plan: Plan, method: str = "rtn", keep16: bool = True, **kw: Any) -> Plan:
+def quantize_model(model: nn.Module, plan: Plan, method: str = "rtn", settings: Any = None, *,
+                   calib: torch.Tensor | None = None, mixed: MixedSettings | None = None,
+                   device: str | None = None, workdir: str | None = None, offload_dir: str | None = None,
+                   progress: bool = True, keep16: bool = True) -> Plan:
     """Quantize ``model`` in place with ``method``; returns the applied plan.
 
+    settings: the method's settings dataclass, a mapping of its fields (checked strictly),
+    or None for its defaults. mixed: choose the plan's schemes by DeltaLoss first (the
+    plan's own schemes are then ignored; its layers are the ones allocated).
     keep16: round the embeddings and an unquantized lm_head to fp16 values, so the
     checkpoint stores them in 16 bits exactly (the numbers evaluated are the numbers saved).
     """
-    _load_optional_methods()
-    if method not in METHODS:
-        raise ConfigError(f"unknown method {method!r}; choose one of {sorted(METHODS)}")
-    if not streams_blocks(method, kw):
-        materialize(model)  # a lazily loaded model, for a method that needs all of it at once
-    applied = METHODS[method](model, plan, **kw)
+    spec = get(method)
+    settings = coerce_settings(method, settings)
+    if not spec.blockwise or mixed is not None:
+        materialize(model)  # a lazily loaded model, for passes that need all of it at once
+    if mixed is not None:
+        plan = mixed_plan(model, plan, mixed, calib, device=device, progress=progress).plan
+    ctx = RunContext(calib=calib, device=device, workdir=workdir, offload_dir=offload_dir, progress=progress)
+    plan = spec.run(model, plan, settings, ctx)
     if keep16:
         round_unquantized_to_half(model)
-    return applied
-
-
-def streams_blocks(method: str, kw: dict[str, Any]) -> bool:
-    """Whether ``method`` reads the model one block at a time (so a lazily loaded model stays lazy).
-
-    The block-wise tuners do; RTN and the DeltaLoss sensitivity of mixed precision run
-    whole-model passes.
-    """
-    return method in ("signround", "signround2") and kw.get("avg_bits") is None
+    return plan
 
 
 def round_unquantized_to_half(model: nn.Module) -> None:
@@ -65,20 +57,3 @@ def round_unquantized_to_half(model: nn.Module) -> None:
         if isinstance(mod, (nn.Embedding, nn.Linear)) and mod.weight.dtype == torch.float32:
             with torch.no_grad():
                 mod.weight.copy_(mod.weight.half().float())
-
-
-def methods() -> list[str]:
-    _load_optional_methods()
-    return sorted(METHODS)
-
-
-def _load_optional_methods() -> None:
-    """Import the tuning methods, which register themselves (kept lazy: they are heavy)."""
-    import importlib
-
-    for mod in ("lowbit.ptq.signround", "lowbit.ptq.signround2"):
-        try:
-            importlib.import_module(mod)
-        except ModuleNotFoundError as e:
-            if e.name != mod:
-                raise

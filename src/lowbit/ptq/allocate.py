@@ -204,11 +204,11 @@ def save_allocation(alloc: Allocation, sizes: Mapping[str, tuple[int, int]], jso
     """Write the plan JSON (atomically) and, optionally, the bits-per-layer plot."""
     alloc.plan.save(json_path)
     if png_path is not None:
-        plot_bits(alloc.plan, sizes, png_path)
+        atomic_write_bytes(Path(png_path), plot_bits(alloc.plan, sizes))
 
 
-def plot_bits(plan: Plan, sizes: Mapping[str, tuple[int, int]], path: str | Path) -> None:
-    """Bar chart of bits per weight (scales included) for every layer, in model order."""
+def plot_bits(plan: Plan, sizes: Mapping[str, tuple[int, int]]) -> bytes:
+    """PNG bar chart of bits per weight (scales included) for every layer, in model order."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -230,4 +230,4 @@ def plot_bits(plan: Plan, sizes: Mapping[str, tuple[int, int]], path: str | Path
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=100)
     plt.close(fig)
-    atomic_write_bytes(Path(path), buf.getvalue())
+    return buf.getvalue()

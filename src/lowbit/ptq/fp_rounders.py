@@ -17,7 +17,6 @@ from torch import nn
 from lowbit.formats import QTensor, Scheme, rules
 from lowbit.formats.fp4 import ELEM_GRIDS, encode_codes
 from lowbit.formats.groups import from_groups, pad_mask, to_groups
-from lowbit.ptq.signround import ROUNDERS
 
 
 def _ste(x: torch.Tensor, hard: torch.Tensor) -> torch.Tensor:
@@ -112,6 +111,3 @@ def _keep_alive(a: torch.Tensor, r: torch.Tensor, tiny: float) -> torch.Tensor:
     dead = (amax > 0) & (r.amax(-1, keepdim=True) == 0)
     return torch.where(dead & (a == amax), torch.full_like(r, tiny), r)
 
-
-ROUNDERS["e2m1"] = FpRounder
-ROUNDERS["e4m3"] = FpRounder

@@ -33,11 +33,11 @@ from lowbit.errors import ConfigError
 from lowbit.formats import QTensor, Scheme
 from lowbit.formats.plan import Plan
 from lowbit.io import atomic_write_bytes, atomic_write_text
+from lowbit.models.activations import activation_stats
 from lowbit.models.layers import block_path, decoder_blocks
 from lowbit.models.lazy import is_lazy, load_block, materialize
 from lowbit.models.placement import check_device
 from lowbit.nn import QuantLinear, replace_linears, set_module
-from lowbit.ptq.importance import importance_hooks
 
 _DROP_KWARGS = ("cache", "past_key_values", "past_key_value", "layer_past")
 
@@ -295,13 +295,13 @@ def quantize_blockwise(model: nn.Module, plan: Plan, calib: torch.Tensor, tuner:
         t0 = time.perf_counter()
         want_imp = tuner.needs_importance and i >= start
         hooked = {n: block.get_submodule(r) for n, (r, _) in layers.items()} if want_imp else {}
-        with torch.no_grad(), importance_hooks(hooked) as h:
+        with torch.no_grad(), activation_stats(hooked, ("sumsq",)) as h:
             y = run_block(block, x_fp, kwargs, options.chunk)
         if i < start:
             qts = wd.load_block(i, layers, _shapes(block, layers))  # type: ignore[union-attr]
             info: dict[str, float] = {"resumed": 1.0}
         else:
-            imp = h.result() if want_imp else None
+            imp = h.result("sumsq") if want_imp else None
             job = BlockJob(i, block, layers, x_q if x_q is not None else x_fp, y, kwargs, imp)
             qts, info = tuner(job)
             if wd:

@@ -3,18 +3,31 @@
 Plain RTN needs no data. With ``search=True`` every layer's scales are chosen by the
 grid search of formats.md, weighting each input column by the summed squared
 calibration activations that feed it ("optimized RTN"); that is also SignRoundV2's
-initialisation, which is why it lives in the shared PTQ layer.
+initialisation, which is why it lives in the shared PTQ layer. RTN works on the whole
+model at once: with a device it moves there for the importance pass and the rounding.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
+from lowbit.errors import ConfigError
 from lowbit.formats.plan import Plan
+from lowbit.models.activations import importance
+from lowbit.models.placement import on_device
 from lowbit.nn import replace_linears
+from lowbit.ptq.methods import Method, RunContext, register
+
+
+@dataclass(frozen=True)
+class RTNSettings:
+    """search: pick each group's scale by the importance-weighted search (needs calibration data)."""
+
+    search: bool = True
 
 
 def searched(plan: Plan) -> Plan:
@@ -30,9 +43,19 @@ def rtn_quantize(model: nn.Module, plan: Plan, calib: torch.Tensor | None = None
     """Quantize ``model`` in place; returns the plan actually applied."""
     if search:
         plan = searched(plan)
-        if imp is None and calib is not None:
-            from lowbit.ptq.importance import collect_importance
-
-            imp = collect_importance(model, calib, list(plan))
+        if imp is None:
+            if calib is None:
+                raise ConfigError("RTN's importance search needs calibration batches; pass calib, or "
+                                  "search=False (--no-search) for plain round-to-nearest")
+            imp = importance(model, calib, list(plan))
     replace_linears(model, plan, imp=imp, progress=progress)
     return plan
+
+
+def _run(model: nn.Module, plan: Plan, settings: RTNSettings, ctx: RunContext) -> Plan:
+    with on_device(model, ctx.device):
+        return rtn_quantize(model, plan, ctx.calib, settings.search, progress=ctx.progress)
+
+
+register(Method("rtn", RTNSettings, _run, blockwise=False, needs_calib=lambda s: s.search,
+                summary="round-to-nearest; with search, scales picked by importance-weighted error"))

@@ -26,6 +26,7 @@ from tqdm.auto import tqdm
 
 from lowbit.errors import ConfigError
 from lowbit.formats import Scheme, qdq
+from lowbit.models.placement import model_device
 
 MODES = ("abs", "signed")
 DTYPES = ("fp32", "bf16")
@@ -71,7 +72,7 @@ def _score_scheme(model: nn.Module, mods: dict[str, nn.Module], originals: dict[
     for m in mods.values():
         m.weight.requires_grad_(True)
         m.weight.grad = None
-    device = next(model.parameters()).device
+    device = model_device(model)
     for chunk in batches.split(batch_size):
         ids = chunk.to(device)
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=dtype == "bf16"):

@@ -14,6 +14,7 @@ from collections.abc import Iterable
 from torch import nn
 
 from lowbit.errors import ConfigError
+from lowbit.models import linear_layers
 from lowbit.nn import QuantLinear, set_module
 from lowbit.qat.layer import QATLinear
 from lowbit.qat.quantizers import Quantizer, SchemeFakeQuant
@@ -22,13 +23,7 @@ from lowbit.qat.quantizers import Quantizer, SchemeFakeQuant
 def default_targets(model: nn.Module) -> list[str]:
     """Decoder Linear layers (q,k,v,o,gate,up,down), float or already quantized; embeddings
     and lm_head stay float."""
-    try:
-        from lowbit.models import linear_layers
-
-        return list(linear_layers(model, include_lm_head=False))
-    except ImportError:
-        return [n for n, m in model.named_modules()
-                if isinstance(m, nn.Linear | QuantLinear) and not n.endswith("lm_head")]
+    return list(linear_layers(model, include_lm_head=False))
 
 
 def to_qat(model: nn.Module, quantizer: Quantizer, names: Iterable[str] | None = None) -> list[str]:

@@ -48,7 +48,17 @@ class WinQConfig:
         if self.reinit and k < 1:
             raise ConfigError(f"a {steps}-step run is too short for re-init every steps/4; "
                               "pass every=K or more steps")
+        if self.reinit and k >= steps:
+            raise ConfigError(f"re-init period {k} is not shorter than the {steps}-step run, so no re-init "
+                              "would happen; lower --reinit-every or pass --no-reinit")
         return k
+
+    def reinit_steps(self, steps: int) -> list[int]:
+        """The steps after which a run of ``steps`` steps re-initialises (never at the last step)."""
+        if not self.reinit:
+            return []
+        k = self.period(steps)
+        return list(range(k, steps, k))
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -1,5 +1,9 @@
 """The native lowbit checkpoint: packed safetensors + JSON quant config + tokenizer.
 
+It is the model source lowbit writes itself (every job that produces a quantized model
+saves one, and every command loads one like any other model), so it lives with the
+other sources in `lowbit.models`; the engine formats are in `lowbit.export`.
+
 Layout of a checkpoint folder::
 
     config.json          the HF model config (with quantization_config.quant_method = "lowbit")
@@ -43,10 +47,11 @@ def is_checkpoint(path: str | Path) -> bool:
 
 
 def save(model: nn.Module, tokenizer: Any, out: str | Path, meta: dict | None = None, force: bool = False,
-         extra_files: dict[str, Path] | None = None) -> Path:
+         extra_files: dict[str, bytes | Path] | None = None) -> Path:
     """Write ``model`` (with its `QuantLinear` layers) to the folder ``out`` atomically.
 
-    extra_files: name -> file copied into the folder (e.g. a mixed-precision plan and its plot).
+    extra_files: name -> bytes, or a file to copy, written into the folder too (a
+    mixed-precision plan and its plot, a training run's metrics).
     """
     out = Path(out)
     qlayers = quant_layers(model)
@@ -57,7 +62,7 @@ def save(model: nn.Module, tokenizer: Any, out: str | Path, meta: dict | None = 
                    for n, m in qlayers.items()},
         "aliases": aliases, "meta": meta or {},
     }
-    with atomic_dir(out, force=force) as tmp:
+    with atomic_dir(out, force=force, kind="lowbit checkpoint") as tmp:
         save_file(tensors, str(tmp / WEIGHTS), metadata={"format": "pt"})
         config = getattr(model, "config", None)
         if config is not None:
@@ -67,7 +72,10 @@ def save(model: nn.Module, tokenizer: Any, out: str | Path, meta: dict | None = 
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
         for name, src in (extra_files or {}).items():
-            shutil.copyfile(src, tmp / name)
+            if isinstance(src, bytes):
+                (tmp / name).write_bytes(src)
+            else:
+                shutil.copyfile(src, tmp / name)
         manifest["files"] = {WEIGHTS: sha256_file(tmp / WEIGHTS)}
         atomic_write_text(tmp / MANIFEST, json.dumps(manifest, indent=1))
     return out
@@ -189,6 +197,14 @@ def _load_rest(model: nn.Module, tensors: dict[str, torch.Tensor], manifest: dic
     if missing:
         raise CheckpointError(f"checkpoint lacks tensors {missing[:5]}...; re-create it")
     model.load_state_dict(tensors, strict=False)
+
+
+def require_tokenizer(tokenizer: Any, path: str | Path) -> Any:
+    """``tokenizer``, or a clear error when the checkpoint at ``path`` has no tokenizer files."""
+    if tokenizer is None:
+        raise CheckpointError(f"{path} has no tokenizer files; copy them from the source model into it, "
+                              "or re-create it with `lowbit quantize`")
+    return tokenizer
 
 
 def _load_tokenizer(path: Path) -> Any:

@@ -1,0 +1,113 @@
+"""Settings and helpers that several jobs share: calibration and evaluation text, devices, bits."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from lowbit.errors import ConfigError
+from lowbit.formats.plan import Plan
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """Calibration rows: ``nsamples`` windows of ``seqlen`` tokens from the calibration split.
+
+    data: a .txt / .jsonl / saved HF dataset (None = the bundled corpus). seed: where the
+    windows start (and the seed of a method that draws random numbers of its own).
+    """
+
+    data: str | None = None
+    nsamples: int = 32
+    seqlen: int = 256
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.nsamples < 1 or self.seqlen < 2:
+            raise ConfigError(f"calibration needs nsamples >= 1 and seqlen >= 2, got {self.nsamples} x {self.seqlen}")
+
+    def batches(self, tokenizer: Any) -> torch.Tensor:
+        from lowbit.data import calibration_batches
+
+        return calibration_batches(tokenizer, self.data, nsamples=self.nsamples, seqlen=self.seqlen, seed=self.seed)
+
+
+@dataclass(frozen=True)
+class Evaluation:
+    """Perplexity over the first ``windows`` windows of ``seqlen`` tokens of the evaluation split (0 = all)."""
+
+    data: str | None = None
+    seqlen: int = 512
+    windows: int = 40
+
+    def __post_init__(self) -> None:
+        if self.seqlen < 2:
+            raise ConfigError(f"the evaluation window must be at least 2 tokens, got {self.seqlen}")
+        if self.windows < 0:
+            raise ConfigError(f"--windows must be >= 0 (0 = the whole evaluation text), got {self.windows}")
+
+    def tokens(self, tokenizer: Any) -> torch.Tensor:
+        """The evaluation split, checked to hold at least one window (before any heavy work)."""
+        from lowbit.data import eval_tokens
+        from lowbit.eval import eval_windows
+
+        ids = eval_tokens(tokenizer, self.data)
+        eval_windows(ids, self.seqlen, self.windows or None)
+        return ids
+
+    def perplexity(self, model: nn.Module, tokens: torch.Tensor, progress: bool = True):
+        from lowbit.eval import perplexity
+
+        return perplexity(model, tokens, seqlen=self.seqlen, windows=self.windows or None, progress=progress)
+
+
+def job_device(device: str | None) -> torch.device | None:
+    """The compute device of this process: ``device`` checked; under torchrun, the rank's GPU.
+
+    With several processes (``WORLD_SIZE`` > 1) on GPUs each rank uses ``cuda:LOCAL_RANK``;
+    naming another GPU index would put two ranks on one device, so that is an error.
+    """
+    from lowbit.models.placement import check_device
+
+    dev = check_device(device)
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world > 1 and (dev is None or dev.type == "cuda") and torch.cuda.is_available():
+        local = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        if dev is not None and dev.index is not None and dev.index != local.index:
+            raise ConfigError(f"--device {device} under torchrun: each rank uses its own GPU (cuda:LOCAL_RANK); "
+                              "pass --device cuda")
+        return local
+    return dev
+
+
+def bits_summary(model: nn.Module, plan: Plan, lm_head: bool) -> dict[str, Any]:
+    """Bits per weight over every decoder Linear (and the lm_head when planned), unplanned ones at 16.
+
+    A partial plan's average over its own layers alone would hide the layers left in 16 bits.
+    """
+    from lowbit.models import linear_layers
+
+    layers = linear_layers(model, include_lm_head=lm_head)
+    sizes = {n: (m.out_features, m.in_features) for n, m in layers.items()}
+    sizes.update({n: _shape(model, n) for n in plan if n not in sizes})
+    total = sum(o * i for o, i in sizes.values())
+    bits = sum(plan[n].bits_per_weight(c) * o * c if n in plan else 16 * o * c for n, (o, c) in sizes.items())
+    planned = {n: sizes[n] for n in plan}
+    return {"bits_per_weight": round(bits / max(total, 1), 4),
+            "bits_per_weight_planned": round(plan.average_bits(planned), 4),
+            "layers_quantized": len(plan), "layers_16bit": len(sizes) - len(plan)}
+
+
+def _shape(model: nn.Module, name: str) -> tuple[int, int]:
+    m = model.get_submodule(name)
+    return (m.out_features, m.in_features)
+
+
+def given(options: Mapping[str, Any]) -> dict[str, Any]:
+    """The options a caller actually set (None = not given)."""
+    return {k: v for k, v in options.items() if v is not None}

@@ -1,0 +1,48 @@
+"""The eval job: perplexity of any model or checkpoint, and optionally lm-eval tasks."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from lowbit.api.common import Evaluation, job_device
+from lowbit.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class EvalJob:
+    """model: any source `load_model` accepts. tasks: lm-eval task names, YAML files or task folders."""
+
+    model: str | None = None
+    evaluation: Evaluation = field(default_factory=Evaluation)
+    tasks: tuple[str, ...] = ()
+    limit: int | None = None
+    device: str | None = None
+    progress: bool = True
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "tasks", tuple(self.tasks))
+        if self.limit is not None and not self.tasks:
+            raise ConfigError("--limit applies to zero-shot tasks; pass --tasks too (or drop --limit)")
+        if self.limit is not None and self.limit < 1:
+            raise ConfigError(f"--limit must be a positive number of examples per task, got {self.limit}")
+
+
+def evaluate(job: EvalJob) -> dict[str, Any]:
+    from lowbit.models import load_model
+    from lowbit.models.placement import on_device
+
+    t0 = time.perf_counter()
+    device = job_device(job.device)
+    lm = load_model(job.model)
+    tokens = job.evaluation.tokens(lm.tokenizer)
+    with on_device(lm.model, device):
+        r = job.evaluation.perplexity(lm.model, tokens, job.progress)
+        result: dict[str, Any] = {"model": lm.source, "ppl": r.ppl, "tokens": r.tokens, "windows": r.windows}
+        if job.tasks:
+            from lowbit.eval import zero_shot
+
+            result["tasks"] = zero_shot(lm.model, lm.tokenizer, list(job.tasks), limit=job.limit)
+    result["seconds"] = round(time.perf_counter() - t0, 2)
+    return result

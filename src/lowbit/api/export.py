@@ -1,0 +1,70 @@
+"""The export job: a native checkpoint to compressed-tensors (vLLM) or GGUF (llama.cpp)."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from lowbit.api import outputs
+from lowbit.errors import ConfigError
+
+TARGETS = ("compressed-tensors", "gguf")
+
+
+@dataclass(frozen=True)
+class ExportJob:
+    """checkpoint: a folder `lowbit quantize` wrote. out: a folder (compressed-tensors) or a .gguf file."""
+
+    checkpoint: str | Path
+    to: str
+    out: str | Path
+    force: bool = False
+    allow_requant: bool = False
+
+    def __post_init__(self) -> None:
+        if self.to not in TARGETS:
+            raise ConfigError(f"unknown export target {self.to!r}; choose one of {TARGETS}")
+        if self.allow_requant and self.to != "gguf":
+            raise ConfigError("--allow-requant applies to --to gguf only; compressed-tensors exports are always exact")
+
+
+def export(job: ExportJob) -> dict[str, Any]:
+    from lowbit.export.inspect import inspect
+    from lowbit.models.native import load, read_manifest
+
+    t0 = time.perf_counter()
+    manifest = read_manifest(job.checkpoint)
+    with outputs.claim(job.out, job.force, [job.checkpoint], file_output=job.to == "gguf") as out:
+        model, tokenizer = load(job.checkpoint)
+        result: dict[str, Any] = {"checkpoint": str(job.checkpoint), "to": job.to}
+        if job.to == "compressed-tensors":
+            from lowbit.export import compressed_tensors
+
+            compressed_tensors.export(model, tokenizer, out, force=True)
+            result["out"] = str(out)
+        else:
+            from lowbit.export import gguf_export
+
+            source = _source_gguf(manifest)
+            result |= gguf_export.export(model, tokenizer, out, force=True, allow_requant=job.allow_requant,
+                                         source_gguf=source, name=str(manifest.get("meta", {}).get("source") or "lowbit"))
+            result["tokenizer_from"] = str(source) if source else "checkpoint tokenizer"
+    info = inspect(out)
+    result |= {k: info[k] for k in ("bits_per_weight", "file_bytes", "fp16_bytes", "size_vs_fp16")}
+    result["seconds"] = round(time.perf_counter() - t0, 2)
+    return result
+
+
+def _source_gguf(manifest: dict) -> Path | None:
+    """The GGUF the checkpoint was made from, whose tokenizer keys llama.cpp knows exactly."""
+    from lowbit.models.loading import BUNDLED_NAME, bundled_gguf
+
+    meta = manifest.get("meta", {})
+    source = meta.get("source")
+    if source == BUNDLED_NAME or meta.get("source_kind") == "bundled":
+        return bundled_gguf()
+    if isinstance(source, str) and source.endswith(".gguf") and Path(source).is_file():
+        return Path(source)
+    return None

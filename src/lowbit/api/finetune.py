@@ -1,0 +1,194 @@
+"""The finetune job: quantized checkpoint -> adapters -> trained adapters (or a merged checkpoint).
+
+Steps: validate everything cheap first; load the quantized checkpoint; (QWHA, LoftQ) load
+the float model it was made from — verified against the weight digest the checkpoint
+recorded, so another model with the same shapes is never used silently — to get the
+quantization error; build training rows from the *training* split; (QWHA) calibration
+``X^T X`` from the same rows; initialise; evaluate; train with the shared loop;
+evaluate; save the adapter alone (with the base fingerprint) or, with ``merge``, a
+re-quantized native checkpoint.
+"""
+
+from __future__ import annotations
+
+import time
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from lowbit.api import outputs
+from lowbit.api.common import Evaluation, job_device
+from lowbit.errors import ConfigError
+from lowbit.peft.apply import PeftConfig, peft_config
+from lowbit.train import TrainConfig
+
+__all__ = ["DEFAULT_LR", "FinetuneJob", "PeftConfig", "TrainConfig", "TrainingData", "finetune", "peft_config"]
+
+DEFAULT_LR = {"qwha": 2e-4, "lora": 2e-4, "loftq": 2e-4, "fourierft": 1e-3}
+
+
+@dataclass(frozen=True)
+class TrainingData:
+    """Where training rows come from (always the training split, never evaluation text).
+
+    source: a .jsonl of instructions (answer-only loss), a .txt, a saved HF dataset;
+    None = the bundled corpus. calib_samples: rows used for QWHA's ``X^T X``.
+    """
+
+    source: str | None = None
+    nsamples: int = 64
+    seqlen: int = 256
+    seed: int = 0
+    calib_samples: int = 32
+
+    def __post_init__(self) -> None:
+        if self.nsamples < 1 or self.seqlen < 2 or self.calib_samples < 1:
+            raise ConfigError("training data needs nsamples >= 1, seqlen >= 2 and calib_samples >= 1")
+
+
+@dataclass(frozen=True)
+class FinetuneJob:
+    """Adapters on ``quantized_dir``; ``base_model`` = the float model it came from (default: as recorded)."""
+
+    quantized_dir: str | Path
+    out: str | Path
+    peft: PeftConfig
+    train: TrainConfig
+    data: TrainingData = field(default_factory=TrainingData)
+    base_model: str | None = None
+    evaluation: Evaluation | None = field(default_factory=Evaluation)
+    merge: bool = False
+    device: str | None = None
+    force: bool = False
+    progress: bool = True
+
+    def inputs(self) -> list[Any]:
+        return [self.quantized_dir, self.base_model, self.data.source, self.evaluation and self.evaluation.data]
+
+
+def training_rows(tokenizer: Any, data: TrainingData) -> torch.Tensor:
+    """``[N, 2, T]`` ids+labels from the training split."""
+    from lowbit.peft.finetune import instruction_rows, is_instruction_file, lm_rows
+
+    if is_instruction_file(data.source):
+        return instruction_rows(tokenizer, data.source, data.seqlen, limit=data.nsamples)
+    from lowbit.data import calibration_batches
+
+    return lm_rows(calibration_batches(tokenizer, data.source, nsamples=data.nsamples, seqlen=data.seqlen,
+                                       seed=data.seed))
+
+
+def base_weights(manifest: dict, names: list[str], base_model: str | None) -> tuple[dict[str, torch.Tensor], dict]:
+    """The named float weights of the model the checkpoint was quantized from, checked against its digest.
+
+    Returns the weights and what the summary reports about them (source, verified).
+    """
+    from lowbit.models import BUNDLED_NAME, load_model
+    from lowbit.models.layers import weight_digest
+
+    meta = manifest.get("meta", {})
+    source = base_model or meta.get("source")
+    if base_model is None and meta.get("source_kind") in ("hf_dir", "gguf") and not Path(source).exists():
+        raise ConfigError(f"the checkpoint was quantized from {source}, which is not there any more; pass the "
+                          "float model with --base-model")
+    fp = load_model(None if source in (None, BUNDLED_NAME) else source).model
+    try:
+        weights = {n: fp.get_submodule(n).weight.detach().float().clone() for n in names}
+    except AttributeError as e:
+        raise ConfigError(f"the base model {source!r} lacks a quantized layer ({e}); pass the model the "
+                          "checkpoint was quantized from with --base-model") from None
+    digest = meta.get("source_digest")
+    if digest is not None and weight_digest(fp, names) != digest:
+        raise ConfigError(f"the float model {source} is not the one the checkpoint was quantized from (its "
+                          "weights differ); pass that model with --base-model")
+    if digest is None:
+        warnings.warn(f"the checkpoint records no digest of its float weights (older lowbit, or an "
+                      f"--offload-dir run): {source} is used unverified", stacklevel=2)
+    return weights, {"base_model": str(source), "base_verified": digest is not None}
+
+
+def finetune(job: FinetuneJob) -> dict[str, Any]:
+    """Run the whole job; returns the JSON summary the CLI prints."""
+    from lowbit.models.native import load, read_manifest
+    from lowbit.peft.apply import NEEDS_ERROR, check_shapes
+
+    t0 = time.perf_counter()
+    manifest = read_manifest(job.quantized_dir)
+    check_shapes(job.peft, {n: tuple(spec["shape"]) for n, spec in manifest["layers"].items()})
+    if job.base_model is not None and job.peft.adapter not in NEEDS_ERROR:
+        raise ConfigError(f"--base-model applies to --adapter {' | '.join(NEEDS_ERROR)} (their init needs the "
+                          f"float weights); --adapter {job.peft.adapter} starts from zero")
+    device = job_device(job.device)
+    with outputs.claim(job.out, job.force, job.inputs()) as out:
+        result = _Finetune(job, manifest, device).run(out, load)
+    result["seconds"] = round(time.perf_counter() - t0, 2)
+    return result
+
+
+class _Finetune:
+    def __init__(self, job: FinetuneJob, manifest: dict, device: Any) -> None:
+        self.job, self.manifest, self.device = job, manifest, device
+
+    def run(self, out: Path, load: Any) -> dict[str, Any]:
+        from lowbit.models.native import require_tokenizer
+        from lowbit.peft.apply import NEEDS_ERROR
+
+        job = self.job
+        model, tokenizer = load(job.quantized_dir)
+        require_tokenizer(tokenizer, job.quantized_dir)
+        names = list(self.manifest["layers"])
+        rows = training_rows(tokenizer, job.data)
+        ev = job.evaluation.tokens(tokenizer) if job.evaluation is not None else None
+        result: dict[str, Any] = {"base": str(job.quantized_dir), "adapter": job.peft.adapter, "rank": job.peft.rank,
+                                  "train_rows": len(rows)}
+        fp = None
+        if job.peft.adapter in NEEDS_ERROR:
+            fp, info = base_weights(self.manifest, names, job.base_model)
+            result.update(info)
+        if self.device is not None:
+            model.to(self.device)
+        return self._train(model, tokenizer, names, rows, ev, fp, result, out)
+
+    def _train(self, model, tokenizer, names, rows, ev, fp, result, out) -> dict[str, Any]:  # noqa: ANN001
+        from lowbit.models.activations import second_moments
+        from lowbit.peft.apply import apply_adapters, count_trainable, merge_and_requantize
+        from lowbit.peft.finetune import train_adapters
+        from lowbit.peft.store import save_adapters
+
+        job = self.job
+        ppl = (lambda: job.evaluation.perplexity(model, ev, job.progress).ppl) if ev is not None else None
+        if ppl:
+            result["ppl_base"] = ppl()
+        t0 = time.perf_counter()
+        xtx = None
+        if job.peft.adapter == "qwha" and job.peft.refine:
+            xtx = second_moments(model, rows[: job.data.calib_samples, 0], names, progress=job.progress)
+        made = apply_adapters(model, job.peft, fp, xtx, progress=job.progress)
+        padded = {n: [a.plan.width, a.plan.n] for n, a in made.items() if getattr(a, "plan", None) and a.plan.padded}
+        if padded:
+            result["padded_widths"] = padded  # no Hadamard construction: zero-padded (see lowbit.formats.wht)
+        result["init_seconds"] = round(time.perf_counter() - t0, 2)
+        result["trainable_params"] = count_trainable(model)
+        if ppl:
+            result["ppl_init"] = ppl()
+        train_result, timer = train_adapters(model, rows, job.train)
+        result.update(steps=train_result.steps, loss_first=train_result.losses[0],
+                      loss_last=train_result.final_loss, step_seconds=round(timer.median(), 4))
+        if ppl:
+            result["ppl_final"] = ppl()
+        model.to("cpu")
+        meta = {"base": str(job.quantized_dir), "train": job.train.to_dict(),
+                **{k: v for k, v in result.items() if k.startswith("ppl")}}
+        if job.merge:
+            from lowbit.models.native import save
+
+            errs = merge_and_requantize(model)
+            result["merge_rel_error_max"] = max(errs.values())
+            save(model, tokenizer, out, meta={**self.manifest.get("meta", {}), "finetune": meta}, force=True)
+        else:
+            save_adapters(model, out, job.peft, meta=meta, force=True)
+        result["out"] = str(out)
+        return result

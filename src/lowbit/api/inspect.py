@@ -1,0 +1,13 @@
+"""The inspect job: what a checkpoint or export holds (checksums verified first)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+
+def inspect(path: str | Path) -> dict[str, Any]:
+    """Format, per-layer schemes, bits per weight from stored bytes, size against fp16."""
+    from lowbit.export.inspect import inspect as read
+
+    return read(path)

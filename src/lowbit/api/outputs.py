@@ -1,0 +1,113 @@
+"""Where a job writes its result: checked before any work, locked while the job runs.
+
+Rules, the same for every command:
+- ``--out`` may not be (or contain, or lie inside) any input of the job: a model folder
+  or file, a plan, a data file.
+- an existing ``--out`` is replaced only with ``--force``, and only when lowbit wrote it:
+  a folder whose ``.lowbit`` marker lists every file in it, or a GGUF file carrying
+  lowbit's metadata. A folder holding anything else, or a file lowbit did not write,
+  is refused with the reason.
+- the place must be writable: no file where a parent folder should be, no read-only folder.
+- while a job runs it holds a lock on its output: a second run writing the same output
+  is refused at once, and temporaries that killed runs left beside it are removed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+
+from lowbit.io import OutputError, foreign_files, output_lock, remove_stale_partials
+
+
+def resolve(path: str | Path) -> Path:
+    """Absolute form of a user path (``~`` expanded, symlinks resolved where they exist)."""
+    return Path(path).expanduser().resolve()
+
+
+def check_output(out: str | Path, force: bool, inputs: Iterable[str | Path | None] = (),
+                 file_output: bool = False) -> Path:
+    """Validate ``out`` (see module docstring) without touching anything; returns it resolved."""
+    target = resolve(out)
+    _check_not_an_input(target, inputs)
+    _check_writable_place(target)
+    if target.exists() or target.is_symlink():
+        if not force:
+            raise OutputError(f"{out} already exists; choose another --out or pass --force to replace it")
+        _check_replaceable(target, file_output)
+    elif file_output and str(out).endswith(os.sep):
+        raise OutputError(f"{out} names a folder, but this output is one file (e.g. model.gguf)")
+    return target
+
+
+def check_folder(folder: str | Path, out: str | Path, what: str = "--workdir") -> Path:
+    """A side folder of a job (work or offload folder): creatable here, and not inside ``--out``."""
+    path, target = resolve(folder), resolve(out)
+    if path == target or path.is_relative_to(target) or target.is_relative_to(path):
+        raise OutputError(f"{what} {path} overlaps --out {target}; --out is replaced when the job ends, "
+                          "so keep the two apart")
+    if path.exists() and not path.is_dir():
+        raise OutputError(f"{what} {path} is a file; give a folder")
+    _check_writable_place(path / "x")
+    return path
+
+
+def _check_not_an_input(target: Path, inputs: Iterable[str | Path | None]) -> None:
+    for item in inputs:
+        if item is None or not Path(item).expanduser().exists():
+            continue
+        src = resolve(item)
+        if target == src or src.is_relative_to(target) or target.is_relative_to(src):
+            raise OutputError(f"--out {target} would overwrite the input {src}; write the result somewhere else")
+
+
+def _check_writable_place(target: Path) -> None:
+    parent = target.parent
+    while not parent.exists():
+        if parent.is_symlink():
+            raise OutputError(f"cannot create {target}: {parent} is a broken link")
+        parent = parent.parent
+    if not parent.is_dir():
+        raise OutputError(f"cannot create {target}: {parent} is a file, not a folder")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise OutputError(f"cannot write to {parent} (permission denied); choose another --out")
+
+
+def _check_replaceable(target: Path, file_output: bool) -> None:
+    if target.is_dir() and not target.is_symlink():
+        if file_output:
+            raise OutputError(f"{target} is a folder; this output is one file: give a file path (e.g. model.gguf)")
+        foreign = foreign_files(target)
+        if foreign is None:
+            raise OutputError(f"--force replaces only what lowbit wrote, and {target} is not a lowbit output; "
+                              "choose another --out (or delete it yourself)")
+        if foreign:
+            raise OutputError(f"--force would delete files lowbit did not write in {target} ({', '.join(foreign[:3])}"
+                              f"{'...' if len(foreign) > 3 else ''}); move them away or choose another --out")
+        return
+    if not file_output:
+        raise OutputError(f"{target} is a file, not a lowbit output folder; choose another --out")
+    if not _gguf_by_lowbit(target):
+        raise OutputError(f"--force replaces only files lowbit wrote, and {target} is not a GGUF exported by "
+                          "lowbit; choose another --out (or delete it yourself)")
+
+
+def _gguf_by_lowbit(path: Path) -> bool:
+    from lowbit.export.gguf_export import written_by_lowbit
+
+    return written_by_lowbit(path)
+
+
+@contextlib.contextmanager
+def claim(out: str | Path, force: bool, inputs: Iterable[str | Path | None] = (),
+          file_output: bool = False) -> Iterator[Path]:
+    """Check ``out``, lock it for the body and clear what killed runs left; yields it resolved."""
+    inputs = list(inputs)
+    target = check_output(out, force, inputs, file_output)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with output_lock(target):
+        remove_stale_partials(target)
+        check_output(target, force, inputs, file_output)  # another run may have finished meanwhile
+        yield target

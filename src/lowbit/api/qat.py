@@ -1,0 +1,174 @@
+"""The qat job: load -> QAT layers -> train (ste | winq) -> exact QuantLinears -> eval -> save.
+
+Every input is validated before the model loads (scheme vs quantizer, steps vs warm-up,
+WinQ switches vs method, the output place), so a typo fails in a second. Training
+artifacts (metrics.jsonl, checkpoint/, loss.png) live in a work folder (``--workdir``,
+default OUT.train) so an interrupted run resumes from its last checkpoint; metrics and
+the loss plot are copied into the saved checkpoint. Under ``torchrun`` every rank trains
+its share of each global batch (DDP / FSDP) on its own device, and rank 0 alone
+evaluates and saves.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import time
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+from lowbit.api import outputs
+from lowbit.api.common import Evaluation, job_device
+from lowbit.errors import ConfigError
+from lowbit.qat.quantizers import resolve
+from lowbit.qat.winq import STE, WinQConfig
+from lowbit.train import TrainConfig, smooth
+
+__all__ = ["QatJob", "TrainConfig", "WinQConfig", "baseline_target", "default_lr", "qat", "work_folder"]
+METHODS = ("ste", "winq")
+
+
+def default_lr(scheme: str, quantizer: str = "auto") -> float:
+    """The peak learning rate of the GPU-scale reference: 2e-5 at <= 2 bits, 1e-5 above."""
+    return 2e-5 if resolve(scheme, quantizer).bits <= 2 else 1e-5
+
+
+@dataclass(frozen=True)
+class QatJob:
+    """What to train and where: ``train`` holds the loop settings, ``winq`` the WinQ switches."""
+
+    out: str | Path
+    scheme: str
+    train: TrainConfig
+    method: str = "winq"
+    winq: WinQConfig = field(default_factory=WinQConfig)
+    quantizer: str = "auto"
+    model: str | None = None
+    data: str | None = None
+    seqlen: int = 256
+    kd: bool = False
+    kd_temperature: float = 1.0
+    smooth_window: int = 10
+    evaluation: Evaluation | None = field(default_factory=Evaluation)
+    baseline: str | None = None
+    workdir: str | None = None
+    resume: bool = True
+    device: str | None = None
+    force: bool = False
+
+    def __post_init__(self) -> None:
+        if self.method not in METHODS:
+            raise ConfigError(f"unknown QAT method {self.method!r}; choose one of {METHODS}")
+        if self.seqlen < 2:
+            raise ConfigError(f"--seqlen must be >= 2 tokens, got {self.seqlen}")
+        if self.kd_temperature <= 0:
+            raise ConfigError(f"--kd-temperature must be > 0, got {self.kd_temperature}")
+        if self.smooth_window < 1:
+            raise ConfigError(f"--smooth must be >= 1 step, got {self.smooth_window}")
+        resolve(self.scheme, self.quantizer)  # refuse an inexpressible scheme now
+        self.callback_config().reinit_steps(self.train.steps)  # a period longer than the run is an error
+
+    def callback_config(self) -> WinQConfig:
+        return self.winq if self.method == "winq" else STE
+
+    @property
+    def work(self) -> Path:
+        return work_folder(self.out, self.workdir)
+
+
+def work_folder(out: str | Path, workdir: str | Path | None) -> Path:
+    """Where training metrics and checkpoints go: ``workdir``, or OUT.train beside --out."""
+    return Path(workdir) if workdir else Path(out).with_name(Path(out).name + ".train")
+
+
+def baseline_target(baseline: str | float | None, window: int) -> float | None:
+    """Final smoothed loss of a baseline run: a number, or the metrics.jsonl of that run."""
+    if baseline is None:
+        return None
+    try:
+        return float(baseline)
+    except ValueError:
+        pass
+    p = Path(baseline)
+    if p.is_dir():
+        p = p / "metrics.jsonl"
+    if not p.is_file():
+        raise ConfigError(f"--baseline {baseline} is neither a loss value nor a metrics.jsonl / run folder")
+    try:
+        losses = [d["loss"] for d in map(json.loads, p.read_text().splitlines()) if "loss" in d]
+    except ValueError:
+        raise ConfigError(f"{p} is not a metrics.jsonl written by `lowbit qat` (a line is not JSON)") from None
+    if not losses:
+        raise ConfigError(f"{p} holds no training losses")
+    return smooth(losses, window)[-1]
+
+
+def qat(job: QatJob) -> dict[str, Any]:
+    from lowbit.train.distributed import init_from_env
+
+    t0 = time.perf_counter()
+    target = baseline_target(job.baseline, job.smooth_window)
+    device = job_device(job.device)
+    outputs.check_folder(job.work, job.out, "--workdir")
+    rank, world = init_from_env()  # under torchrun: one process per rank, rank 0 evaluates and saves
+    if rank != 0:
+        return _train(job, device, rank, world, target)[0]
+    with outputs.claim(job.out, job.force, [job.model, job.data, job.evaluation and job.evaluation.data]) as out:
+        res, lm, extras = _train(job, device, rank, world, target)
+        from lowbit.models.native import save
+
+        meta = {"source": lm.source, "method": f"qat-{job.method}", "plan": job.scheme,
+                "quantizer": res["quantizer"], "steps": res["steps"],
+                **{k: res[k] for k in ("ppl_fp", "ppl") if k in res}}
+        save(lm.model, lm.tokenizer, out, meta=meta, force=True, extra_files=extras)
+    res["out"], res["workdir"] = str(out), str(job.work)
+    res["seconds"] = round(time.perf_counter() - t0, 2)
+    return res
+
+
+def _train(job: QatJob, device: Any, rank: int, world: int, target: float | None) -> tuple[dict, Any, dict]:
+    """Load, convert, train and (rank 0) evaluate; returns the summary, the model and files to keep."""
+    from lowbit.data.batches import training_windows
+    from lowbit.models import load_model
+    from lowbit.qat.convert import to_qat, to_quant_linear
+    from lowbit.qat.winq import WinQCallback
+    from lowbit.train import steps_to_reach, train
+    from lowbit.train.loop import causal_lm_loss, kd_loss
+
+    lm = load_model(job.model)
+    if job.kd and lm.kind == "lowbit":
+        raise ConfigError(f"{lm.source} is already quantized, so it cannot be the distillation teacher; "
+                          "start QAT from the full-precision model for --kd, or drop --kd")
+    rows = training_windows(lm.tokenizer, job.data, job.seqlen, "calib")
+    ev = job.evaluation.tokens(lm.tokenizer) if job.evaluation is not None and rank == 0 else None
+    if device is not None:
+        lm.model.to(device)
+    res: dict[str, Any] = {"model": lm.source, "scheme": job.scheme, "method": job.method, "world": world}
+    if ev is not None:
+        res["ppl_fp"] = job.evaluation.perplexity(lm.model, ev).ppl
+    teacher = copy.deepcopy(lm.model) if job.kd else None
+    quantizer = resolve(job.scheme, job.quantizer)
+    names = to_qat(lm.model, quantizer)
+    cb = WinQCallback(job.callback_config())
+    extra = {"scheme": job.scheme, "quantizer": quantizer.name, "method": job.method, "source": lm.source,
+             "winq": job.callback_config().to_dict(), "kd": job.kd, "kd_t": job.kd_temperature,
+             "seqlen": job.seqlen, "data": job.data}
+    loss_fn = kd_loss(teacher, job.kd_temperature) if teacher is not None else causal_lm_loss
+    cfg = replace(job.train, out_dir=str(job.work))
+    r = train(lm.model, rows, cfg, callbacks=[cb], loss_fn=loss_fn, resume=job.resume, extra=extra)
+    if rank != 0:
+        return {"rank": rank, "steps": r.steps, "final_loss": r.final_loss}, lm, {}
+    to_quant_linear(lm.model)
+    sm = smooth(r.losses, job.smooth_window)
+    res.update(quantizer=quantizer.name, layers=len(names), steps=r.steps, final_loss=r.final_loss,
+               final_loss_smoothed=sm[-1], initial_loss=r.losses[0], train_seconds=r.seconds,
+               reinits=job.callback_config().reinit_steps(job.train.steps), train_rows=len(rows),
+               resumed_from=r.resumed_from,
+               steps_to_baseline_loss=steps_to_reach(r.losses, target, job.smooth_window) if target else None,
+               baseline_loss=target, smoothing=f"trailing mean, window {job.smooth_window}")
+    if ev is not None:
+        res["ppl"] = job.evaluation.perplexity(lm.model, ev).ppl
+    lm.model.to("cpu")
+    extras = {name: job.work / name for name in ("metrics.jsonl", "loss.png") if (job.work / name).is_file()}
+    return res, lm, extras

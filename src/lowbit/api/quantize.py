@@ -1,0 +1,208 @@
+"""The quantize job: load -> (FP perplexity) -> [mixed-precision plan] -> PTQ -> perplexity -> save.
+
+Everything that can be checked without the model is checked when the job is built
+(`QuantizeJob`), and everything that needs only paths before the model loads; the data
+splits are tokenized and checked before the first heavy pass, so a bad input never
+costs a tuning run.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from lowbit.api import outputs
+from lowbit.api.common import Calibration, Evaluation, bits_summary, job_device
+from lowbit.errors import ConfigError
+from lowbit.formats import Scheme
+from lowbit.formats.plan import Plan
+from lowbit.ptq.methods import coerce_settings, get, make_settings
+from lowbit.ptq.mixed import MixedSettings
+
+__all__ = ["MixedSettings", "QuantizeJob", "build_plan", "make_settings", "method_options", "quantize"]
+
+DEFAULT_SCHEME = "w4g128"
+
+
+def build_plan(model: nn.Module, scheme: str | Scheme | None, plan_file: str | None = None,
+               lm_head: bool = False) -> Plan:
+    """The plan for a model: a uniform scheme over its decoder Linears, or a plan file."""
+    from lowbit.models import linear_layers
+
+    layers = linear_layers(model, include_lm_head=lm_head)
+    if plan_file:
+        plan = Plan.load(plan_file)
+        unknown = [n for n in plan if n not in layers and not _is_linear(model, n)]
+        if unknown:
+            raise ConfigError(f"plan {plan_file} names layers this model lacks or that are not Linear: "
+                              f"{unknown[:3]}; make the plan for this model")
+    else:
+        plan = Plan.uniform(layers, Scheme.parse(scheme or DEFAULT_SCHEME))
+    for name, s in plan.items():
+        s.check_width(model.get_submodule(name).in_features, name)
+    return plan
+
+
+def _is_linear(model: nn.Module, name: str) -> bool:
+    try:
+        return isinstance(model.get_submodule(name), nn.Linear)
+    except AttributeError:
+        return False
+
+
+@dataclass(frozen=True)
+class QuantizeJob:
+    """One PTQ run.
+
+    scheme / plan_file / mixed: where the per-layer schemes come from (one of them; none =
+    w4g128 everywhere). settings: the method's settings dataclass (or a mapping of its
+    fields; None = defaults). calib: used when the method or the mixed plan needs data.
+    evaluation: None = no perplexity passes. workdir / offload_dir: block-wise methods only.
+    """
+
+    out: str | Path
+    model: str | None = None
+    scheme: str | None = None
+    plan_file: str | None = None
+    lm_head: bool = False
+    method: str = "rtn"
+    settings: Any = None
+    mixed: MixedSettings | None = None
+    calib: Calibration = field(default_factory=Calibration)
+    evaluation: Evaluation | None = field(default_factory=Evaluation)
+    device: str | None = None
+    workdir: str | None = None
+    offload_dir: str | None = None
+    force: bool = False
+    progress: bool = True
+
+    def __post_init__(self) -> None:
+        spec = get(self.method)
+        object.__setattr__(self, "settings", coerce_settings(self.method, self.settings))
+        sources = [n for n, v in (("--scheme", self.scheme), ("--plan", self.plan_file),
+                                  ("--avg-bits/--options", self.mixed)) if v is not None]
+        if len(sources) > 1:
+            raise ConfigError(f"{' and '.join(sources)} both choose the layers' schemes; give only one")
+        if self.scheme is not None:
+            Scheme.parse(self.scheme)
+        if self.lm_head and self.plan_file is not None:
+            raise ConfigError("--lm-head adds the lm_head to a uniform plan; a plan file names its layers "
+                              "itself (add the lm_head there)")
+        for name, value in (("--workdir", self.workdir), ("--offload-dir", self.offload_dir)):
+            if value is not None and not spec.blockwise:
+                raise ConfigError(f"{name} applies to the block-wise methods ({' | '.join(_block_methods())}); "
+                                  f"--method {self.method} quantizes the whole model at once")
+
+    @property
+    def needs_calib(self) -> bool:
+        return get(self.method).needs_calib(self.settings) or self.mixed is not None
+
+    def inputs(self) -> list[str | None]:
+        return [self.model, self.plan_file, self.calib.data, self.evaluation and self.evaluation.data]
+
+
+def method_options(method: str) -> list[str]:
+    """The settings fields method ``method`` takes (its command-line flags, underscores as dashes)."""
+    return get(method).settable()
+
+
+def _block_methods() -> list[str]:
+    from lowbit.ptq.methods import METHODS
+
+    return sorted(n for n, m in METHODS.items() if m.blockwise)
+
+
+def quantize(job: QuantizeJob) -> dict[str, Any]:
+    """Run ``job``; returns the summary the CLI prints (see README for the keys)."""
+    from lowbit.models import load_model
+
+    t0 = time.perf_counter()
+    device = job_device(job.device)
+    for folder in (job.workdir, job.offload_dir):
+        if folder is not None:
+            outputs.check_folder(folder, job.out)
+    with outputs.claim(job.out, job.force, job.inputs()) as out:
+        spec = get(job.method)
+        lazy = job.offload_dir is not None and spec.blockwise and job.mixed is None
+        lm = load_model(job.model, lazy=lazy)
+        run = _Run(job, lm, device)
+        result = run.execute()
+        run.save(out, result)
+    result["out"] = str(out)
+    result["seconds"] = round(time.perf_counter() - t0, 2)
+    return result
+
+
+class _Run:
+    """The steps of one quantize job on a loaded model (kept apart so each stays short)."""
+
+    def __init__(self, job: QuantizeJob, lm: Any, device: torch.device | None) -> None:
+        self.job, self.lm, self.device = job, lm, device
+        first = job.mixed.options[0] if job.mixed is not None else job.scheme
+        self.plan = build_plan(lm.model, first, job.plan_file, job.lm_head)
+        self.allocation = None
+        self.ev = job.evaluation.tokens(lm.tokenizer) if job.evaluation is not None else None
+        self.calib = job.calib.batches(lm.tokenizer) if job.needs_calib else None
+        self.source_digest = _float_digest(lm.model, list(self.plan))
+
+    def execute(self) -> dict[str, Any]:
+        from lowbit.models.lazy import is_lazy
+        from lowbit.models.placement import on_device
+        from lowbit.ptq import quantize_model
+        from lowbit.ptq.mixed import mixed_plan
+
+        job, model = self.job, self.lm.model
+        result: dict[str, Any] = {"model": self.lm.source, "method": job.method}
+        if self.ev is not None and not is_lazy(model):
+            with on_device(model, self.device):
+                result["ppl_fp"] = job.evaluation.perplexity(model, self.ev, job.progress).ppl
+        elif self.ev is not None:
+            result["ppl_fp_skipped"] = "lazy load (--offload-dir): run `lowbit eval MODEL` for the float perplexity"
+        t0 = time.perf_counter()
+        if job.mixed is not None:
+            self.allocation = mixed_plan(model, self.plan, job.mixed, self.calib, self.device, job.progress)
+            self.plan = self.allocation.plan
+        self.plan = quantize_model(model, self.plan, job.method, job.settings, calib=self.calib,
+                                   device=None if self.device is None else str(self.device), workdir=job.workdir,
+                                   offload_dir=job.offload_dir, progress=job.progress)
+        result["quantize_seconds"] = round(time.perf_counter() - t0, 2)
+        result["scheme"] = self.plan.describe()
+        if self.ev is not None:
+            with on_device(model, self.device):
+                r = job.evaluation.perplexity(model, self.ev, job.progress)
+            result["ppl_q"], result["eval_tokens"] = r.ppl, r.tokens
+        result.update(bits_summary(model, self.plan, job.lm_head))
+        return result
+
+    def save(self, out: Path, result: dict[str, Any]) -> None:
+        from lowbit.models.native import save
+
+        meta = {"source": self.lm.source, "source_kind": self.lm.kind, "source_digest": self.source_digest,
+                "method": self.job.method, "plan": self.plan.describe(),
+                **{k: result[k] for k in ("ppl_fp", "ppl_q") if k in result}}
+        save(self.lm.model, self.lm.tokenizer, out, meta=meta, force=True, extra_files=self._plan_files())
+
+    def _plan_files(self) -> dict[str, bytes]:
+        if self.allocation is None:
+            return {}
+        from lowbit.ptq.allocate import plot_bits
+
+        sizes = {n: (m.out_features, m.in_features) for n, m in
+                 ((n, self.lm.model.get_submodule(n)) for n in self.plan)}
+        return {"plan.json": self.plan.to_json().encode(), "plan.png": plot_bits(self.plan, sizes)}
+
+
+def _float_digest(model: nn.Module, names: list[str]) -> str | None:
+    """sha256 of the float weights of ``names`` (None for a lazily loaded model: not in memory)."""
+    from lowbit.models.lazy import is_lazy
+
+    if is_lazy(model):
+        return None
+    from lowbit.models.layers import weight_digest
+
+    return weight_digest(model, names)

@@ -1,0 +1,143 @@
+"""The PTQ method registry: a method is a frozen settings dataclass plus a run function.
+
+Each method module registers itself beside its code (``register(Method(...))``), so
+adding one is one module. Settings are the method's own knobs only; what every method
+shares (calibration tokens, device, work and offload folders, progress) travels in a
+`RunContext`. Settings from text (the CLI's flags) go through `make_settings`, which
+refuses any knob the chosen method does not have and names the methods that do: a flag
+the chosen path cannot honour is an error, never silently dropped.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from lowbit.errors import ConfigError
+from lowbit.formats.plan import Plan
+
+
+@dataclass(frozen=True)
+class RunContext:
+    """What a method runs with, the same for every method.
+
+    calib: LongTensor ``[n, seqlen]`` from the calibration split (None for data-free runs).
+    device: compute device (None = where the model is). workdir: per-block results, so an
+    interrupted block-wise run resumes. offload_dir: keep FP blocks on disk (block-wise only).
+    """
+
+    calib: torch.Tensor | None = None
+    device: str | None = None
+    workdir: str | None = None
+    offload_dir: str | None = None
+    progress: bool = True
+
+
+RunFn = Callable[[nn.Module, Plan, Any, RunContext], Plan]  # returns the plan it applied
+
+
+@dataclass(frozen=True)
+class Method:
+    """One PTQ method.
+
+    settings: its frozen settings dataclass; ``fixed`` pins fields users cannot set
+    (e.g. ``v2=True`` for signround2). blockwise: it reads the model one decoder block
+    at a time (so it can start from a lazily loaded model, offload blocks to disk and
+    resume from a work folder). needs_calib: whether these settings need calibration data.
+    presets: named bases for the settings (``--preset``).
+    """
+
+    name: str
+    settings: type
+    run: RunFn
+    blockwise: bool
+    needs_calib: Callable[[Any], bool]
+    summary: str
+    fixed: Mapping[str, Any] = field(default_factory=dict)
+    presets: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
+
+    def settable(self) -> list[str]:
+        return [f.name for f in dataclasses.fields(self.settings) if f.name not in self.fixed]
+
+    def default_settings(self) -> Any:
+        return self.settings(**self.fixed)
+
+
+METHODS: dict[str, Method] = {}
+
+
+def register(method: Method) -> Method:
+    METHODS[method.name] = method
+    return method
+
+
+def names() -> list[str]:
+    return sorted(METHODS)
+
+
+def get(name: str) -> Method:
+    if name not in METHODS:
+        raise ConfigError(f"unknown method {name!r}; choose one of {names()}")
+    return METHODS[name]
+
+
+def flag(name: str) -> str:
+    """The command-line spelling of a settings field (``tune_dtype`` -> ``--tune-dtype``)."""
+    return "--" + name.replace("_", "-")
+
+
+def takers(option: str) -> list[str]:
+    """Methods that accept ``option`` (a settings field, or ``preset``)."""
+    if option == "preset":
+        return [m.name for m in METHODS.values() if m.presets]
+    return [m.name for m in METHODS.values() if option in m.settable()]
+
+
+def make_settings(name: str, options: Mapping[str, Any] | None = None) -> Any:
+    """Settings of method ``name`` from ``options`` (field -> value; ``preset`` picks a base).
+
+    Only the options given are applied; every other field keeps the preset's or the
+    dataclass' default. An option the method lacks is an error naming the methods that
+    take it.
+    """
+    method = get(name)
+    opts = dict(options or {})
+    base: dict[str, Any] = {}
+    preset = opts.pop("preset", None)
+    if preset is not None:
+        _check_taken(method, "preset")
+        if preset not in method.presets:
+            raise ConfigError(f"unknown {name} preset {preset!r}; choose one of {sorted(method.presets)}")
+        base.update(method.presets[preset])
+    for key in opts:
+        _check_taken(method, key)
+    return method.settings(**{**base, **opts, **method.fixed})
+
+
+def _check_taken(method: Method, key: str) -> None:
+    ok = bool(method.presets) if key == "preset" else key in method.settable()
+    if ok:
+        return
+    who = takers(key)
+    where = f"it applies to --method {' | '.join(who)}" if who else "no method takes it"
+    raise ConfigError(f"{flag(key)} does not apply to --method {method.name}; {where}")
+
+
+def coerce_settings(name: str, settings: Any) -> Any:
+    """Settings for method ``name``: None = its defaults, a mapping = `make_settings`, else checked."""
+    method = get(name)
+    if settings is None:
+        return method.default_settings()
+    if isinstance(settings, Mapping):
+        return make_settings(name, settings)
+    if not isinstance(settings, method.settings):
+        raise ConfigError(f"method {name} takes {method.settings.__name__}, got {type(settings).__name__}")
+    wrong = {k: v for k, v in method.fixed.items() if getattr(settings, k) != v}
+    if wrong:
+        raise ConfigError(f"method {name} needs {wrong} in its settings")
+    return settings

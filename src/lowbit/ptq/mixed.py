@@ -1,0 +1,95 @@
+"""Mixed precision: a per-layer plan chosen by DeltaLoss and an exact knapsack, for any method.
+
+SignRoundV2's allocation: every candidate scheme quantizes the whole model (RTN), the
+causal-LM loss is back-propagated on a few calibration batches, each layer is scored by
+the first-order loss change of its quantization (`sensitivity.delta_loss`), and an exact
+multiple-choice knapsack (`allocate.allocate`) picks one scheme per layer within the
+average-bit budget. The result is an ordinary `Plan`, which any method (RTN, SignRound,
+SignRoundV2) then applies; the plan and its bits-per-layer plot go into the checkpoint.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from lowbit.errors import ConfigError
+from lowbit.formats import Scheme
+from lowbit.formats.plan import Plan
+from lowbit.models.placement import model_device, on_device
+from lowbit.nn.precision import resolve_dtype
+from lowbit.ptq.allocate import Allocation, allocate, tie_qkv
+from lowbit.ptq.sensitivity import DTYPES, MODES, delta_loss
+
+DTYPE_CHOICES = ("auto", *DTYPES)
+
+
+@dataclass(frozen=True)
+class MixedSettings:
+    """A mixed-precision budget.
+
+    avg_bits: average bits per weight over the planned layers. options: candidate schemes.
+    delta_mode: DeltaLoss score, ``abs`` (reference code) or ``signed`` (the paper's term).
+    tie_qkv: q/k/v of a block take one scheme (fused-QKV kernels need that).
+    count_scales: the budget counts scale and zero-point bits (False = element bits only).
+    nsamples: calibration samples used for the DeltaLoss passes.
+    lm_head_min_bits: a planned lm_head may take only options of at least this many bits.
+    dtype: precision of the DeltaLoss passes (auto = bf16 where the hardware has fast bf16).
+    """
+
+    avg_bits: float
+    options: tuple[str, ...]
+    delta_mode: str = "abs"
+    tie_qkv: bool = False
+    count_scales: bool = True
+    nsamples: int = 16
+    lm_head_min_bits: int = 6
+    dtype: str = "auto"
+
+    def __post_init__(self) -> None:
+        opts = self.options.split(",") if isinstance(self.options, str) else self.options
+        object.__setattr__(self, "options", tuple(Scheme.parse(o).name for o in opts if str(o).strip()))
+        if not self.options:
+            raise ConfigError("mixed precision needs at least one option, e.g. --options w2g64,w4g128")
+        if not self.avg_bits > 0:
+            raise ConfigError(f"--avg-bits must be positive, got {self.avg_bits}")
+        if self.delta_mode not in MODES:
+            raise ConfigError(f"--delta-mode must be one of {MODES}, got {self.delta_mode!r}")
+        if self.dtype not in DTYPE_CHOICES:
+            raise ConfigError(f"DeltaLoss dtype must be one of {DTYPE_CHOICES}, got {self.dtype!r}")
+        if self.nsamples < 1:
+            raise ConfigError(f"DeltaLoss needs at least one sample, got {self.nsamples}")
+
+    def schemes(self) -> list[Scheme]:
+        return list(dict.fromkeys(Scheme.parse(o) for o in self.options))
+
+
+def check_widths(model: nn.Module, plan: Plan, settings: MixedSettings) -> None:
+    """Every option must fit every planned layer (before any DeltaLoss pass runs)."""
+    for n in plan:
+        cols = model.get_submodule(n).in_features
+        for o in settings.schemes():
+            o.check_width(cols, n)
+
+
+def mixed_plan(model: nn.Module, plan: Plan, settings: MixedSettings, calib: torch.Tensor,
+               device: str | torch.device | None = None, progress: bool = True) -> Allocation:
+    """DeltaLoss-scored, knapsack-allocated plan over the layers of ``plan`` (their schemes are ignored)."""
+    if calib is None or calib.numel() == 0:
+        raise ConfigError("mixed precision needs calibration batches for its DeltaLoss passes")
+    check_widths(model, plan, settings)
+    sizes = {n: _shape(model, n) for n in plan}
+    with on_device(model, device):  # DeltaLoss is whole-model forward/backward passes
+        dtype = resolve_dtype(settings.dtype, model_device(model))
+        scores = delta_loss(model, list(plan), settings.schemes(), calib[: settings.nsamples],
+                            mode=settings.delta_mode, progress=progress, dtype=dtype)
+    ties = tie_qkv(list(plan)) if settings.tie_qkv else ()
+    return allocate(scores, sizes, settings.schemes(), settings.avg_bits, ties=ties,
+                    count_scales=settings.count_scales, lm_head_min_bits=settings.lm_head_min_bits)
+
+
+def _shape(model: nn.Module, name: str) -> tuple[int, int]:
+    m = model.get_submodule(name)
+    return (m.out_features, m.in_features)

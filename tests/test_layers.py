@@ -1,0 +1,85 @@
+"""The package layers of docs/ARCHITECTURE.md, checked against every import in src/lowbit.
+
+A module may import from its own package and from packages of lower layers only; the
+command line talks to the api layer alone. Imports inside functions count too: a lazy
+upward import is still an upward dependency.
+"""
+
+import ast
+from pathlib import Path
+
+SRC = Path(__file__).resolve().parents[1] / "src" / "lowbit"
+
+# bottom to top; packages of one row may not import each other
+LAYERS = [
+    ("errors",),
+    ("configs", "io"),
+    ("formats",),
+    ("nn",),
+    ("models", "data"),
+    ("ptq", "train"),
+    ("qat", "peft"),
+    ("eval", "export"),
+    ("studies",),
+    ("api",),
+    ("cli",),
+    ("__main__",),
+]
+LEVEL = {pkg: i for i, row in enumerate(LAYERS) for pkg in row}
+CLI_MAY_IMPORT = {"cli", "api", "errors"}
+
+
+def package_of(path: Path) -> str:
+    rel = path.relative_to(SRC)
+    return rel.parts[0].removesuffix(".py")
+
+
+def lowbit_imports(path: Path) -> list[tuple[int, str]]:
+    """(line, first package after ``lowbit.``) for every import of a lowbit module in ``path``."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            # ``from lowbit import x``: a subpackage, or a name of the top-level package (its version)
+            names = [node.module] if node.module != "lowbit" else [
+                f"lowbit.{a.name}" for a in node.names if (SRC / a.name).is_dir() or (SRC / f"{a.name}.py").is_file()]
+        else:
+            continue
+        found += [(node.lineno, n.split(".")[1]) for n in names if n.startswith("lowbit.")]
+    return found
+
+
+def violations() -> list[str]:
+    bad = []
+    for path in sorted(SRC.rglob("*.py")):
+        pkg = package_of(path)
+        if pkg == "__init__":  # the top-level package only maps public names to modules, lazily
+            continue
+        for line, target in lowbit_imports(path):
+            where = f"{path.relative_to(SRC)}:{line} imports lowbit.{target}"
+            if target not in LEVEL:
+                bad.append(f"{where}: package missing from the layer table")
+            elif pkg == "cli" and target not in CLI_MAY_IMPORT:
+                bad.append(f"{where}: the CLI talks to the api layer only")
+            elif target != pkg and LEVEL[target] >= LEVEL[pkg]:
+                bad.append(f"{where}: {'same-layer' if LEVEL[target] == LEVEL[pkg] else 'upward'} import")
+    return bad
+
+
+def test_every_package_is_in_the_table():
+    pkgs = {package_of(p) for p in SRC.rglob("*.py")} - {"__init__"}
+    assert pkgs <= set(LEVEL), sorted(pkgs - set(LEVEL))
+
+
+def test_imports_follow_the_layers():
+    assert violations() == []
+
+
+def test_the_check_sees_an_upward_import(tmp_path, monkeypatch):
+    """The test itself can fail: a planted upward import is reported."""
+    fake = tmp_path / "lowbit"
+    (fake / "formats").mkdir(parents=True)
+    (fake / "formats" / "bad.py").write_text("def f():\n    from lowbit.ptq import quantize_model\n")
+    monkeypatch.setattr(__import__(__name__), "SRC", fake)
+    assert violations() == ["formats/bad.py:2 imports lowbit.ptq: upward import"]
