@@ -70,3 +70,12 @@ def bundled_w4g32():
     rtn_quantize(lm.model, build_plan(lm.model, "w4g32", None), progress=False)
     ppl = perplexity(lm.model, tokens, seqlen=256, windows=2, progress=False).ppl
     return lm, tokens, ppl
+
+
+@pytest.fixture(scope="session")
+def tiny_hf_dir(tmp_path_factory, tiny_tokenizer):
+    """A tiny random Llama saved as a Hugging Face folder (with the tiny tokenizer), built once."""
+    path = tmp_path_factory.mktemp("tiny_hf") / "llama"
+    make_llama(len(tiny_tokenizer)).save_pretrained(path)
+    tiny_tokenizer.save_pretrained(path)
+    return path

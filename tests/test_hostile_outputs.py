@@ -1,0 +1,305 @@
+"""What careless or hostile use of outputs and flags does: refused in one line, nothing lost.
+
+End-to-end through the CLI on a tiny random Llama (issue #19: data loss, validation before
+work, concurrent runs, leftovers, flags a path cannot honour, partial-plan bits, QAT work
+folders, the float base of a fine-tune).
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from lowbit.cli import main
+
+FAST = ["--nsamples", "4", "--seqlen", "32", "--eval-seqlen", "64", "--windows", "2"]
+
+
+def one_error(capsys, needle: str) -> str:
+    err = capsys.readouterr().err
+    assert needle in err, err
+    assert len(err.strip().splitlines()) == 1, err
+    return err
+
+
+def last_json(capsys) -> dict:
+    return json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+
+
+def tree(path):
+    return sorted((str(p.relative_to(path)), p.stat().st_size) for p in path.rglob("*"))
+
+
+# ------------------------------------------------------------------ --force
+def test_force_never_replaces_the_input_model(tiny_hf_dir, capsys):
+    before = tree(tiny_hf_dir)
+    code = main(["quantize", str(tiny_hf_dir), "--scheme", "w4g32", "--no-search", "--no-eval", "--out", str(tiny_hf_dir), "--force"])
+    assert code != 0
+    one_error(capsys, "would overwrite the input")
+    assert tree(tiny_hf_dir) == before
+
+
+def test_force_never_replaces_a_folder_lowbit_did_not_write(tiny_hf_dir, tmp_path, capsys):
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("keep me")
+    assert main(["quantize", str(tiny_hf_dir), "--scheme", "w4g32", "--no-search", "--no-eval", "--out", str(mine), "--force"]) != 0
+    one_error(capsys, "not a lowbit output")
+    assert (mine / "notes.txt").read_text() == "keep me"
+
+
+def test_force_keeps_files_added_to_a_lowbit_output(tiny_hf_dir, tmp_path, capsys):
+    out = tmp_path / "q"
+    args = ["quantize", str(tiny_hf_dir), "--scheme", "w4g32", "--no-search", "--no-eval", "--out", str(out)]
+    assert main(args) == 0
+    assert main([*args, "--force"]) == 0  # lowbit's own output: replaced
+    (out / "my-notes.md").write_text("mine")
+    assert main([*args, "--force"]) != 0
+    one_error(capsys, "files lowbit did not write")
+    assert (out / "my-notes.md").read_text() == "mine"
+
+
+def test_force_never_replaces_a_data_file(tiny_hf_dir, tmp_path, capsys):
+    data = tmp_path / "data.txt"
+    data.write_text("precious\n\ntext")
+    assert main(["quantize", str(tiny_hf_dir), "--scheme", "w4g32", "--no-search", "--no-eval", "--out", str(data), "--force"]) != 0
+    one_error(capsys, "not a lowbit output folder")
+    assert data.read_text() == "precious\n\ntext"
+
+
+def test_out_dot_is_refused(tiny_hf_dir, tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert main(["quantize", str(tiny_hf_dir), "--scheme", "w4g32", "--no-search", "--no-eval", "--out", "."]) != 0
+    one_error(capsys, "already exists")
+    assert main(["quantize", str(tiny_hf_dir), "--scheme", "w4g32", "--no-search", "--no-eval", "--out", ".", "--force"]) != 0
+    one_error(capsys, "not a lowbit output")
+
+
+def test_gguf_export_onto_a_folder_is_one_line(tiny_hf_dir, tmp_path, capsys):
+    q = tmp_path / "q"
+    assert main(["quantize", str(tiny_hf_dir), "--scheme", "w4g32", "--no-search", "--no-eval", "--out", str(q)]) == 0
+    (tmp_path / "folder").mkdir()
+    assert main(["export", str(q), "--to", "gguf", "--out", str(tmp_path / "folder"), "--force"]) != 0
+    one_error(capsys, "is a folder")
+    assert main(["export", str(q), "--to", "gguf", "--out", str(q / "model.gguf")]) != 0
+    one_error(capsys, "would overwrite the input")
+
+
+# ------------------------------------------------- validation before any work
+@pytest.mark.parametrize("args,needle", [
+    (["--windows", "-1"], "--windows must be >= 0"),
+    (["--method", "signround2", "--iters", "1", "--windows", "-1", "--offload-dir", "OFF"], "--windows must be >= 0"),
+    (["--out", "FILE/sub/q"], "is a file, not a folder"),
+    (["--method", "rtn", "--iters", "3"], "--iters does not apply to --method rtn"),
+    (["--method", "rtn", "--preset", "best"], "--preset does not apply to --method rtn"),
+    (["--method", "rtn", "--batch-size", "4"], "--batch-size does not apply"),
+    (["--method", "rtn", "--fp-inputs"], "--fp-inputs does not apply"),
+    (["--method", "rtn", "--tune-dtype", "bf16"], "--tune-dtype does not apply"),
+    (["--method", "rtn", "--workdir", "W"], "--workdir applies to the block-wise methods"),
+    (["--method", "rtn", "--offload-dir", "W"], "--offload-dir applies to the block-wise methods"),
+    (["--method", "signround", "--no-search"], "--search does not apply to --method signround"),
+    (["--no-search", "--nsamples", "8"], "does not use"),
+    (["--tie-qkv"], "needs both --avg-bits and --options"),
+    (["--delta-mode", "signed"], "needs both --avg-bits and --options"),
+    (["--ignore-scale-bits"], "needs both --avg-bits and --options"),
+    (["--avg-bits", "3"], "needs both --avg-bits and --options"),
+    (["--plan", "PLAN", "--scheme", "w4g32"], "give only one"),
+    (["--avg-bits", "3", "--options", "w2g32,w4g32", "--scheme", "w4g32"], "give only one"),
+    (["--no-eval", "--windows", "3"], "which --no-eval skips"),
+    (["--avg-bits", "1.0", "--options", "w2g32,w4g32", "--method", "rtn"], "cannot be met"),
+])
+def test_quantize_refuses_before_work(tiny_hf_dir, tmp_path, capsys, args, needle):
+    (tmp_path / "FILE").write_text("x")
+    (tmp_path / "PLAN").write_text('{"layers": {}}')
+    args = [a if a not in ("FILE/sub/q", "W", "OFF", "PLAN") else str(tmp_path / a) for a in args]
+    out = [] if "--out" in args else ["--out", str(tmp_path / "q")]
+    base = [a for a in FAST if "--windows" not in args or a not in ("--windows", "2")]
+    if "--no-eval" in args:
+        base = FAST[:4]
+    scheme = [] if "--scheme" in args or "--options" in args else ["--scheme", "w4g32"]
+    assert main(["quantize", str(tiny_hf_dir), *scheme, *base, *args, *out]) != 0
+    one_error(capsys, needle)
+    assert not (tmp_path / "q").exists()
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []  # no temporaries, no locks
+
+
+def test_unwritable_out_fails_before_loading(tiny_hf_dir, tmp_path, capsys):
+    if os.geteuid() == 0:
+        pytest.skip("root can write anywhere")
+    ro = tmp_path / "ro"
+    ro.mkdir(mode=0o500)
+    assert main(["quantize", str(tiny_hf_dir), "--scheme", "w4g32", "--no-search", "--no-eval", "--out", str(ro / "q")]) != 0
+    one_error(capsys, "permission denied")
+
+
+def test_eval_limit_needs_tasks(tiny_hf_dir, capsys):
+    assert main(["eval", str(tiny_hf_dir), "--limit", "5"]) != 0
+    one_error(capsys, "--limit applies to zero-shot tasks")
+
+
+# ----------------------------------------------------------- concurrent runs
+def test_a_second_run_on_a_busy_output_is_told_so(tiny_hf_dir, tmp_path, capsys):
+    from lowbit.io import output_lock
+
+    out = tmp_path / "q"
+    with output_lock(out):  # as if another lowbit run were writing it right now
+        assert main(["quantize", str(tiny_hf_dir), "--scheme", "w4g32", "--no-search", "--no-eval", "--out", str(out), "--force"]) != 0
+    one_error(capsys, "another lowbit run is writing")
+    assert not out.exists()
+    assert main(["quantize", str(tiny_hf_dir), "--scheme", "w4g32", "--no-search", "--no-eval", "--out", str(out)]) == 0
+
+
+def test_two_processes_on_one_output_one_wins_the_other_is_told(tiny_hf_dir, tmp_path):
+    out = tmp_path / "q"
+    cmd = [sys.executable, "-m", "lowbit", "quantize", str(tiny_hf_dir), "--scheme", "w4g32", "--no-search", "--no-eval", "--force",
+           "--out", str(out)]
+    procs = [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    results = [(p.wait(timeout=300), p.stderr.read()) for p in procs]
+    for code, err in results:  # each run either wrote the output or was told another run held it
+        assert code == 0 or "another lowbit run is writing" in err, err
+    assert any(code == 0 for code, _ in results)
+    from lowbit.models.native import load
+
+    load(out)
+    assert [p.name for p in tmp_path.iterdir()] == ["q"]
+
+
+# ------------------------------------------------------------------ leftovers
+def test_leftovers_of_killed_runs_are_cleared(tiny_hf_dir, tmp_path):
+    out = tmp_path / "q"
+    (tmp_path / ".q.lowbit-dead1.partial").mkdir()
+    (tmp_path / ".q.lowbit-dead1.partial" / "model.safetensors").write_bytes(b"\0" * 1000)
+    (tmp_path / ".q.lowbit-dead2.partial").write_bytes(b"half a gguf")
+    (tmp_path / ".qq.lowbit-other.partial").mkdir()  # another output's: not ours to touch
+    assert main(["quantize", str(tiny_hf_dir), "--scheme", "w4g32", "--no-search", "--no-eval", "--out", str(out)]) == 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".qq.lowbit-other.partial", "q"]
+
+
+def test_mixed_precision_leaves_nothing_in_the_temp_dir(tiny_hf_dir, tmp_path, monkeypatch, capsys):
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    monkeypatch.setenv("TMPDIR", str(tmp))
+    import tempfile
+
+    monkeypatch.setattr(tempfile, "tempdir", None)
+    args = ["quantize", str(tiny_hf_dir), *FAST[:4], "--no-eval", "--avg-bits", "3.5", "--options", "w2g32,w4g32"]
+    assert main([*args, "--out", str(tmp_path / "q")]) == 0
+    assert main([*args, "--method", "signround2", "--iters", "1", "--avg-bits", "1.0",
+                 "--out", str(tmp_path / "bad")]) != 0
+    assert list(tmp.iterdir()) == []
+    assert {"plan.json", "plan.png"} <= {p.name for p in (tmp_path / "q").iterdir()}
+
+
+# --------------------------------------------------------------- reporting
+def test_partial_plan_reports_bits_over_every_linear(tiny_hf_dir, tmp_path, capsys):
+    plan = tmp_path / "plan.json"
+    plan.write_text(json.dumps({"layers": {"model.layers.0.self_attn.q_proj": "w4g32"}}))
+    assert main(["quantize", str(tiny_hf_dir), "--plan", str(plan), "--no-search", "--no-eval",
+                 "--out", str(tmp_path / "q"), "--json"]) == 0
+    r = last_json(capsys)
+    assert r["layers_quantized"] == 1 and r["layers_16bit"] == 13
+    assert r["bits_per_weight_planned"] == 4.5
+    q_params = 64 * 64
+    total = 2 * (4 * 64 * 64 - 2 * 64 * 32 + 3 * 64 * 128)  # q,o 64x64; k,v 32x64 (2 KV heads); mlp 3x 64x128
+    total = 2 * (2 * 64 * 64 + 2 * 32 * 64 + 3 * 64 * 128)
+    assert r["bits_per_weight"] == round((4.5 * q_params + 16 * (total - q_params)) / total, 4)
+
+
+# ------------------------------------------------------------------- qat
+def test_qat_workdir_is_the_one_used_and_copied(tiny_hf_dir, tmp_path, capsys):
+    out, work = tmp_path / "o", tmp_path / "w"
+    args = ["qat", str(tiny_hf_dir), "--scheme", "w2", "--steps", "8", "--batch-size", "2", "--seqlen", "32",
+            "--no-eval", "--checkpoint-every", "4", "--workdir", str(work), "--out", str(out), "--json"]
+    assert main(args) == 0
+    first = last_json(capsys)
+    assert first["workdir"] == str(work) and first["reinits"] == [2, 4, 6]
+    assert (out / "metrics.jsonl").is_file() and (out / "loss.png").is_file()
+    assert not (tmp_path / "o.train").exists()
+    assert main([*args, "--force"]) == 0  # resumes at step 4: the report still lists every re-init
+    again = last_json(capsys)
+    assert again["resumed_from"] == 4 and again["reinits"] == [2, 4, 6]
+    lines = (out / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(x)["step"] for x in lines if "loss" in json.loads(x)] == list(range(1, 9))
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["--method", "ste", "--reinit-a", "0.5"], "--reinit-a switch WinQ parts"),
+    (["--method", "ste", "--no-noise"], "--no-noise switch WinQ parts"),
+    (["--reinit-every", "50"], "not shorter than the 8-step run"),
+    (["--reinit-a", "1.0"], "must be in [0, 1)"),
+    (["--sigma-w", "-1"], "sigmas must be >= 0"),
+    (["--kd-temperature", "2"], "add --kd"),
+])
+def test_qat_refuses_flags_its_method_cannot_honour(tiny_hf_dir, tmp_path, capsys, args, needle):
+    assert main(["qat", str(tiny_hf_dir), "--scheme", "w2", "--steps", "8", "--no-eval", *args,
+                 "--out", str(tmp_path / "o")]) != 0
+    one_error(capsys, needle)
+    assert list(tmp_path.iterdir()) == []
+
+
+# --------------------------------------------------------------- finetune
+@pytest.fixture
+def quantized(tiny_hf_dir, tmp_path, monkeypatch):
+    """A w4g32 checkpoint of a copy of the tiny model, made from a relative path."""
+    import shutil
+
+    src = tmp_path / "src" / "model"
+    shutil.copytree(tiny_hf_dir, src)
+    monkeypatch.chdir(tmp_path / "src")
+    assert main(["quantize", "model", "--scheme", "w4g32", "--no-search", "--no-eval", "--out", str(tmp_path / "q")]) == 0
+    return tmp_path / "q", src
+
+
+def test_finetune_finds_the_recorded_base_from_another_folder(quantized, tmp_path, monkeypatch, capsys):
+    q, src = quantized
+    other = tmp_path / "elsewhere"
+    (other / "model").mkdir(parents=True)  # a different model under the same relative name
+    monkeypatch.chdir(other)
+    meta = json.loads((q / "lowbit.json").read_text())["meta"]
+    assert meta["source"] == str(src.resolve()) and meta["source_digest"]
+    assert main(["finetune", str(q), "--adapter", "qwha", "--rank", "2", "--steps", "1", "--batch-size", "2",
+                 "--nsamples", "2", "--seqlen", "32", "--no-eval", "--out", str(tmp_path / "a"), "--json"]) == 0
+    r = last_json(capsys)
+    assert r["base_model"] == str(src.resolve()) and r["base_verified"] is True
+
+
+def test_finetune_refuses_a_base_with_other_weights(quantized, tmp_path, capsys):
+    q, src = quantized
+    from transformers import AutoModelForCausalLM
+
+    m = AutoModelForCausalLM.from_pretrained(src)
+    with torch.no_grad():
+        m.model.layers[0].mlp.down_proj.weight.mul_(1.01)
+    m.save_pretrained(tmp_path / "impostor")
+    (tmp_path / "impostor" / "tokenizer.json").write_bytes((src / "tokenizer.json").read_bytes())
+    assert main(["finetune", str(q), "--adapter", "loftq", "--rank", "2", "--steps", "1", "--no-eval",
+                 "--base-model", str(tmp_path / "impostor"), "--out", str(tmp_path / "a")]) != 0
+    one_error(capsys, "is not the one the checkpoint was quantized from")
+    assert not (tmp_path / "a").exists()
+
+
+def test_finetune_refuses_a_vanished_base(quantized, tmp_path, capsys):
+    import shutil
+
+    q, src = quantized
+    shutil.rmtree(src)
+    assert main(["finetune", str(q), "--adapter", "qwha", "--steps", "1", "--no-eval",
+                 "--out", str(tmp_path / "a")]) != 0
+    one_error(capsys, "not there any more")
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["--adapter", "lora", "--k-min", "2"], "--k-min does not apply to --adapter lora"),
+    (["--adapter", "lora", "--scale", "3"], "--scale does not apply to --adapter lora"),
+    (["--adapter", "loftq", "--no-refine"], "--refine does not apply to --adapter loftq"),
+    (["--adapter", "lora", "--base-model", "X"], "--base-model applies to --adapter qwha | loftq"),
+    (["--no-eval", "--windows", "3"], "which --no-eval skips"),
+])
+def test_finetune_refuses_flags_its_adapter_cannot_honour(quantized, tmp_path, capsys, args, needle):
+    q, _ = quantized
+    assert main(["finetune", str(q), "--steps", "1", *args, "--out", str(tmp_path / "a")]) != 0
+    one_error(capsys, needle)
+    assert not (tmp_path / "a").exists()
