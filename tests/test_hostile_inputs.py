@@ -1,0 +1,178 @@
+"""Hostile and damaged inputs: every one is refused with one clear `LowbitError`, nothing runs.
+
+Files that lowbit reads back (training checkpoints, native checkpoints, adapter folders,
+PTQ work folders, data files, plan files) are treated as untrusted data: a pickle is
+never unpickled, a manifest cannot point outside its folder, checksums are mandatory,
+and a damaged file is reported as damaged.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import make_llama
+from tokenizers import Tokenizer, models, pre_tokenizers
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+from lowbit.cli import main
+from lowbit.errors import CheckpointError
+from lowbit.train import TrainConfig, train
+from lowbit.train import checkpoint as ckpt
+
+WORDS = [f"w{i}" for i in range(120)]
+
+
+class Payload:
+    """Unpickling this creates ``marker``: proof that a pickle was executed."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
+def evil_pickle(marker: Path) -> bytes:
+    return pickle.dumps({"step": 1, "payload": Payload(marker)})
+
+
+def word_tokenizer() -> PreTrainedTokenizerFast:
+    tok = Tokenizer(models.WordLevel({t: i for i, t in enumerate(["<unk>", "<pad>", *WORDS])}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", pad_token="<pad>", eos_token="<pad>")
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> Path:
+    """A tiny Llama folder with a word tokenizer and a small random-word corpus.txt."""
+    d = tmp_path_factory.mktemp("tiny")
+    tok = word_tokenizer()
+    make_llama(len(tok)).save_pretrained(d)
+    tok.save_pretrained(d)
+    g = torch.Generator().manual_seed(0)
+    docs = [" ".join(WORDS[j] for j in torch.randint(0, 120, (200,), generator=g).tolist()) for _ in range(8)]
+    (d / "corpus.txt").write_text("\n\n".join(docs))
+    return d
+
+
+def one_error_line(capsys, *needles: str) -> str:
+    """The CLI's stderr is exactly one ``lowbit CMD: error: ...`` line holding every needle."""
+    text = capsys.readouterr().err
+    err = [ln for ln in text.splitlines() if ln.startswith("lowbit ")]  # progress bars may precede it
+    assert len(err) == 1 and "error:" in err[0] and "Traceback" not in text, text
+    for n in needles:
+        assert n in err[0], err[0]
+    return err[0]
+
+
+# ------------------------------------------------------------------ training checkpoints
+def tiny_model() -> LlamaForCausalLM:
+    torch.manual_seed(0)
+    return LlamaForCausalLM(LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                        num_attention_heads=4, num_key_value_heads=2, vocab_size=64))
+
+
+def tokens() -> torch.Tensor:
+    return torch.randint(0, 64, (8, 16), generator=torch.Generator().manual_seed(1))
+
+
+def train_cfg(out: Path) -> TrainConfig:
+    return TrainConfig(steps=4, batch_size=2, lr=1e-3, warmup=1, progress=False, out_dir=str(out),
+                       checkpoint_every=2, plot=False)
+
+
+class Stop(Exception):
+    pass
+
+
+def interrupted_run(out: Path) -> Path:
+    """Train until step 3 (one checkpoint at step 2), then crash; returns the checkpoint folder."""
+    from lowbit.train import Callback
+
+    class Crash(Callback):
+        def on_after_optimizer_step(self, state):
+            if state.step == 3:
+                raise Stop
+
+    with pytest.raises(Stop):
+        train(tiny_model(), tokens(), train_cfg(out), callbacks=[Crash()])
+    return out / "checkpoint"
+
+
+def test_training_checkpoint_is_tensors_and_json_only(tmp_path):
+    folder = interrupted_run(tmp_path)
+    names = sorted(p.name for p in folder.iterdir())
+    assert names == ["checkpoint.json", "tensors-00000002.safetensors"]
+    manifest = json.loads((folder / "checkpoint.json").read_text())
+    assert manifest["step"] == 2 and manifest["tensors"] == names[1]
+    python_rng = ckpt.decode(manifest["rng"], {"rng/torch": torch.zeros(1)}, "t")["python"]
+    assert isinstance(python_rng, tuple) and all(isinstance(v, int) for v in python_rng[1])
+
+
+def test_old_pickle_checkpoint_is_refused_and_never_unpickled(tmp_path):
+    folder = interrupted_run(tmp_path)
+    for p in folder.iterdir():
+        p.unlink()
+    marker = tmp_path / "pwned"
+    (folder / "checkpoint.pt").write_bytes(evil_pickle(marker))
+    with pytest.raises(CheckpointError, match="pickle.*arbitrary code.*--no-resume"):
+        train(tiny_model(), tokens(), train_cfg(tmp_path))
+    assert not marker.exists()
+    assert train(tiny_model(), tokens(), train_cfg(tmp_path), resume=False).resumed_from == 0
+    assert not marker.exists() and not (folder / "checkpoint.pt").exists()  # superseded by the new checkpoint
+
+
+@pytest.mark.parametrize("victim", ["checkpoint.json", "tensors", "metrics.jsonl"])
+def test_pickle_in_place_of_any_work_file_is_refused(tmp_path, victim):
+    folder = interrupted_run(tmp_path)
+    marker = tmp_path / "pwned"
+    target = {"checkpoint.json": folder / "checkpoint.json", "metrics.jsonl": tmp_path / "metrics.jsonl",
+              "tensors": next(folder.glob("tensors-*.safetensors"))}[victim]
+    target.write_bytes(evil_pickle(marker))
+    with pytest.raises(CheckpointError, match="damaged|checksum|metrics"):
+        train(tiny_model(), tokens(), train_cfg(tmp_path))
+    assert not marker.exists()
+
+
+def test_training_checkpoint_damage_and_escapes_are_refused(tmp_path):
+    folder = interrupted_run(tmp_path)
+    m = folder / "checkpoint.json"
+    good = m.read_text()
+    tensors = next(folder.glob("tensors-*.safetensors"))
+    data = bytearray(tensors.read_bytes())
+    data[-3] ^= 0xFF
+    tensors.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match="checksum"):
+        train(tiny_model(), tokens(), train_cfg(tmp_path))
+    for name in ("../../etc/passwd", "/etc/passwd", ".."):
+        m.write_text(json.dumps({**json.loads(good), "tensors": name}))
+        with pytest.raises(CheckpointError, match="plain file name"):
+            train(tiny_model(), tokens(), train_cfg(tmp_path))
+    outside = tmp_path / "elsewhere.safetensors"
+    outside.write_bytes(b"x")
+    os.symlink(outside, folder / "link.safetensors")
+    m.write_text(json.dumps({**json.loads(good), "tensors": "link.safetensors"}))
+    with pytest.raises(CheckpointError, match="outside"):
+        train(tiny_model(), tokens(), train_cfg(tmp_path))
+    m.write_text(json.dumps({**json.loads(good), "optimizer": {"__reduce__": ["os.system", "true"]}}))
+    tensors.write_bytes(bytes(data[:-3]) + bytes([data[-3] ^ 0xFF]) + bytes(data[-2:]))  # undamaged again
+    with pytest.raises(CheckpointError, match="did not write"):
+        train(tiny_model(), tokens(), train_cfg(tmp_path))
+
+
+def test_qat_cli_refuses_a_pickle_checkpoint(model_dir, tmp_path, capsys):
+    marker = tmp_path / "pwned"
+    work = tmp_path / "work"
+    (work / "checkpoint").mkdir(parents=True)
+    (work / "checkpoint" / "checkpoint.pt").write_bytes(evil_pickle(marker))
+    code = main(["qat", str(model_dir), "--scheme", "ternary", "--steps", "6", "--batch-size", "2", "--seqlen", "32",
+                 "--no-eval", "--data", str(model_dir / "corpus.txt"), "--workdir", str(work),
+                 "--out", str(tmp_path / "o")])
+    assert code == 2
+    one_error_line(capsys, "checkpoint.pt", "pickle")
+    assert not marker.exists() and not (tmp_path / "o").exists()
