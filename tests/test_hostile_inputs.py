@@ -176,3 +176,119 @@ def test_qat_cli_refuses_a_pickle_checkpoint(model_dir, tmp_path, capsys):
     assert code == 2
     one_error_line(capsys, "checkpoint.pt", "pickle")
     assert not marker.exists() and not (tmp_path / "o").exists()
+
+
+# ------------------------------------------------------------------ native checkpoints
+def quantized_llama(vocab: int = 128):
+    from lowbit.formats.plan import Plan
+    from lowbit.nn import replace_linears
+
+    model = make_llama(vocab, layers=1)
+    names = [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and ".layers." in n]
+    replace_linears(model, Plan.uniform(names, "w4g32"))
+    return model
+
+
+@pytest.fixture
+def native_dir(tmp_path) -> Path:
+    from lowbit.export.native import save
+
+    return save(quantized_llama(), None, tmp_path / "ckpt")
+
+
+def edit_manifest(folder: Path, **changes) -> None:
+    m = json.loads((folder / "lowbit.json").read_text())
+    for k, v in changes.items():
+        if v is None:
+            m.pop(k, None)
+        else:
+            m[k] = v
+    (folder / "lowbit.json").write_text(json.dumps(m))
+
+
+def flip_byte(path: Path, at: int = -10) -> None:
+    data = bytearray(path.read_bytes())
+    data[at] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("files", [None, {}, {"config.json": "0" * 64}])
+def test_native_checksums_cannot_be_switched_off(native_dir, files):
+    from lowbit.export.native import load
+
+    edit_manifest(native_dir, files=files)
+    flip_byte(native_dir / "model.safetensors")
+    with pytest.raises(CheckpointError, match="no checksum for model.safetensors"):
+        load(native_dir)
+
+
+@pytest.mark.parametrize("name", ["../../etc/passwd", "/etc/passwd", "..", "sub/../../x"])
+def test_native_manifest_cannot_name_files_outside_the_folder(native_dir, name):
+    from lowbit.export.native import load
+
+    m = json.loads((native_dir / "lowbit.json").read_text())
+    edit_manifest(native_dir, files={**m["files"], name: "0" * 64})
+    with pytest.raises(CheckpointError, match="not a plain file name"):
+        load(native_dir)
+
+
+def test_native_weights_symlinked_outside_are_refused(native_dir, tmp_path):
+    from lowbit.export.native import load
+
+    outside = tmp_path / "outside.safetensors"
+    (native_dir / "model.safetensors").rename(outside)
+    os.symlink(outside, native_dir / "model.safetensors")
+    with pytest.raises(CheckpointError, match="points outside"):
+        load(native_dir)
+
+
+def test_eval_of_a_checkpoint_without_checksums_is_one_line(native_dir, capsys):
+    edit_manifest(native_dir, files=None)
+    assert main(["eval", str(native_dir), "--windows", "1"]) == 2
+    one_error_line(capsys, "no checksum")
+
+
+# ------------------------------------------------------------------ adapter folders
+@pytest.fixture
+def adapter_dir(tmp_path):
+    from lowbit.peft import PeftConfig, apply_adapters, save_adapters
+
+    model = quantized_llama()
+    cfg = PeftConfig("lora", rank=2)
+    apply_adapters(model, cfg)
+    return quantized_llama(), save_adapters(model, tmp_path / "ad", cfg)
+
+
+def test_adapter_checksum_is_required(adapter_dir):
+    from lowbit.peft import load_adapters
+
+    base, folder = adapter_dir
+    m = json.loads((folder / "adapter.json").read_text())
+    del m["sha256"]
+    (folder / "adapter.json").write_text(json.dumps(m))
+    with pytest.raises(CheckpointError, match="no sha256"):
+        load_adapters(base, folder)
+
+
+def test_adapter_file_missing_or_linked_outside_is_refused(adapter_dir, tmp_path):
+    from lowbit.peft import load_adapters
+
+    base, folder = adapter_dir
+    outside = tmp_path / "outside.safetensors"
+    (folder / "adapter.safetensors").rename(outside)
+    with pytest.raises(CheckpointError, match="missing"):
+        load_adapters(base, folder)
+    os.symlink(outside, folder / "adapter.safetensors")
+    with pytest.raises(CheckpointError, match="points outside"):
+        load_adapters(base, folder)
+
+
+def test_adapter_manifest_that_is_not_json_is_refused(adapter_dir, tmp_path):
+    from lowbit.peft import load_adapters
+
+    base, folder = adapter_dir
+    marker = tmp_path / "pwned"
+    (folder / "adapter.json").write_bytes(evil_pickle(marker))
+    with pytest.raises(CheckpointError, match="corrupted"):
+        load_adapters(base, folder)
+    assert not marker.exists()
