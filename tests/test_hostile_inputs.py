@@ -20,7 +20,7 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 from lowbit.cli import main
-from lowbit.errors import CheckpointError
+from lowbit.errors import CheckpointError, ModelError
 from lowbit.train import TrainConfig, train
 from lowbit.train import checkpoint as ckpt
 
@@ -292,3 +292,74 @@ def test_adapter_manifest_that_is_not_json_is_refused(adapter_dir, tmp_path):
     with pytest.raises(CheckpointError, match="corrupted"):
         load_adapters(base, folder)
     assert not marker.exists()
+
+
+# ------------------------------------------------------------------ inspect and damaged files
+def test_inspect_verifies_native_checksums(native_dir, capsys):
+    assert main(["inspect", str(native_dir), "--json"]) == 0
+    capsys.readouterr()
+    flip_byte(native_dir / "model.safetensors")
+    assert main(["inspect", str(native_dir)]) == 2
+    one_error_line(capsys, "checksum")
+    data = (native_dir / "model.safetensors").read_bytes()
+    (native_dir / "model.safetensors").write_bytes(data[: len(data) // 2])
+    assert main(["inspect", str(native_dir)]) == 2
+    one_error_line(capsys, "truncated or corrupted")
+
+
+def test_inspect_of_a_truncated_compressed_tensors_folder_is_one_line(tmp_path, capsys):
+    from safetensors.torch import save_file
+
+    folder = tmp_path / "ct"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({"quantization_config": {"quant_method": "compressed-tensors"}}))
+    save_file({"w.weight_packed": torch.zeros(4, 4, dtype=torch.int32)}, str(folder / "model.safetensors"))
+    data = (folder / "model.safetensors").read_bytes()
+    (folder / "model.safetensors").write_bytes(data[:-7])
+    assert main(["inspect", str(folder)]) == 2
+    one_error_line(capsys, "truncated or damaged")
+
+
+@pytest.fixture
+def truncated_gguf(tmp_path) -> Path:
+    pytest.importorskip("gguf")
+    from lowbit.export import gguf_export
+
+    path = tmp_path / "m.gguf"
+    gguf_export.export(quantized_llama(), None, path)
+    data = path.read_bytes()
+    path.write_bytes(data[:-100])
+    return path
+
+
+def test_inspect_of_a_truncated_gguf_is_one_line(truncated_gguf, capsys):
+    assert main(["inspect", str(truncated_gguf)]) == 2
+    one_error_line(capsys, "truncated, damaged")
+
+
+def test_loading_a_truncated_gguf_says_so(truncated_gguf, tmp_path, monkeypatch):
+    from lowbit.models import load_model
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    with pytest.raises(ModelError, match="truncated, damaged") as e:
+        load_model(truncated_gguf)
+    assert "architecture" not in str(e.value)
+
+
+def test_checkpoint_without_tokenizer(native_dir, tiny_tokenizer, tmp_path):
+    from lowbit.export.native import load, require_tokenizer, save
+
+    model, tok = load(native_dir)
+    assert tok is None  # the library still loads the weights
+    with pytest.raises(CheckpointError, match="has no tokenizer files; copy them"):
+        require_tokenizer(tok, native_dir)
+    with_tok = save(model, tiny_tokenizer, tmp_path / "with_tok")
+    assert require_tokenizer(load(with_tok)[1], with_tok) is not None
+    (with_tok / "tokenizer.json").write_text("{not json")
+    with pytest.raises(CheckpointError, match="tokenizer files .* cannot be read"):
+        load(with_tok)
+
+
+def test_eval_of_a_checkpoint_without_tokenizer_is_one_line(native_dir, capsys):
+    assert main(["eval", str(native_dir), "--windows", "1"]) == 2
+    one_error_line(capsys, "no tokenizer", "copy the tokenizer files")

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from lowbit.data.sources import load_corpus
-from lowbit.errors import DataError
+from lowbit.errors import DataError, ModelError
 
 
 def tokenize_split(tokenizer: Any, source: str | Path | None = None, split: str = "calib") -> torch.Tensor:
@@ -25,6 +25,9 @@ def tokenize_split(tokenizer: Any, source: str | Path | None = None, split: str 
     other's tokens; files are keyed by path, size and mtime so an edited file is re-read.
     A copy is returned, so a caller editing it in place cannot corrupt the cache.
     """
+    if tokenizer is None:  # a lowbit checkpoint saved without tokenizer files loads with tokenizer None
+        raise ModelError("the model has no tokenizer, so text cannot be turned into tokens; copy the tokenizer "
+                         "files (tokenizer.json, tokenizer_config.json, ...) from the source model into its folder")
     key = (_source_key(source), split)
     try:
         per_tok = _CACHE.setdefault(tokenizer, {})
