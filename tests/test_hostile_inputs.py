@@ -363,3 +363,50 @@ def test_checkpoint_without_tokenizer(native_dir, tiny_tokenizer, tmp_path):
 def test_eval_of_a_checkpoint_without_tokenizer_is_one_line(native_dir, capsys):
     assert main(["eval", str(native_dir), "--windows", "1"]) == 2
     one_error_line(capsys, "no tokenizer", "copy the tokenizer files")
+
+
+# ------------------------------------------------------------------ stored quantized tensors
+def packed_w4g32():
+    from lowbit.formats import Scheme, quantize
+
+    q = quantize(torch.randn(8, 64), Scheme.parse("w4g32"))
+    return q, q.pack()
+
+
+@pytest.mark.parametrize("edit, needle", [
+    (lambda d: d.pop("scales"), "lacks"),
+    (lambda d: d.update(codes=d["codes"][:, :-1]), "packed codes"),
+    (lambda d: d.update(codes=d["codes"].float()), "packed codes"),
+    (lambda d: d.update(scales=d["scales"][:4]), "scales have shape"),
+    (lambda d: d.update(zeros=torch.zeros(8, 2)), "zero points are present"),
+    (lambda d: d.update(tensor_scale=torch.ones(3)), "tensor scale"),
+])
+def test_from_packed_mismatch_is_a_checkpoint_error(edit, needle):
+    from lowbit.formats import QTensor
+
+    q, d = packed_w4g32()
+    edit(d)
+    with pytest.raises(CheckpointError, match=needle):
+        QTensor.from_packed(d, q.shape, q.scheme)
+
+
+def test_set_qweight_of_another_shape_is_a_scheme_error():
+    from lowbit.errors import SchemeError
+    from lowbit.nn import QuantLinear
+
+    q, _ = packed_w4g32()
+    layer = QuantLinear.from_linear(torch.nn.Linear(32, 8), "w4g32")
+    with pytest.raises(SchemeError, match="cannot replace") as e:
+        layer.set_qweight(q)
+    assert isinstance(e.value, ValueError)  # callers that caught ValueError still do
+
+
+def test_native_layer_shape_edited_is_a_checkpoint_error(native_dir):
+    from lowbit.export.native import load
+
+    m = json.loads((native_dir / "lowbit.json").read_text())
+    name = next(iter(m["layers"]))
+    m["layers"][name]["shape"][0] += 8
+    (native_dir / "lowbit.json").write_text(json.dumps(m))
+    with pytest.raises(CheckpointError, match=f"layer {name}.*packed codes"):
+        load(native_dir)

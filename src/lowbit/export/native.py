@@ -189,7 +189,7 @@ def _quant_layer(name: str, spec: dict, tensors: dict[str, torch.Tensor]) -> Qua
         raise CheckpointError(f"layer {name} has no codes/scales in the checkpoint; re-create it")
     try:
         q = QTensor.from_packed(parts, shape, scheme)  # type: ignore[arg-type]
-    except (ValueError, RuntimeError) as e:
+    except (CheckpointError, ValueError, RuntimeError) as e:
         raise CheckpointError(f"layer {name}: stored tensors disagree with shape {list(shape)} and "
                               f"scheme {scheme.name} ({e}); the checkpoint was edited or damaged") from None
     bias = tensors.pop(f"{name}.bias", None)

@@ -244,7 +244,11 @@ class WorkDir:
             d = {k.split("::", 1)[1]: v for k, v in raw.items() if k.split("::", 1)[0] == name}
             if not d:
                 raise ConfigError(f"{self.block_file(i)} lacks layer {name}; delete the work folder and rerun")
-            out[name] = QTensor.from_packed(d, shapes[name], scheme)
+            try:
+                out[name] = QTensor.from_packed(d, shapes[name], scheme)
+            except CheckpointError as e:
+                raise CheckpointError(f"{self.block_file(i)}, layer {name}: {e}; delete the work folder and "
+                                      "rerun") from None
         return out
 
 
