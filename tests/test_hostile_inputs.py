@@ -410,3 +410,75 @@ def test_native_layer_shape_edited_is_a_checkpoint_error(native_dir):
     (native_dir / "lowbit.json").write_text(json.dumps(m))
     with pytest.raises(CheckpointError, match=f"layer {name}.*packed codes"):
         load(native_dir)
+
+
+# ------------------------------------------------------------------ data files
+def chat(q: str, a: str) -> dict:
+    return {"messages": [{"role": "user", "content": q}, {"role": "assistant", "content": a}]}
+
+
+def test_instruction_rows_come_from_the_training_split_only(tmp_path, tiny_tokenizer):
+    from lowbit.data import split_texts
+    from lowbit.peft.finetune import instruction_rows
+
+    path = tmp_path / "both.jsonl"
+    recs = [chat(f"question number {i}", f"answer number {i}") if i % 2 == 0 else
+            {"instruction": f"question number {i}", "output": f"answer number {i}"} for i in range(6)]
+    path.write_text("\n".join(json.dumps(r) for r in recs[:3]) + "\n\n" + "\n".join(json.dumps(r) for r in recs[3:]))
+    rows = instruction_rows(tiny_tokenizer, path, seqlen=64)
+    trained = [tiny_tokenizer.decode(r[0][r[0] != tiny_tokenizer.pad_token_id]) for r in rows]
+    evaluated = split_texts(path, "eval", tiny_tokenizer)
+    assert len(trained) == 3 and len(evaluated) == 3  # the blank line does not shift the split
+    for i in range(6):
+        where = trained if i % 2 == 0 else evaluated
+        other = evaluated if i % 2 == 0 else trained
+        assert sum(f"number {i}" in t for t in where) == 1 and not any(f"number {i}" in t for t in other)
+
+
+BAD_RECORDS = [
+    ({"messages": "hello"}, "'messages' must be a non-empty list"),
+    ({"messages": [{"role": "user"}]}, "lacks a string 'content'"),
+    ({"messages": [{"content": "hi"}]}, "lacks a string 'role'"),
+    ({"messages": ["hi"]}, "message 0 is a str"),
+    (["not", "an", "object"], "not an object"),
+]
+
+
+@pytest.mark.parametrize("record, needle", BAD_RECORDS)
+def test_bad_chat_records_are_data_errors(tmp_path, tiny_tokenizer, record, needle):
+    from lowbit.data import split_texts
+    from lowbit.errors import DataError
+    from lowbit.peft.finetune import instruction_rows
+
+    path = tmp_path / "bad.jsonl"
+    path.write_text("\n".join(json.dumps(record) for _ in range(4)) + "\n")
+    for read in (lambda: split_texts(path, "calib", tiny_tokenizer), lambda: split_texts(path, "eval", tiny_tokenizer),
+                 lambda: instruction_rows(tiny_tokenizer, path, seqlen=32)):
+        with pytest.raises(DataError, match=f"bad.jsonl:1 *.*{needle}|bad.jsonl:2 *.*{needle}"):
+            read()
+
+
+@pytest.fixture(scope="module")
+def chat_checkpoint(tmp_path_factory):
+    """A tiny quantized Llama whose tokenizer has a chat template, saved natively."""
+    from conftest import make_tokenizer
+
+    from lowbit.export.native import save
+
+    tok = make_tokenizer()
+    return save(quantized_llama(len(tok)), tok, tmp_path_factory.mktemp("chat") / "q")
+
+
+@pytest.mark.parametrize("record, needle", BAD_RECORDS[:2])
+def test_bad_chat_records_are_one_line_in_finetune_and_quantize(chat_checkpoint, model_dir, tmp_path, capsys,
+                                                                record, needle):
+    data = tmp_path / "bad.jsonl"
+    data.write_text("\n".join(json.dumps(record) for _ in range(4)) + "\n")
+    assert main(["finetune", str(chat_checkpoint), "--adapter", "lora", "--rank", "2", "--steps", "1",
+                 "--batch-size", "2", "--seqlen", "24", "--data", str(data), "--windows", "-1",
+                 "--out", str(tmp_path / "ft")]) == 2
+    one_error_line(capsys, needle)
+    assert main(["quantize", str(model_dir), "--scheme", "w4g32", "--data", str(data),
+                 "--out", str(tmp_path / "q")]) == 2
+    one_error_line(capsys, needle)
+    assert not (tmp_path / "ft").exists() and not (tmp_path / "q").exists()
