@@ -482,3 +482,57 @@ def test_bad_chat_records_are_one_line_in_finetune_and_quantize(chat_checkpoint,
                  "--out", str(tmp_path / "q")]) == 2
     one_error_line(capsys, needle)
     assert not (tmp_path / "ft").exists() and not (tmp_path / "q").exists()
+
+
+# ------------------------------------------------------------------ plan files
+def test_plan_file_accepts_scheme_names_and_fields(tmp_path):
+    from lowbit.formats import Scheme
+    from lowbit.formats.plan import Plan
+
+    f = tmp_path / "plan.json"
+    f.write_text(json.dumps({"layers": {"a": "w4g128", "b": Scheme.parse("w2g64").to_dict()}}))
+    plan = Plan.load(f)
+    assert plan["a"] == Scheme.parse("w4g128") and plan["b"] == Scheme.parse("w2g64")
+
+
+@pytest.mark.parametrize("content, needle", [
+    ('{"a": "w4g128"}', "no 'layers' object"),
+    ("{not json", "not valid JSON"),
+    ('{"layers": {"a": "w7x"}}', "layer a: .*valid names"),
+    ('{"layers": {"a": 4}}', "layer a: 4 is neither a scheme name"),
+])
+def test_bad_plan_files_show_the_accepted_format(tmp_path, content, needle):
+    from lowbit.errors import ConfigError
+    from lowbit.formats.plan import Plan
+
+    f = tmp_path / "plan.json"
+    f.write_text(content)
+    with pytest.raises(ConfigError, match=needle) as e:
+        Plan.load(f)
+    assert '{"layers": {"model.layers.0.self_attn.q_proj": "w4g128"' in str(e.value)
+
+
+def test_quantize_with_a_plan_of_scheme_names(model_dir, tmp_path, capsys):
+    layers = {f"model.layers.0.{m}": "w4g32" for m in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",
+                                                         "self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj")}
+    layers["model.layers.0.mlp.down_proj"] = "w8"
+    (tmp_path / "plan.json").write_text(json.dumps({"layers": layers}))
+    assert main(["quantize", str(model_dir), "--plan", str(tmp_path / "plan.json"), "--no-eval",
+                 "--out", str(tmp_path / "q"), "--json"]) == 0
+    manifest = json.loads((tmp_path / "q" / "lowbit.json").read_text())
+    assert manifest["layers"]["model.layers.0.mlp.down_proj"]["scheme"]["bits"] == 8
+
+
+@pytest.mark.parametrize("words, needle", [
+    (5, "too few for even one sample of 64 tokens; use more text, or samples of at most"),
+    (100, "at most 1 samples of 64 tokens"),
+])
+def test_short_calibration_text_message(tmp_path, words, needle):
+    from lowbit.data import calibration_batches
+    from lowbit.errors import DataError
+
+    f = tmp_path / "short.txt"
+    f.write_text(" ".join(WORDS[:words]) + "\n\nw1 w2")
+    with pytest.raises(DataError, match=needle) as e:
+        calibration_batches(word_tokenizer(), f, nsamples=4, seqlen=64)
+    assert "at most 0" not in str(e.value)

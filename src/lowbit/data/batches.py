@@ -74,10 +74,13 @@ def calibration_batches(tokenizer: Any, source: str | Path | None = None, nsampl
     """
     ids = tokenize_split(tokenizer, source, "calib")[0]
     need = nsamples * seqlen
-    if len(ids) < seqlen + 1 or len(ids) < need:
+    if len(ids) <= seqlen:
+        raise DataError(f"the calibration text has {len(ids)} tokens, too few for even one sample of {seqlen} "
+                        f"tokens; use more text, or samples of at most {max(len(ids) - 1, 1)} tokens (--seqlen)")
+    if len(ids) < need:
         raise DataError(f"the calibration text has {len(ids)} tokens, fewer than nsamples x seqlen = "
                         f"{nsamples} x {seqlen} = {need}; use more text or at most "
-                        f"{max(len(ids) // seqlen, 0)} samples of {seqlen} tokens")
+                        f"{len(ids) // seqlen} samples of {seqlen} tokens (--nsamples)")
     g = torch.Generator().manual_seed(seed)
     starts = torch.randint(0, len(ids) - seqlen + 1, (nsamples,), generator=g)
     return torch.stack([ids[s:s + seqlen] for s in starts.tolist()])
