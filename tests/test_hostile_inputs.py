@@ -536,3 +536,27 @@ def test_short_calibration_text_message(tmp_path, words, needle):
     with pytest.raises(DataError, match=needle) as e:
         calibration_batches(word_tokenizer(), f, nsamples=4, seqlen=64)
     assert "at most 0" not in str(e.value)
+
+
+# ------------------------------------------------------------------ PTQ work folders
+def test_pickles_in_a_ptq_work_folder_never_run(tmp_path):
+    from ptq_helpers import calib, tiny_model, uniform
+
+    from lowbit.ptq.pipeline import PipelineOptions, quantize_blockwise
+    from lowbit.ptq.signround import SignRoundTuner, make_config
+
+    def run(workdir):
+        m = tiny_model(layers=2)
+        cfg = make_config(iters=2, batch_size=4)
+        return quantize_blockwise(m, uniform(m, "w4g32"), calib(), SignRoundTuner(cfg), {"config": cfg.to_dict()},
+                                  PipelineOptions(chunk=4), workdir=workdir, progress=False)
+
+    run(tmp_path / "w")
+    marker = tmp_path / "pwned"
+    (tmp_path / "w" / "block_0001.safetensors").write_bytes(evil_pickle(marker))
+    with pytest.warns(UserWarning, match="block 1's saved result is"):
+        assert [i.get("resumed", 0.0) for i in run(tmp_path / "w")] == [1.0, 0.0]
+    (tmp_path / "w" / "run.json").write_bytes(evil_pickle(marker))
+    with pytest.raises(CheckpointError, match="run.json"):
+        run(tmp_path / "w")
+    assert not marker.exists()
