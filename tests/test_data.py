@@ -69,7 +69,7 @@ def test_calibration_is_seeded_and_from_calib_split(tiny_tokenizer):
 def test_too_little_calibration_text_says_how_much(tmp_path, tiny_tokenizer):
     f = tmp_path / "s.txt"
     f.write_text("a few words here\n\nand some there\n\nmore\n\nend")
-    with pytest.raises(DataError, match=r"has \d+ tokens, fewer than nsamples x seqlen"):
+    with pytest.raises(DataError, match=r"has \d+ tokens, too few for even one sample of 64 tokens; use more text"):
         calibration_batches(tiny_tokenizer, f, nsamples=8, seqlen=64)
 
 

@@ -7,9 +7,9 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from lowbit.errors import CheckpointError, LowbitError, SchemeError
-from lowbit.models.native import load, save
 from lowbit.formats import Scheme, qdq
 from lowbit.formats.plan import Plan
+from lowbit.models.native import load, save
 from lowbit.nn import QuantLinear, fake_quant, quant_layers, replace_linears
 
 
@@ -33,13 +33,19 @@ def test_quant_linear_matches_qdq_weight():
 
 
 def test_adapters_add_to_output():
-    lin = torch.nn.Linear(32, 8, bias=False)
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(32, 8)
     q = QuantLinear.from_linear(lin, "w8g32")
     x = torch.randn(2, 32)
-    base = q(x)
-    q.adapters["zero"] = torch.nn.Linear(32, 8, bias=False)
-    torch.nn.init.zeros_(q.adapters["zero"].weight)
-    assert torch.equal(q(x), base)
+    with torch.no_grad():
+        base = q(x)
+        adapter = torch.nn.Linear(32, 8, bias=False)
+        delta = adapter(x)
+        assert delta.abs().min() > 0  # a real correction, so a dropped adapter would show
+        q.adapters["a"] = adapter
+        assert torch.equal(q(x), base + delta)  # the adapter's output, added once, nothing else
+        q.adapters["b"] = torch.nn.Linear(32, 8, bias=False)
+        assert torch.equal(q(x), base + delta + q.adapters["b"](x))
 
 
 def test_fake_quant_is_straight_through():

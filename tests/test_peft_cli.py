@@ -63,7 +63,7 @@ def test_instruction_rows_mask_the_prompt(tmp_path):
 
 @pytest.mark.parametrize("adapter", ["qwha", "lora"])
 def test_finetune_writes_an_adapter_that_loads(checkpoint, tmp_path, capsys, adapter):
-    data = write_jsonl(tmp_path / "train.jsonl")
+    data = write_jsonl(tmp_path / "train.jsonl", 48)  # 24 training records: the odd ones are the eval split
     out = tmp_path / "adapter"
     code = main(["finetune", str(checkpoint / "q"), "--adapter", adapter, "--rank", "4", "--steps", "4",
                  "--batch-size", "24", "--lr", "1e-2", "--seqlen", "24", "--data", str(data), "--no-eval",

@@ -8,8 +8,8 @@ import torch
 from ptq_helpers import calib, tiny_model, uniform
 
 from lowbit.errors import ConfigError
-from lowbit.nn import QuantLinear, quant_layers
 from lowbit.models.activations import importance as collect_importance
+from lowbit.nn import QuantLinear, quant_layers
 from lowbit.ptq.pipeline import capture_inputs, decoder_blocks
 from lowbit.ptq.rtn import rtn_quantize
 from lowbit.ptq.signround import SignRoundTuner, make_config, signround_quantize
@@ -86,13 +86,53 @@ def test_resume_after_interrupt_is_bit_identical(tmp_path):
     part = copy.deepcopy(m)
     with pytest.raises(Interrupt):
         run_sr(part, plan, tmp_path / "b", stop_after=1)
-    assert sorted(p.name for p in (tmp_path / "b").glob("block_*")) == ["block_0000.safetensors", "block_0001.safetensors"]
+    assert sorted(p.name for p in (tmp_path / "b").glob("block_*.safetensors")) == ["block_0000.safetensors",
+                                                                            "block_0001.safetensors"]
     resumed = copy.deepcopy(m)
     infos = run_sr(resumed, plan, tmp_path / "b")
     assert [i.get("resumed", 0.0) for i in infos] == [1.0, 1.0, 0.0]
     assert same_weights(full, resumed)
     ids = calib(2, 16, seed=7)
     assert torch.equal(full(ids).logits, resumed(ids).logits)
+
+
+def damage_flip(f: Path) -> None:
+    data = bytearray(f.read_bytes())
+    data[-5] ^= 0x01
+    f.write_bytes(bytes(data))
+
+
+def damage_truncate(f: Path) -> None:
+    f.write_bytes(f.read_bytes()[:-16])
+
+
+@pytest.mark.parametrize("damage", [damage_flip, damage_truncate])
+@pytest.mark.parametrize("bad", [0, 1])
+def test_damaged_block_is_retuned_with_the_blocks_after_it(tmp_path, damage, bad):
+    m = tiny_model(layers=3)
+    plan = uniform(m, "w2g32")
+    full = copy.deepcopy(m)
+    run_sr(full, plan, tmp_path / "a")
+    with pytest.raises(Interrupt):
+        run_sr(copy.deepcopy(m), plan, tmp_path / "b", stop_after=1)
+    damage(tmp_path / "b" / f"block_{bad:04d}.safetensors")
+    resumed = copy.deepcopy(m)
+    with pytest.warns(UserWarning, match=f"block {bad}'s saved result is (corrupted|truncated).*again"):
+        infos = run_sr(resumed, plan, tmp_path / "b")
+    assert [i.get("resumed", 0.0) for i in infos] == [1.0] * bad + [0.0] * (3 - bad)
+    assert same_weights(full, resumed)  # never the damaged codes
+    assert [i.get("resumed", 0.0) for i in run_sr(copy.deepcopy(m), plan, tmp_path / "b")] == [1.0] * 3
+
+
+def test_blocks_after_a_redone_block_are_never_reused(tmp_path):
+    m = tiny_model(layers=3)
+    plan = uniform(m, "w2g32")
+    with pytest.raises(Interrupt):
+        run_sr(copy.deepcopy(m), plan, tmp_path, stop_after=1)
+    (tmp_path / "block_0000.json").unlink()  # as if interrupted between the block file and its checksum
+    with pytest.raises(Interrupt), pytest.warns(UserWarning, match="block 0's saved result is unverified"):
+        run_sr(copy.deepcopy(m), plan, tmp_path, stop_after=0)
+    assert sorted(p.name for p in tmp_path.glob("block_*")) == ["block_0000.json", "block_0000.safetensors"]
 
 
 def test_resume_with_other_settings_is_refused(tmp_path):

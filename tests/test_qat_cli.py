@@ -88,7 +88,7 @@ def test_resume_with_other_settings_is_refused(model_dir, tmp_path, capsys):
             "--workdir", str(work), "--out", str(out)]
     assert main(args) == 0
     first = last_json(capsys)
-    assert (work / "checkpoint" / "checkpoint.pt").is_file()
+    assert (work / "checkpoint" / "checkpoint.json").is_file()
     assert main([*args, "--force"]) == 0  # same settings: resumes from step 4, same curve
     again = last_json(capsys)
     assert again["resumed_from"] == 4 and again["final_loss"] == first["final_loss"]

@@ -37,7 +37,10 @@ def test_per_block_brute_le_4over6_le_absmax(arr, criterion, scale, guard):
     if base.tensor_scale:  # same tensor scale for all rules
         assert len({float(q.tensor_scale) for q in qs.values()}) == 1
     e = {r: block_errors(w, q, criterion) for r, q in qs.items()}
-    tol = 1e-9 * (e["absmax"] + 1e-30)
+    # two rules can reach the same real values through different (scale, code) pairs, e.g. 288 x 4
+    # and 192 x 6 (span vs 4-over-6); dequantizing in float32 then differs by a few ulps, so ties
+    # are compared at float32 resolution (found by hypothesis: 569492.23 vs 569492.10 on one block)
+    tol = 1e-6 * (e["absmax"] + 1e-30)
     assert (e["brute"] <= e["4over6"] + tol).all()
     assert (e["brute"] <= e["span"] + tol).all()
     assert (e["span"] <= e["4over6"] + tol).all()

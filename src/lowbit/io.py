@@ -24,7 +24,7 @@ import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
-from lowbit.errors import LowbitError
+from lowbit.errors import CheckpointError, LowbitError
 
 MARKER = ".lowbit"
 _STAGE = "lowbit-"
@@ -208,3 +208,22 @@ def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
         while block := f.read(chunk):
             h.update(block)
     return h.hexdigest()
+
+
+def file_inside(folder: Path, name: object, what: str) -> Path:
+    """The file ``name`` of a manifest, refused unless it is a plain file name inside ``folder``.
+
+    Manifests are data anyone can edit; a name such as ``../../etc/passwd``, an absolute
+    path or a symlink pointing out of the folder would make lowbit read (and hash, and
+    parse) a file the folder's owner never meant to hand over.
+    """
+    folder = Path(folder)
+    if not isinstance(name, str) or not name or name in (".", "..") or "/" in name or "\\" in name \
+            or os.path.isabs(name) or "\0" in name:
+        raise CheckpointError(f"{what} names the file {name!r}, which is not a plain file name inside {folder}; "
+                              "the manifest was edited — re-create the folder")
+    path = folder / name
+    if not path.resolve().is_relative_to(folder.resolve()):
+        raise CheckpointError(f"{path} points outside {folder} (a symlink); {what} may only name files inside "
+                              "its own folder — replace the link with the file itself or re-create the folder")
+    return path

@@ -12,7 +12,6 @@ evaluates and saves.
 from __future__ import annotations
 
 import copy
-import json
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -90,17 +89,11 @@ def baseline_target(baseline: str | float | None, window: int) -> float | None:
         return float(baseline)
     except ValueError:
         pass
-    p = Path(baseline)
-    if p.is_dir():
-        p = p / "metrics.jsonl"
-    if not p.is_file():
-        raise ConfigError(f"--baseline {baseline} is neither a loss value nor a metrics.jsonl / run folder")
-    try:
-        losses = [d["loss"] for d in map(json.loads, p.read_text().splitlines()) if "loss" in d]
-    except ValueError:
-        raise ConfigError(f"{p} is not a metrics.jsonl written by `lowbit qat` (a line is not JSON)") from None
+    from lowbit.train.metrics import read_losses
+
+    losses = read_losses(baseline)
     if not losses:
-        raise ConfigError(f"{p} holds no training losses")
+        raise ConfigError(f"--baseline {baseline} holds no training losses")
     return smooth(losses, window)[-1]
 
 

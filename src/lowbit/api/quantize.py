@@ -145,6 +145,10 @@ class _Run:
         self.job, self.lm, self.device = job, lm, device
         first = job.mixed.options[0] if job.mixed is not None else job.scheme
         self.plan = build_plan(lm.model, first, job.plan_file, job.lm_head)
+        if job.mixed is not None:
+            from lowbit.ptq.mixed import check_feasible
+
+            check_feasible(lm.model, self.plan, job.mixed)
         self.allocation = None
         self.ev = job.evaluation.tokens(lm.tokenizer) if job.evaluation is not None else None
         self.calib = job.calib.batches(lm.tokenizer) if job.needs_calib else None

@@ -48,8 +48,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """Run one command; returns its exit code (a bad flag is one line on stderr and code 2)."""
     parser = build_parser()
-    args = parser.parse_args(argv)
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as e:  # --help, --version, or a flag argparse refused (already printed)
+        return e.code if isinstance(e.code, int) else 2
     try:
         result = args.func(args)
     except LowbitError as e:

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from lowbit.data.sources import load_corpus
-from lowbit.errors import DataError
+from lowbit.errors import DataError, ModelError
 
 
 def tokenize_split(tokenizer: Any, source: str | Path | None = None, split: str = "calib") -> torch.Tensor:
@@ -25,6 +25,9 @@ def tokenize_split(tokenizer: Any, source: str | Path | None = None, split: str 
     other's tokens; files are keyed by path, size and mtime so an edited file is re-read.
     A copy is returned, so a caller editing it in place cannot corrupt the cache.
     """
+    if tokenizer is None:  # a lowbit checkpoint saved without tokenizer files loads with tokenizer None
+        raise ModelError("the model has no tokenizer, so text cannot be turned into tokens; copy the tokenizer "
+                         "files (tokenizer.json, tokenizer_config.json, ...) from the source model into its folder")
     key = (_source_key(source), split)
     try:
         per_tok = _CACHE.setdefault(tokenizer, {})
@@ -71,10 +74,13 @@ def calibration_batches(tokenizer: Any, source: str | Path | None = None, nsampl
     """
     ids = tokenize_split(tokenizer, source, "calib")[0]
     need = nsamples * seqlen
-    if len(ids) < seqlen + 1 or len(ids) < need:
+    if len(ids) <= seqlen:
+        raise DataError(f"the calibration text has {len(ids)} tokens, too few for even one sample of {seqlen} "
+                        f"tokens; use more text, or samples of at most {max(len(ids) - 1, 1)} tokens (--seqlen)")
+    if len(ids) < need:
         raise DataError(f"the calibration text has {len(ids)} tokens, fewer than nsamples x seqlen = "
                         f"{nsamples} x {seqlen} = {need}; use more text or at most "
-                        f"{max(len(ids) // seqlen, 0)} samples of {seqlen} tokens")
+                        f"{len(ids) // seqlen} samples of {seqlen} tokens (--nsamples)")
     g = torch.Generator().manual_seed(seed)
     starts = torch.randint(0, len(ids) - seqlen + 1, (nsamples,), generator=g)
     return torch.stack([ids[s:s + seqlen] for s in starts.tolist()])

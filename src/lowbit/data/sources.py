@@ -8,8 +8,10 @@ guarantees that no document is ever in both splits.
 - None: the bundled corpus, Python's own documentation (``pydoc_data.topics``), one
   document per topic, topics in sorted key order.
 - ``.txt``: documents are paragraphs separated by blank lines.
-- ``.jsonl``: one document per line, from its ``"text"`` field, or its chat
-  ``"messages"`` rendered with the tokenizer's chat template.
+- ``.jsonl``: one record per non-empty line, split by its position among the non-empty
+  lines (`jsonl_records`, the one reader every command uses, instruction data
+  included); a record's document is its ``"text"`` field or its chat ``"messages"``
+  rendered with the tokenizer's chat template.
 - a folder written by ``datasets``' ``save_to_disk``: one document per row (``text``
   column, or ``messages``). A DatasetDict that has a ``train`` split and a held-out one
   (``validation``, else ``test``) already separates the data, so ``train`` is the
@@ -73,10 +75,17 @@ def split_texts(source: str | Path | None, split: str, tokenizer: Any = None) ->
     """The documents of one split of ``source`` (see module docstring)."""
     if split not in SPLITS:
         raise DataError(f"unknown split {split!r}; use one of {SPLITS}")
-    if source is not None and Path(source).expanduser().is_dir():
-        named = _dataset_named_split(Path(source).expanduser(), split, tokenizer)
+    path = None if source is None else Path(source).expanduser()
+    if path is not None and path.is_dir():
+        named = _dataset_named_split(path, split, tokenizer)
         if named is not None:
             return named
+    if path is not None and path.suffix.lower() == ".jsonl" and path.is_file():
+        docs = [d for i, rec in jsonl_records(path, split) if (d := row_text(rec, tokenizer, f"{path}:{i}")).strip()]
+        if not docs:
+            raise DataError(f"the {split} split of {path} has no text; give it more records (lines alternate "
+                            "between the calibration/training and the evaluation split)")
+        return docs
     return split_documents(load_documents(source, tokenizer), split)
 
 
@@ -95,29 +104,84 @@ def _txt_documents(path: Path) -> list[str]:
     return [p.strip() for p in text.split("\n\n") if p.strip()]
 
 
-def _jsonl_documents(path: Path, tokenizer: Any) -> list[str]:
-    docs = []
-    for i, line in enumerate(_read_text(path).splitlines(), 1):
-        if not line.strip():
-            continue
+def jsonl_records(path: str | Path, split: str | None = None) -> list[tuple[int, dict]]:
+    """(line number, record) of a .jsonl file, all of them or those of one split.
+
+    The split rule is the one for every source: even positions (0, 2, ...) among the
+    non-empty lines are the calibration/training split, odd positions the evaluation
+    split. Every command reads .jsonl through here, so the same file given as training
+    and evaluation data never puts a record in both. Each line must be a JSON object.
+    """
+    if split is not None and split not in SPLITS:
+        raise DataError(f"unknown split {split!r}; use one of {SPLITS}")
+    path = Path(path)
+    if not path.is_file():
+        raise DataError(f"{path} does not exist; pass a .jsonl file with one JSON record per line")
+    lines = [(i, line) for i, line in enumerate(_read_text(path).splitlines(), 1) if line.strip()]
+    if split is not None:
+        lines = lines[0::2] if split == "calib" else lines[1::2]
+    out = []
+    for i, line in lines:
         try:
             row = json.loads(line)
         except ValueError as e:
             raise DataError(f"{path}:{i} is not valid JSON ({e}); each line must be one JSON object") from None
-        docs.append(row_text(row, tokenizer, f"{path}:{i}"))
-    return docs
+        if not isinstance(row, dict):
+            raise DataError(f"{path}:{i} is a JSON {type(row).__name__}, not an object; each line must be one "
+                            "JSON object such as {\"text\": \"...\"}")
+        out.append((i, row))
+    return out
+
+
+def _jsonl_documents(path: Path, tokenizer: Any) -> list[str]:
+    return [row_text(row, tokenizer, f"{path}:{i}") for i, row in jsonl_records(path)]
+
+
+def check_messages(messages: Any, where: str) -> list[dict]:
+    """``messages`` if it is a non-empty list of ``{"role": str, "content": str}``; else one `DataError`."""
+    if not isinstance(messages, list) or not messages:
+        raise DataError(f"{where}: 'messages' must be a non-empty list of {{\"role\": ..., \"content\": ...}} "
+                        f"objects, got {type(messages).__name__}")
+    for k, m in enumerate(messages):
+        if not isinstance(m, dict):
+            raise DataError(f"{where}: message {k} is a {type(m).__name__}, not an object with 'role' and 'content'")
+        bad = [f for f in ("role", "content") if not isinstance(m.get(f), str)]
+        if bad:
+            raise DataError(f"{where}: message {k} lacks a string {' and '.join(repr(f) for f in bad)}; every "
+                            "message needs {\"role\": \"user\"|\"assistant\"|..., \"content\": \"...\"}")
+    return messages
+
+
+PROMPT_KEYS = ("instruction", "prompt", "question")
+ANSWER_KEYS = ("output", "response", "answer", "completion")
+
+
+def record_messages(rec: dict, where: str) -> list[dict]:
+    """A chat or instruction record as chat messages: ``{"messages": [...]}``, or one of
+    PROMPT_KEYS (+ optional ``input``) and one of ANSWER_KEYS as a user/assistant turn."""
+    if "messages" in rec:
+        return check_messages(rec["messages"], where)
+    prompt = next((rec[k] for k in PROMPT_KEYS if k in rec), None)
+    answer = next((rec[k] for k in ANSWER_KEYS if k in rec), None)
+    if not isinstance(prompt, str) or not isinstance(answer, str):
+        raise DataError(f"{where}: need a 'text' string, 'messages', or one of {PROMPT_KEYS} and one of "
+                        f"{ANSWER_KEYS} as strings")
+    if rec.get("input"):
+        prompt = f"{prompt}\n\n{rec['input']}"
+    return [{"role": "user", "content": prompt}, {"role": "assistant", "content": answer}]
 
 
 def row_text(row: Any, tokenizer: Any, where: str) -> str:
-    """The text of one record: its ``text`` field or its rendered chat ``messages``."""
+    """The text of one record: its ``text`` field, or its chat/instruction turns rendered by the chat template."""
     if isinstance(row, dict) and isinstance(row.get("text"), str):
         return row["text"]
-    if isinstance(row, dict) and isinstance(row.get("messages"), list):
-        if tokenizer is None or not getattr(tokenizer, "chat_template", None):
-            raise DataError(f"{where} has chat messages but the tokenizer has no chat template; "
-                            "use records with a 'text' field")
-        return tokenizer.apply_chat_template(row["messages"], tokenize=False)
-    raise DataError(f"{where} has neither a 'text' string nor a 'messages' list")
+    if not isinstance(row, dict) or not ("messages" in row or any(k in row for k in PROMPT_KEYS)):
+        raise DataError(f"{where} has neither a 'text' string nor a 'messages' list (nor instruction fields)")
+    messages = record_messages(row, where)
+    if tokenizer is None or not getattr(tokenizer, "chat_template", None):
+        raise DataError(f"{where} has chat messages but the tokenizer has no chat template; "
+                        "use records with a 'text' field")
+    return tokenizer.apply_chat_template(messages, tokenize=False)
 
 
 def _open_dataset(path: Path) -> Any:

@@ -45,7 +45,7 @@ class PackedSlot(nn.Module):
         parts = {k: b for k, b in self.named_buffers(recurse=False)}
         try:
             q = QTensor.from_packed(parts, shape, scheme)  # type: ignore[arg-type]
-        except (ValueError, RuntimeError) as e:
+        except (CheckpointError, ValueError, RuntimeError) as e:
             raise CheckpointError(f"stored tensors disagree with shape {list(shape)} and scheme {scheme.name} "
                                   f"({e}); the checkpoint was edited or damaged") from None
         return QuantLinear(q, None if self.bias is None else self.bias.detach())

@@ -42,8 +42,11 @@ def detect(path: str | Path) -> str:
         return NATIVE
     cfg = p / "config.json"
     if cfg.is_file():
-        qc = json.loads(cfg.read_text()).get("quantization_config") or {}
-        if qc.get("quant_method") == CT:
+        try:
+            qc = json.loads(cfg.read_bytes().decode("utf-8")).get("quantization_config") or {}
+        except (ValueError, AttributeError) as e:
+            raise CheckpointError(f"{cfg} is not a valid config.json ({str(e)[:80]}); re-create the export") from None
+        if isinstance(qc, dict) and qc.get("quant_method") == CT:
             return CT
     raise CheckpointError(f"{p} is neither a lowbit checkpoint (lowbit.json), a compressed-tensors folder "
                           "(config.json quant_method) nor a GGUF file")
@@ -51,17 +54,20 @@ def detect(path: str | Path) -> str:
 
 def _headers(folder: Path) -> dict[str, tuple[list[int], str]]:
     """name -> (shape, dtype) for every tensor in the folder's safetensors files."""
-    from safetensors import safe_open
+    from safetensors import SafetensorError, safe_open
 
     out: dict[str, tuple[list[int], str]] = {}
     files = sorted(folder.glob("*.safetensors"))
     if not files:
         raise CheckpointError(f"{folder} has no .safetensors files; the export is incomplete")
     for f in files:
-        with safe_open(str(f), framework="pt") as st:
-            for k in st.keys():
-                sl = st.get_slice(k)
-                out[k] = (list(sl.get_shape()), sl.get_dtype())
+        try:
+            with safe_open(str(f), framework="pt") as st:
+                for k in st.keys():
+                    sl = st.get_slice(k)
+                    out[k] = (list(sl.get_shape()), sl.get_dtype())
+        except (SafetensorError, OSError) as e:
+            raise CheckpointError(f"{f} is truncated or damaged ({str(e)[:100]}); re-create the export") from None
     return out
 
 
@@ -90,9 +96,10 @@ def _dense_params(headers: dict, quant_keys: set[str]) -> int:
 
 def inspect_native(folder: Path) -> tuple[list[LayerInfo], int]:
     from lowbit.formats import Scheme
-    from lowbit.models.native import read_manifest
+    from lowbit.models.native import read_manifest, verify
 
     manifest = read_manifest(folder)
+    verify(folder, manifest)  # a report on a damaged checkpoint must not look like a good one
     headers = _headers(folder)
     keys = ("codes", "scales", "zeros", "tensor_scale")
     layers, qkeys = [], set()
@@ -148,7 +155,9 @@ def _has(path: Path, key: str) -> bool:
 def inspect_gguf(path: Path) -> tuple[list[LayerInfo], int]:
     import gguf
 
-    reader = gguf.GGUFReader(str(path))
+    from lowbit.models.loading import open_gguf
+
+    reader = open_gguf(path)
     layers, total = [], 0
     dense = {gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16, gguf.GGMLQuantizationType.BF16}
     for t in reader.tensors:

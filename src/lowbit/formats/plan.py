@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from types import MappingProxyType
 
-from lowbit.errors import ConfigError
+from lowbit.errors import ConfigError, SchemeError
 from lowbit.formats.scheme import Scheme
 
 
@@ -71,7 +71,8 @@ class Plan:
 
     @classmethod
     def from_dict(cls, d: Mapping) -> Plan:
-        return cls({name: Scheme.from_dict(dict(v)) for name, v in d.items()})
+        """Layer name -> scheme, each given as a scheme name (``"w4g128"``) or its fields (``to_dict``)."""
+        return cls({name: _scheme(name, v) for name, v in d.items()})
 
     def to_json(self) -> str:
         return json.dumps({"layers": self.to_dict()}, indent=1)
@@ -87,7 +88,30 @@ class Plan:
         if not p.is_file():
             raise ConfigError(f"plan file {p} does not exist; pass the JSON written by `lowbit quantize`")
         try:
-            return cls.from_dict(json.loads(p.read_text())["layers"])
-        except (KeyError, ValueError, TypeError) as e:
-            raise ConfigError(f"{p} is not a lowbit plan ({e}); expected {{'layers': {{name: scheme}}}}") from None
+            d = json.loads(p.read_bytes().decode("utf-8"))
+        except ValueError as e:  # UnicodeDecodeError included
+            raise ConfigError(f"{p} is not valid JSON ({e}); a plan file looks like {PLAN_FORMAT}") from None
+        layers = d.get("layers") if isinstance(d, dict) else None
+        if not isinstance(layers, dict) or not all(isinstance(k, str) for k in layers):
+            raise ConfigError(f"{p} has no 'layers' object; a plan file looks like {PLAN_FORMAT}")
+        try:
+            return cls.from_dict(layers)
+        except SchemeError as e:
+            raise ConfigError(f"{p}: {e}; a plan file looks like {PLAN_FORMAT}") from None
+
+
+PLAN_FORMAT = ('{"layers": {"model.layers.0.self_attn.q_proj": "w4g128", ...}} (each value a scheme name, or the '
+               "scheme's fields as in the plan.json `lowbit quantize --avg-bits` writes)")
+
+
+def _scheme(name: str, value: object) -> Scheme:
+    """One plan entry: a scheme name or a dict of scheme fields; anything else is a `SchemeError`."""
+    try:
+        if isinstance(value, str):
+            return Scheme.parse(value)
+        if isinstance(value, Mapping):
+            return Scheme.from_dict(dict(value))
+    except SchemeError as e:
+        raise SchemeError(f"layer {name}: {e}") from None
+    raise SchemeError(f"layer {name}: {value!r} is neither a scheme name nor an object of scheme fields")
 

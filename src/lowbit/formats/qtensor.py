@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
+from lowbit.errors import CheckpointError
 from lowbit.formats import packing
 from lowbit.formats.grids import decode_elements
 from lowbit.formats.groups import from_groups
@@ -73,19 +74,36 @@ class QTensor:
 
     @classmethod
     def from_packed(cls, d: dict[str, torch.Tensor], shape: tuple[int, int], scheme: Scheme) -> QTensor:
-        """Rebuild from ``pack()`` output; shapes are checked, never guessed."""
+        """Rebuild from ``pack()`` output; shapes are checked, never guessed.
+
+        The tensors come from files (checkpoints, work folders), so any disagreement with
+        ``shape`` and ``scheme`` is a `CheckpointError` naming what is off.
+        """
         out, cols = shape
         g = scheme.group_for(cols)
         ng = -(-cols // g)
-        codes = packing.unpack(d["codes"], scheme.bits, ng * g).reshape(out, ng, g)
+        missing = [k for k in ("codes", "scales") if k not in d]
+        if missing:
+            raise CheckpointError(f"stored quantized weight lacks {missing}; the file was edited or damaged")
+        packed = d["codes"]
+        want = (out, packing.packed_bytes(ng * g, scheme.bits))
+        if packed.dtype != torch.uint8 or tuple(packed.shape) != want:
+            raise CheckpointError(f"packed codes are {packed.dtype} {tuple(packed.shape)}, expected uint8 {want} for "
+                                  f"shape {(out, cols)} and scheme {scheme.name}")
+        codes = packing.unpack(packed, scheme.bits, ng * g).reshape(out, ng, g)
         scales = d["scales"].float()
         if scales.shape != (out, ng):
-            raise ValueError(f"scales have shape {tuple(scales.shape)}, expected {(out, ng)}")
+            raise CheckpointError(f"scales have shape {tuple(scales.shape)}, expected {(out, ng)}")
         zeros = d["zeros"].float() if "zeros" in d else None
         if (zeros is not None) != (not scheme.sym and scheme.elem == "int"):
-            raise ValueError("zero points present/absent contrary to the scheme")
-        ts = d["tensor_scale"].float().reshape(()) if "tensor_scale" in d else None
-        return cls(codes, scales, zeros, ts, (out, cols), scheme)
+            raise CheckpointError(f"zero points are {'present' if zeros is not None else 'absent'}, contrary to "
+                                  f"scheme {scheme.name}")
+        if zeros is not None and zeros.shape != (out, ng):
+            raise CheckpointError(f"zero points have shape {tuple(zeros.shape)}, expected {(out, ng)}")
+        ts = d.get("tensor_scale")
+        if ts is not None and ts.numel() != 1:
+            raise CheckpointError(f"the tensor scale has {ts.numel()} values, expected 1")
+        return cls(codes, scales, zeros, None if ts is None else ts.float().reshape(()), (out, cols), scheme)
 
 
 def _store_scales(scales: torch.Tensor, scheme: Scheme) -> torch.Tensor:

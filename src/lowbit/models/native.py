@@ -32,7 +32,7 @@ from torch import nn
 
 from lowbit.errors import CheckpointError
 from lowbit.formats import QTensor, Scheme
-from lowbit.io import atomic_dir, atomic_write_text, sha256_file
+from lowbit.io import atomic_dir, atomic_write_text, file_inside, sha256_file
 from lowbit.nn import QuantLinear, quant_layers, set_module
 
 FORMAT = "lowbit"
@@ -120,22 +120,45 @@ def read_manifest(path: str | Path) -> dict:
         raise CheckpointError(f"{path} is not a lowbit checkpoint (no {MANIFEST}); "
                               "pass a folder written by `lowbit quantize --out`")
     try:
-        m = json.loads(f.read_text())
-    except ValueError as e:
+        m = json.loads(f.read_bytes().decode("utf-8"))
+    except ValueError as e:  # UnicodeDecodeError included
         raise CheckpointError(f"{f} is corrupted ({e}); re-create the checkpoint") from None
-    if m.get("format") != FORMAT or m.get("version") != VERSION:
-        raise CheckpointError(f"{f} has format {m.get('format')!r} version {m.get('version')!r}; "
+    if not isinstance(m, dict) or m.get("format") != FORMAT or m.get("version") != VERSION:
+        got = (m.get("format"), m.get("version")) if isinstance(m, dict) else (type(m).__name__, None)
+        raise CheckpointError(f"{f} has format {got[0]!r} version {got[1]!r}; "
                               f"this lowbit reads {FORMAT!r} version {VERSION}")
+    _check_layers(f, m.get("layers"))
     return m
 
 
+def _check_layers(f: Path, layers: object) -> None:
+    """Each manifest layer must be ``{"scheme": {...}, "shape": [out, in]}``: refuse anything else up front."""
+    ok = isinstance(layers, dict) and all(
+        isinstance(spec, dict) and isinstance(spec.get("scheme"), dict) and isinstance(spec.get("shape"), list)
+        and len(spec["shape"]) == 2 and all(isinstance(d, int) and d > 0 for d in spec["shape"])
+        for spec in layers.values())
+    if not ok:
+        raise CheckpointError(f"{f} has a malformed 'layers' entry (each layer needs a scheme and a [out, in] "
+                              "shape); the manifest was edited or damaged — re-create the checkpoint")
+
+
 def verify(path: str | Path, manifest: dict) -> None:
-    """Check every data file's sha256 against the manifest."""
-    for name, digest in manifest.get("files", {}).items():
-        f = Path(path) / name
+    """Check every data file's sha256 against the manifest; the weights file must be listed.
+
+    Checksums are not optional: a manifest whose ``files`` map is gone or lacks the
+    weights would otherwise turn verification off, and names must stay inside the
+    folder, or an edited manifest could make lowbit read (and hash) any file.
+    """
+    path = Path(path)
+    files = manifest.get("files")
+    if not isinstance(files, dict) or not isinstance(files.get(WEIGHTS), str):
+        raise CheckpointError(f"{path / MANIFEST} has no checksum for {WEIGHTS} (its 'files' map is missing or "
+                              "incomplete), so the weights cannot be verified; re-create the checkpoint")
+    for name, digest in files.items():
+        f = file_inside(path, name, str(path / MANIFEST))
         if not f.is_file():
             raise CheckpointError(f"{f} is missing; the checkpoint is incomplete — re-create it")
-        if sha256_file(f) != digest:
+        if not isinstance(digest, str) or sha256_file(f) != digest:
             raise CheckpointError(f"{f} does not match its checksum (truncated or corrupted); "
                                   "re-create the checkpoint")
 
@@ -174,7 +197,7 @@ def _quant_layer(name: str, spec: dict, tensors: dict[str, torch.Tensor]) -> Qua
         raise CheckpointError(f"layer {name} has no codes/scales in the checkpoint; re-create it")
     try:
         q = QTensor.from_packed(parts, shape, scheme)  # type: ignore[arg-type]
-    except (ValueError, RuntimeError) as e:
+    except (CheckpointError, ValueError, RuntimeError) as e:
         raise CheckpointError(f"layer {name}: stored tensors disagree with shape {list(shape)} and "
                               f"scheme {scheme.name} ({e}); the checkpoint was edited or damaged") from None
     bias = tensors.pop(f"{name}.bias", None)
@@ -199,18 +222,34 @@ def _load_rest(model: nn.Module, tensors: dict[str, torch.Tensor], manifest: dic
     model.load_state_dict(tensors, strict=False)
 
 
-def require_tokenizer(tokenizer: Any, path: str | Path) -> Any:
-    """``tokenizer``, or a clear error when the checkpoint at ``path`` has no tokenizer files."""
-    if tokenizer is None:
-        raise CheckpointError(f"{path} has no tokenizer files; copy them from the source model into it, "
-                              "or re-create it with `lowbit quantize`")
-    return tokenizer
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
 
 def _load_tokenizer(path: Path) -> Any:
+    """The checkpoint's tokenizer; None when it has no tokenizer files (see `require_tokenizer`).
+
+    Files that are present but unreadable are an error, not None: "no tokenizer" would
+    send the user looking for files that are there.
+    """
     from transformers import AutoTokenizer
 
+    if not any((path / name).is_file() for name in _TOKENIZER_FILES):
+        return None
     try:
         return AutoTokenizer.from_pretrained(path)
-    except (OSError, ValueError):
-        return None
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        why = str(e).strip().splitlines()[0][:100] if str(e).strip() else type(e).__name__
+        raise CheckpointError(f"the tokenizer files in {path} cannot be read ({why}); copy them again from the "
+                              "source model or re-create the checkpoint") from None
+
+
+def require_tokenizer(tokenizer: Any, path: str | Path) -> Any:
+    """``tokenizer``, or a clear error for commands that need one (eval, finetune, export to GGUF).
+
+    ``load`` returns None for a checkpoint saved without a tokenizer, because a caller
+    that brings its own (or only needs the weights) must still be able to load it.
+    """
+    if tokenizer is None:
+        raise CheckpointError(f"{path} has no tokenizer files; copy them (tokenizer.json, tokenizer_config.json, "
+                              "...) from the source model into it, or re-create it with a tokenizer")
+    return tokenizer

@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from lowbit.errors import SchemeError
 from lowbit.formats import QTensor, Scheme, quantize
 
 
@@ -41,7 +42,8 @@ class QuantLinear(nn.Module):
     def set_qweight(self, q: QTensor) -> None:
         """Replace the quantized weight (e.g. after tuning); buffers keep their names."""
         if q.shape != (self.out_features, self.in_features):
-            raise ValueError(f"QTensor shape {q.shape} != layer shape {(self.out_features, self.in_features)}")
+            raise SchemeError(f"a quantized weight of shape {q.shape} cannot replace the weight of this "
+                              f"{(self.out_features, self.in_features)} layer; quantize a weight of the layer's shape")
         self.scheme = q.scheme
         self.register_buffer("codes", q.codes)
         self.register_buffer("scales", q.scales)

@@ -7,7 +7,6 @@ the tokenizer's chat template masks the prompt so only answer tokens are learned
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -16,13 +15,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from lowbit.data.sources import PROMPT_KEYS, jsonl_records, record_messages
 from lowbit.errors import DataError
 from lowbit.peft.apply import adapters_of
 from lowbit.train import Callback, TrainConfig, TrainResult, TrainState, train
 
 IGNORE = -100
-PROMPT_KEYS = ("instruction", "prompt", "question")
-ANSWER_KEYS = ("output", "response", "answer", "completion")
 
 
 def masked_lm_loss(model: nn.Module, batch: torch.Tensor) -> torch.Tensor:
@@ -39,33 +37,23 @@ def lm_rows(tokens: torch.Tensor) -> torch.Tensor:
 
 
 def is_instruction_file(source: str | None) -> bool:
-    return bool(source) and str(source).endswith(".jsonl") and _first_record_is_instruction(Path(source))
+    """Whether ``source`` is a .jsonl whose first record is a chat or an instruction (not plain text)."""
+    if not source or not str(source).endswith(".jsonl"):
+        return False
+    records = jsonl_records(source)
+    if not records:
+        raise DataError(f"{source} is empty; it needs one JSON record per line")
+    rec = records[0][1]
+    return "messages" in rec or any(k in rec for k in PROMPT_KEYS)
 
 
-def _first_record_is_instruction(path: Path) -> bool:
-    if not path.is_file():
-        raise DataError(f"{path} does not exist; pass a .jsonl file of instruction records")
-    for line in path.read_text().splitlines():
-        if line.strip():
-            rec = json.loads(line)
-            return "messages" in rec or any(k in rec for k in PROMPT_KEYS)
-    raise DataError(f"{path} is empty; it needs one JSON record per line")
-
-
-def to_messages(rec: dict, line: int) -> list[dict]:
-    """A record as chat messages: ``{"messages": [...]}`` or instruction/input/output keys."""
-    if "messages" in rec:
-        msgs = rec["messages"]
-        if not msgs or msgs[-1].get("role") != "assistant":
-            raise DataError(f"line {line}: the last message must be the assistant's answer")
-        return msgs
-    prompt = next((rec[k] for k in PROMPT_KEYS if k in rec), None)
-    answer = next((rec[k] for k in ANSWER_KEYS if k in rec), None)
-    if prompt is None or answer is None:
-        raise DataError(f"line {line}: need 'messages' or one of {PROMPT_KEYS} and one of {ANSWER_KEYS}")
-    if rec.get("input"):
-        prompt = f"{prompt}\n\n{rec['input']}"
-    return [{"role": "user", "content": prompt}, {"role": "assistant", "content": answer}]
+def to_messages(rec: dict, line: int | str) -> list[dict]:
+    """A training record as chat messages (`record_messages`) ending with the assistant's answer."""
+    where = line if isinstance(line, str) else f"line {line}"
+    msgs = record_messages(rec, where)
+    if msgs[-1]["role"] != "assistant":
+        raise DataError(f"{where}: the last message must be the assistant's answer")
+    return msgs
 
 
 def encode_chat(tokenizer, messages: list[dict], seqlen: int) -> tuple[list[int], list[int]] | None:
@@ -89,16 +77,22 @@ def _ids(x) -> list[int]:
 
 
 def instruction_rows(tokenizer, path: str | Path, seqlen: int = 256, limit: int | None = None) -> torch.Tensor:
-    """``[N, 2, seqlen]`` rows from a .jsonl of instruction records (pad label -100)."""
+    """``[N, 2, seqlen]`` rows from the training split of a .jsonl of instruction records (pad label -100).
+
+    Only the training split (even record positions, `jsonl_records`) is read, so the same
+    file passed as --eval-data never evaluates on a record that was trained on.
+    """
     if getattr(tokenizer, "chat_template", None) is None:
         raise DataError("the tokenizer has no chat template, so instruction data cannot be rendered; use an "
                         "instruct model's tokenizer or pass plain text (.txt) instead")
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     rows, skipped = [], 0
-    for i, line in enumerate(Path(path).read_text().splitlines(), 1):
-        if not line.strip():
-            continue
-        enc = encode_chat(tokenizer, to_messages(json.loads(line), i), seqlen)
+    records = jsonl_records(path, "calib")
+    if not records:
+        raise DataError(f"{path} has no record in its training split (even record positions); give it at "
+                        "least one record")
+    for i, rec in records:
+        enc = encode_chat(tokenizer, to_messages(rec, f"{path}:{i}"), seqlen)
         if enc is None:
             skipped += 1
             continue
@@ -108,7 +102,7 @@ def instruction_rows(tokenizer, path: str | Path, seqlen: int = 256, limit: int 
         if limit and len(rows) >= limit:
             break
     if not rows:
-        raise DataError(f"{path}: no record has an answer within {seqlen} tokens ({skipped} skipped); "
+        raise DataError(f"{path}: no training record has an answer within {seqlen} tokens ({skipped} skipped); "
                         "raise --seqlen")
     return torch.stack(rows)
 

@@ -19,7 +19,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from lowbit.errors import CheckpointError
-from lowbit.io import atomic_dir, atomic_write_text, sha256_file
+from lowbit.io import atomic_dir, atomic_write_text, file_inside, sha256_file
 from lowbit.models.layers import weight_digest
 from lowbit.peft.apply import CLASSES, PeftConfig, adapters_of, attach, freeze_base
 
@@ -56,22 +56,43 @@ def save_adapters(model: nn.Module, out: str | Path, cfg: PeftConfig, meta: dict
 
 
 def read_adapter_manifest(path: str | Path) -> dict:
+    """``adapter.json``, checked for the entries `load_adapters` relies on (JSON only)."""
     f = Path(path) / MANIFEST
     if not f.is_file():
         raise CheckpointError(f"{path} is not a lowbit adapter folder (no {MANIFEST}); "
                               "pass a folder written by `lowbit finetune --out`")
-    m = json.loads(f.read_text())
-    if m.get("format") != FORMAT or m.get("version") != VERSION:
-        raise CheckpointError(f"{f}: format {m.get('format')!r} v{m.get('version')!r} is not {FORMAT} v{VERSION}")
+    try:
+        m = json.loads(f.read_bytes().decode("utf-8"))
+    except ValueError as e:  # UnicodeDecodeError included
+        raise CheckpointError(f"{f} is corrupted ({str(e)[:80]}); re-create the adapter folder") from None
+    if not isinstance(m, dict) or m.get("format") != FORMAT or m.get("version") != VERSION:
+        got = (m.get("format"), m.get("version")) if isinstance(m, dict) else (type(m).__name__, None)
+        raise CheckpointError(f"{f}: format {got[0]!r} v{got[1]!r} is not {FORMAT} v{VERSION}")
+    if not isinstance(m.get("sha256"), str):
+        raise CheckpointError(f"{f} has no sha256 of {TENSORS}, so the adapter weights cannot be verified; "
+                              "re-create the adapter folder")
+    if m.get("kind") not in CLASSES or not isinstance(m.get("layers"), dict) or not isinstance(m.get("config"), dict):
+        raise CheckpointError(f"{f} has a malformed kind/layers/config entry (kind must be one of "
+                              f"{sorted(CLASSES)}); re-create the adapter folder")
     return m
+
+
+def verify_adapters(path: str | Path, manifest: dict) -> Path:
+    """The adapter tensor file (always ``adapter.safetensors``, inside the folder), checked against its sha256."""
+    path = Path(path)
+    f = file_inside(path, TENSORS, str(path / MANIFEST))
+    if not f.is_file():
+        raise CheckpointError(f"{f} is missing; the adapter folder is incomplete — re-create it")
+    if sha256_file(f) != manifest["sha256"]:
+        raise CheckpointError(f"{f} does not match its checksum; the adapter file is damaged — re-create it")
+    return f
 
 
 def load_adapters(model: nn.Module, path: str | Path, check_base: bool = True) -> PeftConfig:
     """Attach the saved adapters to ``model``; the base fingerprint must match."""
     path = Path(path)
     m = read_adapter_manifest(path)
-    if sha256_file(path / TENSORS) != m.get("sha256"):
-        raise CheckpointError(f"{path / TENSORS} does not match its checksum; the adapter file is damaged")
+    weights = verify_adapters(path, m)
     names = list(m["layers"])
     missing = [n for n in names if not _has(model, n)]
     if missing:
@@ -79,7 +100,7 @@ def load_adapters(model: nn.Module, path: str | Path, check_base: bool = True) -
     if check_base and fingerprint(model, names) != m["base_fingerprint"]:
         raise CheckpointError(f"adapter {path} was trained on a different base (fingerprint mismatch); load it "
                               "onto the quantized checkpoint it was made for")
-    tensors = load_file(str(path / TENSORS))
+    tensors = load_file(str(weights))
     cls = CLASSES[m["kind"]]
     for name, conf in m["layers"].items():
         state = {k[len(name) + 1:]: v for k, v in tensors.items() if k.startswith(name + ".")}

@@ -66,12 +66,20 @@ class MixedSettings:
         return list(dict.fromkeys(Scheme.parse(o) for o in self.options))
 
 
-def check_widths(model: nn.Module, plan: Plan, settings: MixedSettings) -> None:
-    """Every option must fit every planned layer (before any DeltaLoss pass runs)."""
-    for n in plan:
-        cols = model.get_submodule(n).in_features
+def check_feasible(model: nn.Module, plan: Plan, settings: MixedSettings) -> None:
+    """Every option fits every planned layer, and the budget is reachable — before any DeltaLoss pass runs.
+
+    Scores only decide *which* plan wins; whether any plan fits the budget depends on
+    the layer shapes and options alone, so an impossible budget costs no forward pass.
+    """
+    sizes = {n: _shape(model, n) for n in plan}
+    for n, (_, cols) in sizes.items():
         for o in settings.schemes():
             o.check_width(cols, n)
+    zero = {o.name: dict.fromkeys(sizes, 0.0) for o in settings.schemes()}
+    ties = tie_qkv(list(plan)) if settings.tie_qkv else ()
+    allocate(zero, sizes, settings.schemes(), settings.avg_bits, ties=ties, count_scales=settings.count_scales,
+             lm_head_min_bits=settings.lm_head_min_bits)
 
 
 def mixed_plan(model: nn.Module, plan: Plan, settings: MixedSettings, calib: torch.Tensor,
@@ -79,7 +87,7 @@ def mixed_plan(model: nn.Module, plan: Plan, settings: MixedSettings, calib: tor
     """DeltaLoss-scored, knapsack-allocated plan over the layers of ``plan`` (their schemes are ignored)."""
     if calib is None or calib.numel() == 0:
         raise ConfigError("mixed precision needs calibration batches for its DeltaLoss passes")
-    check_widths(model, plan, settings)
+    check_feasible(model, plan, settings)
     sizes = {n: _shape(model, n) for n in plan}
     with on_device(model, device):  # DeltaLoss is whole-model forward/backward passes
         dtype = resolve_dtype(settings.dtype, model_device(model))

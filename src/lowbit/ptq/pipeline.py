@@ -18,6 +18,7 @@ from __future__ import annotations
 import hashlib
 import json
 import time
+import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,10 +30,10 @@ from safetensors.torch import load_file, save
 from torch import nn
 from tqdm.auto import tqdm
 
-from lowbit.errors import ConfigError
+from lowbit.errors import CheckpointError, ConfigError
 from lowbit.formats import QTensor, Scheme
 from lowbit.formats.plan import Plan
-from lowbit.io import atomic_write_bytes, atomic_write_text
+from lowbit.io import atomic_write_bytes, atomic_write_text, sha256_file
 from lowbit.models.activations import activation_stats
 from lowbit.models.layers import block_path, decoder_blocks
 from lowbit.models.lazy import is_lazy, load_block, materialize
@@ -153,15 +154,22 @@ def fingerprint(model: nn.Module, calib: torch.Tensor) -> dict[str, str]:
 
 
 class WorkDir:
-    """Per-block results on disk: ``run.json`` (settings) + ``block_NNNN.safetensors``."""
+    """Per-block results on disk: ``run.json`` (settings), ``block_NNNN.safetensors`` + ``block_NNNN.json``.
+
+    The small JSON sidecar holds the block file's sha256 and is written after it, so a
+    block counts as finished only when both exist and agree: a crash between the two, a
+    truncated file or a flipped byte all read as "not finished" and the block is tuned
+    again instead of being installed with wrong codes.
+    """
 
     def __init__(self, path: str | Path, settings: dict[str, Any]) -> None:
         self.path = Path(path)
         self.settings = json.loads(json.dumps(settings, sort_keys=True, default=str))
+        self.damaged: dict[int, str] = {}  # block index -> why its saved result was discarded
         self.path.mkdir(parents=True, exist_ok=True)
         meta = self.path / "run.json"
         if meta.exists():
-            old = json.loads(meta.read_text())
+            old = _read_json(meta)
             if old != self.settings:
                 diff = sorted(k for k in set(old) | set(self.settings) if old.get(k) != self.settings.get(k))
                 raise ConfigError(f"work folder {self.path} holds a run with different settings ({', '.join(diff)}); "
@@ -172,27 +180,88 @@ class WorkDir:
     def block_file(self, i: int) -> Path:
         return self.path / f"block_{i:04d}.safetensors"
 
+    def sidecar(self, i: int) -> Path:
+        return self.path / f"block_{i:04d}.json"
+
     def done(self, nblocks: int) -> int:
-        """Number of leading blocks already finished (a gap means the rest is redone)."""
+        """Number of leading blocks whose saved result is intact; results after it are removed.
+
+        Every block is tuned on the outputs of the blocks before it, so once block k must
+        be redone (missing, truncated, corrupted) the saved blocks after it are stale too:
+        they are deleted, so that a run interrupted while redoing them can never pick them
+        up. A damaged block is reported with ``warnings.warn`` and recorded in ``damaged``.
+        """
         k = 0
         while k < nblocks and self.block_file(k).exists():
+            why = self._check(k)
+            if why:
+                self.damaged[k] = why
+                warnings.warn(f"work folder {self.path}: block {k}'s saved result is {why}; tuning block {k} "
+                              f"and the {nblocks - k - 1} block(s) after it again", stacklevel=2)
+                break
             k += 1
+        self._prune(k)
         return k
+
+    def _check(self, i: int) -> str | None:
+        """Why block ``i``'s file cannot be used (None when it matches its recorded checksum)."""
+        try:
+            meta = json.loads(self.sidecar(i).read_bytes().decode("utf-8"))
+        except FileNotFoundError:
+            return f"unverified (no {self.sidecar(i).name}: interrupted while saving, or an older lowbit)"
+        except (ValueError, OSError):
+            return f"unverified ({self.sidecar(i).name} is damaged)"
+        if not isinstance(meta, dict) or not isinstance(meta.get("sha256"), str):
+            return f"unverified ({self.sidecar(i).name} is damaged)"
+        size = self.block_file(i).stat().st_size
+        if isinstance(meta.get("bytes"), int) and size != meta["bytes"]:
+            return f"truncated ({size} of {meta['bytes']} bytes)"
+        if sha256_file(self.block_file(i)) != meta["sha256"]:
+            return "corrupted (checksum mismatch)"
+        return None
+
+    def _prune(self, first: int) -> None:
+        """Delete saved results of blocks ``first`` and later (they are stale once an earlier block is redone)."""
+        for f in [*self.path.glob("block_*.safetensors"), *self.path.glob("block_*.json")]:
+            index = f.stem.removeprefix("block_")
+            if index.isdigit() and int(index) >= first:
+                f.unlink(missing_ok=True)
 
     def save_block(self, i: int, qts: Mapping[str, QTensor]) -> None:
         tensors = {f"{n}::{k}": v.detach().cpu().contiguous() for n, q in qts.items() for k, v in q.pack().items()}
-        atomic_write_bytes(self.block_file(i), save(tensors))
+        data = save(tensors)
+        atomic_write_bytes(self.block_file(i), data)
+        atomic_write_text(self.sidecar(i), json.dumps({"sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data)}))
 
     def load_block(self, i: int, layers: Mapping[str, tuple[str, Scheme]],
                    shapes: Mapping[str, tuple[int, int]]) -> dict[str, QTensor]:
-        raw = st_load(self.block_file(i).read_bytes())
+        data = self.block_file(i).read_bytes()
+        if hashlib.sha256(data).hexdigest() != _read_json(self.sidecar(i)).get("sha256"):  # changed since done()
+            raise CheckpointError(f"{self.block_file(i)} changed while the run was resuming; rerun to tune it again")
+        raw = st_load(data)
         out = {}
         for name, (_rel, scheme) in layers.items():
             d = {k.split("::", 1)[1]: v for k, v in raw.items() if k.split("::", 1)[0] == name}
             if not d:
                 raise ConfigError(f"{self.block_file(i)} lacks layer {name}; delete the work folder and rerun")
-            out[name] = QTensor.from_packed(d, shapes[name], scheme)
+            try:
+                out[name] = QTensor.from_packed(d, shapes[name], scheme)
+            except CheckpointError as e:
+                raise CheckpointError(f"{self.block_file(i)}, layer {name}: {e}; delete the work folder and "
+                                      "rerun") from None
         return out
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    """A JSON object lowbit wrote into the work folder; anything else is a `CheckpointError`."""
+    try:
+        d = json.loads(path.read_bytes().decode("utf-8"))
+    except (ValueError, OSError) as e:
+        raise CheckpointError(f"cannot read {path} ({str(e)[:80]}); delete the work folder {path.parent} and "
+                              "rerun") from None
+    if not isinstance(d, dict):
+        raise CheckpointError(f"{path} is not what lowbit wrote; delete the work folder {path.parent} and rerun")
+    return d
 
 
 # ---------------------------------------------------------------- disk offload
@@ -304,6 +373,8 @@ def quantize_blockwise(model: nn.Module, plan: Plan, calib: torch.Tensor, tuner:
             imp = h.result("sumsq") if want_imp else None
             job = BlockJob(i, block, layers, x_q if x_q is not None else x_fp, y, kwargs, imp)
             qts, info = tuner(job)
+            if wd and i in wd.damaged:
+                info["retuned_damaged"] = 1.0
             if wd:
                 wd.save_block(i, qts)
         _install(block, layers, qts, device)

@@ -240,8 +240,8 @@ def _evaluate(model: nn.Module, eval_fn: EvalFn, state: TrainState, callbacks: S
 
 def _maybe_resume(out: Path | None, resume: bool, fingerprint: str, settings: dict, state: TrainState,
                   log: MetricsLog) -> int:
-    path = ckpt.find_checkpoint(out / "checkpoint" if out else None)
-    if path is None or not resume:
+    path = ckpt.find_checkpoint(out / "checkpoint" if out else None) if resume else None
+    if path is None:
         log.reset()
         return 0
     payload = ckpt.load_checkpoint(path, fingerprint, settings)

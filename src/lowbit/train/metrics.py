@@ -13,6 +13,7 @@ from pathlib import Path
 
 import torch
 
+from lowbit.errors import CheckpointError, ConfigError
 from lowbit.io import atomic_write_text
 
 
@@ -53,7 +54,7 @@ class MetricsLog:
         """Drop records of steps beyond ``step`` (logged after the last checkpoint)."""
         if self.path is None or not self.path.exists():
             return
-        keep = [ln for ln in self.path.read_text().splitlines() if ln.strip() and json.loads(ln)["step"] <= step]
+        keep = [ln for ln, rec in _records(self.path) if rec["step"] <= step]
         atomic_write_text(self.path, "".join(ln + "\n" for ln in keep))
 
     def reset(self) -> None:
@@ -69,4 +70,40 @@ class MetricsLog:
 
 
 def read_metrics(path: str | Path) -> list[dict]:
-    return [json.loads(ln) for ln in Path(path).read_text().splitlines() if ln.strip()]
+    """Every record of a metrics.jsonl; a damaged file is one `CheckpointError`."""
+    return [rec for _, rec in _records(Path(path))]
+
+
+def read_losses(path: str | Path) -> list[float]:
+    """The training losses of a metrics.jsonl (or of the run folder holding one), in step order."""
+    p = Path(path)
+    if p.is_dir():
+        p = p / "metrics.jsonl"
+    if not p.is_file():
+        raise ConfigError(f"{path} is neither a metrics.jsonl nor a run folder holding one")
+    return [float(rec["loss"]) for rec in read_metrics(p) if isinstance(rec.get("loss"), (int, float))]
+
+
+def _records(path: Path) -> list[tuple[str, dict]]:
+    """(line, record) of each non-empty line; every record must be a JSON object with an int step.
+
+    The log is read back on resume and as a --baseline, so a file that is not what lowbit
+    wrote (damaged, or something else put there) must be refused, never half-parsed.
+    """
+    try:
+        lines = path.read_bytes().decode("utf-8").splitlines()
+    except (OSError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"cannot read the metrics log {path} ({e}); delete it to start the log over") from None
+    out = []
+    for i, ln in enumerate(lines, 1):
+        if not ln.strip():
+            continue
+        try:
+            rec = json.loads(ln)
+        except ValueError:
+            rec = None
+        if not isinstance(rec, dict) or not isinstance(rec.get("step"), int):
+            raise CheckpointError(f"{path}:{i} is not a metrics record lowbit wrote; the log is damaged — delete "
+                                  "it to start the log over")
+        out.append((ln, rec))
+    return out
