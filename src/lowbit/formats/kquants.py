@@ -281,3 +281,17 @@ def parts_to_tensors(p: KParts, kt: KType) -> tuple[torch.Tensor, torch.Tensor, 
     m = None if p.m is None else p.m.reshape(out, -1) + 0.0
     sup = p.d.unsqueeze(-1) if p.dmin is None else torch.stack([p.d, p.dmin], -1)
     return codes, sc, m, sup
+
+
+def fits(bits: int, in_features: int) -> bool:
+    return in_features % QK_K == 0
+
+
+def fit_width(scheme, in_features: int):
+    """``scheme``, or for a K-quant on rows that are not a multiple of 256 the legacy type
+    llama.cpp falls back to (``tensor_type_fallback`` in llama-quant.cpp), keeping the rule."""
+    if not getattr(scheme, "super_block", 0) or in_features % QK_K == 0:
+        return scheme
+    from lowbit.formats.scheme import Scheme
+
+    return Scheme.parse(FALLBACK[scheme.bits]).replace(rule=scheme.rule)
