@@ -174,8 +174,9 @@ def rope_rows(out: int, n_head: int) -> torch.Tensor:
 
 
 def permute_qtensor(q: QTensor, rows: torch.Tensor) -> QTensor:
-    return QTensor(q.codes[rows], q.scales[rows], None if q.zeros is None else q.zeros[rows],
-                   q.tensor_scale, q.shape, q.scheme)
+    """Rows reordered; the K-quants' super-block scales are per row too, NVFP4's tensor scale is not."""
+    ts = q.tensor_scale[rows] if q.scheme.super_block else q.tensor_scale
+    return QTensor(q.codes[rows], q.scales[rows], None if q.zeros is None else q.zeros[rows], ts, q.shape, q.scheme)
 
 
 def _heads_for(name: str, config: Any, arch: Arch | None = None) -> int | None:
