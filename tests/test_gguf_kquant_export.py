@@ -151,3 +151,28 @@ def test_refusals(tmp_path, tiny_tokenizer):
     with pytest.raises(LowbitError, match="already exists"):
         ge.export(model, None, tmp_path / "y.gguf", allow_requant=True)
     assert (tmp_path / "y.gguf").read_bytes() == b"not mine"
+
+
+def test_a_kquant_file_lowbit_wrote_is_an_input_to_every_command(tmp_path, tiny_tokenizer):
+    """quantize (--scheme q4_k_m) -> export (--to gguf) -> load_model(the .gguf): the api path the CLI runs."""
+    from lowbit.api import ExportJob, QuantizeJob, export, quantize
+    from lowbit.models import load_model
+
+    hf = tmp_path / "hf"
+    tiny_arch("qwen2", len(tiny_tokenizer)).save_pretrained(hf)
+    tiny_tokenizer.save_pretrained(hf)
+    r = quantize(QuantizeJob(out=tmp_path / "q", model=str(hf), scheme="q4_k_m", evaluation=None, progress=False,
+                             settings={"search": False}))
+    assert r["scheme"] == "q4_k_m" and r["layer_schemes"] == {"q4_k": 12, "q6_k": 2}
+    e = export(ExportJob(tmp_path / "q", "gguf", tmp_path / "m.gguf"))
+    assert e["types"]["Q4_K"] == 12 and e["types"]["Q6_K"] == 2 and e["verified"] == 14
+    assert e["file_bytes"] < 0.5 * e["fp16_bytes"] or e["size_vs_fp16"] < 1
+    lm = load_model(tmp_path / "m.gguf")  # transformers' GGUF loader, K-quant blocks dequantized by gguf-py
+    from lowbit.models.native import load
+
+    model, _ = load(tmp_path / "q")
+    x = ids(len(tiny_tokenizer))
+    with torch.no_grad():
+        torch.testing.assert_close(lm.model(x).logits, model(x).logits, rtol=1e-4, atol=1e-4)
+    with pytest.raises(LowbitError, match="already exists"):
+        export(ExportJob(tmp_path / "q", "gguf", tmp_path / "m.gguf"))
