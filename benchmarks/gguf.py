@@ -147,9 +147,45 @@ def gguf_imatrix(model, calib: torch.Tensor, names: list[str]) -> dict[str, np.n
     from lowbit.models.activations import importance
 
     imp = importance(model, calib, names)
-    nmap = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, model.config.num_hidden_layers)
     tokens = calib.numel()
-    return {nmap.get_name(f"{n}.weight", try_suffixes=(".weight",)): (v / tokens).numpy() for n, v in imp.items()}
+    return {gguf_names(model, [n])[n]: (v / tokens).numpy() for n, v in imp.items()}
+
+
+def gguf_names(model, names: list[str]) -> dict[str, str]:
+    """HF Linear name -> GGUF tensor name (llama layout)."""
+    import gguf
+
+    nmap = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, model.config.num_hidden_layers)
+    return {n: nmap.get_name(f"{n}.weight", try_suffixes=(".weight",)) for n in names}
+
+
+def weight_errors(model, imatrix: dict[str, np.ndarray], nmap_names: dict[str, str]) -> list[dict]:
+    """Importance-weighted relative error of every K type on the layers whose rows fit 256:
+    lowbit's search vs ggml's quantizer with the same importance (llama.cpp's make_qkx* search)."""
+    import gguf
+
+    from lowbit.formats import Scheme, quantize
+
+    rows = []
+    for bits in (2, 3, 4, 5, 6):
+        num_l = num_g = den = 0.0
+        t0 = time.perf_counter()
+        for hf, gg in nmap_names.items():
+            w = model.get_submodule(hf).weight.detach().float()
+            if w.shape[1] % 256 or gg not in imatrix:
+                continue
+            imp = torch.from_numpy(imatrix[gg])
+            ours = quantize(w, Scheme.parse(f"q{bits}_k:rule=search"), imp).dequantize()
+            qt = gguf.GGMLQuantizationType[f"Q{bits}_K"]
+            raw = ggml_quantize(w.numpy(), int(qt), imatrix[gg], w.shape[1] // 256 * gguf.GGML_QUANT_SIZES[qt][1])
+            theirs = torch.from_numpy(gguf.quants.dequantize(raw, qt)).reshape(w.shape)
+            num_l += float((((ours - w) ** 2) * imp).sum())
+            num_g += float((((theirs - w) ** 2) * imp).sum())
+            den += float(((w**2) * imp).sum())
+        rows.append({"mix": f"q{bits}_k", "method": "weight-error", "seed": None,
+                     "lowbit_search": num_l / den, "ggml_imatrix": num_g / den,
+                     "seconds": round(time.perf_counter() - t0, 1)})
+    return rows
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -206,6 +242,11 @@ def main(argv: list[str] | None = None) -> dict:
                 "ppl_llamacpp": llamacpp_ppl(float_path, win, args.threads),
                 "ppl_lowbit": perplexity(lm.model, tokens, args.seqlen, args.windows, progress=False).ppl})
     imatrix = None
+    if "weight-error" in methods:
+        names = list(linear_layers(lm.model))
+        imatrix = gguf_imatrix(lm.model, calib, names)
+        for row in weight_errors(lm.model, imatrix, gguf_names(lm.model, names)):
+            record(row)
     for mix in args.mixes.split(","):
         tag = mix.replace(":", "-")
         ref = folder / f"llamacpp-{tag}.gguf"

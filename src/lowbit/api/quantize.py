@@ -201,7 +201,8 @@ class _Run:
         from lowbit.models.native import save
 
         meta = {"source": self.lm.source, "source_kind": self.lm.kind, "source_digest": self.source_digest,
-                "method": self.job.method, "plan": self.plan.describe(),
+                "method": self.job.method,
+                "plan": self.job.scheme if kmix.is_mix(self.job.scheme) else self.plan.describe(),
                 **{k: result[k] for k in ("ppl_fp", "ppl_q") if k in result}}
         save(self.lm.model, self.lm.tokenizer, out, meta=meta, force=True, extra_files=self._plan_files())
 
