@@ -142,7 +142,6 @@ def imatrix_file(float_path: Path, types_from: Path, out: Path, imatrix: dict[st
 
 def gguf_imatrix(model, calib: torch.Tensor, names: list[str]) -> dict[str, np.ndarray]:
     """Per GGUF tensor name, the mean squared input activation per column (llama-imatrix's statistic)."""
-    import gguf
 
     from lowbit.models.activations import importance
 
