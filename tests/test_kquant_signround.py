@@ -65,3 +65,21 @@ def test_tuning_beats_searched_rtn_on_q2_k(v2):
     signround_quantize(sr, kplan(m, "q2_k"), make_config(iters=60, batch_size=8, v2=v2), c, progress=False)
     assert all(layer.scheme.super_block for layer in quant_layers(sr).values())
     assert block_mse(sr, m, c) < 0.9 * block_mse(rtn, m, c)
+
+
+def test_deltaloss_mix_of_gguf_types_counts_llama_cpp_bits():
+    from lowbit.ptq.allocate import layer_bits
+    from lowbit.ptq.mixed import MixedSettings, mixed_plan
+
+    m = tiny_model(layers=2, hidden=256, inter=512)
+    names = [n for n, x in m.named_modules() if isinstance(x, torch.nn.Linear) and ".layers." in n]
+    alloc = mixed_plan(m, Plan.uniform(names, "q4_k"), MixedSettings(avg_bits=3.5, options="q2_k,q3_k,q4_k,q6_k"),
+                       calib(4, 32), progress=False)
+    assert {s.name for s in alloc.plan.schemes()} <= {"q2_k", "q3_k", "q4_k", "q6_k"}
+    assert len(alloc.plan.schemes()) > 1
+    sizes = {n: (m.get_submodule(n).out_features, m.get_submodule(n).in_features) for n in names}
+    assert alloc.total_bits == sum(layer_bits(alloc.plan[n], sizes[n]) for n in names)
+    assert layer_bits(Scheme.parse("q4_k"), (8, 512)) == 8 * 2 * 144 * 8  # llama.cpp's bytes per block
+    assert alloc.avg_bits <= 3.5
+    # on rows that do not fit 256 a K option costs (and becomes) llama.cpp's fallback type
+    assert layer_bits(Scheme.parse("q4_k"), (8, 576)) == layer_bits(Scheme.parse("w5g32"), (8, 576))
