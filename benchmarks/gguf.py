@@ -187,6 +187,31 @@ def weight_errors(model, imatrix: dict[str, np.ndarray], nmap_names: dict[str, s
     return rows
 
 
+def table(data: dict) -> str:
+    """Markdown table of the perplexity rows: per mix and method, mean over seeds."""
+    groups: dict[tuple, list[dict]] = {}
+    for r in data.get("rows", []):
+        if r.get("method") != "weight-error":
+            groups.setdefault((r["mix"], r["method"]), []).append(r)
+    rows = []
+    for (mix, method), rs in sorted(groups.items()):
+        def mean(k, rs=rs):
+            v = [r[k] for r in rs if r.get(k) is not None]
+            return f"{sum(v) / len(v):.3f}" + (f" ({', '.join(f'{x:.2f}' for x in v)})" if len(v) > 1 else "") \
+                if v else "-"
+        rows.append([mix, method, len(rs), mean("ppl_llamacpp"), mean("ppl_lowbit"),
+                     f"{rs[0]['file_bytes'] / 2**20:.1f}", mean("seconds")])
+    out = common.markdown_table(["mix", "method", "runs", "ppl llama.cpp (mean, runs)", "ppl lowbit", "file MiB",
+                                 "seconds"], rows)
+    err = [r for r in data.get("rows", []) if r.get("method") == "weight-error"]
+    if err:
+        out += "\n\n" + common.markdown_table(
+            ["type", "lowbit search", "ggml + imatrix", "ratio"],
+            [[r["mix"], f"{r['lowbit_search']:.5f}", f"{r['ggml_imatrix']:.5f}",
+              f"{r['lowbit_search'] / r['ggml_imatrix']:.3f}"] for r in err])
+    return out
+
+
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--mixes", default="q4_k_m,q3_k_m,gguf:q2_k")
@@ -200,7 +225,11 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--keep", default=None, help="folder to keep the GGUF files in")
     p.add_argument("--eval-missing", action="store_true",
                    help="only fill in llama.cpp perplexities of kept lowbit files whose rows lack one")
+    p.add_argument("--table", action="store_true", help="print the markdown table of the results file and stop")
     args = p.parse_args(argv)
+    if args.table:
+        print(table(common.load_results(NAME)))
+        return common.load_results(NAME)
 
     from lowbit.api import build_plan
     from lowbit.data import calibration_batches, eval_tokens
