@@ -138,6 +138,11 @@ def test_mix_recipes_follow_llama_cpp():
 
 
 def test_refusals(tmp_path, tiny_tokenizer):
+    from lowbit.export.compressed_tensors import target_for
+    from lowbit.formats import Scheme
+
+    with pytest.raises(SchemeError, match="K-quant.*--to gguf"):
+        target_for(Scheme.parse("q4_k"), 512)
     model = tiny_arch("llama", len(tiny_tokenizer))
     rtn_quantize(model, build_plan(model, "w3g128"), progress=False)
     with pytest.raises(SchemeError, match="no exact GGUF type.*Q2_K..Q6_K"):
