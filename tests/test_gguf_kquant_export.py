@@ -78,7 +78,7 @@ def test_kquant_mix_round_trips_through_gguf_py_and_transformers(tmp_path, tiny_
 
 @pytest.mark.skipif(not HAVE_LLAMA_CPP, reason="llama-cpp-python is not installed in this environment "
                                                "(the benchmark venv has it); llama.cpp cannot run the file here")
-@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3", "gemma3"])
+@pytest.mark.parametrize("kind", ["llama", "mistral", "qwen2", "qwen3", "gemma3"])
 def test_llama_cpp_runs_the_file_with_lowbits_logits(tmp_path, tiny_tokenizer, kind):
     import llama_cpp
 
