@@ -105,3 +105,43 @@ def test_damaged_packed_parts_are_refused():
     d["codes"] = d["codes"].clone().fill_(255)
     with pytest.raises(CheckpointError, match="out of range"):
         QTensor.from_packed(dict(d, scales=(d["scales"].int() * 0 + 100).to(torch.int8)), q.shape, q.scheme)
+
+
+def _ggml_quantize_chunk():
+    """ggml's quantizer from an installed llama-cpp-python (its libggml-base), or None."""
+    import ctypes
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.find_spec("llama_cpp")
+    lib = None if spec is None else Path(spec.origin).parent / "lib" / "libggml-base.so"
+    if lib is None or not lib.exists():
+        return None
+    fn = ctypes.CDLL(str(lib)).ggml_quantize_chunk
+    fn.restype = ctypes.c_size_t
+    fn.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
+                   ctypes.c_void_p]
+    return fn
+
+
+@pytest.mark.parametrize("bits", sorted(KTYPES))
+def test_search_beats_llama_cpps_importance_quantizer(bits):
+    """The bar: ggml's own K quantizer (make_qkx*/make_qx_quants) given the same importance matrix."""
+    fn = _ggml_quantize_chunk()
+    if fn is None:
+        pytest.skip("llama-cpp-python (with its libggml-base) is not installed: no ggml quantizer to compare with")
+    g = torch.Generator().manual_seed(bits)
+    w = (torch.distributions.StudentT(5.0).sample((128, 1024)) * 0.02).float()
+    imp = torch.rand(1024, generator=g) ** 3 + 1e-3
+    qt = gguf.GGMLQuantizationType[f"Q{bits}_K"]
+    raw = np.zeros((128, 1024 // 256 * KTYPES[bits].block_bytes), dtype=np.uint8)
+    wn, impn = w.numpy().copy(), imp.numpy().copy()
+    fn(int(qt), wn.ctypes.data, raw.ctypes.data, 0, 128, 1024, impn.ctypes.data)
+    theirs = torch.from_numpy(gguf_dequant(raw, bits)).reshape(w.shape)
+    ours = quantize(w, Scheme.parse(f"q{bits}_k:rule=search"), imp).dequantize()
+
+    def err(x):
+        return float(((x - w) ** 2 * imp).sum())
+
+    print(f"Q{bits}_K importance-weighted error lowbit/ggml = {err(ours) / err(theirs):.3f}")
+    assert err(ours) < err(theirs)
