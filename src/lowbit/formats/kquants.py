@@ -283,10 +283,6 @@ def parts_to_tensors(p: KParts, kt: KType) -> tuple[torch.Tensor, torch.Tensor, 
     return codes, sc, m, sup
 
 
-def fits(bits: int, in_features: int) -> bool:
-    return in_features % QK_K == 0
-
-
 def fit_width(scheme, in_features: int):
     """``scheme``, or for a K-quant on rows that are not a multiple of 256 the legacy type
     llama.cpp falls back to (``tensor_type_fallback`` in llama-quant.cpp), keeping the rule."""
