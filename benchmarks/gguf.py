@@ -218,8 +218,8 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--methods", default="rtn,signround2,llamacpp,llamacpp-imatrix")
     p.add_argument("--seeds", default="0,1")
     p.add_argument("--iters", type=int, default=50)
-    p.add_argument("--nsamples", type=int, default=32)
-    p.add_argument("--windows", type=int, default=8)
+    p.add_argument("--nsamples", type=int, default=16)
+    p.add_argument("--windows", type=int, default=4)
     p.add_argument("--seqlen", type=int, default=512)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--keep", default=None, help="folder to keep the GGUF files in")
@@ -269,7 +269,7 @@ def main(argv: list[str] | None = None) -> dict:
         record({"mix": "f32", "method": "float", "seed": None, "file_bytes": float_path.stat().st_size,
                 "ppl_llamacpp": llamacpp_ppl(float_path, win, args.threads),
                 "ppl_lowbit": perplexity(lm.model, tokens, args.seqlen, args.windows, progress=False).ppl})
-    imatrix = None
+    imatrix, imp = None, None
     if "weight-error" in methods:
         names = list(linear_layers(lm.model))
         imatrix = gguf_imatrix(lm.model, calib, names)
@@ -294,6 +294,8 @@ def main(argv: list[str] | None = None) -> dict:
             record({"mix": mix, "method": "llamacpp-imatrix", "seed": None, "file_bytes": out.stat().st_size,
                     "seconds": round(time.perf_counter() - t0, 1),
                     "ppl_llamacpp": llamacpp_ppl(out, win, args.threads)})
+        if "rtn" in methods and imp is None:  # one importance pass serves every mix
+            imp = importance(lm.model, calib, list(linear_layers(lm.model)))
         runs = [("rtn", None)] if "rtn" in methods else []
         runs += [("signround2", int(s)) for s in args.seeds.split(",")] if "signround2" in methods else []
         for method, seed in runs:
@@ -301,7 +303,7 @@ def main(argv: list[str] | None = None) -> dict:
             plan = build_plan(model, mix)
             t0 = time.perf_counter()
             if method == "rtn":
-                rtn_quantize(model, plan, calib, search=True, progress=False)
+                rtn_quantize(model, plan, calib, search=True, imp=imp, progress=False)
             else:
                 signround_quantize(model, plan, make_config(iters=args.iters, v2=True, seed=seed), calib,
                                    progress=False)
