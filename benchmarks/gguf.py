@@ -236,6 +236,7 @@ def main(argv: list[str] | None = None) -> dict:
     from lowbit.eval import perplexity
     from lowbit.eval.perplexity import eval_windows
     from lowbit.models import linear_layers, load_model
+    from lowbit.models.activations import importance
     from lowbit.ptq.rtn import rtn_quantize
     from lowbit.ptq.signround import make_config, signround_quantize
 
