@@ -143,7 +143,9 @@ def test_refuses_schemes_without_exact_type_and_lists_types(tmp_path, scheme):
 def test_allow_requant_uses_gguf_quantizer(tmp_path):
     model = quantized(["w4g64", "w8"])
     r = ge.export(model, None, tmp_path / "r.gguf", allow_requant=True)
-    assert set(r["types"]) == {"F32", "Q4_0", "Q8_0"} and len(r["requantized"]) == 14
+    # norms stay F32 (1-D); the float32 embedding F16 cannot hold is rounded to F16 and listed
+    assert set(r["types"]) == {"F32", "F16", "Q4_0", "Q8_0"} and len(r["requantized"]) == 14
+    assert r["rounded_to_f16"] == ["model.embed_tokens.weight"]
     got = read_weights(tmp_path / "r.gguf")
     _, w = got["blk.0.attn_v.weight"]
     ref = model.get_submodule("model.layers.0.self_attn.v_proj").weight

@@ -48,8 +48,10 @@ def export(job: ExportJob) -> dict[str, Any]:
             from lowbit.export import gguf_export
 
             source = _source_gguf(manifest)
+            meta = manifest.get("meta", {})
             result |= gguf_export.export(model, tokenizer, out, force=True, allow_requant=job.allow_requant,
-                                         source_gguf=source, name=str(manifest.get("meta", {}).get("source") or "lowbit"))
+                                         source_gguf=source, name=str(meta.get("source") or "lowbit"),
+                                         file_type=gguf_export.FILE_TYPES.get(str(meta.get("plan")), 1))
             result["tokenizer_from"] = str(source) if source else "checkpoint tokenizer"
     info = inspect(out)
     result |= {k: info[k] for k in ("bits_per_weight", "file_bytes", "fp16_bytes", "size_vs_fp16")}

@@ -19,7 +19,8 @@ from torch import nn
 from lowbit.api import outputs
 from lowbit.api.common import Calibration, Evaluation, bits_summary, job_device
 from lowbit.errors import ConfigError
-from lowbit.formats import Scheme
+from lowbit.formats import Scheme, kmix
+from lowbit.formats.kquants import fit_width
 from lowbit.formats.plan import Plan
 from lowbit.ptq.methods import coerce_settings, get, make_settings
 from lowbit.ptq.mixed import MixedSettings
@@ -35,6 +36,9 @@ def build_plan(model: nn.Module, scheme: str | Scheme | None, plan_file: str | N
     from lowbit.models import linear_layers
 
     layers = linear_layers(model, include_lm_head=lm_head)
+    if kmix.is_mix(scheme):
+        sizes = {n: (m.out_features, m.in_features) for n, m in layers.items()}
+        return kmix.mix_plan(sizes, str(scheme), _n_gqa(model))
     if plan_file:
         plan = Plan.load(plan_file)
         unknown = [n for n in plan if n not in layers and not _is_linear(model, n)]
@@ -42,10 +46,18 @@ def build_plan(model: nn.Module, scheme: str | Scheme | None, plan_file: str | N
             raise ConfigError(f"plan {plan_file} names layers this model lacks or that are not Linear: "
                               f"{unknown[:3]}; make the plan for this model")
     else:
-        plan = Plan.uniform(layers, Scheme.parse(scheme or DEFAULT_SCHEME))
+        # a K-quant on rows that are not a multiple of 256 takes llama.cpp's fallback type
+        s0 = Scheme.parse(scheme or DEFAULT_SCHEME)
+        plan = Plan({n: fit_width(s0, m.in_features) for n, m in layers.items()})
     for name, s in plan.items():
         s.check_width(model.get_submodule(name).in_features, name)
     return plan
+
+
+def _n_gqa(model: nn.Module) -> int:
+    cfg = getattr(model, "config", None)
+    heads = getattr(cfg, "num_attention_heads", None) or 1
+    return heads // (getattr(cfg, "num_key_value_heads", None) or heads)
 
 
 def _is_linear(model: nn.Module, name: str) -> bool:
@@ -88,7 +100,7 @@ class QuantizeJob:
                                   ("--avg-bits/--options", self.mixed)) if v is not None]
         if len(sources) > 1:
             raise ConfigError(f"{' and '.join(sources)} both choose the layers' schemes; give only one")
-        if self.scheme is not None:
+        if self.scheme is not None and not kmix.is_mix(self.scheme):
             Scheme.parse(self.scheme)
         if self.lm_head and self.plan_file is not None:
             raise ConfigError("--lm-head adds the lm_head to a uniform plan; a plan file names its layers "
@@ -175,7 +187,9 @@ class _Run:
                                    device=None if self.device is None else str(self.device), workdir=job.workdir,
                                    offload_dir=job.offload_dir, progress=job.progress)
         result["quantize_seconds"] = round(time.perf_counter() - t0, 2)
-        result["scheme"] = self.plan.describe()
+        result["scheme"] = job.scheme if kmix.is_mix(job.scheme) else self.plan.describe()
+        if kmix.is_mix(job.scheme) or any(s.super_block for s in self.plan.schemes()):
+            result |= _kquant_summary(model, self.plan)
         if self.ev is not None:
             with on_device(model, self.device):
                 r = job.evaluation.perplexity(model, self.ev, job.progress)
@@ -187,7 +201,8 @@ class _Run:
         from lowbit.models.native import save
 
         meta = {"source": self.lm.source, "source_kind": self.lm.kind, "source_digest": self.source_digest,
-                "method": self.job.method, "plan": self.plan.describe(),
+                "method": self.job.method,
+                "plan": self.job.scheme if kmix.is_mix(self.job.scheme) else self.plan.describe(),
                 **{k: result[k] for k in ("ppl_fp", "ppl_q") if k in result}}
         save(self.lm.model, self.lm.tokenizer, out, meta=meta, force=True, extra_files=self._plan_files())
 
@@ -199,6 +214,20 @@ class _Run:
         sizes = {n: (m.out_features, m.in_features) for n, m in
                  ((n, self.lm.model.get_submodule(n)) for n in self.plan)}
         return {"plan.json": self.plan.to_json().encode(), "plan.png": plot_bits(self.plan, sizes)}
+
+
+def _kquant_summary(model: nn.Module, plan: Plan) -> dict[str, Any]:
+    """Layers per scheme of a K-quant plan, and how many took llama.cpp's width fallback."""
+    counts: dict[str, int] = {}
+    for _, s in plan.items():
+        counts[s.name] = counts.get(s.name, 0) + 1
+    sizes = {n: (m.out_features, m.in_features) for n, m in ((n, model.get_submodule(n)) for n in plan)}
+    fb = kmix.fallbacks(plan, sizes)
+    out: dict[str, Any] = {"layer_schemes": counts}
+    if fb:
+        out["kquant_fallbacks"] = (f"{len(fb)} layer(s) with rows not a multiple of 256 hold llama.cpp's "
+                                   f"fallback type ({', '.join(sorted(set(fb.values())))}), as llama.cpp does")
+    return out
 
 
 def _float_digest(model: nn.Module, names: list[str]) -> str | None:

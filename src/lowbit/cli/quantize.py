@@ -18,8 +18,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                        description="Quantize MODEL with a scheme (or a plan, or a mixed-precision budget), report "
                                    "FP vs quantized perplexity, and save a lowbit checkpoint to --out.")
     common.add_model(p)
-    p.add_argument("--scheme", default=UNSET, help="scheme name, e.g. w4g128, w2g64, nvfp4-46, mxfp4 "
-                   "(see `Scheme.parse`); default w4g128")
+    p.add_argument("--scheme", default=UNSET, help="scheme name, e.g. w4g128, w2g64, nvfp4-46, mxfp4, "
+                   "q4_k (llama.cpp K-quants q2_k..q6_k), or a llama.cpp file-type mix (q4_k_m, q3_k_m, "
+                   "q2_k_s, gguf:q2_k, ...: per-layer K types as llama.cpp picks them); default w4g128")
     p.add_argument("--plan", metavar="FILE", default=None, help="a plan JSON (layer -> scheme) instead of --scheme")
     p.add_argument("--method", default="rtn", help="rtn | signround | signround2 (default rtn)")
     p.add_argument("--lm-head", action="store_true", help="also quantize the lm_head (kept 16-bit by default)")

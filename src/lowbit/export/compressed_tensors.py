@@ -74,6 +74,10 @@ class Target:
 
 def target_for(scheme: Scheme, in_features: int, where: str = "layer") -> Target:
     """The compressed-tensors format and QuantizationArgs fields for ``scheme``; refuses the rest."""
+    if scheme.super_block:
+        raise SchemeError(f"{where}: {scheme.name} is a llama.cpp K-quant (sub-block scale codes under fp16 "
+                          f"super-block scales), which compressed-tensors cannot hold; export it with --to gguf, "
+                          f"or re-quantize with one of: {HOLDS}")
     g = scheme.group_for(in_features)
     if in_features % g:
         raise SchemeError(f"{where}: group {g} does not divide {in_features} columns; compressed-tensors "

@@ -9,17 +9,28 @@ computes with the very weights lowbit evaluated:
 | INT4 asymmetric, group 32                        | Q4_1  | fp16 d, fp16 m = -z*d, 16 B       |
 | INT8 symmetric, group 32                         | Q8_0  | fp16 d, 32 int8                   |
 | MXFP4 (E2M1, block 32, E8M0, no tensor scale)    | MXFP4 | E8M0 e, 16 B nibbles              |
+| INT5 symmetric / asymmetric, group 32            | Q5_0 / Q5_1 | d, [m], 4 B high bits, 16 B  |
+| q2_k ... q6_k (two-level K-quant scales)         | Q2_K ... Q6_K | see `gguf_kquants`          |
 
 Q4_0/MXFP4 nibbles hold element j in the low and j+16 in the high half of byte j.
 Q4_1 stores the block minimum ``m`` in fp16, so an asymmetric group is exact only when
 ``-z*d`` is an fp16 number; otherwise it needs ``allow_requant`` (m is then rounded).
 Every other scheme has no exact GGUF type and is refused unless ``allow_requant``, which
 re-quantizes the lowbit weights with the ``gguf`` package's own Q4_0 / Q8_0 quantizer.
-Unquantized tensors are written as F16 or BF16 when that holds them exactly, else F32.
+Unquantized tensors are written as F16 or BF16 when that holds them exactly, else F32
+(with ``allow_requant``: F16, rounded, and listed as such).
+
+Every quantized tensor is verified after packing: gguf-py's ``quants.dequantize`` of the
+bytes written must equal lowbit's dequantized weight bit for bit, or the export fails
+before the file appears.
+
+Architectures (``ARCHS``): llama and mistral (llama.cpp's ``llama`` graph, q/k rows
+permuted to its interleaved rotary order), qwen2, qwen3 and gemma3 (NEOX rotary: no
+permutation; Gemma's RMSNorm weights are stored as ``1 + w``, as llama.cpp's converter does).
 
 llama.cpp's llama graph expects q/k rows in interleaved-rotary order; converters permute
 them and transformers' GGUF loader undoes it, so the same permutation is applied here
-(to codes and scales together: it moves whole rows, never a group).
+(to codes and scales together: it moves whole rows, never a group or a super-block).
 """
 
 from __future__ import annotations
@@ -34,6 +45,7 @@ import torch
 from torch import nn
 
 from lowbit.errors import LowbitError, ModelError, SchemeError
+from lowbit.export.gguf_kquants import pack_kquant
 from lowbit.formats import QTensor, Scheme
 from lowbit.io import atomic_file
 from lowbit.nn import quant_layers
@@ -41,8 +53,32 @@ from lowbit.nn import quant_layers
 # every GGUF lowbit writes carries this key, so --force can tell its own files from others
 MARKER_KEY = "lowbit.written_by"
 EXACT = ("Q4_0 (INT4 sym, group 32)", "Q4_1 (INT4 asym, group 32, when zero*scale is an fp16 number)",
-         "Q8_0 (INT8 sym, group 32)", "MXFP4 (E2M1, block 32, E8M0 scales)")
-ARCHS = ("llama",)
+         "Q5_0 / Q5_1 (INT5 sym / asym, group 32)", "Q8_0 (INT8 sym, group 32)", "MXFP4 (E2M1, block 32, E8M0 scales)",
+         "Q2_K..Q6_K (q2_k..q6_k, rows a multiple of 256)")
+
+
+@dataclass(frozen=True)
+class Arch:
+    """How one HF ``model_type`` maps onto a llama.cpp architecture."""
+
+    gguf: str  # general.architecture
+    permute_qk: bool  # llama graph: q/k rows to interleaved rotary order
+    norm_shift: float  # added to every ``*norm.weight`` (Gemma's RMSNorm scales by 1 + w)
+    head_dim_keys: bool  # write attention.key_length / value_length
+    pre_tokenizer: str
+
+
+ARCH_MAP = {
+    "llama": Arch("llama", True, 0.0, False, "default"),
+    "mistral": Arch("llama", True, 0.0, False, "default"),
+    "qwen2": Arch("qwen2", False, 0.0, False, "qwen2"),
+    "qwen3": Arch("qwen3", False, 0.0, True, "qwen2"),
+    "gemma3_text": Arch("gemma3", False, 1.0, True, "default"),
+}
+ARCHS = tuple(ARCH_MAP)
+# general.file_type of llama.cpp's mixes (gguf.LlamaFileType), for readers that show it
+FILE_TYPES = {"q2_k_s": 21, "gguf:q2_k": 10, "q3_k_s": 11, "q3_k_m": 12, "q3_k_l": 13, "q4_k_s": 14, "q4_k_m": 15,
+              "q5_k_s": 16, "q5_k_m": 17, "gguf:q6_k": 18}
 
 
 def _gguf():
@@ -54,10 +90,12 @@ def _gguf():
 # ------------------------------------------------------------------ mapping
 def exact_type(scheme: Scheme, in_features: int) -> str | None:
     """The GGUF type that holds ``scheme`` exactly (None: no such type)."""
+    if scheme.super_block:
+        return f"Q{scheme.bits}_K" if in_features % 256 == 0 else None
     if in_features % 32 or scheme.group_for(in_features) != 32:
         return None
-    if scheme.elem == "int" and scheme.bits == 4:
-        return "Q4_0" if scheme.sym else "Q4_1"
+    if scheme.elem == "int" and scheme.bits in (4, 5):
+        return f"Q{scheme.bits}_0" if scheme.sym else f"Q{scheme.bits}_1"
     if scheme.elem == "int" and scheme.bits == 8 and scheme.sym:
         return "Q8_0"
     if scheme.elem == "e2m1" and scheme.scale == "e8m0" and not scheme.tensor_scale:
@@ -67,7 +105,7 @@ def exact_type(scheme: Scheme, in_features: int) -> str | None:
 
 def requant_type(scheme: Scheme) -> str:
     """GGUF type used with ``allow_requant`` when no exact one exists."""
-    return "Q4_0" if scheme.bits <= 4 else "Q8_0"
+    return "Q4_0" if scheme.bits <= 4 else "Q5_0" if scheme.bits == 5 else "Q8_0"
 
 
 # ------------------------------------------------------------------ packing
@@ -76,13 +114,20 @@ def _nibbles(codes: torch.Tensor) -> torch.Tensor:
     return codes[..., :16] | (codes[..., 16:] << 4)
 
 
+def _high_bits(codes: torch.Tensor) -> torch.Tensor:
+    """``[..., 32]`` 5-bit codes -> ``[..., 4]`` bytes: bit 4 of element j in bit j (little-endian u32)."""
+    bits = (codes.to(torch.int64) >> 4) & 1
+    word = (bits << torch.arange(32, dtype=torch.int64)).sum(-1, keepdim=True)
+    return ((word >> torch.arange(0, 32, 8, dtype=torch.int64)) & 0xFF).to(torch.uint8)
+
+
 def _f16_bytes(x: torch.Tensor) -> torch.Tensor:
     """``[out, ng]`` values -> ``[out, ng, 2]`` little-endian fp16 bytes."""
     return x.to(torch.float16).contiguous().view(torch.uint8).reshape(*x.shape, 2)
 
 
 def q4_1_exact(q: QTensor) -> bool:
-    """Q4_1 keeps the block minimum ``m = -z*d`` in fp16: exact only if every m is an fp16 number."""
+    """Q4_1/Q5_1 keep the block minimum ``m = -z*d`` in fp16: exact only if every m is an fp16 number."""
     m = -q.zeros * q.scales
     return bool(torch.equal(m.to(torch.float16).float(), m))
 
@@ -93,7 +138,14 @@ def pack_blocks(q: QTensor, qtype: str, where: str = "layer") -> np.ndarray:
     Exact for every type but Q4_1, whose fp16 minimum may round (see `q4_1_exact`).
     """
     out = q.shape[0]
-    if qtype == "Q4_0":
+    if q.scheme.super_block:
+        return pack_kquant(q)
+    if qtype == "Q5_0":
+        blocks = torch.cat([_f16_bytes(q.scales), _high_bits(q.codes), _nibbles(q.codes & 0xF)], -1)
+    elif qtype == "Q5_1":
+        blocks = torch.cat([_f16_bytes(q.scales), _f16_bytes(-q.zeros * q.scales), _high_bits(q.codes),
+                            _nibbles(q.codes & 0xF)], -1)
+    elif qtype == "Q4_0":
         blocks = torch.cat([_f16_bytes(q.scales), _nibbles(q.codes)], -1)
     elif qtype == "Q4_1":
         blocks = torch.cat([_f16_bytes(q.scales), _f16_bytes(-q.zeros * q.scales), _nibbles(q.codes)], -1)
@@ -122,11 +174,14 @@ def rope_rows(out: int, n_head: int) -> torch.Tensor:
 
 
 def permute_qtensor(q: QTensor, rows: torch.Tensor) -> QTensor:
-    return QTensor(q.codes[rows], q.scales[rows], None if q.zeros is None else q.zeros[rows],
-                   q.tensor_scale, q.shape, q.scheme)
+    """Rows reordered; the K-quants' super-block scales are per row too, NVFP4's tensor scale is not."""
+    ts = q.tensor_scale[rows] if q.scheme.super_block else q.tensor_scale
+    return QTensor(q.codes[rows], q.scales[rows], None if q.zeros is None else q.zeros[rows], ts, q.shape, q.scheme)
 
 
-def _heads_for(name: str, config: Any) -> int | None:
+def _heads_for(name: str, config: Any, arch: Arch | None = None) -> int | None:
+    if arch is not None and not arch.permute_qk:
+        return None
     if name.endswith("q_proj"):
         return config.num_attention_heads
     if name.endswith("k_proj"):
@@ -137,6 +192,8 @@ def _heads_for(name: str, config: Any) -> int | None:
 # --------------------------------------------------------------- metadata
 def _rope_theta(config: Any) -> float:
     params = getattr(config, "rope_parameters", None) or {}
+    if isinstance(params, dict) and isinstance(params.get("full_attention"), dict):
+        params = params["full_attention"]  # Gemma-3: the global layers' rope (llama.cpp's freq_base)
     kind = params.get("rope_type", "default") if isinstance(params, dict) else "default"
     if kind != "default":
         raise ModelError(f"rope type {kind!r} has no GGUF mapping in lowbit yet; only plain rope is exported")
@@ -144,9 +201,23 @@ def _rope_theta(config: Any) -> float:
     return float(theta if theta is not None else getattr(config, "rope_theta", 10000.0))
 
 
-def add_model_metadata(writer: Any, config: Any, name: str) -> None:
-    """llama.* keys that llama.cpp and transformers' GGUF loader read."""
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+def arch_of(config: Any) -> Arch:
+    """The llama.cpp architecture of a model config; anything else is refused, naming the supported list."""
+    kind = getattr(config, "model_type", None)
+    if kind not in ARCH_MAP:
+        raise ModelError(f"GGUF export supports {', '.join(ARCHS)} models, not {kind!r}; export this model "
+                         "with --to compressed-tensors, or quantize a model of a supported architecture")
+    return ARCH_MAP[kind]
+
+
+def head_dim(config: Any) -> int:
+    return int(getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads)
+
+
+def add_model_metadata(writer: Any, config: Any, name: str, arch: Arch | None = None, file_type: int = 1) -> None:
+    """``{arch}.*`` keys that llama.cpp and transformers' GGUF loader read."""
+    arch = arch or arch_of(config)
+    hd = head_dim(config)
     writer.add_name(name)
     writer.add_context_length(int(config.max_position_embeddings))
     writer.add_embedding_length(int(config.hidden_size))
@@ -154,11 +225,20 @@ def add_model_metadata(writer: Any, config: Any, name: str) -> None:
     writer.add_feed_forward_length(int(config.intermediate_size))
     writer.add_head_count(int(config.num_attention_heads))
     writer.add_head_count_kv(int(getattr(config, "num_key_value_heads", None) or config.num_attention_heads))
-    writer.add_rope_dimension_count(int(head_dim))
+    if arch.gguf == "llama":
+        writer.add_rope_dimension_count(hd)
+    if arch.head_dim_keys or hd * config.num_attention_heads != config.hidden_size:
+        writer.add_key_length(hd)
+        writer.add_value_length(hd)
     writer.add_rope_freq_base(_rope_theta(config))
     writer.add_layer_norm_rms_eps(float(config.rms_norm_eps))
     writer.add_vocab_size(int(config.vocab_size))
-    writer.add_file_type(1)  # mostly F16-or-better; per-tensor types are what readers use
+    if arch.gguf == "gemma3":
+        if getattr(config, "final_logit_softcapping", None):
+            writer.add_final_logit_softcapping(float(config.final_logit_softcapping))
+        if getattr(config, "sliding_window", None):
+            writer.add_sliding_window(int(config.sliding_window))
+    writer.add_file_type(file_type)
     writer.add_string(MARKER_KEY, "lowbit")
 
 
@@ -187,7 +267,7 @@ def copy_tokenizer_fields(writer: Any, source_gguf: Path) -> None:
         writer.add_key_value(key, field.contents(), vtype, sub_type=sub)
 
 
-def add_hf_tokenizer(writer: Any, tokenizer: Any) -> None:
+def add_hf_tokenizer(writer: Any, tokenizer: Any, pre: str = "default") -> None:
     """A byte-level BPE tokenizer (GPT-2 style, what llama-family HF models use) as GGUF keys."""
     data = json.loads(tokenizer.backend_tokenizer.to_str())
     model = data.get("model", {})
@@ -206,7 +286,7 @@ def add_hf_tokenizer(writer: Any, tokenizer: Any) -> None:
         types[tok["id"]] = 3 if tok.get("special") else 4  # CONTROL / USER_DEFINED
     merges = [m if isinstance(m, str) else " ".join(m) for m in model.get("merges", [])]
     writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre("default")
+    writer.add_tokenizer_pre(pre)
     writer.add_token_list(tokens)
     writer.add_token_types(types)
     writer.add_token_merges(merges)
@@ -236,35 +316,58 @@ def plan_types(model: nn.Module, allow_requant: bool = False) -> dict[str, Tenso
     bad, rounded = [], []
     for name, layer in quant_layers(model).items():
         t = exact_type(layer.scheme, layer.in_features)
-        exact = t is not None and (t != "Q4_1" or q4_1_exact(layer.qweight))
+        exact = t is not None and (t not in ("Q4_1", "Q5_1") or q4_1_exact(layer.qweight))
         if t is None:
-            bad.append(f"{name} ({layer.scheme.name})")
+            bad.append(f"{name} ({layer.scheme.name}, {layer.in_features} columns)")
         elif not exact:
             rounded.append(name)
         out[name] = TensorPlan(name, t or requant_type(layer.scheme), exact)
     if rounded and not allow_requant:
-        raise SchemeError(f"{len(rounded)} asymmetric layer(s), e.g. {rounded[0]}: Q4_1 stores the block minimum "
-                          "in fp16 and -zero*scale is not an fp16 number for some groups, so the export would "
-                          "change the weights; pass --allow-requant to round it, or use w4g32 (-> Q4_0)")
+        raise SchemeError(f"{len(rounded)} asymmetric layer(s), e.g. {rounded[0]}: Q4_1/Q5_1 store the block "
+                          "minimum in fp16 and -zero*scale is not an fp16 number for some groups, so the export "
+                          "would change the weights; pass --allow-requant to round it, or use a symmetric scheme")
     if bad and not allow_requant:
         raise SchemeError(f"no exact GGUF type for {len(bad)} layer(s), e.g. {', '.join(bad[:3])}. GGUF types "
-                          f"lowbit maps exactly: {'; '.join(EXACT)}. Re-quantize with w4g32, w4g32a, w8g32 or "
-                          "mxfp4, or pass --allow-requant to let gguf re-quantize them (numbers change)")
+                          f"lowbit maps exactly: {'; '.join(EXACT)}. Re-quantize with one of those (K-quants need "
+                          "rows that are multiples of 256: the mixes such as q4_k_m pick llama.cpp's fallback "
+                          "types themselves), or pass --allow-requant to let gguf re-quantize them (numbers change)")
     return out
 
 
 def _gguf_name(name_map: Any, key: str) -> str:
     got = name_map.get_name(key, try_suffixes=(".weight", ".bias"))
     if got is None:
-        raise ModelError(f"tensor {key} has no GGUF llama name; only llama-family models export to GGUF")
+        raise ModelError(f"tensor {key} has no GGUF name in lowbit's mapping; this model's layout is not one "
+                         f"GGUF export covers ({', '.join(ARCHS)})")
     return got
 
 
-def _layer_array(layer: Any, name: str, plan: TensorPlan, config: Any) -> tuple[np.ndarray, str]:
+def verify_blocks(raw: np.ndarray, qtype: str, want: torch.Tensor, where: str) -> None:
+    """gguf-py's dequantization of ``raw`` must equal ``want`` exactly, or nothing is written.
+
+    Exactly = every float32 value equal (the K-quants agree to the bit; MXFP4's negative-zero
+    code dequantizes to -0.0 in lowbit and +0.0 in gguf-py, the same number).
+    """
+    gguf = _gguf()
+    got = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType[qtype]).reshape(want.shape)
+    w = want.detach().float().contiguous().numpy()
+    if not np.array_equal(got, w):
+        bad = int((got != w).sum())
+        raise LowbitError(f"{where}: the {qtype} blocks lowbit packed dequantize differently from its own weights "
+                          f"at {bad} of {w.size} values; nothing was written (this is a lowbit bug: please report)")
+
+
+def _layer_array(layer: Any, name: str, plan: TensorPlan, config: Any, arch: Arch) -> tuple[np.ndarray, str]:
     q = layer.qweight
-    heads = _heads_for(name, config)
+    heads = _heads_for(name, config, arch)
     rows = rope_rows(q.shape[0], heads) if heads else None
-    if plan.exact or exact_type(q.scheme, q.shape[1]) == plan.qtype:  # exact, or Q4_1 with a rounded min
+    if plan.exact:
+        if rows is not None:
+            q = permute_qtensor(q, rows)
+        raw = pack_blocks(q, plan.qtype, name)
+        verify_blocks(raw, plan.qtype, q.dequantize(), name)
+        return raw, plan.qtype
+    if exact_type(q.scheme, q.shape[1]) == plan.qtype:  # Q4_1 / Q5_1 with a rounded fp16 min (allow_requant)
         if rows is not None:
             q = permute_qtensor(q, rows)
         return pack_blocks(q, plan.qtype, name), plan.qtype
@@ -272,11 +375,12 @@ def _layer_array(layer: Any, name: str, plan: TensorPlan, config: Any) -> tuple[
     return requantize(w if rows is None else w[rows], plan.qtype), plan.qtype
 
 
-def dense_blocks(t: torch.Tensor) -> tuple[np.ndarray, str]:
+def dense_blocks(t: torch.Tensor, allow_f16: bool = False) -> tuple[np.ndarray, str]:
     """The narrowest GGUF float type that holds ``t`` exactly: F16, BF16, else F32 (1-D: F32).
 
     A model loaded from fp16/bf16 weights keeps its exact values at half the size; one
-    whose float32 weights need all 24 bits (e.g. dequantized from a GGUF source) stays F32.
+    whose float32 weights need all 24 bits (e.g. dequantized from a GGUF source) stays F32,
+    or with ``allow_f16`` (--allow-requant) is rounded to F16.
     """
     t = t.detach().float().contiguous()
     if t.dim() == 2:
@@ -284,50 +388,74 @@ def dense_blocks(t: torch.Tensor) -> tuple[np.ndarray, str]:
             narrow = t.to(dt)
             if torch.equal(narrow.float(), t):
                 return narrow.view(torch.uint8 if dt == torch.bfloat16 else torch.float16).numpy(), name
+        if allow_f16:
+            return t.to(torch.float16).numpy(), "F16 (rounded)"
     return t.numpy(), "F32"
 
 
-def _dense_tensor(key: str, t: torch.Tensor, config: Any) -> tuple[np.ndarray, str]:
-    heads = _heads_for(key.rsplit(".", 1)[0], config) if key.endswith(".weight") else None
+def _dense_tensor(key: str, t: torch.Tensor, config: Any, arch: Arch, allow_f16: bool) -> tuple[np.ndarray, str]:
+    heads = _heads_for(key.rsplit(".", 1)[0], config, arch) if key.endswith(".weight") else None
     if heads and t.dim() == 2:
         t = t[rope_rows(t.shape[0], heads)]
-    return dense_blocks(t)
+    if arch.norm_shift and key.endswith("norm.weight"):
+        t = t.float() + arch.norm_shift
+    return dense_blocks(t, allow_f16)
+
+
+def _tensor_name_map(arch: Arch, config: Any) -> Any:
+    gguf = _gguf()
+    kind = {"llama": gguf.MODEL_ARCH.LLAMA, "qwen2": gguf.MODEL_ARCH.QWEN2, "qwen3": gguf.MODEL_ARCH.QWEN3,
+            "gemma3": gguf.MODEL_ARCH.GEMMA3}[arch.gguf]
+    return gguf.get_tensor_name_map(kind, config.num_hidden_layers)
 
 
 def export(model: nn.Module, tokenizer: Any, out: str | Path, force: bool = False, allow_requant: bool = False,
-           source_gguf: str | Path | None = None, name: str = "lowbit") -> dict[str, Any]:
-    """Write ``model`` as a GGUF file atomically; returns per-type counts and requantized layers."""
+           source_gguf: str | Path | None = None, name: str = "lowbit", file_type: int = 1) -> dict[str, Any]:
+    """Write ``model`` as a GGUF file atomically; returns per-type counts and what was not exact.
+
+    Checks the architecture, the output path and every layer's GGUF type before writing;
+    each quantized tensor is verified against gguf-py's dequantization while it is packed.
+    """
     gguf = _gguf()
     out = Path(out)
     config = model.config
-    if getattr(config, "model_type", None) not in ARCHS:
-        raise ModelError(f"GGUF export supports {ARCHS} models, not {getattr(config, 'model_type', None)!r}")
+    arch = arch_of(config)
     if out.exists() and not (force and written_by_lowbit(out)):
         raise LowbitError(f"{out} already exists and is not a GGUF lowbit wrote; choose another --out"
                           if force else f"{out} already exists; choose another --out or pass --force to replace it")
     types = plan_types(model, allow_requant)
     qlayers = quant_layers(model)
-    name_map = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, config.num_hidden_layers)
+    name_map = _tensor_name_map(arch, config)
     with atomic_file(out) as tmp:
-        writer = gguf.GGUFWriter(str(tmp), "llama")
-        add_model_metadata(writer, config, name)
+        writer = gguf.GGUFWriter(str(tmp), arch.gguf)
+        add_model_metadata(writer, config, name, arch, file_type)
         if source_gguf is not None:
             copy_tokenizer_fields(writer, Path(source_gguf))
         elif tokenizer is not None:
-            add_hf_tokenizer(writer, tokenizer)
-        counts = _add_tensors(writer, model, qlayers, types, name_map)
+            add_hf_tokenizer(writer, tokenizer, arch.pre_tokenizer)
+        counts, rounded = _add_tensors(writer, model, qlayers, types, name_map, arch, allow_requant)
         writer.write_header_to_file()
         writer.write_kv_data_to_file()
         writer.write_tensors_to_file(progress=False)
         writer.close()
-    return {"out": str(out), "types": counts,
-            "requantized": sorted(n for n, p in types.items() if not p.exact)}
+    result = {"out": str(out), "arch": arch.gguf, "types": counts, "verified": sum(p.exact for p in types.values()),
+              "requantized": sorted(n for n, p in types.items() if not p.exact)}
+    fallback = sorted(n for n, layer in qlayers.items() if layer.in_features % 256 and
+                      any(lay.scheme.super_block for lay in qlayers.values()) and not layer.scheme.super_block)
+    if fallback:
+        result["fallback"] = (f"{len(fallback)} tensor(s) with rows not a multiple of 256 hold llama.cpp's 32-block "
+                              "fallback types (Q2_K/Q3_K -> Q4_0, Q4_K -> Q5_0, Q5_K -> Q5_1, Q6_K -> Q8_0), "
+                              "as llama.cpp does")
+    if rounded:
+        result["rounded_to_f16"] = rounded
+    return result
 
 
-def _add_tensors(writer: Any, model: nn.Module, qlayers: dict, types: dict[str, TensorPlan], name_map: Any
-                 ) -> dict[str, int]:
+def _add_tensors(writer: Any, model: nn.Module, qlayers: dict, types: dict[str, TensorPlan], name_map: Any,
+                 arch: Arch, allow_f16: bool) -> tuple[dict[str, int], list[str]]:
     gguf = _gguf()
     counts: dict[str, int] = {}
+    rounded: list[str] = []
     own = {f"{n}.{k}" for n in qlayers for k in ("codes", "scales", "zeros", "tensor_scale")}
     seen: set[tuple] = set()
     for key, t in model.state_dict().items():
@@ -335,12 +463,15 @@ def _add_tensors(writer: Any, model: nn.Module, qlayers: dict, types: dict[str, 
         if key in own or (t.numel() and ident in seen) or "rotary_emb" in key:
             continue
         seen.add(ident)
-        arr, kind = _dense_tensor(key, t, model.config)
+        arr, kind = _dense_tensor(key, t, model.config, arch, allow_f16)
+        if kind.endswith("(rounded)"):
+            rounded.append(key)
+            kind = "F16"
         raw = gguf.GGMLQuantizationType.BF16 if kind == "BF16" else None
         writer.add_tensor(_gguf_name(name_map, key), arr, raw_dtype=raw)
         counts[kind] = counts.get(kind, 0) + 1
     for name, layer in qlayers.items():
-        arr, qtype = _layer_array(layer, name, types[name], model.config)
+        arr, qtype = _layer_array(layer, name, types[name], model.config, arch)
         writer.add_tensor(_gguf_name(name_map, f"{name}.weight"), arr, raw_dtype=gguf.GGMLQuantizationType[qtype])
         counts[qtype] = counts.get(qtype, 0) + 1
-    return counts
+    return counts, rounded

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from lowbit.errors import CheckpointError
-from lowbit.formats import packing
+from lowbit.formats import kquants, packing
 from lowbit.formats.grids import decode_elements
 from lowbit.formats.groups import from_groups
 from lowbit.formats.scheme import Scheme
@@ -27,6 +27,10 @@ class QTensor:
     scales: float32 ``[out, ngroups]``.
     zeros: float32 ``[out, ngroups]`` integer zero points (asymmetric INT) or None.
     tensor_scale: float32 scalar ``enc`` (NVFP4): values are ``q * s_b / enc``; or None.
+
+    K-quant schemes (``scheme.super_block``, `lowbit.formats.kquants`) keep their two levels
+    in the same slots: ``scales`` / ``zeros`` hold the integer sub-block scale / min codes and
+    ``tensor_scale`` the fp16 super-block scales ``[out, nsuper, 1 or 2]`` (d, dmin).
     """
 
     codes: torch.Tensor
@@ -39,6 +43,10 @@ class QTensor:
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The float weight the codes stand for, ``[out, in]``."""
         s = self.scheme
+        if s.super_block:
+            kt = kquants.ktype(s.bits)
+            w = kquants.dequantize(self.codes, self.scales, self.zeros, self.tensor_scale, kt)
+            return from_groups(w, self.shape[1]).to(dtype)
         vals = decode_elements(self.codes, s.elem, s.qmin if s.elem == "int" else 0)
         if self.zeros is not None:
             vals = vals - self.zeros.unsqueeze(-1)
@@ -63,6 +71,8 @@ class QTensor:
     def pack(self) -> dict[str, torch.Tensor]:
         """Exact storage form: packed codes, scales in the scheme's own dtype where lossless."""
         out, ng, g = self.codes.shape
+        if self.scheme.super_block:
+            return _pack_kquant(self)
         d = {"codes": packing.pack(self.codes.reshape(out, ng * g), self.scheme.bits),
              "scales": _store_scales(self.scales, self.scheme)}
         if self.zeros is not None:
@@ -80,6 +90,8 @@ class QTensor:
         ``shape`` and ``scheme`` is a `CheckpointError` naming what is off.
         """
         out, cols = shape
+        if scheme.super_block:
+            return _from_packed_kquant(cls, d, shape, scheme)
         g = scheme.group_for(cols)
         ng = -(-cols // g)
         missing = [k for k in ("codes", "scales") if k not in d]
@@ -115,3 +127,41 @@ def _store_scales(scales: torch.Tensor, scheme: Scheme) -> torch.Tensor:
     if scheme.scale == "e4m3":
         return scales.to(torch.float8_e4m3fn)
     return scales.float()  # ue5m3 / e8m0 / fp32: exported as codes by the exporters
+
+
+def _pack_kquant(q: QTensor) -> dict[str, torch.Tensor]:
+    """Codes bit-packed, sub-scale codes int8 (they span -128..127 at most), min codes uint8,
+    super-block scales fp16: every value stored exactly, nothing recomputed on load."""
+    out = q.shape[0]
+    d = {"codes": packing.pack(q.codes.reshape(out, -1), q.scheme.bits),
+         "scales": q.scales.to(torch.int8), "tensor_scale": q.tensor_scale.to(torch.float16)}
+    if q.zeros is not None:
+        d["zeros"] = q.zeros.to(torch.uint8)
+    return d
+
+
+def _from_packed_kquant(cls, d: dict[str, torch.Tensor], shape: tuple[int, int], scheme: Scheme) -> QTensor:
+    kt = kquants.ktype(scheme.bits)
+    out, cols = shape
+    if cols % kquants.QK_K:
+        raise CheckpointError(f"{scheme.name} weight of {cols} columns: K-quant rows are multiples of 256")
+    nsub, nsup = cols // kt.sub, cols // kquants.QK_K
+    want = {"codes": (torch.uint8, (out, packing.packed_bytes(nsub * kt.sub, kt.bits))),
+            "scales": (torch.int8, (out, nsub)), "tensor_scale": (torch.float16, (out, nsup, kt.nsuper_scales))}
+    if not kt.sym:
+        want["zeros"] = (torch.uint8, (out, nsub))
+    extra = sorted(set(d) - set(want))
+    if extra:
+        raise CheckpointError(f"stored {scheme.name} weight has unexpected parts {extra}; the file was edited")
+    for k, (dt, shp) in want.items():
+        t = d.get(k)
+        if t is None or t.dtype != dt or tuple(t.shape) != shp:
+            got = "missing" if t is None else f"{t.dtype} {tuple(t.shape)}"
+            raise CheckpointError(f"{scheme.name} {k} is {got}, expected {dt} {shp} for shape {shape}")
+    codes = packing.unpack(d["codes"], kt.bits, nsub * kt.sub).reshape(out, nsub, kt.sub)
+    sc = d["scales"].float()
+    m = d["zeros"].float() if "zeros" in d else None
+    if codes.numel() and (int(codes.max()) > kt.qmax - kt.qmin or int(sc.min()) < kt.sc_lo or
+                          int(sc.max()) > kt.sc_hi or (m is not None and int(m.max()) > kt.m_hi)):
+        raise CheckpointError(f"{scheme.name} codes out of range; the file was edited or damaged")
+    return cls(codes, sc, m, d["tensor_scale"].float(), (out, cols), scheme)

@@ -11,6 +11,7 @@ from collections.abc import Callable
 import torch
 
 from lowbit.errors import SchemeError
+from lowbit.formats import kquants
 from lowbit.formats.fp4 import quantize_fp
 from lowbit.formats.integer import quantize_int
 from lowbit.formats.qtensor import QTensor
@@ -35,11 +36,22 @@ def quantize(w: torch.Tensor, scheme: Scheme | str, imp: torch.Tensor | None = N
     if w.dim() != 2:
         raise SchemeError(f"can quantize 2-D weights only, got shape {tuple(w.shape)}")
     scheme.check_width(w.shape[1])
+    if scheme.super_block:
+        return quantize_kquant(w, scheme, imp)
     try:
         fn = QUANTIZERS[scheme.elem]
     except KeyError:
         raise SchemeError(f"no quantizer registered for {scheme.elem} elements") from None
     return fn(w, scheme, imp)
+
+
+def quantize_kquant(w: torch.Tensor, scheme: Scheme, imp: torch.Tensor | None = None) -> QTensor:
+    """llama.cpp K-quant layout: ``rule='search'`` = weighted least squares + refined double
+    quantization (importance-weighted when ``imp`` is given), ``absmax`` = plain ranges."""
+    kt = kquants.ktype(scheme.bits)
+    parts = kquants.quantize_parts(w, kt, imp if scheme.rule == "search" else None, search=scheme.rule == "search")
+    codes, sc, m, sup = kquants.parts_to_tensors(parts, kt)
+    return QTensor(codes, sc, m, sup, tuple(w.shape), scheme)
 
 
 def qdq(w: torch.Tensor, scheme: Scheme | str, imp: torch.Tensor | None = None) -> torch.Tensor:

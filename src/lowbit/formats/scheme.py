@@ -41,6 +41,9 @@ class Scheme:
     tensor_max: S_max in the tensor-scale formula; 448 plain, 256 leaves room for
         the x1.5 of 4-over-6 without overflowing E4M3.
     e8m0_round: how log2 of the block scale is rounded for power-of-two scales.
+    super_block: 256 for llama.cpp's K-quants (``q2_k`` ... ``q6_k``): ``group_size`` is then
+        the sub-block, whose scale (and min) are integer codes under fp16 super-block scales
+        (see `lowbit.formats.kquants`); 0 = one level of scales.
     """
 
     elem: str = "int"
@@ -55,6 +58,7 @@ class Scheme:
     guard: bool = False
     tensor_max: float = 448.0
     e8m0_round: str = "floor"
+    super_block: int = 0
 
     def __post_init__(self) -> None:
         _check(self.elem in ELEMS, f"elem must be one of {ELEMS}, got {self.elem!r}")
@@ -81,6 +85,8 @@ class Scheme:
         _check(not self.tensor_scale or self.scale not in ("e8m0",),
                "a tensor scale needs a block-scale format with a mantissa (e4m3, ue5m3)")
         _check(self.tensor_max > 0, "tensor_max must be positive")
+        if self.super_block:
+            _check_kquant(self)
 
     # ----------------------------------------------------------------- queries
     @property
@@ -108,6 +114,15 @@ class Scheme:
 
     def check_width(self, in_features: int, where: str = "layer") -> None:
         """Refuse a group larger than the row: it would silently become per-row."""
+        if self.super_block and in_features % self.super_block:
+            from lowbit.formats.kquants import FALLBACK, FALLBACK_GGUF
+
+            raise SchemeError(
+                f"{self.name} needs rows that are a multiple of {self.super_block} weights; {where} has "
+                f"{in_features} input columns. llama.cpp falls back to {FALLBACK_GGUF[self.bits]} for such "
+                f"tensors: use {FALLBACK[self.bits]} for this layer (the K-quant mixes such as "
+                f"{self.name}_m do so by themselves)"
+            )
         if self.group_size > in_features:
             raise SchemeError(
                 f"group size {self.group_size} is larger than the {in_features} input columns of "
@@ -121,6 +136,10 @@ class Scheme:
         """
         if not count_scales:
             return float(self.bits)
+        if self.super_block:
+            from lowbit.formats.kquants import ktype
+
+            return ktype(self.bits).bits_per_weight
         g = self.group_size if self.group_size != -1 else (in_features or 4096)
         overhead = SCALE_BITS[self.scale] + (0 if self.sym else self.bits)
         return self.bits + overhead / g
@@ -212,6 +231,27 @@ _FIELD_TO_KEY = {"group_size": "block", "bits": "bits", "rule": "rule", "criteri
                  "e8m0_round": "round", "sym": "sym", "full_range": "full", "elem": "elem"}
 
 
+def kquant_scheme(bits: int) -> Scheme:
+    """llama.cpp's Q{bits}_K layout (sub-block, symmetry from `lowbit.formats.kquants.KTYPES`)."""
+    from lowbit.formats.kquants import ktype
+
+    kt = ktype(bits)
+    return Scheme(elem="int", bits=bits, group_size=kt.sub, sym=kt.sym, scale="fp16", super_block=256)
+
+
+def _check_kquant(s: Scheme) -> None:
+    from lowbit.formats.kquants import KTYPES
+
+    kt = KTYPES.get(s.bits) if s.elem == "int" else None
+    _check(s.super_block == 256 and kt is not None and (s.group_size, s.sym, s.scale) == (kt.sub, kt.sym, "fp16")
+           and s.full_range, f"super-block schemes are llama.cpp's K-quants only ({', '.join(KQUANT_NAMES)}); "
+           "their sub-block, symmetry and scales are fixed")
+
+
+KQUANT_NAMES = ("q2_k", "q3_k", "q4_k", "q5_k", "q6_k")
+PRESETS.update({f"q{b}_k": kquant_scheme(b) for b in range(2, 7)})
+
+
 def _valid_names() -> str:
     return (", ".join(PRESETS) + "; also wB[gG][a] for B in 2..8 (e.g. w3g32a) and explicit "
             "forms like nvfp4:block=8,rule=4over6,guard=1 (keys: " + ", ".join(sorted(_OPTIONS)) + ")")
@@ -253,7 +293,9 @@ def _explicit_name(s: Scheme) -> str:
 
     INT schemes start from their own ``wBgG[a]`` form, so only non-default fields show.
     """
-    if s.elem == "int":
+    if s.super_block:
+        candidates = {k: p for k, p in PRESETS.items() if p.super_block and p.bits == s.bits}
+    elif s.elem == "int":
         base = f"w{s.bits}" + (f"g{s.group_size}" if s.group_size != -1 else "") + ("" if s.sym else "a")
         candidates = {base: _base_scheme(base)}
     else:

@@ -22,6 +22,7 @@ import numpy as np
 
 from lowbit.errors import ConfigError
 from lowbit.formats import Scheme
+from lowbit.formats.kquants import fit_width
 from lowbit.formats.plan import Plan
 from lowbit.formats.scheme import SCALE_BITS
 from lowbit.io import atomic_write_bytes
@@ -45,6 +46,9 @@ class Allocation:
 def layer_bits(scheme: Scheme, shape: tuple[int, int], count_scales: bool = True) -> int:
     """Exact storage bits of one ``[out, in]`` weight (scale and zero per group if counted)."""
     out, cols = shape
+    scheme = fit_width(scheme, cols)
+    if scheme.super_block:  # llama.cpp's bytes per 256-weight super-block, scales included
+        return int(scheme.bits_per_weight(cols) * out * cols) if count_scales else scheme.bits * out * cols
     bits = scheme.bits * out * cols
     if count_scales:
         per_group = SCALE_BITS[scheme.scale] + (0 if scheme.sym else scheme.bits)
@@ -149,7 +153,7 @@ def allocate(scores: Mapping[str, Mapping[str, float]], sizes: Mapping[str, tupl
                           f"{[o.name for o in opts]}: the cheapest plan averages {cheapest / params:.4f} bits"
                           f"{'' if count_scales else ' (scale bits ignored)'}; raise --avg-bits or add a "
                           "smaller option") from None
-    plan = Plan({n: opts[k] for g, k in zip(groups, picks, strict=True) for n in g})
+    plan = Plan({n: fit_width(opts[k], sizes[n][1]) for g, k in zip(groups, picks, strict=True) for n in g})
     plan = Plan({n: plan[n] for n in sizes})  # keep model order
     return Allocation(plan, total, budget, params, score)
 

@@ -17,6 +17,7 @@ from torch import nn
 
 from lowbit.errors import ConfigError
 from lowbit.formats import Scheme
+from lowbit.formats.kquants import fit_width
 from lowbit.formats.plan import Plan
 from lowbit.models.placement import model_device, on_device
 from lowbit.nn.precision import resolve_dtype
@@ -75,7 +76,7 @@ def check_feasible(model: nn.Module, plan: Plan, settings: MixedSettings) -> Non
     sizes = {n: _shape(model, n) for n in plan}
     for n, (_, cols) in sizes.items():
         for o in settings.schemes():
-            o.check_width(cols, n)
+            fit_width(o, cols).check_width(cols, n)
     zero = {o.name: dict.fromkeys(sizes, 0.0) for o in settings.schemes()}
     ties = tie_qkv(list(plan)) if settings.tie_qkv else ()
     allocate(zero, sizes, settings.schemes(), settings.avg_bits, ties=ties, count_scales=settings.count_scales,

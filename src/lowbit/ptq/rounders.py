@@ -1,4 +1,4 @@
-"""Which learnable rounder tunes which element grid (INT groups, FP4 / FP8 blocks)."""
+"""Which learnable rounder tunes which element grid (INT groups, FP4 / FP8 blocks, K-quants)."""
 
 from __future__ import annotations
 
@@ -9,12 +9,15 @@ from lowbit.errors import SchemeError
 from lowbit.formats import Scheme
 from lowbit.ptq.fp_rounders import FpRounder
 from lowbit.ptq.int_rounder import IntRounder
+from lowbit.ptq.kquant_rounder import KQuantRounder
 
 ROUNDERS: dict[str, type[nn.Module]] = {"int": IntRounder, "e2m1": FpRounder, "e4m3": FpRounder}
 
 
 def make_rounder(w: torch.Tensor, scheme: Scheme, imp: torch.Tensor | None, v2: bool) -> nn.Module:
     """The rounder of ``w [out, in]`` for ``scheme``; ``imp [in]`` seeds V2's searched scales."""
+    if scheme.super_block:  # llama.cpp K-quants: tuned through the double-quantized scales
+        return KQuantRounder(w, scheme, imp, v2)
     if scheme.elem not in ROUNDERS:
         raise SchemeError(f"SignRound has no rounder for {scheme.elem} elements; "
                           f"use one of {sorted(ROUNDERS)} or --method rtn")

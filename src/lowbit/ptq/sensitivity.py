@@ -26,6 +26,7 @@ from tqdm.auto import tqdm
 
 from lowbit.errors import ConfigError
 from lowbit.formats import Scheme, qdq
+from lowbit.formats.kquants import fit_width
 from lowbit.models.placement import model_device
 
 MODES = ("abs", "signed")
@@ -68,7 +69,7 @@ def _score_scheme(model: nn.Module, mods: dict[str, nn.Module], originals: dict[
                   dtype: str = "fp32") -> dict[str, float]:
     with torch.no_grad():
         for n, m in mods.items():
-            m.weight.copy_(qdq(originals[n], scheme))
+            m.weight.copy_(qdq(originals[n], fit_width(scheme, originals[n].shape[1])))
     for m in mods.values():
         m.weight.requires_grad_(True)
         m.weight.grad = None

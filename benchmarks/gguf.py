@@ -1,0 +1,329 @@
+"""llama.cpp K-quant files of the bundled model: lowbit (searched RTN, SignRoundV2) vs llama.cpp's quantizer.
+
+    python -m benchmarks.gguf [--mixes q4_k_m,q3_k_m,gguf:q2_k] [--methods rtn,signround2,llamacpp,llamacpp-imatrix]
+                              [--seeds 0,1] [--iters 50] [--windows 8] [--seqlen 512] [--threads 2]
+
+Every file has the same per-tensor types, hence the same size: lowbit's mix plans reproduce
+llama.cpp's ``llama_tensor_get_type`` and width fallbacks, and the tied token embedding is
+F16 in every file (lowbit keeps embeddings 16-bit; llama.cpp's quantizer is told
+``token_embedding_type = output_tensor_type = F16``). Rows (merged into
+benchmarks/results/gguf.json as they finish):
+
+- ``rtn``: lowbit's importance-weighted K-quant search (no tuning).
+- ``signround2``: lowbit SignRoundV2 through the double-quantized scales, per seed.
+- ``llamacpp``: llama.cpp's own quantizer (``llama_model_quantize``) from an F32 GGUF of
+  the same float weights, without an importance matrix.
+- ``llamacpp-imatrix``: llama.cpp's quantizer with an importance matrix computed on the same
+  calibration text. llama-cpp-python does not expose llama.cpp's imatrix tool nor a way to
+  pass an imatrix to ``llama_model_quantize`` (it takes a C++ map), so each tensor is
+  quantized by ggml's own ``ggml_quantize_chunk`` (the function llama-quantize calls) with
+  the per-column mean of squared activations (what llama-imatrix collects), into the types
+  llama.cpp's file has.
+
+Perplexity through llama.cpp on lowbit's evaluation windows (same token ids for every
+file), lowbit's own perplexity for lowbit's models, file bytes and seconds. NOTE: the
+bundled SmolLM2-135M is itself a Q4_1 GGUF; its "float" weights are a 4-bit model
+dequantized, which flatters every >= 4-bit re-quantization.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import ctypes
+import math
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from benchmarks import common
+
+NAME = "gguf"
+FTYPES = {"q4_k_m": 15, "q3_k_m": 12, "gguf:q2_k": 10, "q4_k_s": 14, "q3_k_s": 11, "q3_k_l": 13, "q2_k_s": 21,
+          "q5_k_m": 17, "q5_k_s": 16, "gguf:q6_k": 18}
+GGML_F16 = 1
+
+
+def llamacpp_ppl(path: Path, windows: torch.Tensor, threads: int) -> float:
+    from benchmarks.llamacpp import llamacpp_nll
+
+    nll, n = llamacpp_nll(path, windows, threads)
+    return math.exp(nll / n)
+
+
+def lowbit_file(model, tokenizer, out: Path, mix: str) -> dict:
+    from lowbit.export import gguf_export
+    from lowbit.models.loading import bundled_gguf
+
+    # allow_requant: the float32 token embedding (dequantized Q4_1) is rounded to F16, as in
+    # llama.cpp's files here; Q5_1 fallback mins are rounded to fp16 (llama.cpp's Q5_1 format)
+    return gguf_export.export(model, tokenizer, out, allow_requant=True, source_gguf=bundled_gguf(),
+                              file_type=gguf_export.FILE_TYPES.get(mix, 1))
+
+
+def float_file(model, out: Path) -> None:
+    from lowbit.export import gguf_export
+    from lowbit.models.loading import bundled_gguf
+
+    gguf_export.export(model, None, out, source_gguf=bundled_gguf())
+
+
+def llamacpp_quantize(src: Path, out: Path, mix: str, threads: int) -> None:
+    import llama_cpp
+
+    p = llama_cpp.llama_model_quantize_default_params()
+    p.ftype = FTYPES[mix]
+    p.nthread = threads
+    p.token_embedding_type = GGML_F16
+    p.output_tensor_type = GGML_F16
+    rc = llama_cpp.llama_model_quantize(str(src).encode(), str(out).encode(), ctypes.byref(p))
+    if rc != 0:
+        raise RuntimeError(f"llama_model_quantize failed ({rc})")
+
+
+def _ggml():
+    import llama_cpp
+
+    libdir = Path(llama_cpp.__file__).parent / "lib"
+    for name in ("libggml-base.so", "libggml.so"):
+        if (libdir / name).exists():
+            lib = ctypes.CDLL(str(libdir / name))
+            if hasattr(lib, "ggml_quantize_chunk"):
+                lib.ggml_quantize_chunk.restype = ctypes.c_size_t
+                lib.ggml_quantize_chunk.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
+                                                    ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p]
+                return lib
+    raise RuntimeError(f"no ggml_quantize_chunk in {libdir}")
+
+
+def ggml_quantize(w: np.ndarray, qtype: int, imatrix: np.ndarray | None, row_bytes: int) -> np.ndarray:
+    """ggml's own quantizer (what llama-quantize runs per tensor), with an importance matrix."""
+    lib = _ggml()
+    w = np.ascontiguousarray(w, dtype=np.float32)
+    rows, cols = w.shape
+    dst = np.zeros((rows, row_bytes), dtype=np.uint8)
+    imp = None if imatrix is None else np.ascontiguousarray(imatrix, dtype=np.float32)
+    n = lib.ggml_quantize_chunk(qtype, w.ctypes.data, dst.ctypes.data, 0, rows, cols,
+                                None if imp is None else imp.ctypes.data)
+    if n != dst.nbytes:
+        raise RuntimeError(f"ggml_quantize_chunk wrote {n} bytes, expected {dst.nbytes}")
+    return dst
+
+
+def imatrix_file(float_path: Path, types_from: Path, out: Path, imatrix: dict[str, np.ndarray]) -> None:
+    """llama.cpp's file ``types_from`` re-quantized from ``float_path`` with per-tensor importance."""
+    import gguf
+
+    ref = gguf.GGUFReader(str(types_from))
+    src = {t.name: t for t in gguf.GGUFReader(str(float_path)).tensors}
+    w = gguf.GGUFWriter(str(out), ref.fields["general.architecture"].contents())
+    for key, field in ref.fields.items():
+        if key.startswith("GGUF.") or key == "general.architecture":
+            continue
+        vtype = field.types[0]
+        sub = field.types[1] if vtype == gguf.GGUFValueType.ARRAY else None
+        w.add_key_value(key, field.contents(), vtype, sub_type=sub)
+    for t in ref.tensors:
+        if t.tensor_type in (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16):
+            w.add_tensor(t.name, np.array(t.data))
+            continue
+        f = np.array(src[t.name].data, dtype=np.float32).reshape(-1, int(t.shape[0]))
+        raw = ggml_quantize(f, int(t.tensor_type), imatrix.get(t.name), int(t.data.shape[-1]))
+        w.add_tensor(t.name, raw, raw_dtype=t.tensor_type)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file(progress=False)
+    w.close()
+
+
+def gguf_imatrix(model, calib: torch.Tensor, names: list[str]) -> dict[str, np.ndarray]:
+    """Per GGUF tensor name, the mean squared input activation per column (llama-imatrix's statistic)."""
+
+    from lowbit.models.activations import importance
+
+    imp = importance(model, calib, names)
+    tokens = calib.numel()
+    return {gguf_names(model, [n])[n]: (v / tokens).numpy() for n, v in imp.items()}
+
+
+def gguf_names(model, names: list[str]) -> dict[str, str]:
+    """HF Linear name -> GGUF tensor name (llama layout)."""
+    import gguf
+
+    nmap = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, model.config.num_hidden_layers)
+    return {n: nmap.get_name(f"{n}.weight", try_suffixes=(".weight",)) for n in names}
+
+
+def weight_errors(model, imatrix: dict[str, np.ndarray], nmap_names: dict[str, str]) -> list[dict]:
+    """Importance-weighted relative error of every K type on the layers whose rows fit 256:
+    lowbit's search vs ggml's quantizer with the same importance (llama.cpp's make_qkx* search)."""
+    import gguf
+
+    from lowbit.formats import Scheme, quantize
+
+    rows = []
+    for bits in (2, 3, 4, 5, 6):
+        num_l = num_g = den = 0.0
+        t0 = time.perf_counter()
+        for hf, gg in nmap_names.items():
+            w = model.get_submodule(hf).weight.detach().float()
+            if w.shape[1] % 256 or gg not in imatrix:
+                continue
+            imp = torch.from_numpy(imatrix[gg])
+            ours = quantize(w, Scheme.parse(f"q{bits}_k:rule=search"), imp).dequantize()
+            qt = gguf.GGMLQuantizationType[f"Q{bits}_K"]
+            raw = ggml_quantize(w.numpy(), int(qt), imatrix[gg], w.shape[1] // 256 * gguf.GGML_QUANT_SIZES[qt][1])
+            theirs = torch.from_numpy(gguf.quants.dequantize(raw, qt)).reshape(w.shape)
+            num_l += float((((ours - w) ** 2) * imp).sum())
+            num_g += float((((theirs - w) ** 2) * imp).sum())
+            den += float(((w**2) * imp).sum())
+        rows.append({"mix": f"q{bits}_k", "method": "weight-error", "seed": None,
+                     "lowbit_search": num_l / den, "ggml_imatrix": num_g / den,
+                     "seconds": round(time.perf_counter() - t0, 1)})
+    return rows
+
+
+def table(data: dict) -> str:
+    """Markdown table of the perplexity rows: per mix and method, mean over seeds."""
+    groups: dict[tuple, list[dict]] = {}
+    for r in data.get("rows", []):
+        if r.get("method") != "weight-error":
+            groups.setdefault((r["mix"], r["method"]), []).append(r)
+    rows = []
+    for (mix, method), rs in sorted(groups.items()):
+        def mean(k, rs=rs):
+            v = [r[k] for r in rs if r.get(k) is not None]
+            return f"{sum(v) / len(v):.3f}" + (f" ({', '.join(f'{x:.2f}' for x in v)})" if len(v) > 1 else "") \
+                if v else "-"
+        rows.append([mix, method, len(rs), mean("ppl_llamacpp"), mean("ppl_lowbit"),
+                     f"{rs[0]['file_bytes'] / 2**20:.1f}", mean("seconds")])
+    out = common.markdown_table(["mix", "method", "runs", "ppl llama.cpp (mean, runs)", "ppl lowbit", "file MiB",
+                                 "seconds"], rows)
+    err = [r for r in data.get("rows", []) if r.get("method") == "weight-error"]
+    if err:
+        out += "\n\n" + common.markdown_table(
+            ["type", "lowbit search", "ggml + imatrix", "ratio"],
+            [[r["mix"], f"{r['lowbit_search']:.5f}", f"{r['ggml_imatrix']:.5f}",
+              f"{r['lowbit_search'] / r['ggml_imatrix']:.3f}"] for r in err])
+    return out
+
+
+def main(argv: list[str] | None = None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--mixes", default="q4_k_m,q3_k_m,gguf:q2_k")
+    p.add_argument("--methods", default="rtn,signround2,llamacpp,llamacpp-imatrix")
+    p.add_argument("--seeds", default="0,1")
+    p.add_argument("--iters", type=int, default=50)
+    p.add_argument("--nsamples", type=int, default=16)
+    p.add_argument("--windows", type=int, default=4)
+    p.add_argument("--seqlen", type=int, default=512)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--keep", default=None, help="folder to keep the GGUF files in")
+    p.add_argument("--eval-missing", action="store_true",
+                   help="only fill in llama.cpp perplexities of kept lowbit files whose rows lack one")
+    p.add_argument("--table", action="store_true", help="print the markdown table of the results file and stop")
+    args = p.parse_args(argv)
+    if args.table:
+        print(table(common.load_results(NAME)))
+        return common.load_results(NAME)
+
+    from lowbit.api import build_plan
+    from lowbit.data import calibration_batches, eval_tokens
+    from lowbit.eval import perplexity
+    from lowbit.eval.perplexity import eval_windows
+    from lowbit.models import linear_layers, load_model
+    from lowbit.models.activations import importance
+    from lowbit.ptq.rtn import rtn_quantize
+    from lowbit.ptq.signround import make_config, signround_quantize
+
+    torch.set_num_threads(args.threads)
+    lm = load_model(None)
+    tokens = eval_tokens(lm.tokenizer)
+    win = eval_windows(tokens, args.seqlen, args.windows)
+    calib = calibration_batches(lm.tokenizer, nsamples=args.nsamples, seqlen=256)
+    methods = args.methods.split(",")
+    folder = Path(args.keep or tempfile.mkdtemp(prefix="lowbit-gguf-"))
+    folder.mkdir(parents=True, exist_ok=True)
+    setup = {"model": "SmolLM2-135M-Instruct (bundled; its weights are a dequantized Q4_1 GGUF)",
+             "windows": args.windows, "seqlen": args.seqlen, "calib": f"{args.nsamples} x 256 tokens",
+             "signround2_iters": args.iters, "machine": common.machine(),
+             "embedding": "F16 in every file (tied token_embd/output)"}
+
+    def record(row: dict) -> None:
+        common.merge_row(NAME, row, ("mix", "method", "seed"), setup=setup)
+        print(row, flush=True)
+
+    if args.eval_missing:
+        for row in common.load_results(NAME)["rows"]:
+            f = folder / str(row.get("file"))
+            if row.get("ppl_llamacpp") is None and f.is_file():
+                record(dict(row, ppl_llamacpp=llamacpp_ppl(f, win, args.threads)))
+        return common.load_results(NAME)
+    float_path = folder / "float-f32.gguf"
+    if not float_path.exists():
+        float_file(lm.model, float_path)
+    if "float" in methods:
+        record({"mix": "f32", "method": "float", "seed": None, "file_bytes": float_path.stat().st_size,
+                "ppl_llamacpp": llamacpp_ppl(float_path, win, args.threads),
+                "ppl_lowbit": perplexity(lm.model, tokens, args.seqlen, args.windows, progress=False).ppl})
+    imatrix, imp = None, None
+    if "weight-error" in methods:
+        names = list(linear_layers(lm.model))
+        imatrix = gguf_imatrix(lm.model, calib, names)
+        for row in weight_errors(lm.model, imatrix, gguf_names(lm.model, names)):
+            record(row)
+    for mix in args.mixes.split(","):
+        tag = mix.replace(":", "-")
+        ref = folder / f"llamacpp-{tag}.gguf"
+        if any(m.startswith("llamacpp") for m in methods):
+            t0 = time.perf_counter()
+            llamacpp_quantize(float_path, ref, mix, args.threads)
+            if "llamacpp" in methods:
+                record({"mix": mix, "method": "llamacpp", "seed": None, "file_bytes": ref.stat().st_size,
+                        "seconds": round(time.perf_counter() - t0, 1),
+                        "ppl_llamacpp": llamacpp_ppl(ref, win, args.threads)})
+        if "llamacpp-imatrix" in methods:
+            if imatrix is None:
+                imatrix = gguf_imatrix(lm.model, calib, list(linear_layers(lm.model)))
+            out = folder / f"llamacpp-imatrix-{tag}.gguf"
+            t0 = time.perf_counter()
+            imatrix_file(float_path, ref, out, imatrix)
+            record({"mix": mix, "method": "llamacpp-imatrix", "seed": None, "file_bytes": out.stat().st_size,
+                    "seconds": round(time.perf_counter() - t0, 1),
+                    "ppl_llamacpp": llamacpp_ppl(out, win, args.threads)})
+        if "rtn" in methods and imp is None:  # one importance pass serves every mix
+            imp = importance(lm.model, calib, list(linear_layers(lm.model)))
+        runs = [("rtn", None)] if "rtn" in methods else []
+        runs += [("signround2", int(s)) for s in args.seeds.split(",")] if "signround2" in methods else []
+        for method, seed in runs:
+            model = copy.deepcopy(lm.model)
+            plan = build_plan(model, mix)
+            t0 = time.perf_counter()
+            if method == "rtn":
+                rtn_quantize(model, plan, calib, search=True, imp=imp, progress=False)
+            else:
+                signround_quantize(model, plan, make_config(iters=args.iters, v2=True, seed=seed), calib,
+                                   progress=False)
+            seconds = round(time.perf_counter() - t0, 1)
+            out = folder / f"lowbit-{method}-{seed}-{tag}.gguf"
+            info = lowbit_file(model, lm.tokenizer, out, mix)
+            row = {"mix": mix, "method": method, "seed": seed, "file": out.name, "file_bytes": out.stat().st_size,
+                   "seconds": seconds,
+                   "ppl_lowbit": perplexity(model, tokens, args.seqlen, args.windows, progress=False).ppl,
+                   "types": info["types"], "verified_tensors": info["verified"],
+                   "not_exact": info["requantized"] + info.get("rounded_to_f16", [])}
+            try:
+                row["ppl_llamacpp"] = llamacpp_ppl(out, win, args.threads)
+            except ImportError:
+                row["ppl_llamacpp"] = None
+            record(row)
+            del model
+    return common.load_results(NAME)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,99 @@
+"""llama.cpp's K-quant file types (Q2_K, Q3_K_S/M/L, Q4_K_S/M, Q5_K_S/M, Q6_K) as lowbit Plans.
+
+A llama.cpp "Q4_K_M" file is not Q4_K everywhere: ``llama_tensor_get_type`` (llama-quant.cpp)
+raises some tensors to a higher type by role and depth (attn_v and ffn_down of the first,
+last and every third layer to Q6_K, ...), and ``tensor_type_fallback`` gives rows that are
+not a multiple of 256 a legacy 32-block type (Q2_K/Q3_K -> Q4_0, Q4_K -> Q5_0, Q5_K ->
+Q5_1, Q6_K -> Q8_0). `mix_plan` reproduces both for the dense (non-MoE) decoders lowbit
+quantizes, from the Linear names and shapes alone, so a lowbit file of a mix has the same
+per-tensor types, hence the same size, as llama.cpp's. The output tensor (the lm_head,
+when planned) gets Q6_K, or Q8_0 when its rows are not a multiple of 256, as llama.cpp
+chooses; token embeddings are not Linear layers and stay 16-bit in lowbit.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from lowbit.errors import SchemeError
+from lowbit.formats.kquants import fit_width
+from lowbit.formats.plan import Plan
+from lowbit.formats.scheme import Scheme
+
+MIXES = ("q2_k_s", "gguf:q2_k", "q3_k_s", "q3_k_m", "q3_k_l", "q4_k_s", "q4_k_m", "q5_k_s", "q5_k_m", "gguf:q6_k")
+_BASE = {"q2_k_s": 2, "gguf:q2_k": 2, "q3_k_s": 3, "q3_k_m": 3, "q3_k_l": 3, "q4_k_s": 4, "q4_k_m": 4,
+         "q5_k_s": 5, "q5_k_m": 5, "gguf:q6_k": 6}
+_ROLE = {"q_proj": "attn_q", "k_proj": "attn_k", "v_proj": "attn_v", "o_proj": "attn_output",
+         "gate_proj": "ffn_gate", "up_proj": "ffn_up", "down_proj": "ffn_down"}
+
+
+def is_mix(name: str | Scheme | None) -> bool:
+    return isinstance(name, str) and name.strip().lower() in MIXES
+
+
+def _more_bits(i: int, n: int) -> bool:
+    return i < n // 8 or i >= 7 * n // 8 or (i - n // 8) % 3 == 2
+
+
+def _k(bits: int) -> Scheme:
+    return Scheme.parse(f"q{bits}_k")
+
+
+def role(name: str) -> str | None:
+    """llama.cpp's tensor category of a Linear, from its HF name."""
+    if name == "lm_head" or name.endswith(".lm_head"):
+        return "output"
+    return _ROLE.get(name.rsplit(".", 1)[-1])
+
+
+def tensor_type(mix: str, role_: str | None, i: int, n: int, n_gqa: int) -> int:
+    """K-quant bits of one tensor (before the width fallback): llama_tensor_get_type's rules."""
+    base = _BASE[mix]
+    if role_ == "output":
+        return 6
+    if role_ == "attn_v":
+        return {"gguf:q2_k": 4 if n_gqa >= 4 else 3, "q2_k_s": 4 if n_gqa >= 4 else base,
+                "q3_k_m": 5 if i < 2 else 4, "q3_k_l": 5,
+                "q4_k_m": 6 if _more_bits(i, n) else base, "q5_k_m": 6 if _more_bits(i, n) else base,
+                "q4_k_s": 5 if i < 4 else base}.get(mix, base)
+    if role_ == "ffn_down":
+        return {"gguf:q2_k": 3, "q2_k_s": 4 if i < n // 8 else base,
+                "q3_k_m": 5 if i < n // 16 else 4, "q3_k_l": 5,
+                "q4_k_m": 6 if _more_bits(i, n) else base, "q5_k_m": 6 if _more_bits(i, n) else base,
+                "q4_k_s": 5 if i < n // 8 else base}.get(mix, base)
+    if role_ == "attn_output":
+        return {"gguf:q2_k": 3, "q3_k_m": 4, "q3_k_l": 5}.get(mix, base)
+    return base
+
+
+def mix_plan(sizes: Mapping[str, tuple[int, int]], mix: str, n_gqa: int) -> Plan:
+    """Per-layer schemes of llama.cpp's file type ``mix`` over the Linear layers ``sizes`` (model order).
+
+    Counters run over the layers of each role in order, as llama.cpp's ``i_attention_wv`` /
+    ``i_ffn_down`` do. The output tensor with rows not a multiple of 256 takes Q8_0 (w8g32).
+    """
+    mix = mix.strip().lower()
+    if mix not in MIXES:
+        raise SchemeError(f"unknown K-quant mix {mix!r}; choose one of {', '.join(MIXES)}")
+    roles = {n: role(n) for n in sizes}
+    unknown = [n for n, r in roles.items() if r is None]
+    if unknown:
+        raise SchemeError(f"{unknown[0]} has no llama.cpp tensor role (q/k/v/o, gate/up/down, lm_head); "
+                          "K-quant mixes cover llama-style decoders; use a uniform scheme or a plan file")
+    count = {r: sum(1 for x in roles.values() if x == r) for r in set(roles.values())}
+    seen: dict[str, int] = {}
+    out: dict[str, Scheme] = {}
+    for name, (_, cols) in sizes.items():
+        r = roles[name]
+        i = seen.get(r, 0)
+        seen[r] = i + 1
+        if r == "output" and cols % 256:
+            out[name] = Scheme.parse("w8g32")
+            continue
+        out[name] = fit_width(_k(tensor_type(mix, r, i, count[r], n_gqa)), cols)
+    return Plan(out)
+
+
+def fallbacks(plan: Plan, sizes: Mapping[str, tuple[int, int]]) -> dict[str, str]:
+    """Layers of a K-quant plan that hold a legacy 32-block type because of their width."""
+    return {n: s.name for n, s in plan.items() if not s.super_block and sizes[n][1] % 256}

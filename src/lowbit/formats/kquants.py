@@ -1,0 +1,293 @@
+"""llama.cpp's K-quants (Q2_K ... Q6_K) as lowbit formats: two-level scales on 256-weight super-blocks.
+
+Each row is cut into super-blocks of 256 weights, each super-block into 16- or 32-weight
+sub-blocks. A sub-block has an integer scale code ``sc`` (and, for the asymmetric types, an
+integer min code ``m``) of 4, 6 or 8 bits; the super-block has fp16 ``d`` (and ``dmin``).
+A weight is ``(d*sc)*q - (dmin*m)`` (asymmetric) or ``(d*sc)*q`` (symmetric), fp32
+products in that order, exactly as gguf-py and ggml dequantize:
+
+| type | sub-block | element codes q | sub-scale codes | mins | bits/weight |
+|------|-----------|-----------------|-----------------|------|-------------|
+| Q2_K | 16        | 0..3            | 0..15           | 0..15 | 2.625      |
+| Q3_K | 16        | -4..3           | -32..31         | -     | 3.4375     |
+| Q4_K | 32        | 0..15           | 0..63           | 0..63 | 4.5        |
+| Q5_K | 32        | 0..31           | 0..63           | 0..63 | 5.5        |
+| Q6_K | 16        | -32..31         | -128..127       | -     | 6.5625     |
+
+A `QTensor` of a K-quant scheme holds: ``codes`` (unsigned element codes, ``q - qmin``,
+``[out, nsub, sub]``), ``scales`` (the integer sub-scale codes as float32, ``[out, nsub]``),
+``zeros`` (the integer min codes, or None) and ``tensor_scale`` (the fp16 super-block
+scales ``[out, nsuper, 1 or 2]``: d, then dmin): the two-level structure itself, so the
+dequantized weight and the GGUF bytes follow from it with no rounding left.
+
+The RTN quantizer (``rule="search"``) picks, per sub-block, a scale and min by a weighted
+least-squares search (the idea of llama.cpp's ``make_qkx2_quants``, each element weighted
+by the importance of its input column), then quantizes the sub-scales under a searched
+super-block scale and re-chooses every sub-block's codes against the *final* (double-
+quantized) scales, so the error that is minimised is the one of the stored weight.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+QK_K = 256
+
+
+@dataclass(frozen=True)
+class KType:
+    """One llama.cpp K-quant layout."""
+
+    name: str
+    bits: int
+    sub: int  # weights per sub-block
+    sym: bool
+    qmin: int  # element codes
+    qmax: int
+    sc_lo: int  # sub-scale codes
+    sc_hi: int
+    m_hi: int  # min codes 0..m_hi (asymmetric types)
+    block_bytes: int  # bytes per 256 weights
+
+    @property
+    def nsub(self) -> int:
+        return QK_K // self.sub
+
+    @property
+    def bits_per_weight(self) -> float:
+        return self.block_bytes * 8 / QK_K
+
+    @property
+    def nsuper_scales(self) -> int:
+        return 1 if self.sym else 2
+
+
+KTYPES: dict[int, KType] = {
+    2: KType("Q2_K", 2, 16, False, 0, 3, 0, 15, 15, 84),
+    3: KType("Q3_K", 3, 16, True, -4, 3, -32, 31, 0, 110),
+    4: KType("Q4_K", 4, 32, False, 0, 15, 0, 63, 63, 144),
+    5: KType("Q5_K", 5, 32, False, 0, 31, 0, 63, 63, 176),
+    6: KType("Q6_K", 6, 16, True, -32, 31, -128, 127, 0, 210),
+}
+BY_NAME = {k.name: k for k in KTYPES.values()}
+
+# llama.cpp's tensor_type_fallback for rows that are not a multiple of 256 (llama-quant.cpp):
+# lowbit scheme names of the legacy 32-block types it falls back to
+FALLBACK = {2: "w4g32", 3: "w4g32", 4: "w5g32", 5: "w5g32a", 6: "w8g32"}
+FALLBACK_GGUF = {2: "Q4_0", 3: "Q4_0", 4: "Q5_0", 5: "Q5_1", 6: "Q8_0"}
+
+
+def ktype(bits: int) -> KType:
+    return KTYPES[bits]
+
+
+# ------------------------------------------------------------------ dequantize
+def expand_super(v: torch.Tensor, nsub: int) -> torch.Tensor:
+    """``[out, nsuper] -> [out, nsuper * nsub]``: each super-block value for its sub-blocks."""
+    return v.unsqueeze(-1).expand(*v.shape, nsub).reshape(v.shape[0], -1)
+
+
+def effective_scales(sc: torch.Tensor, m: torch.Tensor | None, sup: torch.Tensor, kt: KType
+                     ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """fp32 ``d*sc`` and ``dmin*m`` per sub-block, the products ggml forms before the elements."""
+    ds = expand_super(sup[..., 0], kt.nsub) * sc
+    dm = None if m is None else expand_super(sup[..., 1], kt.nsub) * m
+    return ds, dm
+
+
+def dequantize(codes: torch.Tensor, sc: torch.Tensor, m: torch.Tensor | None, sup: torch.Tensor, kt: KType
+               ) -> torch.Tensor:
+    """``[out, nsub, sub]`` weights, bit for bit as gguf-py's ``quants.dequantize``."""
+    ds, dm = effective_scales(sc, m, sup, kt)
+    w = ds.unsqueeze(-1) * (codes.float() + kt.qmin)
+    return w if dm is None else w - dm.unsqueeze(-1)
+
+
+# ------------------------------------------------------------------ quantize
+def _lsq(x: torch.Tensor, q: torch.Tensor, wt: torch.Tensor, sym: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Weighted least-squares ``(scale, min >= 0)`` with ``x ~ scale*q - min`` per sub-block."""
+    sw, sq, sx = wt.sum(-1), (wt * q).sum(-1), (wt * x).sum(-1)
+    sqq, sqx = (wt * q * q).sum(-1), (wt * q * x).sum(-1)
+    only_scale = sqx / sqq.clamp_min(1e-30)
+    if sym:
+        return only_scale, torch.zeros_like(only_scale)
+    det = sw * sqq - sq * sq
+    ok = det > 1e-30 * sw * sqq
+    s = torch.where(ok, (sw * sqx - sq * sx) / det.where(ok, torch.ones_like(det)), only_scale)
+    b = torch.where(ok, (sqq * sx - sq * sqx) / det.where(ok, torch.ones_like(det)), torch.zeros_like(det))
+    pos = b > 0  # the grid must reach zero from below: a positive offset is clamped to 0
+    s = torch.where(pos, only_scale, s)
+    return s, torch.where(pos, torch.zeros_like(b), -b)
+
+
+def _codes(x: torch.Tensor, s: torch.Tensor, mn: torch.Tensor, kt: KType) -> torch.Tensor:
+    inv = torch.where(s != 0, 1.0 / s, torch.zeros_like(s))
+    return ((x + mn.unsqueeze(-1)) * inv.unsqueeze(-1)).round_().clamp_(kt.qmin, kt.qmax)
+
+
+def _err(x: torch.Tensor, s: torch.Tensor, mn: torch.Tensor, kt: KType, wt: torch.Tensor) -> torch.Tensor:
+    q = _codes(x, s, mn, kt)
+    d = q.mul_(s.unsqueeze(-1)).sub_(mn.unsqueeze(-1)).sub_(x)
+    return d.mul_(d).mul_(wt).sum(-1)
+
+
+def sub_block_params(x: torch.Tensor, wt: torch.Tensor, kt: KType, steps: int = 20, search: bool = True
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Float ``(scale, min)`` per sub-block of ``x [..., sub]`` minimising the weighted error.
+
+    Asymmetric: candidates spread the grid over ``[lo, hi]`` with the range stretched by
+    -10 %..+30 %, each refitted by weighted least squares on its codes (min clamped so
+    the grid reaches 0). Symmetric: the extreme value maps to ``qmin`` (full range) under
+    multipliers 0.7..1.3, again refitted. ``search=False``: the plain range scale.
+    """
+    lo = x.amin(-1).clamp(max=0)
+    hi = x.amax(-1)
+    if kt.sym:
+        ext = x.gather(-1, x.abs().argmax(-1, keepdim=True)).squeeze(-1)
+        best_s, best_m = ext / kt.qmin, torch.zeros_like(ext)
+    else:
+        best_s, best_m = ((hi - lo) / kt.qmax).clamp_min(0), -lo
+    if not search:
+        return best_s, best_m
+    best_e = _err(x, best_s, best_m, kt, wt)
+    for k in range(steps + 1):
+        f = 0.9 + 0.4 * k / steps
+        s0 = ext / kt.qmin / f if kt.sym else ((hi - lo) / kt.qmax / f).clamp_min(0)
+        m0 = torch.zeros_like(s0) if kt.sym else -lo
+        q = _codes(x, s0, m0, kt)
+        for s, mn in ((s0, m0), _lsq(x, q, wt, kt.sym)):
+            e = _err(x, s, mn, kt, wt)
+            better = e < best_e
+            best_e = torch.where(better, e, best_e)
+            best_s, best_m = torch.where(better, s, best_s), torch.where(better, mn, best_m)
+    return best_s, best_m
+
+
+def _f16(x: torch.Tensor) -> torch.Tensor:
+    return x.to(torch.float16).float()
+
+
+def quantize_codes(v: torch.Tensor, lo: int, hi: int, signed_ext: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Super-block scale (fp16) and integer codes for the sub-block values ``v [..., nsub]``.
+
+    Unsigned (scales and mins of the asymmetric types): ``d = max / hi``. Signed (Q3_K, Q6_K):
+    the largest-magnitude value maps to ``lo`` (-32 / -128), as llama.cpp does, so ``d`` takes
+    its sign.
+    """
+    if signed_ext:
+        ext = v.gather(-1, v.abs().argmax(-1, keepdim=True)).squeeze(-1)
+        d = _f16(ext / lo)
+    else:
+        d = _f16(v.amax(-1).clamp_min(0) / hi)
+    inv = torch.where(d != 0, 1.0 / d, torch.zeros_like(d))
+    return d, (v * inv.unsqueeze(-1)).round().clamp(lo, hi)
+
+
+@dataclass(frozen=True)
+class KParts:
+    """The stored two-level structure of a K-quant weight (all float32, integers where codes)."""
+
+    codes: torch.Tensor  # [out, nsup, nsb, sub] unsigned element codes
+    sc: torch.Tensor  # [out, nsup, nsb]
+    m: torch.Tensor | None
+    d: torch.Tensor  # [out, nsup]
+    dmin: torch.Tensor | None
+
+
+def final_error(x: torch.Tensor, wt: torch.Tensor, d: torch.Tensor, sc: torch.Tensor, dmin: torch.Tensor | None,
+                m: torch.Tensor | None, kt: KType) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weighted error per sub-block, codes) of ``x [..., nsb, sub]`` under stored scales.
+
+    The effective scales are the fp32 products ggml forms, so the error is the stored one.
+    """
+    ds = d.unsqueeze(-1) * sc
+    dm = torch.zeros_like(ds) if m is None else dmin.unsqueeze(-1) * m
+    q = _codes(x, ds, dm, kt)
+    diff = q * ds.unsqueeze(-1) - dm.unsqueeze(-1) - x
+    return (diff * diff * wt).sum(-1), q
+
+
+def double_quantize(x: torch.Tensor, wt: torch.Tensor, s: torch.Tensor, mn: torch.Tensor, kt: KType,
+                    refine: bool = True) -> KParts:
+    """Quantize sub-block scales/mins ``[out, nsup, nsb]`` to codes under fp16 super-block scales.
+
+    refine: try super-block scales 0.90..1.10 times the plain one and, per sub-block, the
+    scale (and min) codes one step either side, keeping whatever lowers the weighted error
+    of the final weights: the codes of the stored grid, not of the float scales.
+    """
+    d0, sc0 = quantize_codes(s, kt.sc_lo, kt.sc_hi, kt.sym)
+    dmin0, m0 = (None, None) if kt.sym else quantize_codes(mn, 0, kt.m_hi, False)
+    best_e, _ = final_error(x, wt, d0, sc0, dmin0, m0, kt)
+    best = (d0, sc0, dmin0, m0)
+    if refine:
+        tot = best_e.sum(-1)
+        for f in (0.92, 0.94, 0.96, 0.98, 1.02, 1.04, 1.06):
+            d = _f16(d0 * f)
+            inv = torch.where(d != 0, 1.0 / d, torch.zeros_like(d))
+            sc = (s * inv.unsqueeze(-1)).round().clamp(kt.sc_lo, kt.sc_hi)
+            sc, m, e = _refine_codes(x, wt, d, sc, best[2], best[3], kt)
+            better = (e.sum(-1) < tot)
+            tot = torch.where(better, e.sum(-1), tot)
+            b = better.unsqueeze(-1)
+            best = (torch.where(better, d, best[0]), torch.where(b, sc, best[1]), best[2],
+                    None if m is None else torch.where(b, m, best[3]))
+        sc, m, _ = _refine_codes(x, wt, best[0], best[1], best[2], best[3], kt)
+        best = (best[0], sc, best[2], m)
+    _, q = final_error(x, wt, best[0], best[1], best[2], best[3], kt)
+    return KParts((q - kt.qmin), best[1], best[3], best[0], best[2])
+
+
+def _refine_codes(x, wt, d, sc, dmin, m, kt: KType):
+    """Per sub-block, scale codes (then min codes) moved by -1/0/+1 where that lowers the error."""
+    best_e, _ = final_error(x, wt, d, sc, dmin, m, kt)
+    for step in (-1, 1):
+        cand = (sc + step).clamp(kt.sc_lo, kt.sc_hi)
+        e, _ = final_error(x, wt, d, cand, dmin, m, kt)
+        better = e < best_e
+        best_e, sc = torch.where(better, e, best_e), torch.where(better, cand, sc)
+    if m is not None:
+        for step in (-1, 1):
+            cand = (m + step).clamp(0, kt.m_hi)
+            e, _ = final_error(x, wt, d, sc, dmin, cand, kt)
+            better = e < best_e
+            best_e, m = torch.where(better, e, best_e), torch.where(better, cand, m)
+    return sc, m, best_e
+
+
+def quantize_parts(w: torch.Tensor, kt: KType, imp: torch.Tensor | None = None, search: bool = True,
+                   chunk: int = 512) -> KParts:
+    """The K-quant parts of ``w [out, cols]`` (cols a multiple of 256), rows in chunks."""
+    out, cols = w.shape
+    x = w.detach().float().reshape(out, cols // QK_K, kt.nsub, kt.sub)
+    wt = torch.ones(cols, device=w.device) if imp is None else imp.detach().float().to(w.device).clamp_min(0)
+    wt = wt.reshape(1, cols // QK_K, kt.nsub, kt.sub)
+    if imp is not None:  # a column no calibration token reached still counts a little
+        wt = wt + 1e-6 * wt.mean().clamp_min(1e-30)
+    parts = []
+    for xc in x.split(chunk):
+        s, mn = sub_block_params(xc, wt, kt, search=search)
+        parts.append(double_quantize(xc, wt, s, mn, kt, refine=search))
+    cat = (lambda k: torch.cat([getattr(p, k) for p in parts]))  # noqa: E731
+    return KParts(cat("codes"), cat("sc"), None if kt.sym else cat("m"), cat("d"), None if kt.sym else cat("dmin"))
+
+
+def parts_to_tensors(p: KParts, kt: KType) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """(codes uint8 [out, nsub, sub], sc [out, nsub], m or None, super scales [out, nsup, 1|2])."""
+    out = p.codes.shape[0]
+    codes = p.codes.reshape(out, -1, kt.sub).to(torch.uint8)
+    sc = p.sc.reshape(out, -1) + 0.0  # integer codes: never -0.0 (gguf-py's int -> float gives +0.0)
+    m = None if p.m is None else p.m.reshape(out, -1) + 0.0
+    sup = p.d.unsqueeze(-1) if p.dmin is None else torch.stack([p.d, p.dmin], -1)
+    return codes, sc, m, sup
+
+
+def fit_width(scheme, in_features: int):
+    """``scheme``, or for a K-quant on rows that are not a multiple of 256 the legacy type
+    llama.cpp falls back to (``tensor_type_fallback`` in llama-quant.cpp), keeping the rule."""
+    if not getattr(scheme, "super_block", 0) or in_features % QK_K == 0:
+        return scheme
+    from lowbit.formats.scheme import Scheme
+
+    return Scheme.parse(FALLBACK[scheme.bits]).replace(rule=scheme.rule)
