@@ -77,12 +77,14 @@ def main(argv: list[str] | None = None) -> dict:
     from lowbit.eval.perplexity import eval_windows
     from lowbit.export import gguf_export
     from lowbit.models import bundled_gguf
-    from lowbit.ptq.rtn import rtn_quantize
+    from lowbit.ptq import quantize_model
 
     lm = bundled_model(threads=args.threads)
     tokens = eval_tokens(lm.tokenizer)
     plan = build_plan(lm.model, args.scheme, None)
-    rtn_quantize(lm.model, plan, progress=False)
+    # plain RTN through the library's entry point, as `lowbit quantize --method rtn --no-search`:
+    # it also rounds the embeddings to fp16 values, so the GGUF stores them in F16 exactly
+    quantize_model(lm.model, plan, "rtn", {"search": False}, progress=False)
     res: dict = {"scheme": args.scheme, "windows": args.windows, "seqlen": args.seqlen}
     res["ppl_lowbit"] = perplexity(lm.model, tokens, args.seqlen, args.windows, progress=False).ppl
     with tempfile.TemporaryDirectory() as tmp:

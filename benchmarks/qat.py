@@ -15,7 +15,7 @@ is ~2400 steps, i.e. several hours even on two free cores; a shared machine runs
 smoke version, e.g.
 
     OMP_NUM_THREADS=1 python -m benchmarks.qat --schemes w2 --steps 24 --seeds 0 --batch-size 2 --seqlen 64
-    python -m benchmarks.qat --schemes w2 --seeds 0 --steps 2 --batch-size 1 --seqlen 32 --windows 1 \
+    python -m benchmarks.qat --schemes w2 --seeds 0 --steps 4 --batch-size 1 --seqlen 32 --windows 1 \
         --eval-seqlen 64 --smooth 1 --out /tmp/qat_smoke.json              # smoke
 
 Writes benchmarks/results/qat.json (only from real runs) and qat.png (loss curves);
@@ -33,19 +33,44 @@ from pathlib import Path
 from benchmarks.common import bundled_model, out_path, save_results
 
 
+def winq_config(args, seed: int):
+    from lowbit.qat import WinQConfig
+
+    return WinQConfig(reinit=not args.no_reinit, a=args.a, every=args.every, noise=not args.no_noise,
+                      sigma_w=args.sigma_w, sigma_a=args.sigma_a, relative=args.relative, seed=seed)
+
+
+def train_config(args, seed: int):
+    from lowbit.train import TrainConfig
+
+    return TrainConfig(steps=args.steps, batch_size=args.batch_size, lr=args.lr, warmup=max(args.steps // 10, 1),
+                       seed=seed, progress=True)
+
+
+def check(args) -> None:
+    """Refuse settings a run would fail on (schemes, re-init period, warm-up) before the model loads."""
+    from lowbit.errors import LowbitError
+    from lowbit.qat import resolve
+
+    try:
+        for scheme in args.schemes.split(","):
+            resolve(scheme)
+        winq_config(args, 0).period(args.steps)
+        train_config(args, 0)
+    except LowbitError as e:
+        raise SystemExit(f"error: {e}") from None
+
+
 def run_one(base, rows, ev, scheme: str, method: str, seed: int, args) -> dict:
     from lowbit.eval import perplexity
-    from lowbit.qat import STE, WinQCallback, WinQConfig, resolve, to_qat, to_quant_linear
-    from lowbit.train import TrainConfig, train
+    from lowbit.qat import STE, WinQCallback, resolve, to_qat, to_quant_linear
+    from lowbit.train import train
 
     model = copy.deepcopy(base)
     to_qat(model, resolve(scheme))
-    winq = WinQConfig(reinit=not args.no_reinit, a=args.a, every=args.every, noise=not args.no_noise,
-                      sigma_w=args.sigma_w, sigma_a=args.sigma_a, relative=args.relative, seed=seed)
-    cb = WinQCallback(winq if method == "winq" else STE)
+    cb = WinQCallback(winq_config(args, seed) if method == "winq" else STE)
     before = codes(model)
-    cfg = TrainConfig(steps=args.steps, batch_size=args.batch_size, lr=args.lr, warmup=max(args.steps // 10, 1),
-                      seed=seed, progress=True)
+    cfg = train_config(args, seed)
     r = train(model, rows, cfg, callbacks=[cb])
     changed = changed_fraction(before, codes(model))
     to_quant_linear(model)
@@ -164,6 +189,7 @@ def main(argv: list[str] | None = None) -> None:
         merge(args.merge.split(","), out_path(args.out, "qat_sweep.json"), args.smooth)
         return
     out = out_path(args.out, "qat.json")
+    check(args)
 
     from lowbit.data import eval_tokens
     from lowbit.data.batches import training_windows

@@ -44,12 +44,20 @@ def main(argv: list[str] | None = None) -> None:
 
     from lowbit.data import eval_tokens
     from lowbit.data.batches import training_windows
+    from lowbit.errors import LowbitError
     from lowbit.eval import perplexity
     from lowbit.qat import STE, WinQCallback, WinQConfig, resolve, to_qat, to_quant_linear
     from lowbit.qat.convert import qat_layers
     from lowbit.train import TrainConfig, train
     from lowbit.train.metrics import smooth
 
+    try:  # settings a run would fail on are refused before the model loads
+        cfg = WinQConfig(a=args.a, noise=not args.no_noise, seed=args.seed) if args.method == "winq" else STE
+        cfg.period(args.steps)
+        tc = TrainConfig(steps=args.steps, batch_size=4, lr=args.lr, warmup=max(args.steps // 10, 1),
+                         seed=args.seed, progress=False)
+    except LowbitError as e:
+        raise SystemExit(f"error: {e}") from None
     lm = bundled_model(threads=None)  # threads from OMP_NUM_THREADS
     rows = training_windows(lm.tokenizer, None, 64, "calib")
     model = copy.deepcopy(lm.model)
@@ -57,9 +65,7 @@ def main(argv: list[str] | None = None) -> None:
     layers = qat_layers(model)
     codes0 = {n: q.to_qtensor().codes for n, q in layers.items()}
     w0 = {n: q.weight.detach().clone() for n, q in layers.items()}
-    cfg = WinQConfig(a=args.a, noise=not args.no_noise, seed=args.seed) if args.method == "winq" else STE
-    r = train(model, rows, TrainConfig(steps=args.steps, batch_size=4, lr=args.lr, warmup=max(args.steps // 10, 1),
-                                       seed=args.seed, progress=False), callbacks=[WinQCallback(cfg)])
+    r = train(model, rows, tc, callbacks=[WinQCallback(cfg)])
     total = sum(c.numel() for c in codes0.values())
     changed = sum((codes0[n] != q.to_qtensor().codes).sum().item() for n, q in layers.items()) / total
     drift = torch.cat([(q.weight.detach() - w0[n]).abs().flatten()[::97] for n, q in layers.items()]).median()

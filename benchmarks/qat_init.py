@@ -12,7 +12,7 @@ must match (iters, tuning dtype, calibration), or the pipeline refuses. The cali
 
     python -m benchmarks.qat_init --workdir /tmp/ptq/w2g64 --steps 8
     python -m benchmarks.qat_init --workdir /tmp/qat_init_smoke --iters 1 --calib-nsamples 4 \
-        --calib-seqlen 64 --steps 1 --batch-size 1 --seqlen 32 --windows 1 --eval-seqlen 64 \
+        --calib-seqlen 64 --steps 2 --batch-size 1 --seqlen 32 --windows 1 --eval-seqlen 64 \
         --out /tmp/qat_init_smoke.json                      # smoke: tunes a fresh 1-iteration folder
 
 Writes benchmarks/results/qat_init.json.
@@ -68,15 +68,36 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
+def train_config(args):
+    from lowbit.train import TrainConfig
+
+    return TrainConfig(steps=args.steps, batch_size=args.batch_size, lr=args.lr, warmup=1, seed=0, progress=True)
+
+
+def check(args) -> None:
+    """Refuse settings a run would fail on (scheme, training schedule) before the model loads."""
+    from lowbit.errors import LowbitError
+    from lowbit.formats import Scheme
+    from lowbit.qat import resolve
+
+    try:
+        Scheme.parse(args.scheme)
+        resolve(args.scheme)
+        train_config(args)
+    except LowbitError as e:
+        raise SystemExit(f"error: {e}") from None
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parser().parse_args(argv)
     out_file = out_path(args.out, "qat_init.json")
+    check(args)
 
     from lowbit.data import eval_tokens
     from lowbit.data.batches import training_windows
     from lowbit.eval import perplexity
     from lowbit.qat import STE, WinQCallback, resolve, to_qat, to_quant_linear
-    from lowbit.train import TrainConfig, train
+    from lowbit.train import train
 
     lm = bundled_model(threads=1)
     calib = calibration(lm.tokenizer, args.calib_nsamples, args.calib_seqlen)  # as benchmarks.ptq
@@ -89,8 +110,7 @@ def main(argv: list[str] | None = None) -> None:
         m = start_model(lm.model, kind, args.scheme, calib, args.workdir, args.iters, args.tune_dtype)
         ppl_ptq = ppl(m)
         to_qat(m, resolve(args.scheme))
-        cfg = TrainConfig(steps=args.steps, batch_size=args.batch_size, lr=args.lr, warmup=1, seed=0, progress=True)
-        r = train(m, rows, cfg, callbacks=[WinQCallback(STE)])
+        r = train(m, rows, train_config(args), callbacks=[WinQCallback(STE)])
         to_quant_linear(m)
         row = {"start": kind, "ppl_start": ppl_ptq, "initial_loss": r.losses[0], "losses": r.losses,
                "final_loss": r.final_loss, "ppl_after": ppl(m), "seconds": round(time.perf_counter() - t0, 1)}
