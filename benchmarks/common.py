@@ -10,6 +10,7 @@ physical limit measured in the same run, from medians of several runs in fresh p
 from __future__ import annotations
 
 import fcntl
+import importlib.util
 import json
 import os
 import resource
@@ -17,46 +18,71 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
+T = TypeVar("T")
+
+# The PTQ protocol every tuning benchmark shares (issue 4): 32 x 256 tokens of the calibration
+# split (seed 0), tuning mini-batch 8, evaluation 40 windows x 512 tokens of the eval split.
+NSAMPLES, SEQLEN, BATCH = 32, 256, 8
+EVAL_WINDOWS, EVAL_SEQLEN = 40, 512
 
 
-def result_path(name: str) -> Path:
-    """``benchmarks/results/NAME`` (``.json`` added when NAME has no suffix)."""
+def result_path(name: str | Path) -> Path:
+    """``benchmarks/results/NAME`` (``.json`` added when NAME has no suffix); an absolute NAME is kept as is."""
     p = RESULTS / name
     return p if p.suffix else p.with_suffix(".json")
 
 
-def load_results(name: str, empty: dict | None = None) -> dict:
+def out_path(arg: str | None, default: str) -> Path:
+    """A script's ``--out``: the default results file, or the given path (relative to the working folder)."""
+    return result_path(default) if arg is None else Path(arg).absolute()
+
+
+def load_results(name: str | Path, empty: dict | None = None) -> dict:
     p = result_path(name)
-    return json.loads(p.read_text()) if p.exists() else dict(empty or {"rows": []})
+    return json.loads(p.read_text()) if p.exists() else dict({"rows": []} if empty is None else empty)
 
 
-def save_results(name: str, data: dict) -> Path:
+def save_results(name: str | Path, data: dict) -> Path:
     """Write a results file atomically (temp file beside it, then rename)."""
     from lowbit.io import atomic_write_text
 
     p = result_path(name)
-    atomic_write_text(p, json.dumps(data, indent=1, default=str))
+    p.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(p, json.dumps(data, indent=1, default=_plain))
     return p
 
 
-def merge_row(name: str, row: dict, key: Sequence[str], **fields: Any) -> dict:
+def _plain(value: Any) -> Any:
+    """JSON for what ``json`` cannot encode: numpy / torch scalars as numbers, anything else as text."""
+    item = getattr(value, "item", None)
+    if callable(item):
+        try:
+            return item()
+        except (TypeError, ValueError, RuntimeError):  # not a one-element array or tensor
+            pass
+    return str(value)
+
+
+def merge_row(name: str | Path, row: dict, key: Sequence[str] | Callable[[dict], tuple], **fields: Any) -> dict:
     """Replace the row with the same ``key`` values (or append), set top-level ``fields``; returns the data.
 
     Serialised with a lock file, so sweeps running side by side never lose each other's rows.
+    ``key`` is field names, or a function of a row (for keys whose older rows lack a field).
     """
     p = result_path(name)
     p.parent.mkdir(parents=True, exist_ok=True)
+    ident_of = key if callable(key) else (lambda r: tuple(r.get(k) for k in key))
     with open(p.with_suffix(".lock"), "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         data = load_results(name)
-        ident = tuple(row.get(k) for k in key)
-        data["rows"] = [r for r in data.get("rows", []) if tuple(r.get(k) for k in key) != ident] + [row]
+        ident = ident_of(row)
+        data["rows"] = [r for r in data.get("rows", []) if ident_of(r) != ident] + [row]
         data.update(fields)
         save_results(name, data)
     return data
@@ -119,23 +145,141 @@ def gemm_gflops(m: int = 2048, k: int = 576, n: int = 1536, dtype: str = "fp32",
 
 
 def run_child(module: str, args: Sequence[str], timeout: float | None = None, env: dict | None = None,
-              threads: int | None = None) -> dict:
+              threads: int | None = None, show_stderr: bool = False) -> dict:
     """Run ``python -m benchmarks.MODULE ARGS`` in a fresh process; returns the JSON of its last stdout line.
 
     A fresh process per measured run gives each its own wall time and peak memory, and
-    no warm caches from the run before.
+    no warm caches from the run before. The child ends by printing its row (`emit`).
+    show_stderr: let the child's stderr (progress bars, log lines) through to this terminal,
+    for runs long enough that someone watches them; otherwise its tail goes into the error.
     """
     full_env = {**os.environ, **(env or {})}
     if threads is not None:
         full_env.update(OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
     cmd = [sys.executable, "-m", f"benchmarks.{module}", *args]
-    r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=full_env)
+    r = subprocess.run(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=None if show_stderr else subprocess.PIPE,
+                       text=True, timeout=timeout, env=full_env)
     if r.returncode != 0:
-        raise RuntimeError(f"{' '.join(cmd)} failed ({r.returncode}):\n{r.stderr[-3000:]}")
-    return json.loads(r.stdout.strip().splitlines()[-1])
+        tail = "(its output is above)" if show_stderr else r.stderr[-3000:]
+        raise RuntimeError(f"{' '.join(cmd)} failed ({r.returncode}):\n{tail}")
+    lines = r.stdout.strip().splitlines()
+    if not lines:
+        raise RuntimeError(f"{' '.join(cmd)} printed no result row")
+    return json.loads(lines[-1])
+
+
+def emit(row: dict) -> None:
+    """The child's side of `run_child`: its result row as the last line of stdout."""
+    print(json.dumps(row, default=_plain), flush=True)
+
+
+def alternating(items: Sequence[T], repeats: int) -> Iterator[tuple[int, T]]:
+    """``(repeat, item)`` for ``repeats`` rounds, every other round reversed, so a drift in
+    machine speed (another job starting, thermal state) hits every item alike."""
+    for rep in range(repeats):
+        for item in items if rep % 2 == 0 else list(items)[::-1]:
+            yield rep, item
+
+
+# pip requirement and how to get it, per peer module
+PEERS = {
+    "auto_round": ("auto-round", "pip install 'auto-round>=0.16' (or: make bench-setup)"),
+    "fouroversix": ("fouroversix", "make bench-setup (builds fouroversix's CPU path with SKIP_CUDA_BUILD=1)"),
+    "llama_cpp": ("llama-cpp-python", "pip install -e '.[llamacpp]'"),
+    "peft": ("peft", "pip install 'peft>=0.15' (or: make bench-setup)"),
+}
+
+
+def has_peer(module: str) -> bool:
+    return importlib.util.find_spec(module) is not None
+
+
+def require_peer(module: str, alternative: str = "") -> None:
+    """Exit with one line naming what to install when peer ``module`` is missing (before any heavy work)."""
+    if has_peer(module):
+        return
+    name, how = PEERS[module]
+    raise SystemExit(f"error: this run needs {name}, which is not installed: {how}"
+                     + (f"; or {alternative}" if alternative else ""))
+
+
+def bundled_model(threads: int | None = 1, seed: int = 0):
+    """The bundled SmolLM2-135M-Instruct, loaded after pinning ``threads`` and the torch seed.
+
+    Its "float" weights are a Q4_1 GGUF (4-bit asymmetric, group 32) dequantized: every
+    perplexity measured on it is relative to that already-quantized model.
+    """
+    import torch
+
+    from lowbit.models import load_model
+
+    if threads is not None:
+        torch.set_num_threads(threads)
+    torch.manual_seed(seed)
+    return load_model(None)
+
+
+def calibration(tokenizer: Any, nsamples: int = NSAMPLES, seqlen: int = SEQLEN, seed: int = 0):
+    """``[nsamples, seqlen]`` token windows of the calibration split (never the eval text)."""
+    from lowbit.data import calibration_batches
+
+    return calibration_batches(tokenizer, None, nsamples=nsamples, seqlen=seqlen, seed=seed)
+
+
+def tuning_gflop(model: Any, iters: int, tokens: int, qkv_input_grad: bool = False) -> float:
+    """GEMM work (GFLOP) of block-wise rounding tuning: the physical floor its time is held to.
+
+    Per iteration, every decoder-block Linear runs on ``tokens`` tokens its forward, the
+    gradient of its (fake-quantized) weight and the gradient of its input: 3 x 2 x params x
+    tokens. q/k/v need no input gradient (nothing upstream of them in the block is trained),
+    so they count 2 passes unless ``qkv_input_grad`` (the cruder bound ``benchmarks.ptq``
+    has recorded since its first rows, kept so its rows stay comparable). Attention's own
+    products are excluded.
+    """
+    from lowbit.models import linear_layers
+
+    total = 0.0
+    for name, m in linear_layers(model).items():
+        qkv = name.rsplit(".", 1)[-1] in ("q_proj", "k_proj", "v_proj")
+        passes = 3 if qkv_input_grad or not qkv else 2
+        total += passes * 2 * m.weight.numel() * tokens
+    return total * iters / 1e9
 
 
 def markdown_table(header: Sequence[str], rows: Iterable[Sequence[Any]]) -> str:
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     lines += ["| " + " | ".join("" if v is None else str(v) for v in row) + " |" for row in rows]
     return "\n".join(lines)
+
+
+def adapter_step_macs(model: Any, names: Sequence[str], rank: int, tokens: int, seqlen: int) -> dict:
+    """Multiply-adds of one adapter training step, frozen-base LoRA vs QWHA's dense path.
+
+    Both run the base GEMM forward and its input gradient for every adapted Linear, the
+    tied lm_head (forward + input gradient) and attention (scores and values, forward and
+    backward). LoRA adds rank-r products; QWHA's dense delta adds the weight gradient of
+    each adapted Linear (``tokens * out * in``), which a rank-r adapter never forms. The
+    ratio is what step time would be if every multiply-add ran at the same speed: a floor
+    for the dense path, which no kernel tuning can go below.
+    """
+    cfg = model.config
+    lin = sum(model.get_submodule(n).weight.numel() for n in names)
+    lora = sum(rank * sum(model.get_submodule(n).weight.shape) for n in names)
+    head = cfg.vocab_size * cfg.hidden_size
+    attn = cfg.num_hidden_layers * 2 * seqlen * cfg.hidden_size  # QK^T and AV per token, causal ~ half x2
+    shared = tokens * (2 * lin + 2 * head + 3 * attn)
+    lora_macs = shared + tokens * 3 * lora
+    qwha_macs = shared + tokens * lin
+    return {"tokens_per_step": tokens, "lora_macs": lora_macs, "qwha_dense_macs": qwha_macs,
+            "qwha_over_lora_floor": round(qwha_macs / lora_macs, 3)}
+
+
+def rtn_base(model: Any, names: Sequence[str], scheme: str) -> dict:
+    """Quantize ``names`` of ``model`` in place with plain RTN (the adapters' base); returns their FP weights."""
+    from lowbit.formats import Scheme
+    from lowbit.formats.plan import Plan
+    from lowbit.nn import replace_linears
+
+    fp = {n: model.get_submodule(n).weight.detach().clone() for n in names}
+    replace_linears(model, Plan.uniform(names, Scheme.parse(scheme)))
+    return fp

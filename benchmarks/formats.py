@@ -11,35 +11,38 @@ runs for timings:
 3. The block-size study (8, 16, 32, 64) on the bundled model, optionally with perplexity.
 
 Results go to benchmarks/results/formats.json (written atomically after every part, so a
-partial run keeps what it finished) and a table on stdout.
+partial run keeps what it finished; parts not run keep their earlier results) and a table
+on stdout. The ``tensor`` and ``model`` parts compare against fouroversix and need it
+installed (``make bench-setup``); ``study`` and ``rules`` are lowbit alone.
 
-    OMP_NUM_THREADS=1 PYTHONPATH=src python benchmarks/formats.py [--parts tensor,rules,study]
+    python -m benchmarks.formats [--parts study,tensor,model,rules]
+    python -m benchmarks.formats --parts study,rules --layer-stride 30 --blocks 8,16 \
+        --schemes nvfp4,nvfp4-46 --out /tmp/formats_smoke.json                       # smoke
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import statistics
 import time
-from pathlib import Path
 
 import torch
 
+from benchmarks.common import load_results, machine, out_path, require_peer, save_results, timed
 from lowbit.formats import qdq, relative_error
-from lowbit.io import atomic_write_text
 
-RESULTS = Path(__file__).parent / "results" / "formats.json"
+PARTS = ("study", "tensor", "model", "rules")
+PEER_PARTS = ("tensor", "model")  # the parts that compare against fouroversix
 
 
-def timed(fn, repeats: int):
-    """(median seconds, last result) of ``fn()`` over ``repeats`` runs."""
-    times, out = [], None
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        out = fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times), out
+def timed_result(fn, repeats: int):
+    """(median seconds, last result) of ``fn()`` over ``repeats`` runs, none untimed."""
+    last = {}
+
+    def run() -> None:
+        last["out"] = fn()
+
+    seconds, _ = timed(run, repeats, warmup=0)
+    return seconds, last["out"]
 
 
 def fouroversix_qdq(rule: str):
@@ -57,14 +60,14 @@ def compare(weights: list[torch.Tensor], repeats: int, fos_repeats: int | None =
     """lowbit vs fouroversix on a list of tensors (errors pooled, times summed)."""
     out = {}
     den = sum(float((w.double() ** 2).sum()) for w in weights)
-    t_copy, _ = timed(lambda: [w.clone() for w in weights], max(repeats, 3))
+    t_copy, _ = timed_result(lambda: [w.clone() for w in weights], max(repeats, 3))
     out["copy_seconds"] = t_copy
     for ours, theirs in (("nvfp4", "static_6"), ("nvfp4-46", "mse")):
         for who, fn in (("lowbit", lambda w, s=ours: qdq(w, s)), ("fouroversix", fouroversix_qdq(theirs))):
             if fn is None:
                 continue
             n = repeats if who == "lowbit" or fos_repeats is None else fos_repeats
-            secs, outs = timed(lambda fn=fn: [fn(w) for w in weights], n)
+            secs, outs = timed_result(lambda fn=fn: [fn(w) for w in weights], n)
             num = sum(float(((o.double() - w.double()) ** 2).sum()) for o, w in zip(outs, weights, strict=True))
             out[f"{who}/{ours}"] = {"rel_mse": num / den, "seconds": secs, "x_copy": secs / t_copy}
     for ours in ("nvfp4", "nvfp4-46"):
@@ -145,11 +148,6 @@ def study(weights, schemes, blocks, ppl_windows: int) -> dict:
     return res
 
 
-def save(results: dict) -> None:
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    atomic_write_text(RESULTS, json.dumps(results, indent=1, default=float))
-
-
 def print_compare(name: str, r: dict) -> None:
     print(f"\n{name}: copy {r['copy_seconds']:.3f}s")
     print(f"{'impl/scheme':<24} {'rel MSE':>12} {'seconds':>9} {'x copy':>8}")
@@ -158,9 +156,10 @@ def print_compare(name: str, r: dict) -> None:
             print(f"{k:<24} {v['rel_mse']:>12.7f} {v['seconds']:>9.2f} {v['x_copy']:>8.1f}")
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--parts", default="study,tensor,model,rules")
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.formats", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated, from {', '.join(PARTS)}")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--schemes", default="nvfp4,nvfp4:guard=1,nvfp4-46,nvfp4-46:rule=span,nvfp4-ue5m3")
     p.add_argument("--blocks", default="8,16,32,64")
@@ -168,11 +167,26 @@ def main() -> None:
                    help="use every N-th Linear of the bundled model (1 = all; the CPU budget may need more)")
     p.add_argument("--fos-repeats", type=int, default=None, help="repeats for fouroversix (default --repeats)")
     p.add_argument("--ppl-windows", type=int, default=0, help="perplexity windows per study point (0 = none)")
-    args = p.parse_args()
-    torch.set_num_threads(1)
+    p.add_argument("--out", default=None, help="results file (default benchmarks/results/formats.json)")
+    return p
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parser().parse_args(argv)
     parts = args.parts.split(",")
-    results = json.loads(RESULTS.read_text()) if RESULTS.exists() else {}
+    if any(x not in PARTS for x in parts):
+        raise SystemExit(f"error: --parts takes a comma-separated subset of {', '.join(PARTS)}; got {args.parts!r}")
+    if set(PEER_PARTS) & set(parts):
+        require_peer("fouroversix", "pass --parts study,rules (lowbit alone)")
+    out = out_path(args.out, "formats.json")
+
+    def save(results: dict) -> None:
+        save_results(out, results)
+
+    torch.set_num_threads(1)
+    results = load_results(out, empty={})
     results["threads"] = 1
+    results["machine"] = machine()
     weights = model_weights(args.layer_stride) if {"model", "rules", "study"} & set(parts) else None
     if weights is not None:
         results["model_weights"] = {"layer_stride": args.layer_stride, "tensors": len(weights),
@@ -197,7 +211,7 @@ def main() -> None:
     if "rules" in parts:
         results["rules_block8"] = rules_table(weights)
         save(results)
-    print(f"\nwrote {RESULTS}")
+    print(f"\nwrote {out}")
 
 
 if __name__ == "__main__":

@@ -1,12 +1,15 @@
 """Perplexity of a lowbit GGUF export in llama.cpp (llama-cpp-python, CPU) next to lowbit's own.
 
-    python benchmarks/llamacpp.py [--scheme w4g32] [--windows 4] [--seqlen 512] [--json]
+    python -m benchmarks.llamacpp [--scheme w4g32] [--windows 4] [--seqlen 512] [--json]
+    python -m benchmarks.llamacpp --windows 1 --seqlen 64 --skip-llamacpp     # smoke, without llama.cpp
 
 Quantizes the bundled SmolLM2-135M with RTN, evaluates it in lowbit, exports it to GGUF
 (exact Q4_0/Q8_0/MXFP4 blocks), then evaluates the same token windows (lowbit's token ids,
 so only the model differs) in transformers' GGUF loader and in llama.cpp. lowbit and
 transformers agree to float rounding; llama.cpp computes with its own kernels (its CPU
 matmuls quantize activations to 8 bits for Q4_0/Q8_0 weights), so a small gap is expected.
+It needs llama-cpp-python (``pip install -e '.[llamacpp]'``) unless ``--skip-llamacpp``;
+it prints its result (``--json``: one line) and writes no file.
 """
 
 from __future__ import annotations
@@ -21,6 +24,8 @@ from pathlib import Path
 
 import numpy as np
 import torch
+
+from benchmarks.common import bundled_model, require_peer
 
 
 def llamacpp_nll(gguf_path: Path, windows: torch.Tensor, threads: int) -> tuple[float, int]:
@@ -46,14 +51,23 @@ def _nll(llm, windows: torch.Tensor) -> tuple[float, int]:
     return total, count
 
 
-def main(argv: list[str] | None = None) -> dict:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.llamacpp", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--scheme", default="w4g32", help="a scheme with an exact GGUF type: w4g32, w8g32, mxfp4")
     p.add_argument("--windows", type=int, default=4)
     p.add_argument("--seqlen", type=int, default=512)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--json", action="store_true")
-    args = p.parse_args(argv)
+    p.add_argument("--skip-llamacpp", action="store_true",
+                   help="lowbit and transformers' GGUF loader only (when llama-cpp-python is not installed)")
+    return p
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parser().parse_args(argv)
+    if not args.skip_llamacpp:
+        require_peer("llama_cpp", "pass --skip-llamacpp (lowbit and transformers only)")
 
     from transformers import AutoModelForCausalLM
 
@@ -62,14 +76,15 @@ def main(argv: list[str] | None = None) -> dict:
     from lowbit.eval import perplexity
     from lowbit.eval.perplexity import eval_windows
     from lowbit.export import gguf_export
-    from lowbit.models import load_model
-    from lowbit.models.loading import bundled_gguf
-    from lowbit.ptq.rtn import rtn_quantize
+    from lowbit.models import bundled_gguf
+    from lowbit.ptq import quantize_model
 
-    lm = load_model(None)
+    lm = bundled_model(threads=args.threads)
     tokens = eval_tokens(lm.tokenizer)
     plan = build_plan(lm.model, args.scheme, None)
-    rtn_quantize(lm.model, plan, progress=False)
+    # plain RTN through the library's entry point, as `lowbit quantize --method rtn --no-search`:
+    # it also rounds the embeddings to fp16 values, so the GGUF stores them in F16 exactly
+    quantize_model(lm.model, plan, "rtn", {"search": False}, progress=False)
     res: dict = {"scheme": args.scheme, "windows": args.windows, "seqlen": args.seqlen}
     res["ppl_lowbit"] = perplexity(lm.model, tokens, args.seqlen, args.windows, progress=False).ppl
     with tempfile.TemporaryDirectory() as tmp:
@@ -79,7 +94,7 @@ def main(argv: list[str] | None = None) -> dict:
         hf = AutoModelForCausalLM.from_pretrained(tmp, gguf_file=out.name, dtype=torch.float32).eval()
         res["ppl_transformers_gguf"] = perplexity(hf, tokens, args.seqlen, args.windows, progress=False).ppl
         del hf
-        try:
+        if not args.skip_llamacpp:
             t0 = time.perf_counter()
             from llama_cpp import Llama
 
@@ -92,9 +107,6 @@ def main(argv: list[str] | None = None) -> dict:
             nll, n = _nll(llm, win)
             res["ppl_llamacpp"] = math.exp(nll / n)
             res["llamacpp_seconds"] = round(time.perf_counter() - t0, 1)
-        except ImportError:
-            res["ppl_llamacpp"] = None
-            res["llamacpp"] = "llama-cpp-python is not installed (pip install llama-cpp-python)"
     print(json.dumps(res) if args.json else "\n".join(f"{k}: {v}" for k, v in res.items()))
     return res
 

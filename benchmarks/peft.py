@@ -5,10 +5,13 @@ For each base (w2g64, w3g128 by default) and each adapter at the same parameter 
 initialisation and after N training steps on the training split, plus the median step
 time. Everything is configurable so a shared CPU can run a short but real version:
 
-    OMP_NUM_THREADS=2 python benchmarks/peft.py --steps 20 --eval-every 10 --windows 8
+    OMP_NUM_THREADS=2 python -m benchmarks.peft --steps 20 --eval-every 10 --windows 8
+    python -m benchmarks.peft --bases w3g128 --adapters lora,qwha --blocks 1 --steps 2 --eval-every 1 \
+        --windows 1 --nsamples 8 --calib 2 --seqlen 64 --dry      # smoke (writes nothing)
 
 Writes benchmarks/results/peft.json (only from real runs) and peft.png (ppl vs steps).
 Training rows come from the calibration/training split; perplexity from the eval split.
+QWHA, LoRA, LoftQ and FourierFT are all lowbit's own adapters (no peer library runs here).
 """
 
 from __future__ import annotations
@@ -23,24 +26,23 @@ from pathlib import Path
 
 import torch
 
-from lowbit.data import calibration_batches, eval_tokens
+from benchmarks.common import adapter_step_macs, bundled_model, calibration, machine, out_path, rtn_base
+from lowbit.data import eval_tokens
 from lowbit.eval import perplexity
-from lowbit.formats import Scheme
-from lowbit.formats.plan import Plan
 from lowbit.io import atomic_write_bytes, atomic_write_text
-from lowbit.models import linear_layers, load_model
-from lowbit.nn import replace_linears
-from lowbit.peft import KINDS, PeftConfig, adapters_of, apply_adapters, collect_xtx, count_trainable
+from lowbit.models import linear_layers
+from lowbit.models.activations import second_moments
+from lowbit.peft import KINDS, PeftConfig, adapters_of, apply_adapters, count_trainable
 from lowbit.peft.finetune import lm_rows, train_adapters
 from lowbit.peft.qwha import QWHAAdapter
 from lowbit.train import TrainConfig
 
-RESULTS = Path(__file__).parent / "results"
 LR = {"qwha": 2e-4, "lora": 2e-4, "loftq": 2e-4, "fourierft": 2e-3}
 
 
-def parse() -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.peft", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--bases", default="w2g64,w3g128", help="RTN schemes of the quantized bases")
     p.add_argument("--adapters", default=",".join(KINDS))
     p.add_argument("--rank", type=int, default=8)
@@ -57,11 +59,11 @@ def parse() -> argparse.Namespace:
     p.add_argument("--qwha-scale", type=float, default=PeftConfig.scale,
                    help="QWHA value scale (a learning-rate multiplier of its coefficients; Delta_W unchanged)")
     p.add_argument("--paths", action="store_true", help="also time QWHA's dense vs sparse forward paths")
-    p.add_argument("--out", default=str(RESULTS / "peft.json"))
+    p.add_argument("--out", default=None, help="results file (default benchmarks/results/peft.json; + .png)")
     p.add_argument("--dry", action="store_true", help="do not write results (smoke run)")
     p.add_argument("--combine", default=None, metavar="A.json,B.json",
                    help="only merge finished per-base result files into --out (+ PNG); runs nothing")
-    return p.parse_args()
+    return p
 
 
 def targets(model, blocks: int) -> list[str]:
@@ -90,28 +92,6 @@ def run_adapter(q, kind: str, args, fp_w, xtx, rows, ev) -> dict:
             "step_seconds_median": round(timer.median(), 4), "losses": [round(x, 4) for x in result.losses]}
 
 
-def gemm_floor(model, names: list[str], rank: int, tokens: int, seqlen: int) -> dict:
-    """Multiply-adds of one training step, frozen-base LoRA vs QWHA's dense path.
-
-    Both run the base GEMM forward and its input gradient for every adapted Linear, the
-    tied lm_head (forward + input gradient) and attention (scores and values, forward and
-    backward). LoRA adds rank-r products; QWHA's dense delta adds the weight gradient of
-    each adapted Linear (``tokens * out * in``), which a rank-r adapter never forms. The
-    ratio is what step time would be if every multiply-add ran at the same speed: a floor
-    for the dense path, which no kernel tuning can go below.
-    """
-    cfg = model.config
-    lin = sum(model.get_submodule(n).weight.numel() for n in names)
-    lora = sum(rank * sum(model.get_submodule(n).weight.shape) for n in names)
-    head = cfg.vocab_size * cfg.hidden_size
-    attn = cfg.num_hidden_layers * 2 * seqlen * cfg.hidden_size  # QK^T and AV per token, causal ~ half x2
-    shared = tokens * (2 * lin + 2 * head + 3 * attn)
-    lora_macs = shared + tokens * 3 * lora
-    qwha_macs = shared + tokens * lin
-    return {"tokens_per_step": tokens, "lora_macs": lora_macs, "qwha_dense_macs": qwha_macs,
-            "qwha_over_lora_floor": round(qwha_macs / lora_macs, 3)}
-
-
 def time_paths(q, fp_w, xtx, args, tokens: int = 1024) -> dict:
     """Forward+backward time of every QWHA layer under each path, for one token count."""
     m = copy.deepcopy(q)
@@ -134,7 +114,7 @@ def save(results: dict, args, complete: bool) -> None:
     """Rewrite the results file after every adapter, so a cut-short run keeps what it measured."""
     if args.dry:
         return
-    out = Path(args.out)
+    out = out_path(args.out, "peft.json")
     atomic_write_text(out, json.dumps({**results, "complete": complete}, indent=1))
     if complete:
         plot(results, out.with_suffix(".png"))
@@ -143,10 +123,9 @@ def save(results: dict, args, complete: bool) -> None:
 def run_base(fp, tok, scheme: str, args, ev, rows, results: dict) -> dict:
     names = targets(fp, args.blocks)
     q = copy.deepcopy(fp)
-    replace_linears(q, Plan.uniform(names, Scheme.parse(scheme)))
-    fp_w = {n: fp.get_submodule(n).weight.detach().clone() for n in names}
+    fp_w = rtn_base(q, names, scheme)
     t0 = time.perf_counter()
-    xtx = collect_xtx(q, names, rows[: args.calib, 0])
+    xtx = second_moments(q, rows[: args.calib, 0], names)
     xtx_s = time.perf_counter() - t0
     base = {"scheme": scheme, "method": "rtn", "targets": len(names), "xtx_seconds": round(xtx_s, 2),
             "ppl_base": perplexity(q, ev, seqlen=args.eval_seqlen, windows=args.windows).ppl, "adapters": []}
@@ -193,23 +172,21 @@ def combine(files: list[str], out: Path) -> None:
     plot(merged, out.with_suffix(".png"))
 
 
-def main() -> None:
-    args = parse()
+def main(argv: list[str] | None = None) -> None:
+    args = parser().parse_args(argv)
     if args.combine:
-        combine(args.combine.split(","), Path(args.out))
+        combine(args.combine.split(","), out_path(args.out, "peft.json"))
         return
-    torch.manual_seed(0)
-    lm = load_model(None)
+    lm = bundled_model(threads=None)  # threads from OMP_NUM_THREADS, as the runs so far
     fp, tok = lm.model, lm.tokenizer
     ev = eval_tokens(tok)
-    rows = lm_rows(calibration_batches(tok, None, nsamples=args.nsamples, seqlen=args.seqlen, seed=0))
+    rows = lm_rows(calibration(tok, args.nsamples, args.seqlen))
     results = {"model": lm.source, "rank": args.rank, "settings": vars(args),
-               "machine": {"python": platform.python_version(), "torch": torch.__version__,
-                           "threads": torch.get_num_threads(), "cpu": platform.processor() or platform.machine()},
+               "machine": {"python": platform.python_version(), **machine()},
                "ppl_fp": perplexity(fp, ev, seqlen=args.eval_seqlen, windows=args.windows).ppl, "bases": []}
     print(f"fp ppl {results['ppl_fp']:.3f}", file=sys.stderr, flush=True)
-    results["gemm_floor"] = gemm_floor(fp, targets(fp, args.blocks), args.rank, args.batch_size * args.seqlen,
-                                       args.seqlen)
+    results["gemm_floor"] = adapter_step_macs(fp, targets(fp, args.blocks), args.rank,
+                                              args.batch_size * args.seqlen, args.seqlen)
     for scheme in args.bases.split(","):
         run_base(fp, tok, scheme, args, ev, rows, results)
     print(json.dumps(results, indent=1))

@@ -3,35 +3,52 @@
 Protocol (issue 4): the bundled SmolLM2-135M, calibration 32 x 256 tokens from the
 calibration split (the *same* token tensor is handed to both tools), evaluation = the
 default perplexity protocol (40 windows x 512 tokens of the eval split), fp32, one
-thread each. Every (config, tool) row runs in its own subprocess so wall time and peak
+thread each. Every (config, tool) row runs in its own process so wall time and peak
 RSS are its own; rows are merged into ``benchmarks/results/ptq.json`` as they finish
 (atomically), so an interrupted sweep keeps what it measured.
 
-    python benchmarks/ptq.py --configs w4g128 --tools lowbit,autoround
-    python benchmarks/ptq.py --list
+    python -m benchmarks.ptq --configs w4g128 --tools lowbit,autoround
+    python -m benchmarks.ptq --list
+    python -m benchmarks.ptq --table
+    python -m benchmarks.ptq --configs rtn-w4g128,w4g128 --tools lowbit --nsamples 4 --seqlen 64 \
+        --iters 1 --windows 2 --out /tmp/ptq_smoke.json                 # smoke: the same code path in ~1 min
 
 auto-round settings: ``amp=False``, ``device_map='cpu'``, same iters / nsamples / seqlen
 / batch size; its iters=0 default is an importance-searched RTN, plain RTN is
-``disable_opt_rtn=True``.
+``disable_opt_rtn=True`` (lowbit's ``rtn-*`` rows are plain RTN too: ``search=False``).
+The ``autoround`` tool needs auto-round installed (``make bench-setup``).
 """
 
 from __future__ import annotations
 
 import argparse
-import fcntl
 import json
-import os
-import resource
-import subprocess
 import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-# this folder holds scripts named like packages (benchmarks/peft.py); never import them as such
-sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
-RESULTS = ROOT / "benchmarks" / "results" / "ptq.json"
-BATCH = 8  # tuning mini-batch of both tools (and of AutoScheme's scoring)
+from benchmarks.common import (
+    BATCH,
+    EVAL_SEQLEN,
+    EVAL_WINDOWS,
+    NSAMPLES,
+    SEQLEN,
+    bundled_model,
+    calibration,
+    emit,
+    gemm_gflops,
+    load_results,
+    machine,
+    merge_row,
+    out_path,
+    peak_rss_mib,
+    require_peer,
+    run_child,
+    tuning_gflop,
+)
+
+TOOLS = ("lowbit", "autoround")
+SIGNROUND_KEYS = ("iters", "seed", "loss_filter", "tune_dtype")  # config keys that are SignRoundSettings fields
 
 # name -> (lowbit method, lowbit scheme/extra, auto-round kwargs or None)
 CONFIGS: dict[str, dict] = {
@@ -99,42 +116,50 @@ CONFIGS: dict[str, dict] = {
 }
 
 
-def peak_rss_mib() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
-
-
 def setup(nsamples: int, seqlen: int):
-    import torch
+    """The bundled model (one thread, seed 0), its calibration tokens and the eval split."""
+    from lowbit.data import eval_tokens
 
-    from lowbit.data import calibration_batches, eval_tokens
-    from lowbit.models import load_model
-
-    torch.set_num_threads(1)
-    torch.manual_seed(0)
-    lm = load_model(None)
-    calib = calibration_batches(lm.tokenizer, None, nsamples=nsamples, seqlen=seqlen, seed=0)
-    return lm, calib, eval_tokens(lm.tokenizer, None)
+    lm = bundled_model(threads=1)
+    return lm, calibration(lm.tokenizer, nsamples, seqlen), eval_tokens(lm.tokenizer, None)
 
 
-def run_lowbit(spec: dict, lm, calib, workdir: str | None) -> dict:
+def with_iters(spec: dict, iters: int | None) -> dict:
+    """``spec`` with its tuning iterations replaced (``--iters``, for smoke runs); configs without iters keep none."""
+    return {**spec, "iters": iters} if iters is not None and "iters" in spec else dict(spec)
+
+
+def lowbit_job(spec: dict, model):
+    """(method, plan, settings, mixed) of a lowbit config row."""
     from lowbit.formats.plan import Plan
     from lowbit.models import linear_layers
-    from lowbit.ptq import quantize_model
+    from lowbit.ptq import MixedSettings
 
-    plan = Plan.uniform(linear_layers(lm.model), spec["scheme"])
-    kw = {k: spec[k] for k in ("iters", "avg_bits", "options", "loss_filter", "seed", "tune_dtype") if k in spec}
-    if "positional" in spec:
+    layers = linear_layers(model)
+    plan = Plan.uniform(layers, spec["scheme"])
+    if spec["method"] == "rtn":
+        return "rtn", plan, {"search": False}, None  # plain round-to-nearest, auto-round's disable_opt_rtn
+    settings = {k: spec[k] for k in SIGNROUND_KEYS if k in spec} | {"batch_size": BATCH}
+    if "positional" in spec:  # a position heuristic picks the plan; the quantizer is the same
         from lowbit.ptq.allocate import positional_plan
 
-        layers = linear_layers(lm.model)
         sizes = {n: (m.out_features, m.in_features) for n, m in layers.items()}
         low, high = spec["options"].split(",")
         plan = positional_plan(sizes, low, high, spec["avg_bits"], from_end=spec["positional"] == "last").plan
-        kw = {"iters": spec["iters"]}
-    if workdir and spec["method"] != "rtn":
-        kw["workdir"] = workdir
-    plan = quantize_model(lm.model, plan, spec["method"], calib=calib, tokenizer=lm.tokenizer, progress=True,
-                          batch_size=BATCH, **kw)
+        return spec["method"], plan, {"iters": spec["iters"], "batch_size": BATCH}, None
+    mixed = None
+    if "avg_bits" in spec:  # DeltaLoss passes in the tuning precision (auto: bf16 where it is fast)
+        mixed = MixedSettings(avg_bits=spec["avg_bits"], options=spec["options"],
+                              dtype=spec.get("tune_dtype", "auto"))
+    return spec["method"], plan, settings, mixed
+
+
+def run_lowbit(spec: dict, lm, calib, workdir: str | None) -> dict:
+    from lowbit.ptq import quantize_model
+
+    method, plan, settings, mixed = lowbit_job(spec, lm.model)
+    plan = quantize_model(lm.model, plan, method, settings, calib=calib, mixed=mixed, progress=True,
+                          workdir=workdir if method != "rtn" else None)
     return {"plan": plan.describe()}
 
 
@@ -170,75 +195,33 @@ def run_autoround(spec: dict, lm, calib) -> dict:
     return out
 
 
-def cpu_model() -> str:
-    """This CPU, recorded in every row: this project's machines have been a Zen 4 and an AMX
-    Xeon (435 vs 1383 GFLOP/s bf16 per core), so rates and ratios only compare within one."""
-    from lowbit.nn.precision import cpu_description
-
-    return cpu_description()
-
-
-def gemm_gflops(repeats: int = 30, dtype: str = "fp32") -> float:
-    """Median GEMM throughput of this thread on the block's biggest shape (the physical limit)."""
-    import torch
-
-    dt = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype]
-    a, b = torch.randn(2048, 576, dtype=dt), torch.randn(576, 1536, dtype=dt)
-    for _ in range(3):
-        a @ b
-    times = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        a @ b
-        times.append(time.perf_counter() - t)
-    return 2 * 2048 * 576 * 1536 / sorted(times)[len(times) // 2] / 1e9
-
-
-def tuning_gflop(model, spec: dict, nsamples: int, seqlen: int, batch: int = BATCH) -> float:
-    """GEMM work of the tuning loop: per iteration a forward and a backward (dX and dW) of every
-    block Linear on ``batch * seqlen`` tokens, i.e. 3 x 2 x params x tokens; attention excluded."""
-    from lowbit.models import linear_layers
-
-    params = sum(m.weight.numel() for m in linear_layers(model).values())
-    return 3 * 2 * params * min(batch, nsamples) * seqlen * spec.get("iters", 0) / 1e9
-
-
-def child(tool: str, name: str, nsamples: int, seqlen: int, workdir: str | None) -> dict:
+def child(tool: str, name: str, nsamples: int, seqlen: int, workdir: str | None, iters: int | None,
+          windows: int) -> dict:
     from lowbit.eval import perplexity
 
     t0 = time.perf_counter()
     lm, calib, ev = setup(nsamples, seqlen)
     load_s = time.perf_counter() - t0
     rss_loaded = peak_rss_mib()
-    spec = CONFIGS[name][tool]
-    work = tuning_gflop(lm.model, spec, nsamples, seqlen)
+    spec = with_iters(CONFIGS[name][tool], iters)
+    work = tuning_gflop(lm.model, spec.get("iters", 0), min(BATCH, nsamples) * seqlen, qkv_input_grad=True)
     gflops, bf16_gflops = gemm_gflops(), gemm_gflops(dtype="bf16")
     t1 = time.perf_counter()
     extra = run_lowbit(spec, lm, calib, workdir) if tool == "lowbit" else run_autoround(spec, lm, calib)
     seconds = time.perf_counter() - t1
     rss_quant = peak_rss_mib()
-    r = perplexity(lm.model, ev, seqlen=512, windows=40)
-    return {"config": name, "tool": tool, "ppl": r.ppl, "eval_tokens": r.tokens, "seconds": round(seconds, 1),
-            "load_seconds": round(load_s, 1), "peak_rss_mib_after_load": round(rss_loaded),
-            "peak_rss_mib": round(rss_quant), "nsamples": nsamples, "seqlen": seqlen, "threads": 1,
-            "tuning_gemm_gflop": round(work, 1), "gemm_gflops": round(gflops, 1),
+    r = perplexity(lm.model, ev, seqlen=EVAL_SEQLEN, windows=windows)
+    return {"config": name, "tool": tool, "ppl": r.ppl, "eval_tokens": r.tokens, "eval_windows": windows,
+            "seconds": round(seconds, 1), "load_seconds": round(load_s, 1),
+            "peak_rss_mib_after_load": round(rss_loaded), "peak_rss_mib": round(rss_quant), "nsamples": nsamples,
+            "seqlen": seqlen, "threads": 1, "tuning_gemm_gflop": round(work, 1), "gemm_gflops": round(gflops, 1),
             "gemm_limit_seconds": round(work / gflops, 1), "bf16_gemm_gflops": round(bf16_gflops, 1),
-            "cpu": cpu_model(), **{k: v for k, v in spec.items()}, **extra}
+            "cpu": machine()["cpu"], **spec, **extra}
 
 
-def merge(row: dict) -> None:
-    sys.path.insert(0, str(ROOT / "src"))
-    from lowbit.io import atomic_write_text
-
-    # two sweeps (one per tool, one core each) may finish rows at once: serialise the read-modify-write
-    with open(RESULTS.with_suffix(".lock"), "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        data = json.loads(RESULTS.read_text()) if RESULTS.exists() else {"rows": []}
-        data["rows"] = [r for r in data["rows"] if (r["config"], r["tool"]) != (row["config"], row["tool"])] + [row]
-        data["protocol"] = ("bundled SmolLM2-135M fp32, calibration 32x256 tokens (calib split, seed 0, same tokens "
-                            "for both tools), eval 40x512 tokens of the eval split, 1 thread each, "
-                            f"batch {BATCH}")
-        atomic_write_text(RESULTS, json.dumps(data, indent=1))
+def protocol(nsamples: int, seqlen: int, windows: int) -> str:
+    return (f"bundled SmolLM2-135M fp32, calibration {nsamples}x{seqlen} tokens (calib split, seed 0, same tokens "
+            f"for both tools), eval {windows}x{EVAL_SEQLEN} tokens of the eval split, 1 thread each, batch {BATCH}")
 
 
 def table(rows: list[dict]) -> str:
@@ -264,48 +247,70 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.ptq", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--configs", default="w4g128", help="comma-separated config names (see --list)")
-    p.add_argument("--tools", default="lowbit,autoround")
-    p.add_argument("--nsamples", type=int, default=32)
-    p.add_argument("--seqlen", type=int, default=256)
+    p.add_argument("--tools", default="lowbit,autoround", help=f"comma-separated, from {', '.join(TOOLS)}")
+    p.add_argument("--nsamples", type=int, default=NSAMPLES)
+    p.add_argument("--seqlen", type=int, default=SEQLEN)
+    p.add_argument("--iters", type=int, default=None,
+                   help="replace every tuning config's iterations (smoke runs; default: each config's own)")
+    p.add_argument("--windows", type=int, default=EVAL_WINDOWS, help=f"eval windows of {EVAL_SEQLEN} tokens")
     p.add_argument("--list", action="store_true")
     p.add_argument("--child", nargs=2, metavar=("TOOL", "CONFIG"), help=argparse.SUPPRESS)
     p.add_argument("--workdir", default=None,
                    help="folder for per-block results (one subfolder per lowbit row): an interrupted row resumes; "
                         "its seconds then cover only the resumed part")
+    p.add_argument("--out", default=None, help="results file (default benchmarks/results/ptq.json)")
     p.add_argument("--table", action="store_true", help="print the results as a markdown table and exit")
-    a = p.parse_args()
+    return p
+
+
+def runs(configs: list[str], tools: list[str]) -> list[tuple[str, str]]:
+    """(config, tool) pairs to run, validated before any of them starts."""
+    unknown = [n for n in configs if n not in CONFIGS]
+    if unknown:
+        raise SystemExit(f"error: unknown config(s) {unknown}; --list shows them")
+    bad = [t for t in tools if t not in TOOLS]
+    if bad:
+        raise SystemExit(f"error: unknown tool(s) {bad}; choose from {', '.join(TOOLS)}")
+    pairs = [(n, t) for n in configs for t in tools if t in CONFIGS[n]]
+    if any(t == "autoround" for _, t in pairs):
+        require_peer("auto_round", "pass --tools lowbit")
+    return pairs
+
+
+def main(argv: list[str] | None = None) -> None:
+    a = parser().parse_args(argv)
+    out = out_path(a.out, "ptq.json")
     if a.table:
-        print(table(json.loads(RESULTS.read_text())["rows"]))
+        print(table(load_results(out)["rows"]))
         return
     if a.list:
         for k, v in CONFIGS.items():
             print(k, json.dumps(v))
         return
     if a.child:
-        print(json.dumps(child(a.child[0], a.child[1], a.nsamples, a.seqlen, a.workdir)), flush=True)
+        emit(child(a.child[0], a.child[1], a.nsamples, a.seqlen, a.workdir, a.iters, a.windows))
         return
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PYTHONPATH": str(ROOT / "src")}
-    for name in a.configs.split(","):
-        if name not in CONFIGS:
-            raise SystemExit(f"unknown config {name!r}; --list shows them")
-        for tool in a.tools.split(","):
-            if tool not in CONFIGS[name]:
-                continue
-            cmd = [sys.executable, __file__, "--child", tool, name, "--nsamples", str(a.nsamples),
-                   "--seqlen", str(a.seqlen)]
-            if a.workdir and tool == "lowbit":
-                cmd += ["--workdir", str(Path(a.workdir) / name)]
-            print(f"== {name} / {tool}", file=sys.stderr, flush=True)
-            out = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, text=True)
-            if out.returncode != 0:
-                print(f"   failed (exit {out.returncode})", file=sys.stderr)
-                continue
-            row = json.loads(out.stdout.strip().splitlines()[-1])
-            merge(row)
-            print(f"   ppl {row['ppl']:.3f}  {row['seconds']} s  peak {row['peak_rss_mib']} MiB", file=sys.stderr)
+    failed = []
+    for name, tool in runs(a.configs.split(","), a.tools.split(",")):
+        args = ["--child", tool, name, "--nsamples", str(a.nsamples), "--seqlen", str(a.seqlen),
+                "--windows", str(a.windows)]
+        args += ["--iters", str(a.iters)] if a.iters is not None else []
+        args += ["--workdir", str(Path(a.workdir).absolute() / name)] if a.workdir and tool == "lowbit" else []
+        print(f"== {name} / {tool}", file=sys.stderr, flush=True)
+        try:
+            row = run_child("ptq", args, threads=1, show_stderr=True)
+        except RuntimeError as e:
+            print(f"   failed: {str(e).splitlines()[0]}", file=sys.stderr)
+            failed.append(f"{name}/{tool}")
+            continue
+        merge_row(out, row, ("config", "tool"), protocol=protocol(a.nsamples, a.seqlen, a.windows))
+        print(f"   ppl {row['ppl']:.3f}  {row['seconds']} s  peak {row['peak_rss_mib']} MiB", file=sys.stderr)
+    if failed:
+        raise SystemExit(f"error: {len(failed)} row(s) failed: {', '.join(failed)}")
 
 
 if __name__ == "__main__":

@@ -15,9 +15,14 @@ child process builds the random model and saves it, and this process loads it wi
 ``lowbit.models.lazy`` (blocks stay in the file until reached), so the whole float model
 is never in memory, not even before block 0.
 
-    OMP_NUM_THREADS=1 python benchmarks/ptq_memory.py                # ~1.1B, offloaded
-    OMP_NUM_THREADS=1 python benchmarks/ptq_memory.py --lazy         # ~1.1B, read from its checkpoint
-    OMP_NUM_THREADS=1 python benchmarks/ptq_memory.py --layers 4     # quick look
+    python -m benchmarks.ptq_memory                # ~1.1B, offloaded
+    python -m benchmarks.ptq_memory --lazy         # ~1.1B, read from its checkpoint
+    python -m benchmarks.ptq_memory --layers 4     # quick look
+    python -m benchmarks.ptq_memory --layers 2 --hidden 256 --inter 512 --heads 4 --kv-heads 2 \
+        --vocab 1000 --out /tmp/ptq_memory_smoke.json   # smoke (seconds)
+
+The process re-executes itself once with ``MALLOC_MMAP_THRESHOLD_`` set (so freed tensors go
+back to the OS and RSS can fall) and runs on one thread.
 
 Writes benchmarks/results/ptq_memory.json.
 """
@@ -33,7 +38,8 @@ import threading
 import time
 from pathlib import Path
 
-RESULTS = Path(__file__).parent / "results" / "ptq_memory.json"
+from benchmarks.common import emit, merge_row, out_path, run_child
+
 MIB = 1024.0 * 1024.0
 
 
@@ -88,13 +94,11 @@ def mode(args) -> str:
 
 def saved_then_lazy(args, folder: str):
     """Build + save in a child (its memory is not ours), then load with the blocks left on disk."""
-    import subprocess
-
     from lowbit.models.lazy import load_lazy
 
     shape = ["--hidden", str(args.hidden), "--inter", str(args.inter), "--layers", str(args.layers),
              "--heads", str(args.heads), "--kv-heads", str(args.kv_heads), "--vocab", str(args.vocab)]
-    subprocess.run([sys.executable, __file__, *shape, "--save-to", folder], check=True)
+    run_child("ptq_memory", [*shape, "--save-to", folder])
     return load_lazy(Path(folder))
 
 
@@ -102,10 +106,9 @@ def tensor_mib(tensors) -> float:
     return sum(t.numel() * t.element_size() for t in tensors) / MIB
 
 
-def main() -> None:
-    if os.environ.get("MALLOC_MMAP_THRESHOLD_") is None:  # return freed tensors to the OS, so RSS can fall
-        os.execve(sys.executable, [sys.executable, *sys.argv], {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"})
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.ptq_memory", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--hidden", type=int, default=2048)
     p.add_argument("--inter", type=int, default=5632)
     p.add_argument("--layers", type=int, default=22)
@@ -118,20 +121,33 @@ def main() -> None:
     p.add_argument("--no-offload", action="store_true")
     p.add_argument("--lazy", action="store_true", help="load the blocks from a saved checkpoint when reached")
     p.add_argument("--save-to", default=None, help=argparse.SUPPRESS)  # the --lazy child: build, save, exit
-    p.add_argument("--out", default=str(RESULTS))
-    args = p.parse_args()
+    p.add_argument("--out", default=None, help="results file (default benchmarks/results/ptq_memory.json)")
+    return p
+
+
+def key(r: dict) -> tuple:
+    """A row's identity; rows from before --lazy existed record only ``offload``."""
+    return (r["layers"], r["hidden"], r.get("mode", "offload" if r["offload"] else "memory"))
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parser().parse_args(argv)
     if args.save_to:
         build(args).save_pretrained(args.save_to)
+        emit({"saved": args.save_to})
         return
+    if os.environ.get("MALLOC_MMAP_THRESHOLD_") is None:  # return freed tensors to the OS, so RSS can fall
+        argv = sys.argv[1:] if argv is None else argv
+        os.execve(sys.executable, [sys.executable, "-m", "benchmarks.ptq_memory", *argv],
+                  {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536", "OMP_NUM_THREADS": "1"})
 
     import torch
     import transformers  # noqa: F401  (imported before the baseline RSS is read)
 
     from lowbit.formats.plan import Plan
-    from lowbit.io import atomic_write_text
     from lowbit.models import decoder_blocks, linear_layers
     from lowbit.ptq.pipeline import PipelineOptions, quantize_blockwise
-    from lowbit.ptq.signround import SignRoundConfig, SignRoundTuner
+    from lowbit.ptq.signround import SignRoundSettings, SignRoundTuner
 
     torch.set_num_threads(1)
     base = rss_mib()  # the interpreter with torch + transformers imported, before any model
@@ -143,7 +159,7 @@ def main() -> None:
     calib = torch.randint(0, args.vocab, (args.nsamples, args.seqlen), generator=torch.Generator().manual_seed(0))
     act_mib = args.nsamples * args.seqlen * args.hidden * 4 / MIB
     plan = Plan.uniform(linear_layers(model, include_lm_head=False), "w4g128")
-    cfg = SignRoundConfig(iters=args.iters, v2=True, batch_size=args.nsamples)
+    cfg = SignRoundSettings(iters=args.iters, v2=True, batch_size=args.nsamples)
     before = rss_mib()
     laps: list[float] = []
     t0 = time.perf_counter()
@@ -166,11 +182,7 @@ def main() -> None:
            "steady_peak_minus_base_and_non_block_mib": round(steady - base - rest_mib),
            "iters": args.iters, "nsamples": args.nsamples, "seqlen": args.seqlen, "seconds": round(seconds, 1)}
     print(json.dumps(row, indent=1))
-    out = Path(args.out)
-    data = json.loads(out.read_text()) if out.exists() else {"rows": []}
-    key = lambda r: (r["layers"], r["hidden"], r.get("mode", "offload" if r["offload"] else "memory"))  # noqa: E731
-    data["rows"] = [r for r in data["rows"] if key(r) != key(row)] + [row]
-    atomic_write_text(out, json.dumps(data, indent=1))
+    merge_row(out_path(args.out, "ptq_memory.json"), row, key)
 
 
 if __name__ == "__main__":

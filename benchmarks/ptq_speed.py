@@ -1,6 +1,6 @@
 """PTQ tuning speed, each tool alone on the machine: lowbit SignRoundV2 vs auto-round 0.16.x.
 
-The full-model rows of ``benchmarks/ptq.py`` run both tools at once on the two cores (and
+The full-model rows of ``benchmarks.ptq`` run both tools at once on the two cores (and
 sometimes beside other jobs), so their seconds mix in the neighbours' load. This script
 times the tuning only, one tool at a time, on the bundled model cut to its first
 ``--blocks`` decoder blocks (the work per block is the same in every block), one thread,
@@ -12,99 +12,73 @@ input and weight gradients of every block Linear on 8 x 256 tokens per iteration
 input gradients excluded because nothing upstream is trained) at this thread's median
 fp32 GEMM rate.
 
-    python benchmarks/ptq_speed.py --blocks 4 --repeats 3 --scheme w4g128
-    python benchmarks/ptq_speed.py --blocks 4 --repeats 3 --scheme w4g128 --tune-dtype bf16
+    python -m benchmarks.ptq_speed --blocks 4 --repeats 3 --scheme w4g128
+    python -m benchmarks.ptq_speed --blocks 4 --repeats 3 --scheme w4g128 --tune-dtype bf16
+    python -m benchmarks.ptq_speed --table
+    python -m benchmarks.ptq_speed --blocks 1 --repeats 1 --iters 2 --tools lowbit --out /tmp/ptq_speed_smoke.json  # smoke
 
-``--tune-dtype bf16`` runs lowbit's tuned products in bf16 (``SignRoundConfig.tune_dtype``)
+``--tune-dtype bf16`` runs lowbit's tuned products in bf16 (``SignRoundSettings.tune_dtype``)
 against auto-round's fp32 (the issue's protocol); ``--amp`` gives auto-round its own mixed
 precision instead (``amp=True``). The bf16 GEMM rate is measured beside the fp32 one, so the
-row also shows the bf16 floor.
+row also shows the bf16 floor. The ``autoround`` tool needs auto-round (``make bench-setup``).
 """
 
 from __future__ import annotations
 
 import argparse
-import functools
-import json
-import os
-import statistics
-import subprocess
 import sys
 import time
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
-RESULTS = ROOT / "benchmarks" / "results" / "ptq_speed.json"
-BATCH, NSAMPLES, SEQLEN = 8, 32, 256
+from benchmarks.common import (
+    BATCH,
+    NSAMPLES,
+    SEQLEN,
+    alternating,
+    bundled_model,
+    calibration,
+    emit,
+    gemm_gflops,
+    load_results,
+    machine,
+    median,
+    merge_row,
+    out_path,
+    require_peer,
+    run_child,
+    tuning_gflop,
+)
 
 SCHEMES = {"w4g128": (4, 128), "w3g128": (3, 128), "w2g64": (2, 64)}
+TOOLS = ("lowbit", "autoround")
 
 
 def truncated_model(blocks: int):
-    """The bundled model with only its first ``blocks`` decoder blocks (same weights)."""
-    import torch
+    """The bundled model with only its first ``blocks`` decoder blocks (same weights), and the calibration tokens."""
+    from lowbit.models import decoder_blocks
 
-    from lowbit.data import calibration_batches
-    from lowbit.models import load_model
-    from lowbit.models.layers import decoder_blocks
-
-    torch.set_num_threads(1)
-    torch.manual_seed(0)
-    lm = load_model(None)
+    lm = bundled_model(threads=1)
     layers = decoder_blocks(lm.model)
     del layers[blocks:]
     lm.model.config.num_hidden_layers = blocks
     if getattr(lm.model.config, "layer_types", None):
         lm.model.config.layer_types = lm.model.config.layer_types[:blocks]
-    calib = calibration_batches(lm.tokenizer, None, nsamples=NSAMPLES, seqlen=SEQLEN, seed=0)
-    return lm, calib
-
-
-@functools.cache
-def ptq_bench():
-    """``benchmarks/ptq.py`` as a module (this folder is not a package), loaded once."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("ptq_bench", ROOT / "benchmarks" / "ptq.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-def gemm_gflops(dtype: str = "fp32") -> float:
-    """The thread's median GEMM rate in ``dtype``, measured exactly as ``benchmarks/ptq.py`` does."""
-    return ptq_bench().gemm_gflops(dtype=dtype)
-
-
-def tuning_gflop(model, iters: int) -> float:
-    """GEMM FLOPs of the tuning loop: 2*params*tokens forward, as much for dW, and dX except q/k/v."""
-    from lowbit.models import linear_layers
-
-    tokens = BATCH * SEQLEN
-    total = 0.0
-    for name, m in linear_layers(model).items():
-        if ".layers." not in name:
-            continue
-        passes = 2 if name.rsplit(".", 1)[-1] in ("q_proj", "k_proj", "v_proj") else 3
-        total += passes * 2 * m.weight.numel() * tokens
-    return total * iters / 1e9
+    return lm, calibration(lm.tokenizer, NSAMPLES, SEQLEN)
 
 
 def child(tool: str, blocks: int, scheme: str, iters: int, v2: bool, tune_dtype: str, amp: bool) -> dict:
     lm, calib = truncated_model(blocks)
     bits, group = SCHEMES[scheme]
-    gflops, bf16_gflops = gemm_gflops(), gemm_gflops("bf16")
-    work = tuning_gflop(lm.model, iters)
+    gflops, bf16_gflops = gemm_gflops(), gemm_gflops(dtype="bf16")
+    work = tuning_gflop(lm.model, iters, BATCH * SEQLEN)
     t0 = time.perf_counter()
     if tool == "lowbit":
         from lowbit.formats.plan import Plan
         from lowbit.models import linear_layers
         from lowbit.ptq import quantize_model
 
-        plan = Plan.uniform({n: m for n, m in linear_layers(lm.model).items() if ".layers." in n}, scheme)
-        quantize_model(lm.model, plan, "signround2" if v2 else "signround", calib=calib, tokenizer=lm.tokenizer,
-                       progress=False, batch_size=BATCH, iters=iters, tune_dtype=tune_dtype)
+        plan = Plan.uniform(linear_layers(lm.model), scheme)
+        quantize_model(lm.model, plan, "signround2" if v2 else "signround", calib=calib, progress=False,
+                       settings={"batch_size": BATCH, "iters": iters, "tune_dtype": tune_dtype})
     else:
         from auto_round import AutoRound
 
@@ -117,22 +91,19 @@ def child(tool: str, blocks: int, scheme: str, iters: int, v2: bool, tune_dtype:
             "tuning_gemm_gflop": work}
 
 
-def run_child(tool: str, a: argparse.Namespace) -> dict:
-    cmd = [sys.executable, __file__, "--child", tool, "--blocks", str(a.blocks), "--scheme", a.scheme,
-           "--iters", str(a.iters), "--tune-dtype", a.tune_dtype] + (["--v2"] if a.v2 else []) + (
-               ["--amp"] if a.amp else [])
-    out = subprocess.run(cmd, check=True, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    return json.loads(out.stdout.strip().splitlines()[-1])
+def child_args(tool: str, a: argparse.Namespace) -> list[str]:
+    return (["--child", tool, "--blocks", str(a.blocks), "--scheme", a.scheme, "--iters", str(a.iters),
+             "--tune-dtype", a.tune_dtype] + (["--v2"] if a.v2 else []) + (["--amp"] if a.amp else []))
 
 
 def summarise(runs: list[dict], a: argparse.Namespace) -> dict:
-    by = {t: [r for r in runs if r["tool"] == t] for t in ("lowbit", "autoround")}
-    med = {t: statistics.median(r["seconds"] for r in rs) for t, rs in by.items() if rs}
-    rate = statistics.median(r["gemm_gflops"] for r in runs)
+    by = {t: [r for r in runs if r["tool"] == t] for t in TOOLS}
+    med = {t: median(r["seconds"] for r in rs) for t, rs in by.items() if rs}
+    rate = median(r["gemm_gflops"] for r in runs)
     work = by["lowbit"][0]["tuning_gemm_gflop"] if by["lowbit"] else runs[0]["tuning_gemm_gflop"]
-    bf16 = statistics.median(r["bf16_gemm_gflops"] for r in runs)
+    bf16 = median(r["bf16_gemm_gflops"] for r in runs)
     out = {"scheme": a.scheme, "blocks": a.blocks, "iters": a.iters, "v2": a.v2, "repeats": a.repeats,
-           "cpu": ptq_bench().cpu_model(),
+           "cpu": machine()["cpu"],
            "lowbit_tune_dtype": a.tune_dtype, "autoround_amp": a.amp,
            "batch": BATCH, "nsamples": NSAMPLES, "seqlen": SEQLEN, "threads": 1,
            "median_seconds": {t: round(s, 1) for t, s in med.items()},
@@ -145,21 +116,28 @@ def summarise(runs: list[dict], a: argparse.Namespace) -> dict:
     return out
 
 
-def save(result: dict) -> None:
-    sys.path.insert(0, str(ROOT / "src"))
-    from lowbit.io import atomic_write_text
-
-    data = json.loads(RESULTS.read_text()) if RESULTS.exists() else {"rows": []}
-    def key(r: dict) -> tuple:
-        return (r["scheme"], r["v2"], r["blocks"], r["iters"], r.get("lowbit_tune_dtype", "fp32"),
-                r.get("autoround_amp", False))
-
-    data["rows"] = [r for r in data["rows"] if key(r) != key(result)] + [result]
-    atomic_write_text(RESULTS, json.dumps(data, indent=1))
+def key(r: dict) -> tuple:
+    """A row's identity; rows from before the dtype switches existed ran fp32 against auto-round fp32."""
+    return (r["scheme"], r["v2"], r["blocks"], r["iters"], r.get("lowbit_tune_dtype", "fp32"),
+            r.get("autoround_amp", False))
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def table(rows: list[dict]) -> str:
+    """One line per (row, tool): median seconds, per block and against the fp32 GEMM limit."""
+    lines = ["| scheme | blocks | iters | lowbit dtype | auto-round amp | tool | median s | s / block "
+             "| vs GEMM limit | lowbit / auto-round | cpu |", "|" + "---|" * 11]
+    for r in rows:
+        for t, s in r["median_seconds"].items():
+            lines.append(f"| {r['scheme']} | {r['blocks']} | {r['iters']} | {r.get('lowbit_tune_dtype', 'fp32')} | "
+                         f"{r.get('autoround_amp', False)} | {t} | {s} | {r['seconds_per_block'][t]} | "
+                         f"{s / r['gemm_limit_seconds']:.2f}x | {r.get('lowbit_over_autoround', '')} | "
+                         f"{r.get('cpu', '')} |")
+    return "\n".join(lines)
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.ptq_speed", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--blocks", type=int, default=4)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--scheme", default="w4g128", choices=sorted(SCHEMES))
@@ -169,21 +147,34 @@ def main() -> None:
     p.add_argument("--tools", default="lowbit,autoround")
     p.add_argument("--tune-dtype", default="fp32", choices=("fp32", "bf16", "auto"), help="lowbit's tuning products")
     p.add_argument("--amp", action="store_true", help="auto-round amp=True (its bf16 autocast)")
+    p.add_argument("--out", default=None, help="results file (default benchmarks/results/ptq_speed.json)")
+    p.add_argument("--table", action="store_true", help="print every row of the results file and exit")
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
-    a = p.parse_args()
+    return p
+
+
+def main(argv: list[str] | None = None) -> None:
+    a = parser().parse_args(argv)
+    out = out_path(a.out, "ptq_speed.json")
+    if a.table:
+        print(table(load_results(out)["rows"]))
+        return
     if a.child:
-        print(json.dumps(child(a.child, a.blocks, a.scheme, a.iters, a.child == "lowbit" or a.v2, a.tune_dtype,
-                               a.amp)))
+        emit(child(a.child, a.blocks, a.scheme, a.iters, a.child == "lowbit" or a.v2, a.tune_dtype, a.amp))
         return
     tools = a.tools.split(",")
+    if not tools or any(t not in TOOLS for t in tools):
+        raise SystemExit(f"error: --tools takes a comma-separated subset of {', '.join(TOOLS)}; got {a.tools!r}")
+    if "autoround" in tools:
+        require_peer("auto_round", "pass --tools lowbit")
     runs = []
-    for rep in range(a.repeats):
-        for tool in tools if rep % 2 == 0 else tools[::-1]:
-            r = run_child(tool, a)
-            runs.append({**r, "repeat": rep})
-            print(f"repeat {rep} {tool:9s} {r['seconds']:7.1f} s  (GEMM {r['gemm_gflops']:.1f} GFLOP/s)", flush=True)
+    for rep, tool in alternating(tools, a.repeats):
+        r = run_child("ptq_speed", child_args(tool, a), threads=1)
+        runs.append({**r, "repeat": rep})
+        print(f"repeat {rep} {tool:9s} {r['seconds']:7.1f} s  (GEMM {r['gemm_gflops']:.1f} GFLOP/s)",
+              file=sys.stderr, flush=True)
     result = summarise(runs, a)
-    save(result)
+    merge_row(out, result, key)
     print("| tool | median s | s / block | vs GEMM limit |")
     print("|---|---|---|---|")
     for t, s in result["median_seconds"].items():

@@ -14,9 +14,12 @@ AdamW), so the full benchmark (``--steps 300 --seeds 0,1``, two schemes, ste and
 is ~2400 steps, i.e. several hours even on two free cores; a shared machine runs a
 smoke version, e.g.
 
-    OMP_NUM_THREADS=1 python benchmarks/qat.py --schemes w2 --steps 24 --seeds 0 --batch-size 2 --seqlen 64
+    OMP_NUM_THREADS=1 python -m benchmarks.qat --schemes w2 --steps 24 --seeds 0 --batch-size 2 --seqlen 64
+    python -m benchmarks.qat --schemes w2 --seeds 0 --steps 4 --batch-size 1 --seqlen 32 --windows 1 \
+        --eval-seqlen 64 --smooth 1 --out /tmp/qat_smoke.json              # smoke
 
-Writes benchmarks/results/qat.json (only from real runs) and qat.png (loss curves).
+Writes benchmarks/results/qat.json (only from real runs) and qat.png (loss curves);
+``--merge`` combines finished files into a sweep table (results/qat_sweep.json + .png).
 """
 
 from __future__ import annotations
@@ -27,26 +30,47 @@ import json
 import time
 from pathlib import Path
 
-from lowbit.io import atomic_write_text
-from lowbit.train.metrics import smooth
-from lowbit.train.plot import plot_losses
+from benchmarks.common import bundled_model, out_path, save_results
 
-RESULTS = Path(__file__).parent / "results"
+
+def winq_config(args, seed: int):
+    from lowbit.qat import WinQConfig
+
+    return WinQConfig(reinit=not args.no_reinit, a=args.a, every=args.every, noise=not args.no_noise,
+                      sigma_w=args.sigma_w, sigma_a=args.sigma_a, relative=args.relative, seed=seed)
+
+
+def train_config(args, seed: int):
+    from lowbit.train import TrainConfig
+
+    return TrainConfig(steps=args.steps, batch_size=args.batch_size, lr=args.lr, warmup=max(args.steps // 10, 1),
+                       seed=seed, progress=True)
+
+
+def check(args) -> None:
+    """Refuse settings a run would fail on (schemes, re-init period, warm-up) before the model loads."""
+    from lowbit.errors import LowbitError
+    from lowbit.qat import resolve
+
+    try:
+        for scheme in args.schemes.split(","):
+            resolve(scheme)
+        winq_config(args, 0).period(args.steps)
+        train_config(args, 0)
+    except LowbitError as e:
+        raise SystemExit(f"error: {e}") from None
 
 
 def run_one(base, rows, ev, scheme: str, method: str, seed: int, args) -> dict:
     from lowbit.eval import perplexity
-    from lowbit.qat import STE, WinQCallback, WinQConfig, resolve, to_qat, to_quant_linear
-    from lowbit.train import TrainConfig, train
+    from lowbit.qat import STE, WinQCallback, resolve, to_qat, to_quant_linear
+    from lowbit.train import train
 
     model = copy.deepcopy(base)
     to_qat(model, resolve(scheme))
-    winq = WinQConfig(reinit=not args.no_reinit, a=args.a, every=args.every, noise=not args.no_noise,
-                      sigma_w=args.sigma_w, sigma_a=args.sigma_a, relative=args.relative, seed=seed)
-    cb = WinQCallback(winq if method == "winq" else STE)
+    cb = WinQCallback(winq_config(args, seed) if method == "winq" else STE)
     before = codes(model)
-    cfg = TrainConfig(steps=args.steps, batch_size=args.batch_size, lr=args.lr, warmup=max(args.steps // 10, 1),
-                      seed=seed, progress=True)
+    cfg = train_config(args, seed)
     r = train(model, rows, cfg, callbacks=[cb])
     changed = changed_fraction(before, codes(model))
     to_quant_linear(model)
@@ -107,6 +131,9 @@ def variant(settings: dict) -> str:
 
 def merge(files: list[str], out: Path, window: int) -> dict:
     """One sweep file from several runs sharing their ste baselines: a row per WinQ variant."""
+    from lowbit.train.metrics import smooth
+    from lowbit.train.plot import plot_losses
+
     rows, curves = [], {}
     for f in files:
         d = json.loads(Path(f).read_text())
@@ -120,7 +147,7 @@ def merge(files: list[str], out: Path, window: int) -> dict:
             rows.append({"variant": label, "source": Path(f).name, **srow,
                          "winq_final_smoothed_loss": smooth(winq["losses"], window)[-1]})
     merged = {"window": window, "rows": rows, "curves": curves, "sources": files}
-    atomic_write_text(out, json.dumps(merged, indent=1))
+    save_results(out, merged)
     plot_losses(curves, out.with_suffix(".png"), window, title="WinQ sweep on SmolLM2-135M")
     for r in rows:
         print(f"| {r['scheme']} | {r['seed']} | {r['variant']} | {r['target_loss']:.2f} | "
@@ -128,8 +155,9 @@ def merge(files: list[str], out: Path, window: int) -> dict:
     return merged
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.qat", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--schemes", default="w2,ternary")
     p.add_argument("--seeds", default="0,1")
     p.add_argument("--steps", type=int, default=300)
@@ -148,23 +176,27 @@ def main() -> None:
     p.add_argument("--smooth", type=int, default=10)
     p.add_argument("--eval-seqlen", type=int, default=256)
     p.add_argument("--windows", type=int, default=8)
-    p.add_argument("--out", default=str(RESULTS / "qat.json"))
+    p.add_argument("--out", default=None,
+                   help="results file (default benchmarks/results/qat.json, or qat_sweep.json with --merge; + .png)")
     p.add_argument("--merge", default=None, metavar="A.json,B.json",
                    help="only combine finished result files into --out as a sweep table (+ PNG); runs nothing")
-    args = p.parse_args()
-    if args.merge:
-        merge(args.merge.split(","), Path(args.out), args.smooth)
-        return
+    return p
 
-    import torch
+
+def main(argv: list[str] | None = None) -> None:
+    args = parser().parse_args(argv)
+    if args.merge:
+        merge(args.merge.split(","), out_path(args.out, "qat_sweep.json"), args.smooth)
+        return
+    out = out_path(args.out, "qat.json")
+    check(args)
 
     from lowbit.data import eval_tokens
     from lowbit.data.batches import training_windows
     from lowbit.eval import perplexity
-    from lowbit.models import load_model
+    from lowbit.train.plot import plot_losses
 
-    torch.manual_seed(0)
-    lm = load_model(None)
+    lm = bundled_model(threads=None)  # threads from OMP_NUM_THREADS
     rows = training_windows(lm.tokenizer, None, args.seqlen, "calib")
     ev = eval_tokens(lm.tokenizer, None)
     t0 = time.perf_counter()
@@ -181,12 +213,12 @@ def main() -> None:
                 runs.append(run_one(lm.model, rows, ev, scheme, method, seed, args))
                 print(json.dumps({k: v for k, v in runs[-1].items() if k != "losses"}), flush=True)
     summary = summarise(runs, args.smooth)
-    png = Path(args.out).with_suffix(".png")
+    png = out.with_suffix(".png")
     plot_losses({f"{r['scheme']} {r['method']} s{r['seed']}": r["losses"] for r in runs}, png, args.smooth,
                 title="QAT on SmolLM2-135M")
-    result = {"settings": vars(args), "ppl_fp": ppl_fp, "train_rows": len(rows), "summary": summary,
-              "runs": runs, "seconds": round(time.perf_counter() - t0, 1), "plot": png.name}
-    atomic_write_text(Path(args.out), json.dumps(result, indent=1))
+    result = {"settings": {**vars(args), "out": str(out)}, "ppl_fp": ppl_fp, "train_rows": len(rows),
+              "summary": summary, "runs": runs, "seconds": round(time.perf_counter() - t0, 1), "plot": png.name}
+    save_results(out, result)
     print(json.dumps({"summary": summary, "ppl_fp": ppl_fp}))
 
 

@@ -1,0 +1,138 @@
+"""The benchmark scripts stay runnable: each imports cheaply and answers ``--help``.
+
+The benchmarks are not run here (they take minutes to hours and their results are
+committed), but a library change that breaks a script's imports or its argument parser
+fails this test instead of the next person who runs the script. ``--help`` runs the
+module exactly as ``python -m benchmarks.NAME --help`` does (``runpy`` with
+``__main__``), in this process; one real subprocess checks the ``-m`` entry itself.
+The shared helpers in ``benchmarks.common`` are checked against independent counts.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import runpy
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+import pytest
+from ptq_helpers import tiny_model
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPTS = sorted(p.stem for p in (ROOT / "benchmarks").glob("*.py") if p.stem not in ("__init__", "common"))
+
+
+def test_every_script_is_listed() -> None:
+    assert {"formats", "llamacpp", "peft", "peft_speed", "ptq", "ptq_memory", "ptq_speed", "qat", "qat_codes",
+            "qat_init"} <= set(SCRIPTS)
+
+
+def test_imports_load_no_peer_and_touch_no_path() -> None:
+    """Importing every script loads none of the peer libraries and leaves sys.path alone."""
+    from benchmarks.common import PEERS
+
+    path = list(sys.path)
+    before = set(sys.modules)
+    for name in SCRIPTS:
+        mod = importlib.import_module(f"benchmarks.{name}")
+        assert mod.__doc__, name
+        assert callable(getattr(mod, "main", None)), name
+    assert sys.path == path
+    loaded = {m.split(".")[0] for m in set(sys.modules) - before}
+    assert not loaded & set(PEERS), f"a benchmark imports a peer at import time: {loaded & set(PEERS)}"
+
+
+@pytest.mark.parametrize("name", SCRIPTS)
+def test_help_exits_zero(name: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> None:
+    monkeypatch.setattr(sys, "argv", [f"benchmarks/{name}.py", "--help"])
+    with warnings.catch_warnings(), pytest.raises(SystemExit) as e:
+        warnings.simplefilter("ignore", RuntimeWarning)  # "found in sys.modules" after the import test
+        runpy.run_module(f"benchmarks.{name}", run_name="__main__")
+    assert e.value.code in (0, None)
+    assert "usage:" in capsys.readouterr().out
+
+
+def test_module_entry_in_a_fresh_process() -> None:
+    r = subprocess.run([sys.executable, "-m", "benchmarks.ptq", "--help"], cwd=ROOT, capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert "usage: python -m benchmarks.ptq" in r.stdout
+
+
+def test_missing_peer_is_one_line_naming_the_install(monkeypatch: pytest.MonkeyPatch) -> None:
+    from benchmarks import common
+
+    monkeypatch.setattr(common, "has_peer", lambda module: False)
+    with pytest.raises(SystemExit) as e:
+        common.require_peer("auto_round", "pass --tools lowbit")
+    msg = str(e.value.code)
+    assert "\n" not in msg and "auto-round" in msg and "pip install" in msg and "--tools lowbit" in msg
+
+
+def test_ptq_refuses_autoround_without_it_before_running(monkeypatch: pytest.MonkeyPatch) -> None:
+    from benchmarks import common, ptq
+
+    monkeypatch.setattr(common, "has_peer", lambda module: False)
+    monkeypatch.setattr(ptq, "run_child", lambda *a, **k: pytest.fail("ran a child"))
+    with pytest.raises(SystemExit, match="auto-round"):
+        ptq.main(["--configs", "rtn-w4g128", "--tools", "lowbit,autoround"])
+    with pytest.raises(SystemExit, match="unknown config"):
+        ptq.main(["--configs", "nope", "--tools", "lowbit"])
+
+
+def test_ptq_lowbit_jobs_build_for_every_config() -> None:
+    model = tiny_model()
+    """Every lowbit config of benchmarks.ptq maps onto valid settings of the current API."""
+    from benchmarks import ptq
+    from lowbit.ptq import make_settings
+
+    for name, tools in ptq.CONFIGS.items():
+        if "lowbit" not in tools:
+            continue
+        spec = ptq.with_iters(tools["lowbit"], 1)
+        method, plan, settings, mixed = ptq.lowbit_job(spec, model)
+        make_settings(method, settings)
+        assert len(plan) > 0, name
+        assert (mixed is not None) == ("avg_bits" in spec and "positional" not in spec), name
+    rtn = ptq.lowbit_job(ptq.CONFIGS["rtn-w4g128"]["lowbit"], model)
+    assert rtn[2] == {"search": False}  # plain RTN, auto-round's disable_opt_rtn peer
+
+
+def test_merge_row_replaces_by_key(tmp_path: Path) -> None:
+    from benchmarks.common import load_results, merge_row
+
+    out = tmp_path / "r.json"  # an absolute path is used as is
+    merge_row(out, {"config": "a", "tool": "x", "v": 1}, ("config", "tool"))
+    merge_row(out, {"config": "a", "tool": "y", "v": 2}, ("config", "tool"))
+    merge_row(out, {"config": "a", "tool": "x", "v": 3}, ("config", "tool"), protocol="p")
+    data = json.loads(out.read_text())
+    assert sorted((r["tool"], r["v"]) for r in data["rows"]) == [("x", 3), ("y", 2)]
+    assert data["protocol"] == "p"
+    merge_row(out, {"config": "a", "tool": "z", "v": 4}, lambda r: (r["config"],))  # a key function
+    assert [r["v"] for r in load_results(out)["rows"]] == [4]
+    assert load_results(tmp_path / "none.json", empty={}) == {}
+
+
+def test_alternating_reverses_every_other_round() -> None:
+    from benchmarks.common import alternating
+
+    assert list(alternating(["a", "b"], 3)) == [(0, "a"), (0, "b"), (1, "b"), (1, "a"), (2, "a"), (2, "b")]
+
+
+def test_tuning_gflop_counts() -> None:
+    """3 GEMMs (forward, weight and input gradients) of 2 x params x tokens each, q/k/v without dX."""
+    from benchmarks.common import tuning_gflop
+    from lowbit.models import linear_layers
+
+    model = tiny_model()
+    layers = linear_layers(model)
+    params = sum(m.weight.numel() for m in layers.values())
+    qkv = sum(m.weight.numel() for n, m in layers.items() if n.endswith(("q_proj", "k_proj", "v_proj")))
+    assert qkv > 0
+    tokens, iters = 64, 5
+    assert tuning_gflop(model, iters, tokens, qkv_input_grad=True) == pytest.approx(
+        6 * params * tokens * iters / 1e9)
+    assert tuning_gflop(model, iters, tokens) == pytest.approx((6 * params - 2 * qkv) * tokens * iters / 1e9)
