@@ -160,6 +160,24 @@ def loss_of(model, windows, batch: int = 16) -> float:
     return total / len(windows)
 
 
+def seen_unseen(model, rows, steps: int, batch: int, seed: int, count: int = 64) -> dict:
+    """Loss on ``count`` training windows the run has trained on vs ``count`` it has not (the rest of the
+    epoch's permutation): a gap means memorisation; equal losses mean the train/eval gap, if any, is a
+    difference between the two splits' files."""
+    import torch
+
+    from lowbit.train.loop import batch_indices
+
+    seen_n = steps * batch
+    if seen_n >= len(rows):
+        return {"note": "more than one epoch: every window was seen"}
+    order = batch_indices(len(rows), len(rows), 0, seed)  # the first epoch's permutation, as the loop draws it
+    pick = lambda idx: idx[torch.linspace(0, len(idx) - 1, count).round().long()]  # noqa: E731
+    dev = next(model.parameters()).device
+    return {"seen": loss_of(model, rows[pick(order[:seen_n])].to(dev)),
+            "unseen": loss_of(model, rows[pick(order[seen_n:])].to(dev)), "windows": count}
+
+
 def steps_within(budget_s: float, model, rows, args, overhead: float = 1.15) -> int:
     """The most steps of this batch that fit ``budget_s``: a copy of the model trains 8 steps and the
     last 5 are timed (the first ones include warm-up of kernels and allocators); ``overhead`` covers
@@ -313,6 +331,7 @@ def main() -> None:
     model.eval()
     ppl_spread = perplexity(model, spread_windows(ev, 256, 256).reshape(1, -1).to(args.device), seqlen=256, windows=None,
                             progress=False)
+    memo = seen_unseen(model, rows, args.steps, args.batch_size, args.seed)
     folder = out / "model"
     model.to("cpu").save_pretrained(folder)
     tok.save_pretrained(folder)
@@ -324,6 +343,7 @@ def main() -> None:
                    "pretrain_windows_seen": seen, "epochs": round(seen / len(rows), 3)},
         "params": {"total": n_params, "decoder_layers": decoder, "embedding_tied": n_params - decoder},
         "final": {"train_loss_smoothed_50": sum(r.losses[-50:]) / 50, "eval": r.evals[-1],
+                  "train_windows_seen_vs_unseen": memo,
                   "eval_ppl_spread_256x256": ppl_spread.ppl},
         "curve": {"losses": [round(x, 4) for x in r.losses], "evals": r.evals},
         "model": str(folder), "model_sha256": sha256_file(folder / "model.safetensors"),

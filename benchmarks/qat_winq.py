@@ -51,7 +51,7 @@ from pathlib import Path
 from benchmarks.common import load_results, machine, markdown_table, merge_row, result_path
 
 NAME = "qat_winq"
-KEY = ("model", "scheme", "variant", "seed", "steps")
+KEY = ("model", "scheme", "variant", "seed", "steps", "lr")
 ORGANISM = Path.home() / ".cache" / "lowbit" / "organism"
 MAIN = ("ste", "winq", "reinit", "noise")
 SWEEP = ("a0.5", "a0.8", "K/8", "K/2", "abs1e-4", "abs1e-2", "rel0.01", "rel0.05")
@@ -89,17 +89,30 @@ def winq_config(variant: str, steps: int, seed: int):
 
 
 def plan(args) -> list[Spec]:
-    """Runs in priority order: STE/WinQ over seeds first, then the ablations, then the sweep."""
+    """Runs in priority order, so a protocol cut short keeps the most useful rows: STE and WinQ over
+    every seed; the ablations (re-init only, noise only) on the first seed; the sweep on the first
+    sweep scheme; the ablations on the other seeds; the sweep on the other schemes; the bundled model."""
     schemes, seeds = args.schemes.split(","), [int(s) for s in args.seeds.split(",")]
+    parts, variants = args.plan.split(","), args.variants.split(",")
+    first = [v for v in variants if v in ("ste", "winq")]
+    rest = [v for v in variants if v not in first]
+    sweep_schemes = args.sweep_schemes.split(",")
+
+    def main(seed_list, vs):
+        return [Spec("organism", sc, v, s, args.diag) for s in seed_list for sc in schemes for v in vs]
+
+    def sweep(scheme_list):
+        return [Spec("organism", sc, v, 0, False) for sc in scheme_list for v in SWEEP]
+
     out: list[Spec] = []
-    parts = args.plan.split(",")
-    variants = args.variants.split(",")
     if "main" in parts:
-        first = [v for v in variants if v in ("ste", "winq")]
-        for group in (first, [v for v in variants if v not in first]):
-            out += [Spec("organism", sc, v, s, args.diag) for s in seeds for sc in schemes for v in group]
+        out += main(seeds, first) + main(seeds[:1], rest)
     if "sweep" in parts:
-        out += [Spec("organism", sc, v, 0, False) for sc in args.sweep_schemes.split(",") for v in SWEEP]
+        out += sweep(sweep_schemes[:1])
+    if "main" in parts:
+        out += main(seeds[1:], rest)
+    if "sweep" in parts:
+        out += sweep(sweep_schemes[1:])
     if "bundled" in parts:
         out += [Spec("bundled", sc, v, s, False) for s in seeds[:1] for sc in schemes[:1] for v in variants[:2]]
     if args.only:
@@ -296,17 +309,19 @@ def load_context(model: str, args) -> Context:
     from lowbit.models import load_model
 
     src, data = (None, None) if model == "bundled" else (str(Path(args.organism) / "model"), args.data)
+    seqlen = args.bundled_seqlen if model == "bundled" else args.seqlen
+    windows = args.bundled_eval_windows if model == "bundled" else args.eval_windows
     lm = load_model(src)
     cached = None if model == "bundled" else cached_tokens(Path(args.organism), data)
     if cached is None:
-        rows = training_windows(lm.tokenizer, data, args.seqlen, "calib")
+        rows = training_windows(lm.tokenizer, data, seqlen, "calib")
         ev = eval_tokens(lm.tokenizer, data)
     else:
         train_ids, ev = cached
-        n = train_ids.shape[1] // args.seqlen
-        rows = train_ids[0, : n * args.seqlen].reshape(n, args.seqlen)
-    ev_win = spread_windows(ev, args.eval_seqlen, args.eval_windows)
-    loss_win = spread_windows(ev, args.seqlen, args.eval_loss_windows)
+        n = train_ids.shape[1] // seqlen
+        rows = train_ids[0, : n * seqlen].reshape(n, seqlen)
+    ev_win = spread_windows(ev, args.eval_seqlen, windows)
+    loss_win = spread_windows(ev, seqlen, args.eval_loss_windows)
     g = torch.Generator().manual_seed(1234)
     diag_batch = rows[torch.randperm(len(rows), generator=g)[: args.diag_batch]]
     device = args.device
@@ -330,6 +345,10 @@ def steps_for(spec: Spec, args) -> int:
     return args.bundled_steps if spec.model == "bundled" else args.steps
 
 
+def lr_for(spec: Spec, args) -> float:
+    return args.bundled_lr if spec.model == "bundled" else args.lr
+
+
 def run_one(spec: Spec, ctx: Context, args) -> dict:
     from benchmarks.organism import loss_of
     from lowbit.eval import perplexity
@@ -339,11 +358,11 @@ def run_one(spec: Spec, ctx: Context, args) -> dict:
     steps = steps_for(spec, args)
     bundled = spec.model == "bundled"
     batch = args.bundled_batch if bundled else args.batch_size
-    lr = args.bundled_lr if bundled else args.lr
+    lr = lr_for(spec, args)
     model = copy.deepcopy(ctx.base)
     to_qat(model, resolve(spec.scheme))
     winq = winq_config(spec.variant, steps, spec.seed)
-    work = Path(args.workdir).expanduser() / f"{spec.ident}-{steps}"
+    work = Path(args.workdir).expanduser() / f"{spec.ident}-{steps}-lr{lr:g}"
     cfg = TrainConfig(steps=steps, batch_size=batch, lr=lr, warmup=max(steps // 20, 1), seed=spec.seed,
                       eval_every=max(steps // 8, 1), checkpoint_every=args.checkpoint_every, out_dir=str(work),
                       progress=args.progress, plot=False, dtype=args.dtype)
@@ -351,6 +370,8 @@ def run_one(spec: Spec, ctx: Context, args) -> dict:
             if spec.diag else None)
     cb = WinQCallback(winq)
     before = codes(model)
+    ppl_init = perplexity(model, ctx.eval_windows.reshape(1, -1).to(args.device), seqlen=args.eval_seqlen,
+                          windows=None, progress=False).ppl  # the quantized start (per-row RTN on the QAT grid)
     extra = {"scheme": spec.scheme, "variant": spec.variant, "winq": winq.to_dict(), "model": spec.model}
     r = train(model, ctx.rows, cfg, callbacks=diag_callbacks(diag, cb), extra=extra,
               eval_fn=lambda m: {"eval_loss": loss_of(m, ctx.loss_windows)})
@@ -359,8 +380,8 @@ def run_one(spec: Spec, ctx: Context, args) -> dict:
     ppl = perplexity(model, ctx.eval_windows.reshape(1, -1).to(args.device), seqlen=args.eval_seqlen,
                      windows=None, progress=False).ppl
     row = {"model": spec.model, "scheme": spec.scheme, "variant": spec.variant, "seed": spec.seed, "steps": steps,
-           "batch_size": batch, "seqlen": args.seqlen, "lr": lr, "winq": winq.to_dict(),
-           "reinits": winq.reinit_steps(steps), "ppl": ppl, "ppl_fp": ctx.ppl_fp,
+           "batch_size": batch, "seqlen": ctx.rows.shape[1], "lr": lr, "winq": winq.to_dict(),
+           "reinits": winq.reinit_steps(steps), "ppl": ppl, "ppl_init": ppl_init, "ppl_fp": ctx.ppl_fp,
            "final_loss_smoothed": {str(w): sum(r.losses[-w:]) / w for w in WINDOWS},
            "changed_codes": changed_codes, "losses": [round(x, 4) for x in r.losses],
            "evals": r.evals, "diag": diag.records if diag else None, "train_seconds": r.seconds,
@@ -373,10 +394,10 @@ def summary(rows: list[dict]) -> list[dict]:
     """Per (model, scheme, seed, variant != ste): speed-up vs that seed's STE and the ppl pair."""
     from lowbit.train import speedup
 
-    ste = {(r["model"], r["scheme"], r["seed"], r["steps"]): r for r in rows if r["variant"] == "ste"}
+    ste = {(r["model"], r["scheme"], r["seed"], r["steps"], r["lr"]): r for r in rows if r["variant"] == "ste"}
     out = []
     for r in rows:
-        base = ste.get((r["model"], r["scheme"], r["seed"], r["steps"]))
+        base = ste.get((r["model"], r["scheme"], r["seed"], r["steps"], r["lr"]))
         if r["variant"] == "ste" or base is None:
             continue
         s = {f"speedup_{w}": speedup(base["losses"], r["losses"], w) for w in WINDOWS}
@@ -396,7 +417,8 @@ def report(args) -> None:
     data = load_results(args.results)
     rows = data.get("rows", [])
     summ = summary(rows)
-    merge_fields = {"summary": summ, "protocol": data.get("protocol")}
+    diags = diag_table(rows)
+    merge_fields = {"summary": summ, "diagnostics": diags, "protocol": data.get("protocol")}
     from benchmarks.common import save_results
 
     data.update(merge_fields)
@@ -414,6 +436,50 @@ def report(args) -> None:
                          [(s["model"], s["scheme"], s["variant"], s["seed"], _f(s["speedup_50"]),
                            _f(s["speedup_10"]), f"{s['ste_final']:.3f}", f"{s['final']:.3f}", f"{s['ppl_ste']:.2f}",
                            f"{s['ppl']:.2f}") for s in summ]))
+    print()
+    cols = ("pre_lambda_ste", "post_lambda_ste", "pre_lambda_float", "post_lambda_float", "pre_in_range",
+            "post_in_range", "pre_boundary_margin", "post_boundary_margin", "flips_next")
+    print(markdown_table(["scheme", "variant", "step", *cols],
+                         [(d["scheme"], d["variant"], d["step"], *(_g(d.get(c)) for c in cols)) for d in diags]))
+
+
+def diag_table(rows: list[dict]) -> list[dict]:
+    """Curvature / clipping / flip diagnostics per (scheme, variant), seeds averaged, per measurement point.
+
+    For each re-init step s (K, 2K, 3K) of a run: the value just before the step's re-init (``pre``) and
+    right after it (``post``; STE and noise-only runs have no re-init, so only ``pre``), and the share of
+    codes that flip in the steps/16 steps after s; ``end``: step T, and the flips in the last steps/16.
+    """
+    from statistics import mean
+
+    groups: dict = {}
+    for r in rows:
+        if r.get("diag"):
+            groups.setdefault((r["model"], r["scheme"], r["variant"]), []).append(r)
+    out = []
+    for (model, scheme, variant), rs in sorted(groups.items()):
+        steps = rs[0]["steps"]
+        k, d = steps // 4, max(steps // 16, 1)
+        for s in (k, 2 * k, 3 * k, steps):
+            rec = {"model": model, "scheme": scheme, "variant": variant, "step": s, "seeds": len(rs)}
+            for side in ("pre", "post"):
+                vals = [r["diag"].get(f"{side}@{s}") for r in rs]
+                vals = [v for v in vals if v]
+                for key in ("loss", "lambda_ste", "lambda_float", "in_range", "boundary_margin"):
+                    got = [v[key] for v in vals if v.get(key) is not None]
+                    if got:
+                        rec[f"{side}_{key}"] = mean(got)
+            start = s if s < steps else steps - d
+            flips = [r["diag"].get(f"flips@{start}-{start + d}") for r in rs]
+            flips = [f for f in flips if f is not None]
+            if flips:
+                rec["flips_next"] = mean(flips)
+            out.append(rec)
+    return out
+
+
+def _g(x) -> str:
+    return "" if x is None else f"{x:.4g}"
 
 
 def _f(x) -> str:
@@ -459,6 +525,8 @@ def main() -> None:
     p.add_argument("--bundled-steps", type=int, default=200)
     p.add_argument("--bundled-batch", type=int, default=2)
     p.add_argument("--bundled-lr", type=float, default=1e-4)
+    p.add_argument("--bundled-seqlen", type=int, default=64)
+    p.add_argument("--bundled-eval-windows", type=int, default=32)
     p.add_argument("--eval-seqlen", type=int, default=128)
     p.add_argument("--eval-windows", type=int, default=128, help="final ppl: windows spread over the eval split")
     p.add_argument("--eval-loss-windows", type=int, default=32, help="eval loss logged every steps/8")
@@ -491,7 +559,8 @@ def main() -> None:
     if args.budget_s:
         fit_budget(args, contexts)
     done = {tuple(r.get(k) for k in KEY) for r in load_results(args.results).get("rows", [])}
-    todo = [s for s in plan(args) if (s.model, s.scheme, s.variant, s.seed, steps_for(s, args)) not in done]
+    todo = [s for s in plan(args) if (s.model, s.scheme, s.variant, s.seed, steps_for(s, args), lr_for(s, args))
+            not in done]
     print(json.dumps({"todo": [s.ident for s in todo], "steps": args.steps}), flush=True)
     protocol = {k: v for k, v in vars(args).items() if k not in ("only", "progress", "report", "plan", "budget_s")}
     protocol["float_curvature_seeds"] = sorted(args.float_curvature_seeds)
@@ -502,7 +571,7 @@ def main() -> None:
         row = run_one(spec, contexts[spec.model], args)
         row["wall_seconds"] = round(time.perf_counter() - t0, 1)
         merge_row(args.results, row, KEY, protocol=protocol)
-        work = Path(args.workdir).expanduser() / f"{spec.ident}-{row['steps']}"
+        work = Path(args.workdir).expanduser() / f"{spec.ident}-{row['steps']}-lr{row['lr']:g}"
         if not args.keep_work:
             shutil.rmtree(work / "checkpoint", ignore_errors=True)
         print(json.dumps({k: row[k] for k in ("model", "scheme", "variant", "seed", "ppl", "changed_codes",
