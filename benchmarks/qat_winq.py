@@ -570,7 +570,7 @@ def main() -> None:
         t0 = time.perf_counter()
         row = run_one(spec, contexts[spec.model], args)
         row["wall_seconds"] = round(time.perf_counter() - t0, 1)
-        merge_row(args.results, row, KEY, protocol=protocol)
+        merge_row(args.results, row, KEY, **{"protocol" if spec.model == "organism" else f"protocol_{spec.model}": protocol})
         work = Path(args.workdir).expanduser() / f"{spec.ident}-{row['steps']}-lr{row['lr']:g}"
         if not args.keep_work:
             shutil.rmtree(work / "checkpoint", ignore_errors=True)
