@@ -243,3 +243,56 @@ def test_qat_starts_from_a_ptq_model_at_its_weights():
     m.eval()
     with torch.no_grad():
         assert torch.allclose(m(input_ids=batch).logits, ref, atol=1e-4)
+
+
+# ------------------------------------------------------------ bad WinQ input (issue 25): one clear error each
+@pytest.mark.parametrize("kwargs, needle", [
+    ({"a": 1.0}, "mix a must be in [0, 1)"),
+    ({"a": -0.1}, "mix a must be in [0, 1)"),
+    ({"a": float("nan")}, "mix a must be in [0, 1)"),
+    ({"sigma_w": -1e-3}, "sigmas must be >= 0"),
+    ({"sigma_a": -1.0}, "sigmas must be >= 0"),
+    ({"sigma_w": float("inf")}, "sigmas must be >= 0"),
+    ({"sigma_a": float("nan")}, "sigmas must be >= 0"),
+    ({"every": 0}, "period must be >= 1"),
+])
+def test_bad_winq_settings_are_refused_when_built(kwargs, needle):
+    with pytest.raises(ConfigError) as e:
+        WinQConfig(**kwargs)
+    assert needle in str(e.value)
+
+
+@pytest.mark.parametrize("every, steps", [(8, 8), (50, 8)])
+def test_a_reinit_period_not_shorter_than_the_run_is_refused_before_any_step(every, steps):
+    with pytest.raises(ConfigError, match=f"not shorter than the {steps}-step run"):
+        WinQConfig(every=every).period(steps)
+    m = tiny_model()
+    to_qat(m, StretchedElastic())
+    w0 = next(iter(qat_layers(m).values())).weight.detach().clone()
+    with pytest.raises(ConfigError, match="not shorter"):
+        train(m, tokens(), cfg(steps=steps), callbacks=[WinQCallback(WinQConfig(every=every))])
+    assert torch.equal(next(iter(qat_layers(m).values())).weight, w0)  # refused before the first step
+    assert WinQConfig(reinit=False, every=every).reinit_steps(steps) == []  # no re-init: the period is moot
+
+
+@pytest.mark.parametrize("changed", [{"a": 0.5}, {"every": 3}, {"noise": False}, {"sigma_a": 1e-2},
+                                     {"relative": True}, {"reinit": False}, {"seed": 1}])
+def test_resuming_with_other_winq_settings_is_refused(tmp_path, changed):
+    """Through the library loop too (not only `lowbit qat`): WinQCallback declares its curve settings."""
+    from test_train import Crash
+
+    base = {"every": 2, "sigma_w": 1e-2}
+
+    def run(winq: WinQConfig, callbacks=()):
+        m = tiny_model()
+        to_qat(m, StretchedElastic())
+        c = cfg(steps=8, out_dir=str(tmp_path), checkpoint_every=2)
+        return train(m, tokens(), c, callbacks=[WinQCallback(winq), *callbacks])
+
+    with pytest.raises(KeyboardInterrupt):
+        run(WinQConfig(**base), [Crash(5)])
+    with pytest.raises(ConfigError) as e:
+        run(WinQConfig(**{**base, **changed}))
+    msg = str(e.value)
+    assert "different settings" in msg and "callback.WinQCallback" in msg
+    assert run(WinQConfig(**base)).resumed_from == 4  # the same settings still resume

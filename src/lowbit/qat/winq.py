@@ -13,6 +13,7 @@ run is the plain STE / ParetoQ baseline on the same loop.
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass
 
 import torch
@@ -40,8 +41,9 @@ class WinQConfig:
             raise ConfigError(f"re-init mix a must be in [0, 1), got {self.a}")
         if self.every is not None and self.every < 1:
             raise ConfigError(f"re-init period must be >= 1 step, got {self.every}")
-        if self.sigma_w < 0 or self.sigma_a < 0:
-            raise ConfigError("noise sigmas must be >= 0")
+        if not all(math.isfinite(s) and s >= 0 for s in (self.sigma_w, self.sigma_a)):
+            raise ConfigError(f"noise sigmas must be >= 0 (and finite), got sigma_w={self.sigma_w}, "
+                              f"sigma_a={self.sigma_a}")
 
     def period(self, steps: int) -> int:
         k = self.every if self.every is not None else steps // 4
@@ -85,6 +87,9 @@ class WinQCallback(Callback):
     def __init__(self, config: WinQConfig) -> None:
         self.config = config
         self.reinits: list[int] = []
+
+    def curve_settings(self) -> dict:
+        return self.config.to_dict()
 
     def on_train_start(self, state: TrainState) -> None:
         c = self.config

@@ -37,6 +37,14 @@ class TrainState:
 class Callback:
     """Override any of these; the defaults do nothing."""
 
+    def curve_settings(self) -> dict[str, Any] | None:
+        """Settings of this callback that change the loss curve (e.g. WinQ's re-init period), or None.
+
+        The loop folds them into the checkpoint fingerprint, so a run resumed with a
+        callback configured differently is refused instead of silently mixing two curves.
+        """
+        return None
+
     def on_train_start(self, state: TrainState) -> None: ...
 
     def on_step_start(self, state: TrainState) -> None: ...

@@ -129,7 +129,7 @@ def train(model: nn.Module, batches: torch.Tensor | Sequence[torch.Tensor], conf
     trainable: None (parameters that already require grad), a filter ``(name, param) -> bool``,
         or the parameters themselves.
     extra: method settings (scheme, WinQ switches...) that, like the config, a resumed run
-        must share with its checkpoint.
+        must share with its checkpoint; the callbacks' own `Callback.curve_settings` join them.
     resume: continue from ``config.out_dir/checkpoint/`` when one exists.
     """
     t0 = time.perf_counter()
@@ -147,8 +147,9 @@ def train(model: nn.Module, batches: torch.Tensor | Sequence[torch.Tensor], conf
     state = TrainState(model=model, optimizer=optimizer, config=config, rank=rank, world=world)
     out = Path(config.out_dir) if config.out_dir else None
     log = MetricsLog(out / "metrics.jsonl" if out and rank == 0 else None)
+    extra = {**(extra or {}), **callback_settings(callbacks)}
     fingerprint = config.fingerprint(extra)
-    settings = {**config.curve_settings(), **{f"extra.{k}": v for k, v in (extra or {}).items()}}
+    settings = {**config.curve_settings(), **{f"extra.{k}": v for k, v in extra.items()}}
     start = _maybe_resume(out, resume, fingerprint, settings, state, log)
     model.train()
     for cb in callbacks:
@@ -179,6 +180,20 @@ def train(model: nn.Module, batches: torch.Tensor | Sequence[torch.Tensor], conf
         plot_losses({"train": state.losses}, out / "loss.png")
     return TrainResult(steps=state.step, losses=list(state.losses), final_loss=state.losses[-1],
                        evals=list(state.evals), seconds=round(time.perf_counter() - t0, 2), resumed_from=start)
+
+
+def callback_settings(callbacks: Sequence[Callback]) -> dict[str, Any]:
+    """``{"callback.<Name>": settings}`` of every callback that declares curve settings."""
+    out: dict[str, Any] = {}
+    for cb in callbacks:
+        s = cb.curve_settings()
+        if s is None:
+            continue
+        key = f"callback.{type(cb).__name__}"
+        while key in out:  # two callbacks of one class: keep both, in order
+            key += "'"
+        out[key] = s
+    return out
 
 
 def _as_tensor(batches: torch.Tensor | Sequence[torch.Tensor], batch_size: int) -> torch.Tensor:
