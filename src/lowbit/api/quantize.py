@@ -62,7 +62,8 @@ class QuantizeJob:
     scheme / plan_file / mixed: where the per-layer schemes come from (one of them; none =
     w4g128 everywhere). settings: the method's settings dataclass (or a mapping of its
     fields; None = defaults). calib: used when the method or the mixed plan needs data.
-    evaluation: None = no perplexity passes. workdir / offload_dir: block-wise methods only.
+    evaluation: None = no perplexity passes. workdir / offload_dir / cache_device: block-wise
+    methods only (cache_device "cpu" keeps their cached activations in host memory).
     """
 
     out: str | Path
@@ -78,6 +79,7 @@ class QuantizeJob:
     device: str | None = None
     workdir: str | None = None
     offload_dir: str | None = None
+    cache_device: str | None = None
     force: bool = False
     progress: bool = True
 
@@ -93,7 +95,10 @@ class QuantizeJob:
         if self.lm_head and self.plan_file is not None:
             raise ConfigError("--lm-head adds the lm_head to a uniform plan; a plan file names its layers "
                               "itself (add the lm_head there)")
-        for name, value in (("--workdir", self.workdir), ("--offload-dir", self.offload_dir)):
+        if self.cache_device is not None and self.cache_device not in ("device", "cpu"):
+            raise ConfigError(f"--cache-device must be device or cpu, got {self.cache_device!r}")
+        for name, value in (("--workdir", self.workdir), ("--offload-dir", self.offload_dir),
+                            ("--cache-device", self.cache_device)):
             if value is not None and not spec.blockwise:
                 raise ConfigError(f"{name} applies to the block-wise methods ({' | '.join(_block_methods())}); "
                                   f"--method {self.method} quantizes the whole model at once")
@@ -173,7 +178,8 @@ class _Run:
             self.plan = self.allocation.plan
         self.plan = quantize_model(model, self.plan, job.method, job.settings, calib=self.calib,
                                    device=None if self.device is None else str(self.device), workdir=job.workdir,
-                                   offload_dir=job.offload_dir, progress=job.progress)
+                                   offload_dir=job.offload_dir, progress=job.progress,
+                                   cache_device=job.cache_device or "device")
         result["quantize_seconds"] = round(time.perf_counter() - t0, 2)
         result["scheme"] = self.plan.describe()
         if self.ev is not None:
