@@ -294,6 +294,12 @@ class SignRoundTuner:
         return groups
 
     def _tune(self, job: BlockJob, rounders: Mapping[str, nn.Module]) -> dict[str, float]:
+        """Tune; the first and the best loss are read back to the host once, after the loop."""
+        first, best = self._descend(job, rounders)
+        return {"rtn_loss": float(first) if first is not None else 0.0, "loss": float(best)}
+
+    def _descend(self, job: BlockJob, rounders: Mapping[str, nn.Module]
+                 ) -> tuple[torch.Tensor | None, torch.Tensor]:
         """Sign descent over the mini-batches; keeps the parameters of the best loss seen.
 
         Nothing in the loop reads a value back to the host (a GPU would wait for it every
@@ -311,7 +317,9 @@ class SignRoundTuner:
         frac = cfg.filter_frac if self._use_filter(job) else 0.0
         gen = torch.Generator().manual_seed(cfg.seed * 100003 + job.index)
         order = torch.stack(epoch_batches(job.x.shape[0], cfg.batch_size, cfg.iters, gen))
-        order = order.tensor_split(shard.world, dim=1)[shard.rank].to(job.x.device)  # this rank's part of each
+        order = order.tensor_split(shard.world, dim=1)[shard.rank].contiguous()  # this rank's part of each
+        if job.x.device.type == "cuda":  # one asynchronous copy from page-locked memory
+            order = order.pin_memory().to(job.x.device, non_blocking=True)
         device = job.device or job.x.device
         forward = self._forward(job)
         # the best parameters so far live in buffers allocated once: re-cloning on every
@@ -341,7 +349,7 @@ class SignRoundTuner:
             found = torch.isfinite(best)  # all NaN: keep the parameters as they are
             for p, b in zip(params, best_state, strict=True):
                 torch.where(found, b, p, out=p.data)
-        return {"rtn_loss": float(first) if first is not None else 0.0, "loss": float(best)}
+        return first, best
 
     def _forward(self, job: BlockJob):  # noqa: ANN202 - a callable on [batch, T, hidden]
         """The block's forward on one mini-batch (under ``torch.compile`` with ``config.compile``)."""
