@@ -152,7 +152,7 @@ def main() -> None:
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp, Sampler() as s:
         opts = PipelineOptions(chunk=min(args.nsamples, 8), offload_dir=None if args.no_offload or args.lazy else tmp,
-                               **({"cache_dtype": cfg.storage_dtype()} if args.cache_dtype else {}))
+                               **({"cache_dtype": cfg.storage_dtype("cpu")} if args.cache_dtype else {}))
         quantize_blockwise(model, plan, calib, SignRoundTuner(cfg), {"method": "signround2"}, opts,
                            on_block=lambda i: laps.append(s.lap()))
     seconds = time.perf_counter() - t0

@@ -39,8 +39,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "passes): auto (default) = bf16 where the CPU/GPU has bf16 dot products except for "
                         "2-bit blocks, else fp32")
     g.add_argument("--cache-dtype", choices=("auto", "bf16", "fp32"), default=UNSET,
-                   help="signround, signround2: storage of the cached block inputs and FP targets (auto = bf16; "
-                        "the block still computes in fp32)")
+                   help="signround, signround2: storage of the cached block inputs and FP targets (auto = bf16 on "
+                        "a GPU, fp32 on the CPU; the block still computes in fp32)")
     g.add_argument("--compile", action="store_true", default=UNSET,
                    help="signround, signround2: torch.compile the tuned block (off by default)")
     g.add_argument("--cache-device", choices=("device", "cpu"), default=None,
