@@ -104,7 +104,7 @@ if (( $(left) > 70 )); then
     timeout 300 $PY -m benchmarks.eval_memory --layers 1 --device cpu --seqlen 64 --windows 1 --no-save \
       > "$OUT/eval_memory.jsonl"
   else
-    timeout $(( $(left) - 10 )) $PY -m benchmarks.eval_memory --layers 22 --device cuda --seqlen 2048 \
+    timeout $(( $(left) - 10 )) $PY -m benchmarks.eval_memory --layers 22 --device cuda --seqlen 512 \
       --windows 4 --folder /tmp/evalmem --no-save > "$OUT/eval_memory.jsonl"
   fi
   cat "$OUT/eval_memory.jsonl"
