@@ -122,12 +122,15 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--lazy", action="store_true", help="load the blocks from a saved checkpoint when reached")
     p.add_argument("--save-to", default=None, help=argparse.SUPPRESS)  # the --lazy child: build, save, exit
     p.add_argument("--out", default=None, help="results file (default benchmarks/results/ptq_memory.json)")
+    p.add_argument("--cache-dtype", default=None, help="bf16 | fp32 (omit on code from before issue 22)")
+    p.add_argument("--label", default=None, help="kept in the row and its key (e.g. before / after)")
     return p
 
 
 def key(r: dict) -> tuple:
     """A row's identity; rows from before --lazy existed record only ``offload``."""
-    return (r["layers"], r["hidden"], r.get("mode", "offload" if r["offload"] else "memory"))
+    return (r["layers"], r["hidden"], r.get("mode", "offload" if r["offload"] else "memory"),
+            r.get("label"), r.get("nsamples"), r.get("seqlen"))
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -159,12 +162,14 @@ def main(argv: list[str] | None = None) -> None:
     calib = torch.randint(0, args.vocab, (args.nsamples, args.seqlen), generator=torch.Generator().manual_seed(0))
     act_mib = args.nsamples * args.seqlen * args.hidden * 4 / MIB
     plan = Plan.uniform(linear_layers(model, include_lm_head=False), "w4g128")
-    cfg = SignRoundSettings(iters=args.iters, v2=True, batch_size=args.nsamples)
+    extra = {"cache_dtype": args.cache_dtype} if args.cache_dtype else {}  # absent before issue 22
+    cfg = SignRoundSettings(iters=args.iters, v2=True, batch_size=min(args.nsamples, 8), **extra)
     before = rss_mib()
     laps: list[float] = []
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp, Sampler() as s:
-        opts = PipelineOptions(chunk=args.nsamples, offload_dir=None if args.no_offload or args.lazy else tmp)
+        opts = PipelineOptions(chunk=min(args.nsamples, 8), offload_dir=None if args.no_offload or args.lazy else tmp,
+                               **({"cache_dtype": cfg.storage_dtype("cpu")} if args.cache_dtype else {}))
         quantize_blockwise(model, plan, calib, SignRoundTuner(cfg), {"method": "signround2"}, opts,
                            on_block=lambda i: laps.append(s.lap()))
     seconds = time.perf_counter() - t0
@@ -180,7 +185,8 @@ def main(argv: list[str] | None = None) -> None:
            "rss_after_build_mib": round(before), "peak_rss_per_block_mib": [round(v) for v in laps],
            "steady_peak_rss_mib": round(steady), "rss_process_base_mib": round(base),
            "steady_peak_minus_base_and_non_block_mib": round(steady - base - rest_mib),
-           "iters": args.iters, "nsamples": args.nsamples, "seqlen": args.seqlen, "seconds": round(seconds, 1)}
+           "iters": args.iters, "nsamples": args.nsamples, "seqlen": args.seqlen, "seconds": round(seconds, 1),
+           "cache_dtype": args.cache_dtype, "label": args.label}
     print(json.dumps(row, indent=1))
     merge_row(out_path(args.out, "ptq_memory.json"), row, key)
 

@@ -222,3 +222,113 @@ def test_on_device_puts_the_model_back():
     with on_device(m, DEVICE) as moved:
         assert model_device(moved).type == torch.device(DEVICE).type
     assert {p.device.type for p in m.parameters()} == {"cpu"}
+
+
+def _last_json(capsys) -> dict:
+    import json
+
+    return json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+
+
+def test_cli_formats_ppl_on_device_matches_the_cpu(tmp_path, capsys, tiny_tokenizer):
+    from test_cli import _save_tiny_qwen
+
+    from lowbit.cli import main
+
+    _save_tiny_qwen(tmp_path / "qwen", tiny_tokenizer)
+    got = {}
+    for dev in ("cpu", DEVICE):
+        assert main(["formats", str(tmp_path / "qwen"), "--schemes", "nvfp4", "--block-sizes", "16", "--ppl",
+                     "--eval-seqlen", "64", "--windows", "2", "--device", dev, "--json"]) == 0
+        got[dev] = _last_json(capsys)
+    assert got[DEVICE]["fp_ppl"] == pytest.approx(got["cpu"]["fp_ppl"], rel=1e-4)
+    for a, b in zip(got[DEVICE]["rows"], got["cpu"]["rows"], strict=True):
+        assert a["ppl"] == pytest.approx(b["ppl"], rel=1e-3)
+
+
+def test_cli_qat_on_device_matches_the_cpu(tmp_path, capsys):
+    from lowbit.cli import main
+
+    folder = _qat_model(tmp_path)
+    runs = {}
+    for i, dev in enumerate(("cpu", DEVICE)):
+        assert main(["qat", str(folder), "--scheme", "w2", "--method", "ste", "--steps", "4", "--batch-size", "2",
+                     "--seqlen", "32", "--eval-seqlen", "64", "--windows", "2", "--data", str(folder / "corpus.txt"),
+                     "--device", dev, "--json", "--out", str(tmp_path / f"q{i}")]) == 0, capsys.readouterr().err
+        runs[dev] = _last_json(capsys)
+    assert runs[DEVICE]["initial_loss"] == pytest.approx(runs["cpu"]["initial_loss"], rel=1e-4)
+    assert runs[DEVICE]["final_loss"] == pytest.approx(runs["cpu"]["final_loss"], rel=0.05)
+    assert runs[DEVICE]["ppl"] == pytest.approx(runs["cpu"]["ppl"], rel=0.05)
+
+
+def _qat_model(tmp_path):
+    from conftest import make_llama
+    from test_qat_cli import word_tokenizer
+
+    tok = word_tokenizer()
+    folder = tmp_path / "fp"
+    make_llama(len(tok)).save_pretrained(folder)
+    tok.save_pretrained(folder)
+    g = torch.Generator().manual_seed(0)
+    words = tok.convert_ids_to_tokens(list(range(len(tok))))
+    docs = [" ".join(words[j] for j in torch.randint(0, len(words), (200,), generator=g).tolist()) for _ in range(8)]
+    (folder / "corpus.txt").write_text("\n\n".join(docs))
+    return folder
+
+
+def test_cli_finetune_on_device_matches_the_cpu(tmp_path, capsys):
+    from conftest import make_llama
+    from test_peft_cli import tokenizer, write_jsonl
+
+    from lowbit.cli import main
+
+    tok = tokenizer()
+    make_llama(len(tok), layers=1).save_pretrained(tmp_path / "fp")
+    tok.save_pretrained(tmp_path / "fp")
+    assert main(["quantize", str(tmp_path / "fp"), "--scheme", "w4g32", "--no-eval", "--no-search",
+                 "--out", str(tmp_path / "q")]) == 0
+    data = write_jsonl(tmp_path / "d.jsonl")
+    runs = {}
+    for i, dev in enumerate(("cpu", DEVICE)):
+        assert main(["finetune", str(tmp_path / "q"), "--adapter", "lora", "--rank", "4", "--steps", "3",
+                     "--batch-size", "4", "--lr", "1e-2", "--seqlen", "24", "--data", str(data), "--no-eval",
+                     "--device", dev, "--out", str(tmp_path / f"a{i}"), "--json"]) == 0, capsys.readouterr().err
+        runs[dev] = _last_json(capsys)
+    assert runs[DEVICE]["loss_first"] == pytest.approx(runs["cpu"]["loss_first"], rel=1e-4)
+    assert runs[DEVICE]["loss_last"] == pytest.approx(runs["cpu"]["loss_last"], rel=0.02)
+
+
+def test_host_caches_tune_like_device_caches():
+    """--cache-device cpu (host caches streamed per mini-batch) gives the device-cache result."""
+    m = tiny_model(layers=2)
+    host, dev = copy.deepcopy(m), copy.deepcopy(m)
+    from lowbit.ptq.signround import make_config, signround_quantize
+
+    cfg = make_config(iters=6, batch_size=4, v2=True, tune_dtype="fp32")
+    a = signround_quantize(host, uniform(host, "w4g32"), cfg, calib(), device=DEVICE, progress=False,
+                           cache_device="cpu")
+    b = signround_quantize(dev, uniform(dev, "w4g32"), cfg, calib(), device=DEVICE, progress=False)
+    assert [i["loss"] for i in a] == [i["loss"] for i in b]
+    assert code_agreement(host, dev) == 1.0
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="host syncs are a GPU matter (the CPU test counts reads)")
+def test_tuning_loop_never_syncs_the_host(monkeypatch):
+    """No cudaStreamSynchronize or blocking copy anywhere in SignRound's descent (torch's sync debug mode)."""
+    from lowbit.ptq import signround
+
+    real = signround.SignRoundTuner._descend
+    calls = []
+
+    def descend(self, job, rounders):
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            calls.append(1)
+            return real(self, job, rounders)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+
+    monkeypatch.setattr(signround.SignRoundTuner, "_descend", descend)
+    for scheme in ("w4g32", "w2g32", "nvfp4"):
+        signround(tiny_model(layers=1), scheme, DEVICE, iters=4)
+    assert len(calls) == 3

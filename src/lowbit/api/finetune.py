@@ -6,7 +6,9 @@ recorded, so another model with the same shapes is never used silently — to ge
 quantization error; build training rows from the *training* split; (QWHA) calibration
 ``X^T X`` from the same rows; initialise; evaluate; train with the shared loop;
 evaluate; save the adapter alone (with the base fingerprint) or, with ``merge``, a
-re-quantized native checkpoint.
+re-quantized native checkpoint. Under ``torchrun`` every rank trains its share of each
+global batch (DDP, or FSDP2 on GPUs) on its own GPU (the model is placed there before the
+loop wraps it); rank 0 alone evaluates and writes --out.
 """
 
 from __future__ import annotations
@@ -122,17 +124,24 @@ def finetune(job: FinetuneJob) -> dict[str, Any]:
         raise ConfigError(f"--base-model applies to --adapter {' | '.join(NEEDS_ERROR)} (their init needs the "
                           f"float weights); --adapter {job.peft.adapter} starts from zero")
     device = job_device(job.device)
-    with outputs.claim(job.out, job.force, job.inputs()) as out:
-        result = _Finetune(job, manifest, device).run(out, load)
+    from lowbit.train.distributed import init_from_env
+
+    rank, world = init_from_env()
+    if rank != 0:  # trains its share; rank 0 evaluates and saves
+        result = _Finetune(job, manifest, device, rank).run(None, load)
+    else:
+        with outputs.claim(job.out, job.force, job.inputs()) as out:
+            result = _Finetune(job, manifest, device, rank).run(out, load)
+    result["world"] = world
     result["seconds"] = round(time.perf_counter() - t0, 2)
     return result
 
 
 class _Finetune:
-    def __init__(self, job: FinetuneJob, manifest: dict, device: Any) -> None:
-        self.job, self.manifest, self.device = job, manifest, device
+    def __init__(self, job: FinetuneJob, manifest: dict, device: Any, rank: int = 0) -> None:
+        self.job, self.manifest, self.device, self.rank = job, manifest, device, rank
 
-    def run(self, out: Path, load: Any) -> dict[str, Any]:
+    def run(self, out: Path | None, load: Any) -> dict[str, Any]:
         from lowbit.models.native import require_tokenizer
         from lowbit.peft.apply import NEEDS_ERROR
 
@@ -141,7 +150,7 @@ class _Finetune:
         require_tokenizer(tokenizer, job.quantized_dir)
         names = list(self.manifest["layers"])
         rows = training_rows(tokenizer, job.data)
-        ev = job.evaluation.tokens(tokenizer) if job.evaluation is not None else None
+        ev = job.evaluation.tokens(tokenizer) if job.evaluation is not None and self.rank == 0 else None
         result: dict[str, Any] = {"base": str(job.quantized_dir), "adapter": job.peft.adapter, "rank": job.peft.rank,
                                   "train_rows": len(rows)}
         fp = None
@@ -180,6 +189,8 @@ class _Finetune:
         if ppl:
             result["ppl_final"] = ppl()
         model.to("cpu")
+        if out is None:  # a rank other than 0 under torchrun
+            return result
         meta = {"base": str(job.quantized_dir), "train": job.train.to_dict(),
                 **{k: v for k, v in result.items() if k.startswith("ppl")}}
         if job.merge:

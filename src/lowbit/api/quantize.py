@@ -74,7 +74,8 @@ class QuantizeJob:
     scheme / plan_file / mixed: where the per-layer schemes come from (one of them; none =
     w4g128 everywhere). settings: the method's settings dataclass (or a mapping of its
     fields; None = defaults). calib: used when the method or the mixed plan needs data.
-    evaluation: None = no perplexity passes. workdir / offload_dir: block-wise methods only.
+    evaluation: None = no perplexity passes. workdir / offload_dir / cache_device: block-wise
+    methods only (cache_device "cpu" keeps their cached activations in host memory).
     """
 
     out: str | Path
@@ -90,6 +91,7 @@ class QuantizeJob:
     device: str | None = None
     workdir: str | None = None
     offload_dir: str | None = None
+    cache_device: str | None = None
     force: bool = False
     progress: bool = True
 
@@ -105,7 +107,10 @@ class QuantizeJob:
         if self.lm_head and self.plan_file is not None:
             raise ConfigError("--lm-head adds the lm_head to a uniform plan; a plan file names its layers "
                               "itself (add the lm_head there)")
-        for name, value in (("--workdir", self.workdir), ("--offload-dir", self.offload_dir)):
+        if self.cache_device is not None and self.cache_device not in ("device", "cpu"):
+            raise ConfigError(f"--cache-device must be device or cpu, got {self.cache_device!r}")
+        for name, value in (("--workdir", self.workdir), ("--offload-dir", self.offload_dir),
+                            ("--cache-device", self.cache_device)):
             if value is not None and not spec.blockwise:
                 raise ConfigError(f"{name} applies to the block-wise methods ({' | '.join(_block_methods())}); "
                                   f"--method {self.method} quantizes the whole model at once")
@@ -138,16 +143,50 @@ def quantize(job: QuantizeJob) -> dict[str, Any]:
     for folder in (job.workdir, job.offload_dir):
         if folder is not None:
             outputs.check_folder(folder, job.out)
+    rank, world = _join_world(job)
+    spec = get(job.method)
+    lazy = job.offload_dir is not None and spec.blockwise and job.mixed is None
+    if rank != 0:  # under torchrun: tunes its share of the samples; rank 0 alone writes --out
+        result = _Run(job, load_model(job.model, lazy=lazy), device).execute()
+        return {**result, "rank": rank, "seconds": round(time.perf_counter() - t0, 2)}
     with outputs.claim(job.out, job.force, job.inputs()) as out:
-        spec = get(job.method)
-        lazy = job.offload_dir is not None and spec.blockwise and job.mixed is None
         lm = load_model(job.model, lazy=lazy)
         run = _Run(job, lm, device)
         result = run.execute()
         run.save(out, result)
     result["out"] = str(out)
+    if world > 1:
+        result["world"] = world
     result["seconds"] = round(time.perf_counter() - t0, 2)
     return result
+
+
+def _join_world(job: QuantizeJob) -> tuple[int, int]:
+    """(rank, world) under torchrun (joining its process group), checked against the job before any work.
+
+    Block-wise tuning splits the calibration samples and each mini-batch evenly over the
+    ranks; any other method would only repeat the same work on every rank.
+    """
+    import os
+
+    if int(os.environ.get("WORLD_SIZE", "1")) == 1:
+        return 0, 1
+    spec = get(job.method)
+    world = int(os.environ["WORLD_SIZE"])
+    if not spec.blockwise or job.mixed is not None:
+        raise ConfigError(f"--method {job.method}{' with mixed precision' if job.mixed else ''} does not run "
+                          f"data-parallel; launch it as one process (torchrun gave {world}), or use a block-wise "
+                          f"method ({' | '.join(_block_methods())})")
+    if job.calib.nsamples % world:
+        raise ConfigError(f"--nsamples {job.calib.nsamples} does not split over the {world} torchrun processes; "
+                          f"pass a multiple of {world}")
+    batch = getattr(job.settings, "batch_size", None)
+    if batch is not None and min(batch, job.calib.nsamples) % world:
+        raise ConfigError(f"a tuning mini-batch of {min(batch, job.calib.nsamples)} samples does not split over "
+                          f"the {world} torchrun processes; pass --batch-size a multiple of {world}")
+    from lowbit.train.distributed import init_from_env
+
+    return init_from_env()
 
 
 class _Run:
@@ -162,9 +201,31 @@ class _Run:
 
             check_feasible(lm.model, self.plan, job.mixed)
         self.allocation = None
+        self._check_whole_model_fits()
         self.ev = job.evaluation.tokens(lm.tokenizer) if job.evaluation is not None else None
         self.calib = job.calib.batches(lm.tokenizer) if job.needs_calib else None
         self.source_digest = _float_digest(lm.model, list(self.plan))
+
+    def _check_whole_model_fits(self) -> None:
+        """The whole-model passes (perplexities, RTN, DeltaLoss) must fit the device: checked before any work.
+
+        A lazily loaded model is evaluated only once quantized: its planned weights then take
+        about a byte each (codes, plus scales), the rest its own size.
+        """
+        from lowbit.models.lazy import is_lazy
+        from lowbit.models.placement import check_fits, model_bytes
+
+        job, model = self.job, self.lm.model
+        whole = job.evaluation is not None or not get(job.method).blockwise or job.mixed is not None
+        if not whole or self.device is None:
+            return
+        if is_lazy(model):
+            size = model_bytes(model, dict.fromkeys(self.plan, 1))
+            what = "evaluating the quantized model"
+        else:
+            size = model_bytes(model)
+            what = "the float perplexity" if job.evaluation is not None else f"--method {job.method}"
+        check_fits(size, self.device, what)
 
     def execute(self) -> dict[str, Any]:
         from lowbit.models.lazy import is_lazy
@@ -185,7 +246,8 @@ class _Run:
             self.plan = self.allocation.plan
         self.plan = quantize_model(model, self.plan, job.method, job.settings, calib=self.calib,
                                    device=None if self.device is None else str(self.device), workdir=job.workdir,
-                                   offload_dir=job.offload_dir, progress=job.progress)
+                                   offload_dir=job.offload_dir, progress=job.progress,
+                                   cache_device=job.cache_device or "device")
         result["quantize_seconds"] = round(time.perf_counter() - t0, 2)
         result["scheme"] = job.scheme if kmix.is_mix(job.scheme) else self.plan.describe()
         if kmix.is_mix(job.scheme) or any(s.super_block for s in self.plan.schemes()):

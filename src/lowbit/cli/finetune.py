@@ -40,6 +40,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--merge", action="store_true",
                    help="merge the adapters and re-quantize: --out becomes a plain lowbit checkpoint")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--parallel", default="ddp", help="under torchrun: ddp (replicas) | fsdp (sharded, GPUs)")
     common.add_device(p, "initialisation, training and evaluation")
     common.add_data(p)
     p.add_argument("--eval-data", default=None, help="text for perplexity (default: the bundled corpus' eval split)")
@@ -55,7 +56,8 @@ def build_job(args: argparse.Namespace):
     cfg = peft_config(args.adapter, rank=args.rank, seed=args.seed, **common.given(args, *ADAPTER_FLAGS))
     warmup = args.warmup if args.warmup is not None else int(0.06 * args.steps)
     train = TrainConfig(steps=args.steps, batch_size=args.batch_size, grad_accum=args.grad_accum,
-                        lr=args.lr or DEFAULT_LR[cfg.adapter], warmup=warmup, seed=args.seed, progress=not args.json)
+                        lr=args.lr or DEFAULT_LR[cfg.adapter], warmup=warmup, seed=args.seed, progress=not args.json,
+                        parallel=args.parallel)
     data = TrainingData(args.data, nsamples=args.nsamples, seqlen=args.seqlen, seed=args.seed)
     return FinetuneJob(args.quantized_dir, args.out, cfg, train, data=data, base_model=args.base_model,
                        evaluation=common.evaluation(args, args.eval_data), merge=args.merge, device=args.device,

@@ -73,8 +73,13 @@ def run(args: argparse.Namespace) -> dict:
     return result
 
 
-def print_table(rows, fp_ppl=None, file=sys.stderr) -> None:
-    """Scheme lines x block sizes, relative weight error (and ppl) per cell."""
+def print_table(rows, fp_ppl=None, file=None) -> None:
+    """Scheme lines x block sizes, relative weight error (and ppl) per cell (to stderr by default).
+
+    ``sys.stderr`` is looked up when called: a default bound at import would keep a stream
+    that was replaced (and closed) since, e.g. by a test's output capture.
+    """
+    file = file if file is not None else sys.stderr
     blocks = sorted({r.block for r in rows})
     labels = list(dict.fromkeys(r.label for r in rows))
     cell = {(r.label, r.block): r for r in rows}

@@ -8,7 +8,7 @@ from lowbit.cli import common
 from lowbit.cli.common import UNSET
 
 # flags that set fields of the chosen method's settings dataclass (field = flag name)
-METHOD_FLAGS = ("search", "iters", "batch_size", "preset", "fp_inputs", "tune_dtype")
+METHOD_FLAGS = ("search", "iters", "batch_size", "preset", "fp_inputs", "tune_dtype", "cache_dtype", "compile")
 MIXED_FLAGS = ("avg_bits", "options", "delta_mode", "tie_qkv", "count_scales")
 CALIB_FLAGS = ("nsamples", "seqlen")
 
@@ -39,6 +39,15 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="signround, signround2: precision of the tuned layers' products (and of the DeltaLoss "
                         "passes): auto (default) = bf16 where the CPU/GPU has bf16 dot products except for "
                         "2-bit blocks, else fp32")
+    g.add_argument("--cache-dtype", choices=("auto", "bf16", "fp32"), default=UNSET,
+                   help="signround, signround2: storage of the cached block inputs and FP targets (auto = bf16 on "
+                        "a GPU, fp32 on the CPU; the block still computes in fp32)")
+    g.add_argument("--compile", action="store_true", default=UNSET,
+                   help="signround, signround2: torch.compile the tuned block (off by default)")
+    g.add_argument("--cache-device", choices=("device", "cpu"), default=None,
+                   help="signround, signround2: where the cached activations live: device (default) or cpu "
+                        "(host memory streamed per mini-batch: the most memory-lean mode for large models on "
+                        "small GPUs)")
     g.add_argument("--workdir", default=None, help="signround, signround2: folder for per-block results (resume)")
     g.add_argument("--offload-dir", default=None,
                    help="signround, signround2: keep blocks on disk, one block's weights in memory")
@@ -79,7 +88,8 @@ def build_job(args: argparse.Namespace):
     job = QuantizeJob(out=args.out, model=args.model, scheme=vars(args).get("scheme"), plan_file=args.plan,
                       lm_head=args.lm_head, method=args.method, settings=settings, mixed=mixed,
                       calib=Calibration(args.data, **calib), evaluation=common.evaluation(args, args.data),
-                      device=args.device, workdir=args.workdir, offload_dir=args.offload_dir, force=args.force,
+                      device=args.device, workdir=args.workdir, offload_dir=args.offload_dir,
+                      cache_device=args.cache_device, force=args.force,
                       progress=not args.json)
     if calib and not job.needs_calib:
         raise ConfigError(f"{', '.join(common.flag(k) for k in calib)} set the calibration data, which "

@@ -181,12 +181,21 @@ def load(path: str | Path, device: str | torch.device = "cpu") -> tuple[nn.Modul
 
 
 def _empty_model(path: Path) -> nn.Module:
+    """The architecture with every parameter on the meta device (buffers real: rotary tables).
+
+    The quantized layers replace the Linears and the other tensors are assigned from the
+    file, so loading never allocates (or randomly initialises) the float model: a 4-bit
+    checkpoint loads in about its packed size.
+    """
     from transformers import AutoConfig, AutoModelForCausalLM
+
+    from lowbit.models.lazy import params_on_meta
 
     config = AutoConfig.from_pretrained(path)
     if hasattr(config, "quantization_config"):
         del config.quantization_config
-    return AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32)
+    with params_on_meta():
+        return AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32)
 
 
 def _quant_layer(name: str, spec: dict, tensors: dict[str, torch.Tensor]) -> QuantLinear:
@@ -219,7 +228,13 @@ def _load_rest(model: nn.Module, tensors: dict[str, torch.Tensor], manifest: dic
     missing = [k for k in expected if k not in tensors and k not in qbuf]
     if missing:
         raise CheckpointError(f"checkpoint lacks tensors {missing[:5]}...; re-create it")
-    model.load_state_dict(tensors, strict=False)
+    # the float parameters are still on meta: assign the file's tensors (in the model's dtype)
+    model.load_state_dict({k: t.to(expected[k].dtype) for k, t in tensors.items()}, strict=False, assign=True)
+    if hasattr(model, "tie_weights") and getattr(model.config, "tie_word_embeddings", False):
+        model.tie_weights()
+    left = [n for n, p in model.named_parameters() if p.device.type == "meta"]
+    if left:
+        raise CheckpointError(f"checkpoint lacks tensors {left[:5]}...; re-create it")
 
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")

@@ -39,6 +39,36 @@ def check_device(device: str | torch.device | None) -> torch.device | None:
     return dev
 
 
+def free_bytes(device: torch.device) -> int | None:
+    """Free memory on a GPU ``device`` (None on the CPU: host memory is not checked)."""
+    if device.type != "cuda":
+        return None
+    return torch.cuda.mem_get_info(device)[0]
+
+
+def check_fits(nbytes: int, device: torch.device | None, what: str) -> None:
+    """A whole-model pass of ``nbytes`` of weights must fit the device with room for activations, or one error.
+
+    Checked before any work, so a model too large for the GPU fails in seconds, not after
+    an hour of tuning when its quantized perplexity is evaluated.
+    """
+    free = free_bytes(device) if device is not None else None
+    if free is None or nbytes * 1.15 + 2**30 <= free:
+        return
+    raise ConfigError(f"{what} needs the whole model on {device}: ~{nbytes / 2**30:.1f} GiB of weights plus "
+                      f"activations, and only {free / 2**30:.1f} GiB is free; pass --no-eval (the block-wise "
+                      "methods tune one block at a time), or run it with --device cpu")
+
+
+def model_bytes(model: nn.Module, packed: dict[str, int] | None = None) -> int:
+    """Bytes of the model's tensors (meta ones counted by shape); ``packed``: name -> bytes per weight instead."""
+    total = 0
+    for name, t in [*model.named_parameters(), *model.named_buffers()]:
+        per = (packed or {}).get(name.removesuffix(".weight")) if name.endswith(".weight") else None
+        total += t.numel() * (per if per is not None else t.element_size())
+    return total
+
+
 def model_device(model: nn.Module) -> torch.device:
     """The device of the model's first parameter (CPU for a model without any)."""
     p = next(model.parameters(), None)

@@ -2,9 +2,14 @@
 
 The codes, scales, zeros and tensor scale are registered buffers, so ``state_dict``,
 ``.to(device)`` and checkpointing work as for any module, and the layer rebuilds its
-`QTensor` on demand. The dequantized weight is cached (invalidated whenever the
-quantized weight is replaced) because evaluation calls forward many times with the
-same weight. Adapters (QWHA, LoRA) plug in through ``self.adapters``: each is called on
+`QTensor` on demand. In evaluation the weight is dequantized in each forward and
+dropped after it, so a loaded 2-bit model takes its packed size plus one layer's float
+weight, not the float model's memory (issue 22; the dequantization is elementwise, a
+small cost next to the GEMM over a window of tokens). While training (``module.train()``:
+adapters or QAT on the frozen base) the dequantized weight is kept between steps, because
+every step reuses it and the float copy is what training holds anyway; ``cache=True`` /
+``False`` forces either behaviour. The cache is dropped whenever the quantized weight is
+replaced, the module moves, or it goes back to evaluation. Adapters (QWHA, LoRA) plug in through ``self.adapters``: each is called on
 the layer input and its output is added, so the frozen quantized base never changes.
 An adapter whose ``folds(x)`` is true (a dense ``delta_weight``: QWHA's dense path,
 FourierFT) is instead added to the dequantized weight before the single GEMM: the
@@ -24,7 +29,7 @@ from lowbit.formats import QTensor, Scheme, quantize
 class QuantLinear(nn.Module):
     """y = x @ dequant(Q)^T + b + sum(adapter(x) for adapter in adapters)."""
 
-    def __init__(self, qweight: QTensor, bias: torch.Tensor | None = None, cache: bool = True) -> None:
+    def __init__(self, qweight: QTensor, bias: torch.Tensor | None = None, cache: bool | None = None) -> None:
         super().__init__()
         self.out_features, self.in_features = qweight.shape
         self.cache = cache
@@ -65,9 +70,19 @@ class QuantLinear(nn.Module):
                 not c.is_inference() or torch.is_inference_mode_enabled()):
             return c
         w = self.qweight.dequantize()
-        if self.cache:  # the base is frozen (buffers only), so training may reuse it too
+        if self.keeps_weight:  # the base is frozen (buffers only), so training may reuse it
             self._cached = w
         return w
+
+    @property
+    def keeps_weight(self) -> bool:
+        """Whether the dequantized weight is kept between forwards (while training, unless forced)."""
+        return self.training if self.cache is None else self.cache
+
+    def train(self, mode: bool = True) -> QuantLinear:
+        if not mode and self.cache is None:
+            self._cached = None  # evaluation keeps weights packed
+        return super().train(mode)
 
     def _apply(self, fn, recurse=True):  # .to()/.cuda() must drop the cache
         self._cached = None

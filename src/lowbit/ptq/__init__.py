@@ -28,7 +28,7 @@ __all__ = ["MixedSettings", "RTNSettings", "RunContext", "SignRoundSettings", "m
 def quantize_model(model: nn.Module, plan: Plan, method: str = "rtn", settings: Any = None, *,
                    calib: torch.Tensor | None = None, mixed: MixedSettings | None = None,
                    device: str | None = None, workdir: str | None = None, offload_dir: str | None = None,
-                   progress: bool = True, keep16: bool = True) -> Plan:
+                   progress: bool = True, keep16: bool = True, cache_device: str = "device") -> Plan:
     """Quantize ``model`` in place with ``method``; returns the applied plan.
 
     settings: the method's settings dataclass, a mapping of its fields (checked strictly),
@@ -36,6 +36,7 @@ def quantize_model(model: nn.Module, plan: Plan, method: str = "rtn", settings: 
     plan's own schemes are then ignored; its layers are the ones allocated).
     keep16: round the embeddings and an unquantized lm_head to fp16 values, so the
     checkpoint stores them in 16 bits exactly (the numbers evaluated are the numbers saved).
+    cache_device: block-wise methods' activation caches on the compute "device" or the "cpu".
     """
     spec = get(method)
     settings = coerce_settings(method, settings)
@@ -43,7 +44,8 @@ def quantize_model(model: nn.Module, plan: Plan, method: str = "rtn", settings: 
         materialize(model)  # a lazily loaded model, for passes that need all of it at once
     if mixed is not None:
         plan = mixed_plan(model, plan, mixed, calib, device=device, progress=progress).plan
-    ctx = RunContext(calib=calib, device=device, workdir=workdir, offload_dir=offload_dir, progress=progress)
+    ctx = RunContext(calib=calib, device=device, workdir=workdir, offload_dir=offload_dir, progress=progress,
+                     cache_device=cache_device)
     plan = spec.run(model, plan, settings, ctx)
     if keep16:
         round_unquantized_to_half(model)

@@ -29,6 +29,8 @@ class RunContext:
     calib: LongTensor ``[n, seqlen]`` from the calibration split (None for data-free runs).
     device: compute device (None = where the model is). workdir: per-block results, so an
     interrupted block-wise run resumes. offload_dir: keep FP blocks on disk (block-wise only).
+    cache_device: where a block-wise method keeps its cached activations: "device" (the
+    compute device) or "cpu" (host memory streamed per mini-batch, the leanest mode).
     """
 
     calib: torch.Tensor | None = None
@@ -36,6 +38,7 @@ class RunContext:
     workdir: str | None = None
     offload_dir: str | None = None
     progress: bool = True
+    cache_device: str = "device"
 
 
 RunFn = Callable[[nn.Module, Plan, Any, RunContext], Plan]  # returns the plan it applied

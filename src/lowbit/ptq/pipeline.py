@@ -35,6 +35,7 @@ from lowbit.formats import QTensor, Scheme
 from lowbit.formats.plan import Plan
 from lowbit.io import atomic_write_bytes, atomic_write_text, sha256_file
 from lowbit.models.activations import activation_stats
+from lowbit.models.attention import tuning_attention
 from lowbit.models.layers import block_path, decoder_blocks
 from lowbit.models.lazy import is_lazy, load_block, materialize
 from lowbit.models.placement import check_device
@@ -63,6 +64,13 @@ class BlockJob:
     y: torch.Tensor
     kwargs: dict[str, Any]
     imp: dict[str, torch.Tensor] | None
+    device: torch.device | None = None  # compute device (None = where ``x`` is)
+    dtype: torch.dtype | None = None  # the block's activation dtype (None = ``x``'s)
+    shard: Shard | None = None  # this process's part of each mini-batch under torch.distributed
+
+    def fetch(self, cache: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+        """Rows ``idx`` of ``x`` or ``y`` on the compute device in the block's dtype (see `gather_rows`)."""
+        return gather_rows(cache, idx, self.device or cache.device, self.dtype or cache.dtype)
 
 
 class BlockTuner(Protocol):
@@ -93,16 +101,117 @@ def run_block(block: nn.Module, x: torch.Tensor, kwargs: Mapping[str, Any], chun
     return torch.cat(outs)
 
 
+# ------------------------------------------------------------------ the caches
+CACHE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+CACHE_DEVICES = ("device", "cpu")
+
+
+@dataclass(frozen=True)
+class Shard:
+    """Rank ``rank`` of ``world`` processes (torch.distributed) tuning one model together."""
+
+    rank: int = 0
+    world: int = 1
+
+    def rows(self, n: int) -> slice:
+        """This rank's contiguous share of ``n`` samples (``n`` divisible by ``world``)."""
+        k = n // self.world
+        return slice(self.rank * k, (self.rank + 1) * k)
+
+
+def current_shard() -> Shard:
+    """The torch.distributed rank and world size (rank 0 of 1 without a process group)."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return Shard(dist.get_rank(), dist.get_world_size())
+    return Shard()
+
+
+def new_cache(shape: tuple[int, ...], dtype: torch.dtype, where: torch.device, device: torch.device
+              ) -> torch.Tensor:
+    """An empty activation cache on ``where``; page-locked when it sits on the host of a GPU ``device``.
+
+    Page-locked memory lets each mini-batch copy to the GPU asynchronously (``non_blocking``).
+    """
+    pin = where.type == "cpu" and device.type == "cuda"
+    return torch.empty(shape, dtype=dtype, device=where, pin_memory=pin)
+
+
+def gather_rows(cache: torch.Tensor, idx: torch.Tensor, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """``cache[idx]`` on ``device`` in ``dtype``, without synchronising the host.
+
+    ``idx`` lives with the cache. A host cache is gathered into page-locked memory from
+    torch's caching host allocator (which does not hand a buffer out again before its
+    copy has finished), then copied asynchronously.
+    """
+    if cache.device == device or cache.device.type == device.type == "cpu":
+        return cache[idx].to(dtype)
+    buf = torch.empty((len(idx), *cache.shape[1:]), dtype=cache.dtype, pin_memory=device.type == "cuda")
+    torch.index_select(cache, 0, idx, out=buf)
+    return buf.to(device, non_blocking=True).to(dtype)
+
+
+def map_block(block: nn.Module, src: torch.Tensor, dst: torch.Tensor, kwargs: Mapping[str, Any], chunk: int,
+              device: torch.device, dtype: torch.dtype, shard: Shard = Shard()) -> None:
+    """``dst = block(src)`` in chunks of samples, computed on ``device`` in ``dtype``; ``dst`` may be ``src``.
+
+    Writing in place keeps one cache instead of two: a chunk is read before its output
+    overwrites it, and samples never mix. Under torch.distributed each rank runs its own
+    share of the samples and the outputs are all-gathered chunk by chunk, so every rank
+    ends with the whole ``dst``; chunks are cut as in one process, so outputs are the same.
+    """
+    rows = shard.rows(src.shape[0])
+    for start in range(rows.start, rows.stop, chunk):
+        stop = min(start + chunk, rows.stop)
+        part = src[start:stop].to(device, non_blocking=True).to(dtype)
+        y = block(part, **kwargs)
+        y = (y[0] if isinstance(y, tuple) else y).to(dst.dtype)
+        if shard.world == 1:
+            dst[start:stop].copy_(y, non_blocking=True)
+            continue
+        import torch.distributed as dist
+
+        parts = [torch.empty_like(y) for _ in range(shard.world)]
+        dist.all_gather(parts, y.contiguous())
+        k = src.shape[0] // shard.world
+        for r, got in enumerate(parts):
+            dst[r * k + start - rows.start: r * k + stop - rows.start].copy_(got, non_blocking=True)
+    if dst.device.type == "cpu" and device.type == "cuda":
+        torch.cuda.current_stream(device).synchronize()  # the host reads dst next (once per pass, not per step)
+
+
+def sum_across(stats: Mapping[str, torch.Tensor], shard: Shard) -> dict[str, torch.Tensor]:
+    """Per-rank activation statistics summed over the ranks (identity in one process)."""
+    if shard.world == 1:
+        return dict(stats)
+    import torch.distributed as dist
+
+    out = {}
+    for name, t in stats.items():
+        t = t.clone()
+        dist.all_reduce(t)
+        out[name] = t
+    return out
+
+
 # ---------------------------------------------------------------------- capture
-def capture_inputs(model: nn.Module, block0: nn.Module, calib: torch.Tensor,
-                   device: torch.device) -> tuple[torch.Tensor, dict[str, Any]]:
-    """Hidden states entering block 0 for every sample, and the kwargs the block gets, on ``device``.
+def capture_inputs(model: nn.Module, block0: nn.Module, calib: torch.Tensor, device: torch.device,
+                   dtype: torch.dtype | None = None, where: torch.device | None = None,
+                   shard: Shard = Shard()) -> tuple[torch.Tensor, dict[str, Any]]:
+    """Hidden states entering block 0 for every sample, and the kwargs the block gets.
 
     Samples go one at a time (only embeddings run before the hook stops the model), so
     every captured kwarg has batch dimension 1 and broadcasts over any mini-batch. The
     embeddings run where the model's input embedding lives (the model stays off the
-    compute device; only one block at a time goes there), then the results move.
+    compute device; only one block at a time goes there). The hidden states are written
+    into one cache on ``where`` (default ``device``) in ``dtype`` (default the model's);
+    the kwargs go to ``device``. Under torch.distributed each rank embeds its own share
+    of the samples and the rows are all-gathered (embedding is a lookup: no arithmetic
+    to differ).
     """
+    if len(calib) == 0:
+        raise ConfigError("no calibration samples; pass nsamples >= 1")
     store: list[tuple[tuple, dict]] = []
     src = input_device(model)
 
@@ -111,25 +220,41 @@ def capture_inputs(model: nn.Module, block0: nn.Module, calib: torch.Tensor,
         raise _StopForward
 
     handle = block0.register_forward_pre_hook(hook, with_kwargs=True)
-    xs = []
+    cache, first = None, {}
+    rows = shard.rows(len(calib))
     try:
         with torch.no_grad():
-            for row in calib:
+            for i in range(rows.start, rows.stop):
                 try:
-                    model(input_ids=row.unsqueeze(0).to(src), use_cache=False)
+                    model(input_ids=calib[i].unsqueeze(0).to(src), use_cache=False)
                 except _StopForward:
                     pass
                 args, kw = store.pop()
-                xs.append((args[0] if args else kw["hidden_states"]).detach().to(device))
-                if len(xs) == 1:
+                h = (args[0] if args else kw["hidden_states"]).detach()
+                if cache is None:
                     first = kw
+                    cache = new_cache((len(calib), *h.shape[1:]), dtype or h.dtype, where or device, device)
+                cache[i].copy_(h[0])
     finally:
         handle.remove()
-    if not xs:
-        raise ConfigError("no calibration samples; pass nsamples >= 1")
     kwargs = {k: v for k, v in first.items() if k not in _DROP_KWARGS and k != "hidden_states"}
     kwargs["use_cache"] = False
-    return torch.cat(xs), _to(kwargs, device)
+    if shard.world > 1:
+        _gather_rows(cache, rows, shard, device)
+    return cache, _to(kwargs, device)
+
+
+def _gather_rows(cache: torch.Tensor, rows: slice, shard: Shard, device: torch.device) -> None:
+    """Every rank's captured rows into every rank's cache (sample by sample, through ``device``)."""
+    import torch.distributed as dist
+
+    comm = device if dist.get_backend() == "nccl" else torch.device("cpu")
+    for j in range(rows.stop - rows.start):
+        mine = cache[rows.start + j].to(comm)
+        parts = [torch.empty_like(mine) for _ in range(shard.world)]
+        dist.all_gather(parts, mine)
+        for r, got in enumerate(parts):
+            cache[r * (rows.stop - rows.start) + j].copy_(got)
 
 
 def input_device(model: nn.Module) -> torch.device:
@@ -326,12 +451,34 @@ class PipelineOptions:
     chunk: samples per forward when computing targets / propagating.
     device: compute device for the block being tuned.
     offload_dir: keep FP block weights on disk, loading one block at a time.
+    cache_dtype: storage of the cached block inputs and FP targets ("fp32" | "bf16"); the
+        block always computes in its own dtype, each mini-batch is cast on the way in.
+    cache_device: where those caches live: "device" (the compute device) or "cpu" (host
+        memory, page-locked on a GPU machine, streamed per mini-batch: the leanest mode,
+        for large models on small GPUs).
     """
 
     fp_inputs: bool = False
     chunk: int = 8
     device: str = "cpu"
     offload_dir: str | None = None
+    cache_dtype: str = "fp32"
+    cache_device: str = "device"
+
+    def __post_init__(self) -> None:
+        if self.cache_dtype not in CACHE_DTYPES:
+            raise ConfigError(f"cache dtype must be one of {sorted(CACHE_DTYPES)}, got {self.cache_dtype!r}")
+        if self.cache_device not in CACHE_DEVICES:
+            raise ConfigError(f"--cache-device must be one of {list(CACHE_DEVICES)}, got {self.cache_device!r}")
+        if self.chunk < 1:
+            raise ConfigError(f"chunk must be >= 1 sample, got {self.chunk}")
+
+
+def check_world(nsamples: int, shard: Shard) -> None:
+    """Under torch.distributed the calibration samples split evenly over the ranks, or it is an error."""
+    if nsamples % shard.world:
+        raise ConfigError(f"{nsamples} calibration samples do not split over {shard.world} processes; pass "
+                          f"--nsamples a multiple of {shard.world} (or launch a world size that divides it)")
 
 
 def quantize_blockwise(model: nn.Module, plan: Plan, calib: torch.Tensor, tuner: BlockTuner,
@@ -343,18 +490,31 @@ def quantize_blockwise(model: nn.Module, plan: Plan, calib: torch.Tensor, tuner:
     settings: everything that determines the result (method, config); stored in the
     work folder so a resume with different settings is refused.
     on_block: called with the block index after each block is saved (tests interrupt here).
+
+    Caches: the quantized inputs ``X_q`` and one FP buffer that holds ``X_fp`` until the
+    block's targets overwrite it in place (``Y`` is the next block's ``X_fp``); with
+    ``fp_inputs`` the tuner reads ``X_fp`` itself, so ``Y`` gets a buffer of its own.
+    Under torch.distributed (torchrun) every rank computes its share of the samples in
+    the forward passes, the caches are all-gathered, and only rank 0 writes the work folder.
     """
+    shard = current_shard()
+    check_world(len(calib), shard)
     blocks = decoder_blocks(model)
     names = module_names(model)
     device = check_device(options.device) or torch.device("cpu")
-    x, kwargs = capture_inputs(model, blocks[0], calib, device)
-    wd = WorkDir(workdir, {**settings, "plan": plan.to_dict(), "fp_inputs": options.fp_inputs,
-                           "chunk": options.chunk, **fingerprint(model, calib)}) if workdir else None
-    offload = block_loader(model, blocks, options.offload_dir)
-    start = wd.done(len(blocks)) if wd else 0
-    x_fp, x_q = x, (None if options.fp_inputs else x.clone())
+    where = device if options.cache_device == "device" else torch.device("cpu")
+    x, kwargs = capture_inputs(model, blocks[0], calib, device, CACHE_DTYPES[options.cache_dtype], where, shard)
+    dtype = _block_dtype(blocks[0])
+    wd = _workdir(workdir, {**settings, "plan": plan.to_dict(), "fp_inputs": options.fp_inputs,
+                            "chunk": options.chunk, **_cache_setting(options), **fingerprint(model, calib)}, shard)
+    offload = block_loader(model, blocks, _rank_folder(options.offload_dir, shard))
+    start = _resume_point(wd, len(blocks), shard)
+    x_fp, x_q = x, None
+    if not options.fp_inputs:
+        x_q = new_cache(x.shape, x.dtype, x.device, device)
+        x_q.copy_(x)
     infos: list[dict[str, float]] = []
-    bar = tqdm(range(len(blocks)), desc="ptq blocks", unit="block", disable=not progress)
+    bar = tqdm(range(len(blocks)), desc="ptq blocks", unit="block", disable=not progress or shard.rank != 0)
     for i in bar:
         block = blocks[i]
         layers = block_layers(plan, names[id(block)])
@@ -364,23 +524,29 @@ def quantize_blockwise(model: nn.Module, plan: Plan, calib: torch.Tensor, tuner:
         t0 = time.perf_counter()
         want_imp = tuner.needs_importance and i >= start
         hooked = {n: block.get_submodule(r) for n, (r, _) in layers.items()} if want_imp else {}
-        with torch.no_grad(), activation_stats(hooked, ("sumsq",)) as h:
-            y = run_block(block, x_fp, kwargs, options.chunk)
+        x_in = x_q if x_q is not None else x_fp
+        # the targets overwrite X_fp in place, unless the tuner reads X_fp itself
+        y = x_fp if x_q is not None else new_cache(x_fp.shape, x_fp.dtype, x_fp.device, device)
+        with torch.no_grad(), activation_stats(hooked, ("sumsq",)) as h, tuning_attention(model):
+            map_block(block, x_fp, y, kwargs, options.chunk, device, dtype, shard)
+        x_fp = None
         if i < start:
             qts = wd.load_block(i, layers, _shapes(block, layers))  # type: ignore[union-attr]
             info: dict[str, float] = {"resumed": 1.0}
         else:
-            imp = h.result("sumsq") if want_imp else None
-            job = BlockJob(i, block, layers, x_q if x_q is not None else x_fp, y, kwargs, imp)
-            qts, info = tuner(job)
+            imp = sum_across(h.result("sumsq"), shard) if want_imp else None
+            job = BlockJob(i, block, layers, x_in, y, kwargs, imp, device, dtype, shard)
+            with tuning_attention(model):
+                qts, info = tuner(job)
             if wd and i in wd.damaged:
                 info["retuned_damaged"] = 1.0
-            if wd:
+            if wd and shard.rank == 0:
                 wd.save_block(i, qts)
+        x_in = None
         _install(block, layers, qts, device)
         if x_q is not None:
-            with torch.no_grad():
-                x_q = run_block(block, x_q, kwargs, options.chunk)
+            with torch.no_grad(), tuning_attention(model):
+                map_block(block, x_q, x_q, kwargs, options.chunk, device, dtype, shard)
         x_fp = y
         block.to("cpu")
         info["seconds"] = time.perf_counter() - t0
@@ -392,6 +558,52 @@ def quantize_blockwise(model: nn.Module, plan: Plan, calib: torch.Tensor, tuner:
     if is_lazy(model):
         materialize(model)  # every block is loaded by now: this only drops the marker
     return infos
+
+
+def _block_dtype(block: nn.Module) -> torch.dtype:
+    """The dtype the block computes in (its first floating parameter's)."""
+    for t in [*block.parameters(), *block.buffers()]:
+        if t.is_floating_point() and t.device.type != "meta":
+            return t.dtype
+    return torch.float32
+
+
+def _cache_setting(options: PipelineOptions) -> dict[str, str]:
+    """The cache dtype changes results, so resuming needs the same one (fp32 caches kept the old record)."""
+    return {} if options.cache_dtype == "fp32" else {"cache_dtype": options.cache_dtype}
+
+
+def _workdir(path: str | Path | None, settings: dict[str, Any], shard: Shard) -> WorkDir | None:
+    """The work folder; under torch.distributed rank 0 creates it before the others open it."""
+    if path is None:
+        return None
+    if shard.world == 1:
+        return WorkDir(path, settings)
+    import torch.distributed as dist
+
+    wd = WorkDir(path, settings) if shard.rank == 0 else None
+    dist.barrier()
+    return wd or WorkDir(path, settings)
+
+
+def _resume_point(wd: WorkDir | None, nblocks: int, shard: Shard) -> int:
+    """Blocks already finished; rank 0 checks (and prunes) the folder before the other ranks read it."""
+    if wd is None:
+        return 0
+    if shard.world == 1:
+        return wd.done(nblocks)
+    import torch.distributed as dist
+
+    start = wd.done(nblocks) if shard.rank == 0 else 0
+    dist.barrier()
+    return start if shard.rank == 0 else wd.done(nblocks)
+
+
+def _rank_folder(folder: str | None, shard: Shard) -> str | None:
+    """Each rank offloads into a folder of its own (ranks on one machine must not share the files)."""
+    if folder is None or shard.world == 1:
+        return folder
+    return str(Path(folder) / f"rank{shard.rank}")
 
 
 def _to(kwargs: dict[str, Any], device: torch.device) -> dict[str, Any]:

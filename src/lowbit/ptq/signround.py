@@ -28,7 +28,7 @@ from lowbit.formats.plan import Plan
 from lowbit.nn import set_module
 from lowbit.nn.precision import resolve_dtype
 from lowbit.ptq.methods import Method, RunContext, register
-from lowbit.ptq.pipeline import BlockJob, PipelineOptions, quantize_blockwise, run_block
+from lowbit.ptq.pipeline import CACHE_DTYPES, BlockJob, PipelineOptions, Shard, quantize_blockwise
 from lowbit.ptq.rounders import make_rounder
 
 TUNE_DTYPES = ("auto", "bf16", "fp32")
@@ -60,6 +60,15 @@ class SignRoundSettings:
         V2 27.53 fp32, 27.68 amp), so 2-bit blocks stay fp32 under "auto". Preset "best"
         pins fp32. The DeltaLoss passes of mixed precision follow the hardware rule only:
         they rank layers, and bf16 ranked them as fp32 did.
+    cache_dtype: storage of the cached block inputs and FP targets between passes ("auto" |
+        "bf16" | "fp32"); every mini-batch is cast back to the block's fp32 before use. bf16
+        halves the caches (at 128 x 2048 tokens of a 2048-wide model: 2 GiB instead of 4),
+        which is what GPU memory needs; "auto" = bf16 on a GPU, fp32 on the CPU (where memory
+        is rarely the limit and results stay bit-identical to earlier releases). The
+        perplexity check of bf16 caches on the bundled model (``benchmarks/ptq_cache.py``)
+        could not run to the end yet: see benchmarks/results/gpu.md.
+    compile: run the tuned block under ``torch.compile`` in the iteration loop (off by
+        default: whether it pays is measured on the GPU by benchmarks/gpu_session.sh).
     """
 
     iters: int = 200
@@ -73,10 +82,15 @@ class SignRoundSettings:
     fp_scale_lr: float = 0.1
     fp_inputs: bool = False
     tune_dtype: str = "auto"
+    cache_dtype: str = "auto"
+    compile: bool = False
 
     def __post_init__(self) -> None:
         if self.tune_dtype not in TUNE_DTYPES:
             raise ConfigError(f"tune_dtype must be one of {sorted(TUNE_DTYPES)}, got {self.tune_dtype!r}")
+        if self.cache_dtype != "auto" and self.cache_dtype not in CACHE_DTYPES:
+            raise ConfigError(f"cache_dtype must be one of {['auto', *sorted(CACHE_DTYPES)]}, "
+                              f"got {self.cache_dtype!r}")
         if self.iters < 0:
             raise ConfigError(f"iters must be >= 0, got {self.iters}")
         if self.batch_size < 1:
@@ -98,6 +112,12 @@ class SignRoundSettings:
         if self.tune_dtype == "auto" and bits <= AUTO_FP32_BITS:
             return "fp32"
         return resolve_dtype(self.tune_dtype, device)
+
+    def storage_dtype(self, device: torch.device | str = "cpu") -> str:
+        """The cache dtype on ``device`` ("auto": bf16 on a GPU, fp32 on the CPU)."""
+        if self.cache_dtype != "auto":
+            return self.cache_dtype
+        return "bf16" if torch.device(device).type == "cuda" else "fp32"
 
     def step_size(self, bits: int) -> float:
         if self.lr_low_bits is not None and bits <= 3:
@@ -161,6 +181,35 @@ def filtered_mse(pred: torch.Tensor, ref: torch.Tensor, frac: float) -> torch.Te
     # when the outliers are ~1e6 times larger, which is exactly when filtering matters
     top = err.detach().topk(k, sorted=False).indices
     return err.index_fill(0, top, 0.0).sum() / (err.numel() - k)
+
+
+def filtered_mse_shard(pred: torch.Tensor, ref: torch.Tensor, frac: float, shard: Shard) -> torch.Tensor:
+    """This rank's part of `filtered_mse` over the mini-batch that all ranks share.
+
+    The ranks' parts add up to the loss of the whole batch in one process, and so do
+    their gradients: the same ``k`` largest errors of the whole batch are dropped (each
+    rank offers its own ``k`` largest, all ranks pick the top ``k`` of the gathered
+    values) and every part is divided by the whole batch's count. No host round trip:
+    the choice stays on the device.
+    """
+    if shard.world == 1:
+        return filtered_mse(pred, ref, frac)
+    import torch.distributed as dist
+
+    err = (pred - ref).reshape(-1).pow(2)
+    total = err.numel() * shard.world
+    k = int(total * frac)
+    if k == 0:
+        return err.sum() / total
+    kl = min(k, err.numel())
+    vals, pos = err.detach().topk(kl, sorted=False)
+    parts = [torch.empty_like(vals) for _ in range(shard.world)]
+    dist.all_gather(parts, vals)
+    chosen = torch.zeros(kl * shard.world, dtype=torch.bool, device=err.device)
+    chosen[torch.cat(parts).topk(k, sorted=False).indices] = True
+    mine = chosen[shard.rank * kl: (shard.rank + 1) * kl]
+    keep = torch.ones_like(err).scatter_(0, pos, (~mine).to(err.dtype))
+    return (err * keep).sum() / (total - k)
 
 
 def epoch_batches(n: int, batch_size: int, steps: int, gen: torch.Generator) -> list[torch.Tensor]:
@@ -249,47 +298,121 @@ class SignRoundTuner:
         return groups
 
     def _tune(self, job: BlockJob, rounders: Mapping[str, nn.Module]) -> dict[str, float]:
+        """Tune; the first and the best loss are read back to the host once, after the loop."""
+        first, best = self._descend(job, rounders)
+        return {"rtn_loss": float(first) if first is not None else 0.0, "loss": float(best)}
+
+    def _descend(self, job: BlockJob, rounders: Mapping[str, nn.Module]
+                 ) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """Sign descent over the mini-batches; keeps the parameters of the best loss seen.
+
+        Nothing in the loop reads a value back to the host (a GPU would wait for it every
+        step): the best loss, the flag saying a step improved it and the copy of the best
+        parameters are all device-side, and the two losses reported are read once at the end.
+        Under torch.distributed each rank runs its share of every mini-batch; the losses and
+        the parameters' gradients are summed over the ranks before anything uses them, so
+        every rank takes the same steps as one process would.
+        """
         cfg = self.config
+        shard = job.shard or Shard()
         params = [p for r in rounders.values() for p in r.parameters()]
         groups = self._groups(rounders)
         lr0 = cfg.step_size(narrowest_bits(job))
         frac = cfg.filter_frac if self._use_filter(job) else 0.0
         gen = torch.Generator().manual_seed(cfg.seed * 100003 + job.index)
-        batches = epoch_batches(job.x.shape[0], cfg.batch_size, cfg.iters, gen)
+        order = torch.stack(epoch_batches(job.x.shape[0], cfg.batch_size, cfg.iters, gen))
+        order = order.tensor_split(shard.world, dim=1)[shard.rank].contiguous()  # this rank's part of each
+        if job.x.device.type == "cuda":  # one asynchronous copy from page-locked memory
+            order = order.pin_memory().to(job.x.device, non_blocking=True)
+        device = job.device or job.x.device
+        forward = self._forward(job)
         # the best parameters so far live in buffers allocated once: re-cloning on every
         # improvement briefly held two copies of every rounding offset
-        best, best_state, first = float("inf"), [torch.empty_like(p) for p in params], None
+        best_state = [torch.empty_like(p) for p in params]
+        best = torch.full((), float("inf"), device=device)
+        first = None
         for t in range(cfg.iters):
-            idx = batches[t].to(job.x.device)
-            pred = run_block(job.block, job.x[idx], job.kwargs, cfg.batch_size)
-            loss = filtered_mse(pred, job.y[idx], frac)
-            value = float(loss.detach())
-            first = value if first is None else first
-            if value < best:
-                best = value
-                with torch.no_grad():
-                    torch._foreach_copy_(best_state, params)
+            idx = order[t]
+            pred = forward(job.fetch(job.x, idx))
+            loss = filtered_mse_shard(pred, job.fetch(job.y, idx), frac, shard)
             loss.backward()
+            value = _sum_across(loss.detach(), shard)
+            first = value if first is None else first
+            with torch.no_grad():
+                better = value < best  # NaN never improves
+                torch.where(better, value, best, out=best)
+                for b, p in zip(best_state, params, strict=True):
+                    torch.where(better, p, b, out=b)
+            _sum_grads(params, shard)
             lr = lr0 * (1.0 - t / cfg.iters)
             for ps, mult in groups:
                 sign_step(ps, lr * mult)
             for r in rounders.values():
                 r.clamp_()
         with torch.no_grad():
-            if best < float("inf"):  # a NaN loss never improves: keep the parameters as they are
-                torch._foreach_copy_(params, best_state)
-        return {"rtn_loss": first or 0.0, "loss": best}
+            found = torch.isfinite(best)  # all NaN: keep the parameters as they are
+            for p, b in zip(params, best_state, strict=True):
+                torch.where(found, b, p, out=p.data)
+        return first, best
+
+    def _forward(self, job: BlockJob):  # noqa: ANN202 - a callable on [batch, T, hidden]
+        """The block's forward on one mini-batch (under ``torch.compile`` with ``config.compile``)."""
+        def run(x: torch.Tensor) -> torch.Tensor:
+            y = job.block(x, **job.kwargs)
+            return y[0] if isinstance(y, tuple) else y
+
+        return torch.compile(run, dynamic=False) if self.config.compile else run
+
+
+def _sum_across(x: torch.Tensor, shard: Shard) -> torch.Tensor:
+    """``x`` summed over the ranks (itself in one process); stays on the device."""
+    if shard.world == 1:
+        return x
+    import torch.distributed as dist
+
+    x = x.clone()
+    dist.all_reduce(x)
+    return x
+
+
+def _sum_grads(params: list[nn.Parameter], shard: Shard) -> None:
+    """Each parameter's gradient summed over the ranks, in place (before the sign is taken)."""
+    if shard.world == 1:
+        return
+    import torch.distributed as dist
+
+    for p in params:
+        if p.grad is not None:
+            dist.all_reduce(p.grad)
+
+
+def check_batch_split(settings: SignRoundSettings, nsamples: int, world: int) -> None:
+    """Under torchrun every rank takes an equal share of each mini-batch, or it is an error (before any work)."""
+    bs = min(settings.batch_size, nsamples)
+    if world > 1 and bs % world:
+        raise ConfigError(f"a tuning mini-batch of {bs} samples does not split over {world} processes; pass "
+                          f"--batch-size a multiple of {world}")
 
 
 def signround_quantize(model: nn.Module, plan: Plan, settings: SignRoundSettings, calib: torch.Tensor,
                        device: str | None = None, workdir: str | None = None, offload_dir: str | None = None,
-                       progress: bool = True) -> list[dict[str, float]]:
-    """Quantize ``model`` in place with SignRound (``settings.v2`` for V2); returns per-block info."""
+                       progress: bool = True, cache_device: str = "device") -> list[dict[str, float]]:
+    """Quantize ``model`` in place with SignRound (``settings.v2`` for V2); returns per-block info.
+
+    cache_device: "device" keeps the cached activations on the compute device, "cpu" in
+    (page-locked) host memory, streamed per mini-batch: the most memory-lean mode.
+    """
+    from lowbit.ptq.pipeline import check_world, current_shard
+
     if calib is None or calib.numel() == 0:
         raise ConfigError("SignRound needs calibration batches (LongTensor [nsamples, seqlen])")
+    shard = current_shard()
+    check_world(len(calib), shard)
+    check_batch_split(settings, len(calib), shard.world)
     method = "signround2" if settings.v2 else "signround"
     opts = PipelineOptions(fp_inputs=settings.fp_inputs, chunk=settings.batch_size, device=device or "cpu",
-                           offload_dir=offload_dir)
+                           offload_dir=offload_dir, cache_dtype=settings.storage_dtype(device or "cpu"),
+                           cache_device=cache_device)
     return quantize_blockwise(model, plan, calib, SignRoundTuner(settings),
                               {"method": method, "config": settings.to_dict()}, opts, workdir=workdir,
                               progress=progress)
@@ -297,7 +420,7 @@ def signround_quantize(model: nn.Module, plan: Plan, settings: SignRoundSettings
 
 def _run(model: nn.Module, plan: Plan, settings: SignRoundSettings, ctx: RunContext) -> Plan:
     signround_quantize(model, plan, settings, ctx.calib, device=ctx.device, workdir=ctx.workdir,
-                       offload_dir=ctx.offload_dir, progress=ctx.progress)
+                       offload_dir=ctx.offload_dir, progress=ctx.progress, cache_device=ctx.cache_device)
     return plan
 
 
