@@ -19,7 +19,7 @@ from torch import nn
 from lowbit.api import outputs
 from lowbit.api.common import Calibration, Evaluation, bits_summary, job_device
 from lowbit.errors import ConfigError
-from lowbit.formats import Scheme
+from lowbit.formats import Recipe, Scheme
 from lowbit.formats.plan import Plan
 from lowbit.ptq.methods import coerce_settings, get, make_settings
 from lowbit.ptq.mixed import MixedSettings
@@ -29,9 +29,9 @@ __all__ = ["MixedSettings", "QuantizeJob", "build_plan", "make_settings", "metho
 DEFAULT_SCHEME = "w4g128"
 
 
-def build_plan(model: nn.Module, scheme: str | Scheme | None, plan_file: str | None = None,
+def build_plan(model: nn.Module, scheme: str | Scheme | Recipe | None, plan_file: str | None = None,
                lm_head: bool = False) -> Plan:
-    """The plan for a model: a uniform scheme over its decoder Linears, or a plan file."""
+    """The plan for a model: a uniform recipe over its decoder Linears, or a plan file."""
     from lowbit.models import linear_layers
 
     layers = linear_layers(model, include_lm_head=lm_head)
@@ -42,9 +42,9 @@ def build_plan(model: nn.Module, scheme: str | Scheme | None, plan_file: str | N
             raise ConfigError(f"plan {plan_file} names layers this model lacks or that are not Linear: "
                               f"{unknown[:3]}; make the plan for this model")
     else:
-        plan = Plan.uniform(layers, Scheme.parse(scheme or DEFAULT_SCHEME))
-    for name, s in plan.items():
-        s.check_width(model.get_submodule(name).in_features, name)
+        plan = Plan.uniform(layers, Recipe.parse(scheme or DEFAULT_SCHEME))
+    for name, r in plan.items():
+        r.check_width(model.get_submodule(name).in_features, name)
     return plan
 
 
@@ -89,7 +89,7 @@ class QuantizeJob:
         if len(sources) > 1:
             raise ConfigError(f"{' and '.join(sources)} both choose the layers' schemes; give only one")
         if self.scheme is not None:
-            Scheme.parse(self.scheme)
+            Recipe.parse(self.scheme)
         if self.lm_head and self.plan_file is not None:
             raise ConfigError("--lm-head adds the lm_head to a uniform plan; a plan file names its layers "
                               "itself (add the lm_head there)")
@@ -100,7 +100,16 @@ class QuantizeJob:
 
     @property
     def needs_calib(self) -> bool:
-        return get(self.method).needs_calib(self.settings) or self.mixed is not None
+        return get(self.method).needs_calib(self.settings) or self.mixed is not None or self.static_inputs
+
+    @property
+    def static_inputs(self) -> bool:
+        """Whether some recipe quantizes inputs with static scales (calibrated on the calibration split)."""
+        if self.plan_file is not None:
+            return bool(Plan.load(self.plan_file).needs_calibration())
+        if self.mixed is not None:
+            return any(Recipe.parse(o).needs_calibration for o in self.mixed.options)
+        return Recipe.parse(self.scheme or DEFAULT_SCHEME).needs_calibration
 
     def inputs(self) -> list[str | None]:
         return [self.model, self.plan_file, self.calib.data, self.evaluation and self.evaluation.data]
