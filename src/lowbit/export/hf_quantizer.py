@@ -38,9 +38,8 @@ class PackedSlot(nn.Module):
 
     def build(self) -> nn.Module:
         from lowbit.formats import QTensor, Scheme
-        from lowbit.nn import QuantLinear
-
         from lowbit.models.native import input_quantizer
+        from lowbit.nn import QuantLinear
 
         scheme = Scheme.from_dict(self.spec["scheme"])
         shape = tuple(self.spec["shape"])

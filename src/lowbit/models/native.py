@@ -32,8 +32,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from lowbit.errors import CheckpointError
-from lowbit.errors import SchemeError
+from lowbit.errors import CheckpointError, SchemeError
 from lowbit.formats import InputScheme, QTensor, Scheme
 from lowbit.io import atomic_dir, atomic_write_text, file_inside, sha256_file
 from lowbit.nn import QuantLinear, quant_layers, set_module
