@@ -252,3 +252,41 @@ def test_cli_recipe_runs_and_bad_inputs_are_one_error(tmp_path, capsys, tiny_hf_
     assert main(["export", str(tmp_path / "q"), "--to", "gguf", "--out", str(tmp_path / "m.gguf")]) != 0
     assert "GGUF cannot hold activation quantization" in capsys.readouterr().err
     assert not (tmp_path / "m.gguf").exists()
+
+
+# ------------------------------------------------------------------ the input block-size study
+def test_input_study_rows_and_underflow():
+    from lowbit.studies import input_block_study, w4a4_ppl_fn
+
+    model, c = tiny_model(), calib()
+    names = block_names(model)
+    model.get_submodule(names[0]).register_forward_pre_hook(  # one outlier channel 1e7 x the rest
+        lambda m, a: (a[0] * torch.cat([torch.full((1,), 1e7), torch.ones(63)]),))
+    before = logits(model)
+    calls = []
+    rows = input_block_study(model, names, c, ("nvfp4", "nvfp4:guard=1", "nvfp4-46"), (8, 32), progress=False,
+                             ppl_fn=lambda inputs, amax: calls.append(len(inputs)) or 1.0)
+    assert len(rows) == 6 and calls == [len(names)] * 6
+    by = {(r.label, r.block): r for r in rows}
+    assert by[("nvfp4", 8)].underflow > 0 and by[("nvfp4", 8)].underflow >= by[("nvfp4", 32)].underflow
+    assert by[("nvfp4:guard=1", 8)].underflow == by[("nvfp4", 8)].underflow  # counted before any guard
+    assert by[("nvfp4-46", 8)].rel_error < by[("nvfp4", 8)].rel_error
+    assert torch.equal(logits(model), before)  # the study never changes activations or weights
+    fn = w4a4_ppl_fn(model, names, lambda: float(model(c[:2], labels=c[:2]).loss))
+    fp_loss = float(model(c[:2], labels=c[:2]).loss)
+    assert fn(dict.fromkeys(names, InputScheme.parse("mxfp4")), {}) != fp_loss
+    assert torch.equal(logits(model), before)  # weights restored
+
+
+def test_cli_formats_inputs(tmp_path, capsys, tiny_hf_dir):
+    from lowbit.cli import main
+
+    assert main(["formats", str(tiny_hf_dir), "--inputs", "--schemes", "nvfp4,mxfp4", "--block-sizes", "8,16",
+                 "--nsamples", "2", "--seqlen", "16", "--plot", str(tmp_path / "p.png"), "--json"]) == 0
+    r = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert r["mode"] == "inputs" and len(r["rows"]) == 4 and "verdict_underflow" in r
+    assert (tmp_path / "p.png").stat().st_size > 0
+    assert main(["formats", str(tiny_hf_dir), "--nsamples", "2"]) != 0
+    assert "add --inputs" in capsys.readouterr().err
+    assert main(["formats", str(tiny_hf_dir), "--inputs", "--schemes", "w4g128"]) != 0
+    assert "unknown input scheme" in capsys.readouterr().err

@@ -354,8 +354,14 @@ def underflow_fraction(x: torch.Tensor, s: InputScheme, amax: torch.Tensor | flo
     The cause of "finer is worse" under abs-max with E4M3 scales: such blocks quantize
     to all zeros. Only block-scaled formats can underflow (0.0 for the others).
     """
+    dead, live = underflow_counts(x, s, amax)
+    return dead / max(live, 1)
+
+
+def underflow_counts(x: torch.Tensor, s: InputScheme, amax: torch.Tensor | float | None = None) -> tuple[int, int]:
+    """(non-zero blocks whose abs-max block scale rounds to 0, non-zero blocks) of ``x``."""
     if s.scale not in ("e4m3", "ue5m3"):
-        return 0.0
+        return 0, 0
     x2 = x.detach().reshape(-1, x.shape[-1]).float()
     xb = _blocks(x2, s.group_size)
     amax_b = xb.abs().amax(-1)
@@ -363,4 +369,4 @@ def underflow_fraction(x: torch.Tensor, s: InputScheme, amax: torch.Tensor | flo
     enc = encode_scale(plain, amax)
     sc = _nv_scale(xb, amax_b, plain, None if enc is None else enc.to(x2.device))
     live = amax_b > 0
-    return float(((sc == 0) & live).sum()) / max(int(live.sum()), 1)
+    return int(((sc == 0) & live).sum()), int(live.sum())
