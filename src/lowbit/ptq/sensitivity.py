@@ -125,11 +125,12 @@ def _input_term(name: str, recipe: Recipe, amax: torch.Tensor | None, mode: str,
             x = x.detach().requires_grad_(True)
         with torch.no_grad():
             q = qdq_input(x, recipe.input, amax)  # type: ignore[arg-type]
-            diff = (q - x).float()
+            # kept until backward for every layer: bf16 halves that memory (the scores only rank layers)
+            diff = (q - x).to(torch.bfloat16)
         y = x + (q - x).detach()
 
         def grad_hook(g: torch.Tensor) -> None:
-            term = g.float() * diff
+            term = g.float() * diff.float()
             acc[name] += (term.abs().sum() if mode == "abs" else term.sum()).double().cpu()
 
         y.register_hook(grad_hook)
