@@ -290,3 +290,15 @@ def test_cli_formats_inputs(tmp_path, capsys, tiny_hf_dir):
     assert "add --inputs" in capsys.readouterr().err
     assert main(["formats", str(tiny_hf_dir), "--inputs", "--schemes", "w4g128"]) != 0
     assert "unknown input scheme" in capsys.readouterr().err
+
+
+def test_cli_mixed_over_wa_options(tmp_path, capsys, tiny_hf_dir):
+    from lowbit.cli import main
+
+    assert main(["quantize", str(tiny_hf_dir), "--method", "rtn", "--no-search", "--avg-bits", "5", "--options",
+                 "w4a4-mxfp4,w8a8-mxfp8", "--ignore-scale-bits", "--nsamples", "4", "--seqlen", "32", "--no-eval",
+                 "--out", str(tmp_path / "m"), "--json"]) == 0
+    r = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert r["scheme"].startswith("mixed(")
+    plan = Plan.load(tmp_path / "m" / "plan.json")
+    assert {x.name for x in plan.recipes()} <= {"w4a4-mxfp4", "w8a8-mxfp8"} and plan.inputs()
