@@ -159,6 +159,10 @@ def test_ct_export_bit_for_bit(tmp_path, recipe):
     cfg = json.loads((tmp_path / "ct" / "config.json").read_text())["quantization_config"]
     assert all(g["input_activations"] for g in cfg["config_groups"].values())
     assert torch.equal(logits(ct.load_decompressed(tmp_path / "ct")), logits(model))
+    from lowbit.export.inspect import inspect
+
+    info = inspect(tmp_path / "ct")
+    assert info["quantized_layers"] == 14 and sum(info["inputs"].values()) == 14
 
 
 def test_ct_export_nvfp4_inputs_exact_weights_in_bf16(tmp_path):
