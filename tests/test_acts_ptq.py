@@ -306,3 +306,11 @@ def test_cli_mixed_over_wa_options(tmp_path, capsys, tiny_hf_dir):
     assert r["scheme"].startswith("mixed(")
     plan = Plan.load(tmp_path / "m" / "plan.json")
     assert {x.name for x in plan.recipes()} <= {"w4a4-mxfp4", "w8a8-mxfp8"} and plan.inputs()
+
+
+def test_signround_plan_covering_only_some_blocks():
+    model, c = tiny_model(), calib()
+    names = [n for n in block_names(model) if ".layers.0." in n]
+    quantize_model(model, Plan.uniform(names, "w4a4-mxfp4"), "signround2", {"iters": 1, "batch_size": 4},
+                   calib=c, progress=False)
+    assert sorted(quant_layers(model)) == sorted(names)

@@ -215,6 +215,8 @@ class SignRoundTuner:
         self.needs_importance = config.v2
 
     def __call__(self, job: BlockJob) -> tuple[dict[str, QTensor], dict[str, float]]:
+        if not job.layers:  # a partial plan can leave whole blocks unquantized: nothing to tune
+            return {}, {}
         cfg = self.config
         frozen = [(p, p.requires_grad) for p in job.block.parameters()]
         for p, _ in frozen:
