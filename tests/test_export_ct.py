@@ -151,7 +151,7 @@ def test_compress_roundtrip_matches_compressed_tensors_quantizer():
 
 
 @pytest.mark.parametrize("scheme,cols", [("nvfp4-ue5m3", 64), ("nvfp4:block=32", 64),
-                                         ("w4g48", 64), ("mxfp8", 64)])
+                                         ("w4g48", 64), ("mxfp8:block=16", 64)])
 def test_refuses_schemes_without_a_format(scheme, cols):
     with pytest.raises(SchemeError, match="compressed-tensors"):
         ct.target_for(Scheme.parse(scheme), cols, "layer x")

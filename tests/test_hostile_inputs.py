@@ -495,7 +495,7 @@ def test_plan_file_accepts_scheme_names_and_fields(tmp_path):
     f = tmp_path / "plan.json"
     f.write_text(json.dumps({"layers": {"a": "w4g128", "b": Scheme.parse("w2g64").to_dict()}}))
     plan = Plan.load(f)
-    assert plan["a"] == Scheme.parse("w4g128") and plan["b"] == Scheme.parse("w2g64")
+    assert plan.weight("a") == Scheme.parse("w4g128") and plan.weight("b") == Scheme.parse("w2g64")
 
 
 @pytest.mark.parametrize("content, needle", [

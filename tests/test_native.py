@@ -80,7 +80,7 @@ def test_mixed_plan_round_trip(tmp_path):
     replace_linears(model, plan)
     save(model, None, tmp_path / "ck")
     loaded, _ = load(tmp_path / "ck")
-    assert {n: m.scheme for n, m in quant_layers(loaded).items()} == dict(plan.items())
+    assert {n: m.scheme for n, m in quant_layers(loaded).items()} == plan.weights()
 
 
 def test_out_exists_refused_and_force_replaces(tmp_path):

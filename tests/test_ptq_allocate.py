@@ -89,10 +89,10 @@ def test_lm_head_rule():
     sizes = {**SIZES, "lm_head": (256, 64)}
     sc = {Scheme.parse(k).name: {n: v for n in sizes} for k, v in (("w2g64", 0.0), ("w4g64", 1.0), ("w8", 2.0))}
     a = allocate(sc, sizes, ["w2g64", "w4g64", "w8"], avg_bits=8.5)
-    assert a.plan["lm_head"].bits == 8 and a.plan["model.layers.0.mlp.down_proj"].bits == 2
+    assert a.plan.weight("lm_head").bits == 8 and a.plan.weight("model.layers.0.mlp.down_proj").bits == 2
     with pytest.raises(ConfigError, match="lm_head needs >= 6 bits"):
         allocate(sc, sizes, ["w2g64", "w4g64"], avg_bits=8.5)
-    assert allocate(sc, sizes, ["w2g64", "w4g64"], avg_bits=8.5, lm_head_min_bits=0).plan["lm_head"].bits == 2
+    assert allocate(sc, sizes, ["w2g64", "w4g64"], avg_bits=8.5, lm_head_min_bits=0).plan.weight("lm_head").bits == 2
 
 
 def test_delta_loss_matches_manual_gradient_and_restores_weights():

@@ -13,6 +13,8 @@ __version__ = "0.1.0"
 
 _EXPORTS = {
     "Scheme": "lowbit.formats",
+    "InputScheme": "lowbit.formats",
+    "Recipe": "lowbit.formats",
     "QTensor": "lowbit.formats",
     "quantize": "lowbit.formats",
     "qdq": "lowbit.formats",

@@ -96,7 +96,7 @@ def bits_summary(model: nn.Module, plan: Plan, lm_head: bool) -> dict[str, Any]:
     sizes = {n: (m.out_features, m.in_features) for n, m in layers.items()}
     sizes.update({n: _shape(model, n) for n in plan if n not in sizes})
     total = sum(o * i for o, i in sizes.values())
-    bits = sum(plan[n].bits_per_weight(c) * o * c if n in plan else 16 * o * c for n, (o, c) in sizes.items())
+    bits = sum(plan.weight(n).bits_per_weight(c) * o * c if n in plan else 16 * o * c for n, (o, c) in sizes.items())
     planned = {n: sizes[n] for n in plan}
     return {"bits_per_weight": round(bits / max(total, 1), 4),
             "bits_per_weight_planned": round(plan.average_bits(planned), 4),

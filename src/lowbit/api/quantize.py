@@ -19,7 +19,7 @@ from torch import nn
 from lowbit.api import outputs
 from lowbit.api.common import Calibration, Evaluation, bits_summary, job_device
 from lowbit.errors import ConfigError
-from lowbit.formats import Scheme, kmix
+from lowbit.formats import Recipe, Scheme, kmix
 from lowbit.formats.kquants import fit_width
 from lowbit.formats.plan import Plan
 from lowbit.ptq.methods import coerce_settings, get, make_settings
@@ -30,9 +30,9 @@ __all__ = ["MixedSettings", "QuantizeJob", "build_plan", "make_settings", "metho
 DEFAULT_SCHEME = "w4g128"
 
 
-def build_plan(model: nn.Module, scheme: str | Scheme | None, plan_file: str | None = None,
+def build_plan(model: nn.Module, scheme: str | Scheme | Recipe | None, plan_file: str | None = None,
                lm_head: bool = False) -> Plan:
-    """The plan for a model: a uniform scheme over its decoder Linears, or a plan file."""
+    """The plan for a model: a uniform recipe over its decoder Linears, or a plan file."""
     from lowbit.models import linear_layers
 
     layers = linear_layers(model, include_lm_head=lm_head)
@@ -47,10 +47,10 @@ def build_plan(model: nn.Module, scheme: str | Scheme | None, plan_file: str | N
                               f"{unknown[:3]}; make the plan for this model")
     else:
         # a K-quant on rows that are not a multiple of 256 takes llama.cpp's fallback type
-        s0 = Scheme.parse(scheme or DEFAULT_SCHEME)
-        plan = Plan({n: fit_width(s0, m.in_features) for n, m in layers.items()})
-    for name, s in plan.items():
-        s.check_width(model.get_submodule(name).in_features, name)
+        r0 = Recipe.parse(scheme or DEFAULT_SCHEME)
+        plan = Plan({n: Recipe(fit_width(r0.weight, m.in_features), r0.input, r0.rotation) for n, m in layers.items()})
+    for name, r in plan.items():
+        r.check_width(model.get_submodule(name).in_features, name)
     return plan
 
 
@@ -103,7 +103,7 @@ class QuantizeJob:
         if len(sources) > 1:
             raise ConfigError(f"{' and '.join(sources)} both choose the layers' schemes; give only one")
         if self.scheme is not None and not kmix.is_mix(self.scheme):
-            Scheme.parse(self.scheme)
+            Recipe.parse(self.scheme)
         if self.lm_head and self.plan_file is not None:
             raise ConfigError("--lm-head adds the lm_head to a uniform plan; a plan file names its layers "
                               "itself (add the lm_head there)")
@@ -117,7 +117,16 @@ class QuantizeJob:
 
     @property
     def needs_calib(self) -> bool:
-        return get(self.method).needs_calib(self.settings) or self.mixed is not None
+        return get(self.method).needs_calib(self.settings) or self.mixed is not None or self.static_inputs
+
+    @property
+    def static_inputs(self) -> bool:
+        """Whether some recipe quantizes inputs with static scales (calibrated on the calibration split)."""
+        if self.plan_file is not None:
+            return bool(Plan.load(self.plan_file).needs_calibration())
+        if self.mixed is not None:
+            return any(Recipe.parse(o).needs_calibration for o in self.mixed.options)
+        return Recipe.parse(self.scheme or DEFAULT_SCHEME).needs_calibration
 
     def inputs(self) -> list[str | None]:
         return [self.model, self.plan_file, self.calib.data, self.evaluation and self.evaluation.data]
@@ -250,7 +259,7 @@ class _Run:
                                    cache_device=job.cache_device or "device")
         result["quantize_seconds"] = round(time.perf_counter() - t0, 2)
         result["scheme"] = job.scheme if kmix.is_mix(job.scheme) else self.plan.describe()
-        if kmix.is_mix(job.scheme) or any(s.super_block for s in self.plan.schemes()):
+        if kmix.is_mix(job.scheme) or any(s.super_block for s in self.plan.weights().values()):
             result |= _kquant_summary(model, self.plan)
         if self.ev is not None:
             with on_device(model, self.device):

@@ -11,20 +11,28 @@ from lowbit.errors import ConfigError
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    from lowbit.api.formats import DEFAULT_BLOCKS, DEFAULT_SCHEMES
+    from lowbit.api.formats import DEFAULT_BLOCKS, DEFAULT_INPUT_SCHEMES, DEFAULT_SCHEMES
 
     p = sub.add_parser("formats", help="block-size study of FP4 formats and scale rules",
                        description="For each scheme and block size: the relative weight error over all "
                                    "quantized Linear weights (sum sq err / sum sq) and, with --ppl, the "
                                    "model perplexity; a table, --json and a PNG plot.")
     common.add_model(p)
-    p.add_argument("--schemes", default=",".join(DEFAULT_SCHEMES),
+    p.add_argument("--schemes", default=UNSET,
                    help="comma-separated schemes (an item with '=' continues the options of the one "
                         "before), e.g. 'nvfp4,nvfp4:guard=1,nvfp4-46,nvfp4-46:rule=span'; block sizes "
                         "come from --block-sizes. Default: " + ",".join(DEFAULT_SCHEMES))
     p.add_argument("--block-sizes", default=",".join(map(str, DEFAULT_BLOCKS)),
                    help="comma-separated block sizes (8,16,32,64)")
     p.add_argument("--ppl", action="store_true", help="also measure perplexity per point (slower)")
+    p.add_argument("--inputs", action="store_true",
+                   help="study the Linear layers' calibration inputs (activations) instead of their weights: "
+                        "relative error and underflowed E4M3 block scales per input scheme and block size, and "
+                        "with --ppl the W4A4 perplexity. Default schemes: " + ",".join(DEFAULT_INPUT_SCHEMES))
+    p.add_argument("--nsamples", type=common.positive("--nsamples"), default=UNSET,
+                   help="with --inputs: calibration samples whose activations are studied (8)")
+    p.add_argument("--seqlen", type=common.positive("--seqlen"), default=UNSET,
+                   help="with --inputs: tokens per calibration sample (256)")
     p.add_argument("--plot", metavar="FILE", default=None, help="write a PNG plot (error, or ppl with --ppl)")
     common.add_device(p, "the perplexity passes (--ppl)")
     common.add_data(p)
@@ -62,12 +70,22 @@ def run(args: argparse.Namespace) -> dict:
     ev = common.given(args, "eval_seqlen", "windows")
     if ev and not args.ppl:
         raise ConfigError(f"{', '.join(common.flag(k) for k in ev)} set the perplexity passes; add --ppl")
-    if args.data is not None and not args.ppl:
-        raise ConfigError("--data is the text of the perplexity passes; add --ppl (the weight error needs no text)")
+    if args.data is not None and not args.ppl and not args.inputs:
+        raise ConfigError("--data is the text of the perplexity passes (and of --inputs' calibration activations); "
+                          "add --ppl or --inputs (the weight error needs no text)")
     evaluation = api.Evaluation(args.data, ev.get("eval_seqlen", 512), ev.get("windows", 40))
-    job = api.FormatsJob(schemes=parse_schemes(args.schemes), blocks=parse_blocks(args.block_sizes),
+    cal = common.given(args, "nsamples", "seqlen")
+    if cal and not args.inputs:
+        raise ConfigError(f"{', '.join(common.flag(k) for k in cal)} set the calibration activations of --inputs; "
+                          "add --inputs (the weight study needs no data)")
+    from lowbit.api.formats import DEFAULT_INPUT_SCHEMES, DEFAULT_SCHEMES
+
+    default = DEFAULT_INPUT_SCHEMES if args.inputs else DEFAULT_SCHEMES
+    schemes = parse_schemes(vars(args).get("schemes") or ",".join(default))
+    job = api.FormatsJob(schemes=schemes, blocks=parse_blocks(args.block_sizes),
                          model=args.model, ppl=args.ppl, plot=args.plot, evaluation=evaluation, device=args.device,
-                         progress=not args.json)
+                         progress=not args.json, inputs=args.inputs,
+                         calib=api.Calibration(args.data if args.inputs else None, **{"nsamples": 8, **cal}))
     result, rows = api.formats_study(job)
     print_table(rows, result["fp_ppl"])
     return result
@@ -90,6 +108,8 @@ def print_table(rows, fp_ppl=None, file=None) -> None:
         for b in blocks:
             r = cell.get((label, b))
             txt = "" if r is None else f"{r.rel_error:.5f}" + (f" / {r.ppl:7.3f}" if r.ppl is not None else "")
+            if r is not None and r.underflow:  # inputs mode: share of underflowed block scales
+                txt += f" u{100 * r.underflow:.1f}%"
             parts.append(f"{txt:>20}")
         print(f"{label:<{width}}  " + "  ".join(parts), file=file)
     if fp_ppl is not None:

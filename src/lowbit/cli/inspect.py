@@ -34,7 +34,9 @@ def _table(layers: list[dict]) -> None:
         return
     w = max(len(r["name"]) for r in layers)
     s = max(len(r["scheme"]) for r in layers)
-    print(f"{'layer':<{w}}  {'scheme':<{s}}  {'shape':>12}  bits/w", file=sys.stderr)
+    acts = any(r.get("input") for r in layers)
+    print(f"{'layer':<{w}}  {'scheme':<{s}}  {'shape':>12}  bits/w" + ("  input" if acts else ""), file=sys.stderr)
     for r in layers:
         shape = "x".join(str(d) for d in r["shape"])
-        print(f"{r['name']:<{w}}  {r['scheme']:<{s}}  {shape:>12}  {r['bits_per_weight']:.3f}", file=sys.stderr)
+        inp = f"  {r.get('input') or '-'}" if acts else ""
+        print(f"{r['name']:<{w}}  {r['scheme']:<{s}}  {shape:>12}  {r['bits_per_weight']:.3f}{inp}", file=sys.stderr)

@@ -23,7 +23,22 @@ weights an engine decompresses are the ones lowbit evaluated:
   values, so the export is exact whichever S_max made them.
 * MXFP4 (``mxfp4-pack-quantized``): the same nibbles, ``weight_scale`` holds the biased
   E8M0 exponent ``127 + log2 s`` as uint8; powers of two are exact in any float dtype.
-* A mixed plan becomes one config group per distinct scheme (targets = exact layer
+* FP8 per-channel weights (``float-quantized``): the E4M3 bytes as ``float8_e4m3fn``,
+  fp32 ``weight_scale`` per row. 8-bit per-row INT weights of a layer that quantizes its
+  inputs (W8A8 INT8) go to ``int-quantized`` (int8 ``weight``), the layout INT8 GEMM
+  kernels read.
+* Inputs (``input_activations``), written with compressed-tensors' own QuantizationArgs;
+  the exported model computes at run time what lowbit's `InputScheme` computes:
+  INT8 / FP8 per token (``strategy=token, dynamic=true``), FP8 / INT8 per tensor
+  (``strategy=tensor``, static ``input_scale = amax / qmax``), MXFP4 / MXFP8 (``group``
+  32, dynamic, E8M0 scales: compressed-tensors rounds them by the ``even`` rule, so only
+  ``round=even`` exports), NVFP4 (``tensor_group`` 16, ``dynamic="local"``, static
+  ``input_global_scale = enc``; abs-max E4M3 block scales without the guard, which is
+  what the engines compute: 4-over-6 / span inputs cannot be expressed).
+  compressed-tensors' own reference divides an INT8 token's max by 127.5 (half the int8
+  range) where lowbit and the integer kernels divide by 127: INT8 inputs match within
+  one quantization step, the others bit for bit in the CPU reference.
+* A mixed plan becomes one config group per distinct recipe (targets = exact layer
   names); different formats make the top-level format ``mixed-precision``.
 """
 
@@ -38,18 +53,26 @@ from safetensors.torch import save_file
 from torch import nn
 
 from lowbit.errors import LowbitError, SchemeError
-from lowbit.formats import QTensor, Scheme
+from lowbit.formats import InputScheme, QTensor, Scheme
+from lowbit.formats.inputs import encode_scale
 from lowbit.io import atomic_dir
-from lowbit.nn import quant_layers
+from lowbit.nn import QuantLinear, quant_layers
 
 WEIGHTS = "model.safetensors"
 PACK = "pack-quantized"
 NVFP4 = "nvfp4-pack-quantized"
 MXFP4 = "mxfp4-pack-quantized"
+FLOAT8 = "float-quantized"
+INT8 = "int-quantized"
+MXFP8 = "mxfp8-quantized"
 HOLDS = ("INT 2..8 bit, symmetric (full-range or classic) or asymmetric, per group (group divides the "
          "row) or per row -> pack-quantized; NVFP4 (E2M1, block 16, E4M3 scales, optional tensor scale, "
          "any rule incl. 4-over-6) -> nvfp4-pack-quantized; MXFP4 (E2M1, block 32, E8M0 scales) -> "
-         "mxfp4-pack-quantized")
+         "mxfp4-pack-quantized; FP8 per row (fp8) -> float-quantized; MXFP8 (E4M3, block 32, E8M0) -> "
+         "mxfp8-quantized")
+INPUT_HOLDS = ("int8 / fp8 per token (dynamic), int8-static / fp8-static per tensor, mxfp4 / mxfp8 with "
+               "round=even (the E8M0 rule compressed-tensors computes), nvfp4 with abs-max E4M3 block scales "
+               "and its static tensor scale (no guard, no 4-over-6 / span: engines compute abs-max scales)")
 
 
 def _ct():
@@ -66,10 +89,11 @@ def _ct():
 
 @dataclass(frozen=True)
 class Target:
-    """How one lowbit scheme is stored in compressed-tensors."""
+    """How one lowbit recipe is stored in compressed-tensors: format, weight args, input args."""
 
     format: str
     args: dict[str, Any]
+    inputs: dict[str, Any] | None = None
 
 
 def target_for(scheme: Scheme, in_features: int, where: str = "layer") -> Target:
@@ -92,8 +116,56 @@ def target_for(scheme: Scheme, in_features: int, where: str = "layer") -> Target
     if scheme.elem == "e2m1" and scheme.scale == "e8m0" and g == 32 and not scheme.tensor_scale:
         return Target(MXFP4, {"num_bits": 4, "type": "float", "symmetric": True, "strategy": "group",
                               "group_size": 32, "scale_dtype": torch.uint8})
+    if scheme.elem == "e4m3" and scheme.scale == "fp32" and scheme.group_size == -1:
+        return Target(FLOAT8, {"num_bits": 8, "type": "float", "symmetric": True, "strategy": "channel"})
+    if scheme.elem == "e4m3" and scheme.scale == "e8m0" and g == 32:
+        return Target(MXFP8, {"num_bits": 8, "type": "float", "symmetric": True, "strategy": "group",
+                              "group_size": 32, "scale_dtype": torch.uint8})
     raise SchemeError(f"{where}: scheme {scheme.name} has no compressed-tensors format. It holds: {HOLDS}. "
                       "Re-quantize with one of those (e.g. w4g128, w8, nvfp4, nvfp4-46)")
+
+
+def input_args(inp: InputScheme, where: str = "layer") -> dict[str, Any]:
+    """compressed-tensors ``input_activations`` fields for ``inp``; refuses what it cannot express."""
+    kind = "int" if inp.elem == "int" else "float"
+    if inp.static and inp.bits == 8:
+        return {"num_bits": 8, "type": kind, "symmetric": True, "strategy": "tensor", "dynamic": False}
+    if inp.group_size == -1 and not inp.static and inp.bits == 8 and inp.scale == "fp32":
+        return {"num_bits": 8, "type": kind, "symmetric": True, "strategy": "token", "dynamic": True}
+    if inp.scale == "e8m0" and inp.group_size == 32 and inp.e8m0_round == "even":
+        return {"num_bits": inp.bits, "type": "float", "symmetric": True, "strategy": "group", "group_size": 32,
+                "dynamic": True, "scale_dtype": torch.uint8}
+    if (inp.elem == "e2m1" and inp.scale == "e4m3" and inp.group_size == 16 and inp.tensor_scale
+            and inp.rule == "absmax" and not inp.guard):
+        return {"num_bits": 4, "type": "float", "symmetric": True, "strategy": "tensor_group", "group_size": 16,
+                "dynamic": "local", "scale_dtype": torch.float8_e4m3fn}
+    raise SchemeError(f"{where}: input scheme {inp.name} has no compressed-tensors form. It holds for inputs: "
+                      f"{INPUT_HOLDS}. Re-quantize with one of those (e.g. w4a4-nvfp4, w8a8-fp8, "
+                      "mxfp4@mxfp4:round=even), or export a weight-only recipe")
+
+
+def layer_target(layer: QuantLinear, where: str = "layer") -> Target:
+    """The weight target of a layer, with its input args (and the int8 layout W8A8 kernels read)."""
+    t = target_for(layer.scheme, layer.in_features, where)
+    iq = layer.input_quant
+    if iq is None:
+        return t
+    fmt = t.format
+    if fmt == PACK and layer.scheme.bits == 8 and layer.scheme.group_size == -1 and layer.scheme.sym:
+        fmt = INT8
+    return Target(fmt, t.args, input_args(iq.scheme, where))
+
+
+def input_tensors(layer: QuantLinear) -> dict[str, torch.Tensor]:
+    """Static input scales: ``input_scale`` (+ zero point) per tensor, or NVFP4's ``input_global_scale``."""
+    iq = layer.input_quant
+    if iq is None or not iq.scheme.needs_calibration:
+        return {}
+    enc = encode_scale(iq.scheme, iq.amax).float().reshape(1)
+    if iq.scheme.tensor_scale:
+        return {"input_global_scale": enc}
+    zdt = torch.int8 if iq.scheme.elem == "int" else torch.float8_e4m3fn
+    return {"input_scale": enc, "input_zero_point": torch.zeros(1, dtype=zdt)}
 
 
 # ------------------------------------------------------------------ tensors
@@ -133,8 +205,31 @@ def mxfp4_tensors(q: QTensor) -> dict[str, torch.Tensor]:
             "weight_scale": exp.clamp(0, 254).to(torch.uint8).contiguous()}
 
 
+def fp8_tensors(q: QTensor) -> dict[str, torch.Tensor]:
+    """``weight`` as float8_e4m3fn (lowbit's codes are its raw bytes) and the per-row fp32 ``weight_scale``."""
+    out, cols = q.shape
+    w = q.codes.reshape(out, -1)[:, :cols].contiguous().view(torch.float8_e4m3fn)
+    return {"weight": w, "weight_scale": q.scales.float().reshape(out, -1).contiguous()}
+
+
+def mxfp8_tensors(q: QTensor) -> dict[str, torch.Tensor]:
+    """E4M3 ``weight`` and ``weight_scale`` as the biased E8M0 exponent, as MXFP4."""
+    out, cols = q.shape
+    exp = torch.log2(q.scales).round().to(torch.int32) + 127
+    return {"weight": q.codes.reshape(out, -1)[:, :cols].contiguous().view(torch.float8_e4m3fn),
+            "weight_scale": exp.clamp(0, 254).to(torch.uint8).contiguous()}
+
+
+def int8_tensors(q: QTensor) -> dict[str, torch.Tensor]:
+    """Signed int8 ``weight`` and the per-row ``weight_scale`` (``int-quantized``)."""
+    out, cols = q.shape
+    levels = (q.codes.reshape(out, -1)[:, :cols].to(torch.int16) + q.scheme.qmin).to(torch.int8)
+    return {"weight": levels.contiguous(), "weight_scale": q.scales.float().reshape(out, -1).contiguous()}
+
+
 def layer_tensors(q: QTensor, target: Target) -> dict[str, torch.Tensor]:
-    return {PACK: int_tensors, NVFP4: nvfp4_tensors, MXFP4: mxfp4_tensors}[target.format](q)
+    return {PACK: int_tensors, NVFP4: nvfp4_tensors, MXFP4: mxfp4_tensors, FLOAT8: fp8_tensors,
+            MXFP8: mxfp8_tensors, INT8: int8_tensors}[target.format](q)
 
 
 # ------------------------------------------------------------------- config
@@ -143,14 +238,16 @@ def build_config(targets: dict[str, Target], ignore: list[str]) -> dict[str, Any
     QuantizationArgs, QuantizationScheme, QuantizationConfig, _ = _ct()
     groups: dict[tuple, list[str]] = {}
     for name, t in targets.items():
-        key = (t.format, tuple(sorted((k, str(v)) for k, v in t.args.items())))
+        key = (t.format, tuple(sorted((k, str(v)) for k, v in t.args.items())),
+               tuple(sorted((k, str(v)) for k, v in (t.inputs or {}).items())))
         groups.setdefault(key, []).append(name)
     config_groups = {}
-    for i, ((fmt, _), names) in enumerate(groups.items()):
-        args = targets[names[0]].args
-        config_groups[f"group_{i}"] = QuantizationScheme(targets=names, weights=QuantizationArgs(**args),
-                                                         format=fmt)
-    formats = {fmt for fmt, _ in groups}
+    for i, ((fmt, _, _), names) in enumerate(groups.items()):
+        t = targets[names[0]]
+        inputs = None if t.inputs is None else QuantizationArgs(**t.inputs)
+        config_groups[f"group_{i}"] = QuantizationScheme(targets=names, weights=QuantizationArgs(**t.args),
+                                                         input_activations=inputs, format=fmt)
+    formats = {fmt for fmt, _, _ in groups}
     top = formats.pop() if len(formats) == 1 else "mixed-precision"
     qc = QuantizationConfig(config_groups=config_groups, format=top, quantization_status="compressed",
                             ignore=ignore)
@@ -163,7 +260,7 @@ def export(model: nn.Module, tokenizer: Any, out: str | Path, force: bool = Fals
     qlayers = quant_layers(model)
     if not qlayers:
         raise SchemeError("the model has no quantized layers; export a checkpoint made by `lowbit quantize`")
-    targets = {n: target_for(m.scheme, m.in_features, n) for n, m in qlayers.items()}
+    targets = {n: layer_target(m, n) for n, m in qlayers.items()}
     tensors = _state_tensors(model, qlayers, targets)
     ignore = [n for n, m in model.named_modules() if isinstance(m, nn.Linear) and n not in qlayers]
     qconfig = build_config(targets, ignore)
@@ -182,7 +279,7 @@ def export(model: nn.Module, tokenizer: Any, out: str | Path, force: bool = Fals
 
 def _state_tensors(model: nn.Module, qlayers: dict, targets: dict[str, Target]) -> dict[str, torch.Tensor]:
     """Dense tensors by their HF names (tied copies once) plus each layer's compressed tensors."""
-    own = {f"{n}.{k}" for n in qlayers for k in ("codes", "scales", "zeros", "tensor_scale")}
+    own = {f"{n}.{k}" for n in qlayers for k in ("codes", "scales", "zeros", "tensor_scale", "input_quant.amax")}
     tensors: dict[str, torch.Tensor] = {}
     seen: set[tuple] = set()
     for key, t in model.state_dict().items():
@@ -192,7 +289,7 @@ def _state_tensors(model: nn.Module, qlayers: dict, targets: dict[str, Target]) 
         seen.add(ident)
         tensors[key] = _narrow(t.detach().cpu())
     for name, layer in qlayers.items():
-        for k, t in layer_tensors(layer.qweight, targets[name]).items():
+        for k, t in {**layer_tensors(layer.qweight, targets[name]), **input_tensors(layer)}.items():
             tensors[f"{name}.{k}"] = t.cpu()
     return tensors
 
@@ -212,6 +309,8 @@ def load_decompressed(path: str | Path, dtype: torch.dtype = torch.float32) -> n
     transformers' own ``dequantize=True`` path decompresses all dense layers with one
     config group's scheme, so a mixed plan would fail there; loading compressed and
     calling compressed-tensors' ``decompress_module`` per layer uses each layer's scheme.
+    Layers with ``input_activations`` keep compressed-tensors' forward, which quantizes
+    their inputs as the config says (its CPU reference of what an engine computes).
     """
     _ct()
     from compressed_tensors.compressors.base import decompress_module
@@ -219,8 +318,17 @@ def load_decompressed(path: str | Path, dtype: torch.dtype = torch.float32) -> n
 
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
     for module in model.modules():
-        if getattr(module, "quantization_scheme", None) is not None and hasattr(module, "weight_packed"):
-            decompress_module(module, leave_decompressed=False)
+        weight = getattr(module, "weight", None)
+        stored = hasattr(module, "weight_packed") or (
+            weight is not None and weight.dtype in (torch.int8, torch.float8_e4m3fn))
+        scheme = getattr(module, "quantization_scheme", None)
+        if scheme is not None and stored:
+            # a layer with input_activations keeps compressed-tensors' quantized forward (its
+            # inputs are fake-quantized at run time); weight-only layers become plain Linears
+            decompress_module(module, leave_decompressed=scheme.input_activations is not None)
+    hook = getattr(model, "ct_decompress_hook", None)
+    if hook is not None:  # decompressed above, layer by layer: a second pass on first forward would fail
+        hook.remove()
     for p in model.parameters():
         p.data = p.data.to(dtype) if p.is_floating_point() else p.data
     return model.eval()

@@ -314,6 +314,13 @@ def plan_types(model: nn.Module, allow_requant: bool = False) -> dict[str, Tenso
     """GGUF type per quantized layer; refuses inexact ones unless ``allow_requant``."""
     out: dict[str, TensorPlan] = {}
     bad, rounded = [], []
+    acts = [f"{n} ({m.input_quant.scheme.name})" for n, m in quant_layers(model).items()
+            if getattr(m, "input_quant", None) is not None]
+    if acts:  # --allow-requant cannot help: no GGUF type says anything about activations
+        raise SchemeError(f"GGUF cannot hold activation quantization ({len(acts)} layer(s) quantize their inputs, "
+                          f"e.g. {acts[0]}): llama.cpp runs the quantized weights with unquantized inputs. GGUF "
+                          f"holds weight-only layers: {'; '.join(EXACT)}. Export this recipe with --to "
+                          "compressed-tensors, or re-quantize weight-only")
     for name, layer in quant_layers(model).items():
         t = exact_type(layer.scheme, layer.in_features)
         exact = t is not None and (t not in ("Q4_1", "Q5_1") or q4_1_exact(layer.qweight))

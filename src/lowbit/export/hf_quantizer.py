@@ -38,17 +38,19 @@ class PackedSlot(nn.Module):
 
     def build(self) -> nn.Module:
         from lowbit.formats import QTensor, Scheme
+        from lowbit.models.native import input_quantizer
         from lowbit.nn import QuantLinear
 
         scheme = Scheme.from_dict(self.spec["scheme"])
         shape = tuple(self.spec["shape"])
         parts = {k: b for k, b in self.named_buffers(recurse=False)}
+        inputs = input_quantizer("this layer", self.spec, parts.pop("input_amax", None))
         try:
             q = QTensor.from_packed(parts, shape, scheme)  # type: ignore[arg-type]
         except (CheckpointError, ValueError, RuntimeError) as e:
             raise CheckpointError(f"stored tensors disagree with shape {list(shape)} and scheme {scheme.name} "
                                   f"({e}); the checkpoint was edited or damaged") from None
-        return QuantLinear(q, None if self.bias is None else self.bias.detach())
+        return QuantLinear(q, None if self.bias is None else self.bias.detach(), input_quant=inputs)
 
 
 def _header(weights: Path, name: str) -> dict[str, tuple[list[int], torch.dtype]]:

@@ -22,10 +22,14 @@ _BYTES = {"U8": 1, "I8": 1, "F8_E4M3": 1, "F16": 2, "BF16": 2, "F32": 4, "I32": 
 
 @dataclass(frozen=True)
 class LayerInfo:
+    """input: the layer's activation format (None = inputs not quantized)."""
+
     name: str
     scheme: str
     shape: tuple[int, int]
     bits_per_weight: float
+    input: str | None = None
+    input_amax: float | None = None
 
 
 def detect(path: str | Path) -> str:
@@ -95,7 +99,7 @@ def _dense_params(headers: dict, quant_keys: set[str]) -> int:
 
 
 def inspect_native(folder: Path) -> tuple[list[LayerInfo], int]:
-    from lowbit.formats import Scheme
+    from lowbit.formats import InputScheme, Scheme
     from lowbit.models.native import read_manifest, verify
 
     manifest = read_manifest(folder)
@@ -105,11 +109,31 @@ def inspect_native(folder: Path) -> tuple[list[LayerInfo], int]:
     layers, qkeys = [], set()
     for name, spec in manifest["layers"].items():
         shape = (int(spec["shape"][0]), int(spec["shape"][1]))
+        inp = spec.get("input")
+        label = None if inp is None else InputScheme.from_dict(dict(inp)).name
+        amax = _amax(folder, name) if f"{name}.input_amax" in headers else None
         layers.append(LayerInfo(name, Scheme.from_dict(spec["scheme"]).name, shape,
-                                _layer_bits(headers, name, keys, shape)))
-        qkeys |= {f"{name}.{k}" for k in keys}
+                                _layer_bits(headers, name, keys, shape), label, amax))
+        qkeys |= {f"{name}.{k}" for k in (*keys, "input_amax")}
     # tied copies (manifest aliases) are stored once, as an fp16 export would store them
     return layers, _dense_params(headers, qkeys) + sum(i.shape[0] * i.shape[1] for i in layers)
+
+
+def _amax(folder: Path, name: str) -> float:
+    from safetensors import safe_open
+
+    with safe_open(str(folder / "model.safetensors"), framework="pt") as st:
+        return float(st.get_tensor(f"{name}.input_amax").reshape(-1)[0])
+
+
+def _ct_input_label(args: dict | None) -> str | None:
+    """``input_activations`` in words, e.g. ``float4 tensor_group g16 dynamic=local``."""
+    if not args:
+        return None
+    kind = "float" if args.get("type") == "float" else "int"
+    g = args.get("group_size")
+    return (f"{kind}{args.get('num_bits')} {args.get('strategy')}{' g' + str(g) if g else ''} "
+            f"dynamic={str(args.get('dynamic')).lower()}")
 
 
 def _ct_label(weights: dict, fmt: str) -> str:
@@ -124,24 +148,31 @@ def inspect_ct(folder: Path) -> tuple[list[LayerInfo], int]:
 
     qc = json.loads((folder / "config.json").read_text())["quantization_config"]
     headers = _headers(folder)
-    label = {}
+    label, inputs = {}, {}
     for group in qc.get("config_groups", {}).values():
         for target in group.get("targets", []):
             label[target] = _ct_label(group.get("weights") or {}, group.get("format") or qc.get("format"))
-    keys = ("weight_packed", "weight_scale", "weight_zero_point", "weight_global_scale")
+            inputs[target] = _ct_input_label(group.get("input_activations"))
+    keys = ("weight_packed", "weight_scale", "weight_zero_point", "weight_global_scale", "weight")
     layers, qkeys = [], set()
-    for key in sorted(k for k in headers if k.endswith(".weight_packed")):
-        name = key[: -len(".weight_packed")]
+    stored = [k for k in headers if k.endswith(".weight_packed")]
+    stored += [k for k in headers if k.endswith(".weight") and headers[k][1] in ("I8", "F8_E4M3")
+               and k[: -len(".weight")] in label]
+    for key in sorted(stored):
+        name = key.rsplit(".", 1)[0]
         out, packed_cols = headers[key][0]
-        if f"{name}.weight_shape" in headers:
+        if key.endswith(".weight"):  # int8 / float8 elements, one per byte
+            shape = (out, packed_cols)
+        elif f"{name}.weight_shape" in headers:
             f = next(p for p in sorted(folder.glob("*.safetensors")) if _has(p, f"{name}.weight_shape"))
             with safe_open(str(f), framework="pt") as st:
                 shape = tuple(int(v) for v in st.get_tensor(f"{name}.weight_shape").tolist())
         else:  # nvfp4: two E2M1 codes per byte
             shape = (out, packed_cols * 2)
         layers.append(LayerInfo(name, label.get(name, qc.get("format", CT)), shape,  # type: ignore[arg-type]
-                                _layer_bits(headers, name, keys, shape)))  # type: ignore[arg-type]
-        qkeys |= {f"{name}.{k}" for k in (*keys, "weight_shape")}
+                                _layer_bits(headers, name, keys, shape), inputs.get(name)))  # type: ignore[arg-type]
+        qkeys |= {f"{name}.{k}" for k in (*keys, "weight_shape", "input_scale", "input_zero_point",
+                                           "input_global_scale")}
     return layers, _dense_params(headers, qkeys) + sum(i.shape[0] * i.shape[1] for i in layers)
 
 
@@ -179,9 +210,12 @@ def inspect(path: str | Path) -> dict[str, Any]:
     qparams = sum(i.shape[0] * i.shape[1] for i in layers)
     bits = sum(i.bits_per_weight * i.shape[0] * i.shape[1] for i in layers) / max(qparams, 1)
     schemes: dict[str, int] = {}
+    inputs: dict[str, int] = {}
     for i in layers:
         schemes[i.scheme] = schemes.get(i.scheme, 0) + 1
-    return {"format": fmt, "path": str(p), "quantized_layers": len(layers), "schemes": schemes,
+        if i.input is not None:
+            inputs[i.input] = inputs.get(i.input, 0) + 1
+    return {"format": fmt, "path": str(p), "quantized_layers": len(layers), "schemes": schemes, "inputs": inputs,
             "bits_per_weight": round(bits, 4), "params": params, "file_bytes": size, "fp16_bytes": 2 * params,
             "size_vs_fp16": round(size / max(2 * params, 1), 4),
             "layers": [asdict(i) | {"bits_per_weight": round(i.bits_per_weight, 4)} for i in layers]}

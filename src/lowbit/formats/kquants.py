@@ -29,6 +29,7 @@ quantized) scales, so the error that is minimised is the one of the stored weigh
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -285,7 +286,11 @@ def parts_to_tensors(p: KParts, kt: KType) -> tuple[torch.Tensor, torch.Tensor, 
 
 def fit_width(scheme, in_features: int):
     """``scheme``, or for a K-quant on rows that are not a multiple of 256 the legacy type
-    llama.cpp falls back to (``tensor_type_fallback`` in llama-quant.cpp), keeping the rule."""
+    llama.cpp falls back to (``tensor_type_fallback`` in llama-quant.cpp), keeping the rule.
+    A recipe keeps its input scheme; only its weight falls back."""
+    weight = getattr(scheme, "weight", None)
+    if weight is not None:
+        return dataclasses.replace(scheme, weight=fit_width(weight, in_features))
     if not getattr(scheme, "super_block", 0) or in_features % QK_K == 0:
         return scheme
     from lowbit.formats.scheme import Scheme

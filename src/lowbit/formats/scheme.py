@@ -207,6 +207,7 @@ PRESETS: dict[str, Scheme] = {
                           guard=True),
     "mxfp4": Scheme(elem="e2m1", bits=4, group_size=32, scale="e8m0"),
     "mxfp8": Scheme(elem="e4m3", bits=8, group_size=32, scale="e8m0"),
+    "fp8": Scheme(elem="e4m3", bits=8, group_size=-1, scale="fp32"),  # per output channel (W8A8 FP8)
 }
 
 # explicit-form keys -> (field, parser)

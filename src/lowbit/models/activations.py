@@ -129,3 +129,10 @@ def second_moments(model: nn.Module, batches: torch.Tensor, layers: Iterable[str
     """``name -> [in, in]`` float64 ``X^T X`` of every layer's input, on the model's device."""
     stats = collect(model, batches, layers, ("xtx",), batch_size, progress)
     return stats.result("xtx", torch.float64, model_device(model))
+
+
+def input_amax(model: nn.Module, batches: torch.Tensor, layers: Iterable[str], batch_size: int = 8
+               ) -> dict[str, torch.Tensor]:
+    """``name -> []`` float32 largest ``|x|`` over every input of each layer: static activation scales."""
+    per_channel = collect(model, batches, layers, ("absmax",), batch_size).result("absmax")
+    return {n: a.amax() for n, a in per_channel.items()}

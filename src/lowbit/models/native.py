@@ -8,9 +8,11 @@ Layout of a checkpoint folder::
 
     config.json          the HF model config (with quantization_config.quant_method = "lowbit")
     model.safetensors    unquantized tensors by their usual names, and for each quantized
-                         layer L: L.codes (packed uint8), L.scales, [L.zeros], [L.tensor_scale]
-    lowbit.json          format version, per-layer scheme + shape, sha256 of every data file,
-                         free-form metadata (source model, method, perplexities)
+                         layer L: L.codes (packed uint8), L.scales, [L.zeros], [L.tensor_scale],
+                         [L.input_amax] (the calibrated abs-max of a static input scheme)
+    lowbit.json          format version, per-layer scheme + shape (+ "input": the input
+                         scheme of layers that quantize their inputs), sha256 of every data
+                         file, free-form metadata (source model, method, perplexities)
     tokenizer files
 
 The folder is built under a temporary name and renamed when complete; `load` verifies
@@ -30,16 +32,17 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from lowbit.errors import CheckpointError
-from lowbit.formats import QTensor, Scheme
+from lowbit.errors import CheckpointError, SchemeError
+from lowbit.formats import InputScheme, QTensor, Scheme
 from lowbit.io import atomic_dir, atomic_write_text, file_inside, sha256_file
 from lowbit.nn import QuantLinear, quant_layers, set_module
+from lowbit.nn.input_quant import InputQuantizer
 
 FORMAT = "lowbit"
 VERSION = 1
 MANIFEST = "lowbit.json"
 WEIGHTS = "model.safetensors"
-_QKEYS = ("codes", "scales", "zeros", "tensor_scale")
+_QKEYS = ("codes", "scales", "zeros", "tensor_scale", "input_amax")
 
 
 def is_checkpoint(path: str | Path) -> bool:
@@ -58,8 +61,7 @@ def save(model: nn.Module, tokenizer: Any, out: str | Path, meta: dict | None = 
     tensors, aliases = _tensors_to_save(model, qlayers)
     manifest = {
         "format": FORMAT, "version": VERSION,
-        "layers": {n: {"scheme": m.scheme.to_dict(), "shape": [m.out_features, m.in_features]}
-                   for n, m in qlayers.items()},
+        "layers": {n: layer_spec(m) for n, m in qlayers.items()},
         "aliases": aliases, "meta": meta or {},
     }
     with atomic_dir(out, force=force, kind="lowbit checkpoint") as tmp:
@@ -81,12 +83,44 @@ def save(model: nn.Module, tokenizer: Any, out: str | Path, meta: dict | None = 
     return out
 
 
+def layer_spec(layer: QuantLinear) -> dict:
+    """The manifest entry of a quantized layer: weight scheme, shape, and input scheme if any."""
+    spec = {"scheme": layer.scheme.to_dict(), "shape": [layer.out_features, layer.in_features]}
+    if layer.input_quant is not None:
+        spec["input"] = layer.input_quant.scheme.to_dict()
+    return spec
+
+
+def layer_tensors(layer: QuantLinear) -> dict[str, torch.Tensor]:
+    """The stored tensors of a quantized layer: packed weight, and a static input's abs-max."""
+    d = layer.qweight.pack()
+    if layer.input_quant is not None and layer.input_quant.amax is not None:
+        d["input_amax"] = layer.input_quant.amax.detach().float().reshape(1)
+    return d
+
+
+def input_quantizer(name: str, spec: dict, amax: torch.Tensor | None) -> InputQuantizer | None:
+    """The layer's input quantizer from its manifest entry (None for weight-only layers)."""
+    if spec.get("input") is None:
+        if amax is not None:
+            raise CheckpointError(f"layer {name} stores an input abs-max but no input scheme; re-create the checkpoint")
+        return None
+    try:
+        inp = InputScheme.from_dict(dict(spec["input"]))
+    except (SchemeError, TypeError) as e:
+        raise CheckpointError(f"layer {name}: its input scheme cannot be read ({e}); re-create the checkpoint") from None
+    if inp.needs_calibration and (amax is None or amax.numel() != 1):
+        raise CheckpointError(f"layer {name}: input scheme {inp.name} needs its calibrated abs-max (one value), "
+                              "which the checkpoint lacks; re-create it")
+    return InputQuantizer(inp, None if amax is None else amax.float().reshape(()))
+
+
 def _tensors_to_save(model: nn.Module, qlayers: dict[str, QuantLinear]) -> tuple[dict, dict]:
     """State dict with quantized layers packed; tensors sharing storage saved once."""
     tensors: dict[str, torch.Tensor] = {}
     seen: dict[tuple, str] = {}
     aliases: dict[str, str] = {}
-    qbuf = {f"{n}.{k}" for n in qlayers for k in _QKEYS}
+    qbuf = {f"{n}.{k}" for n in qlayers for k in (*_QKEYS, "input_quant.amax")}
     for key, t in model.state_dict().items():
         if key in qbuf:
             continue
@@ -97,7 +131,7 @@ def _tensors_to_save(model: nn.Module, qlayers: dict[str, QuantLinear]) -> tuple
         seen[ident] = key
         tensors[key] = _narrowest(t.detach().contiguous().cpu())
     for name, layer in qlayers.items():
-        for k, t in layer.qweight.pack().items():
+        for k, t in layer_tensors(layer).items():
             tensors[f"{name}.{k}"] = t.contiguous().cpu()
     return tensors, aliases
 
@@ -204,13 +238,14 @@ def _quant_layer(name: str, spec: dict, tensors: dict[str, torch.Tensor]) -> Qua
     parts = {k: tensors.pop(f"{name}.{k}") for k in _QKEYS if f"{name}.{k}" in tensors}
     if "codes" not in parts or "scales" not in parts:
         raise CheckpointError(f"layer {name} has no codes/scales in the checkpoint; re-create it")
+    inputs = input_quantizer(name, spec, parts.pop("input_amax", None))
     try:
         q = QTensor.from_packed(parts, shape, scheme)  # type: ignore[arg-type]
     except (CheckpointError, ValueError, RuntimeError) as e:
         raise CheckpointError(f"layer {name}: stored tensors disagree with shape {list(shape)} and "
                               f"scheme {scheme.name} ({e}); the checkpoint was edited or damaged") from None
     bias = tensors.pop(f"{name}.bias", None)
-    return QuantLinear(q, bias)
+    return QuantLinear(q, bias, input_quant=inputs)
 
 
 def _load_rest(model: nn.Module, tensors: dict[str, torch.Tensor], manifest: dict) -> None:
@@ -224,7 +259,7 @@ def _load_rest(model: nn.Module, tensors: dict[str, torch.Tensor], manifest: dic
         if expected[key].shape != t.shape:
             raise CheckpointError(f"checkpoint tensor {key} has shape {list(t.shape)}, the model expects "
                                   f"{list(expected[key].shape)}; the checkpoint was edited or damaged")
-    qbuf = {f"{n}.{k}" for n in manifest["layers"] for k in (*_QKEYS, "bias")}
+    qbuf = {f"{n}.{k}" for n in manifest["layers"] for k in (*_QKEYS, "bias", "input_quant.amax")}
     missing = [k for k in expected if k not in tensors and k not in qbuf]
     if missing:
         raise CheckpointError(f"checkpoint lacks tensors {missing[:5]}...; re-create it")

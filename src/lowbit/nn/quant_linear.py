@@ -14,6 +14,10 @@ the layer input and its output is added, so the frozen quantized base never chan
 An adapter whose ``folds(x)`` is true (a dense ``delta_weight``: QWHA's dense path,
 FourierFT) is instead added to the dequantized weight before the single GEMM: the
 forward and the input gradient then cost one GEMM each instead of two.
+
+A layer whose recipe quantizes its input holds an `InputQuantizer` in ``input_quant``;
+``prepare_input`` applies it first, so the product sees the input the target format
+would (adapters see it too: they run on the same input an engine would give them).
 """
 
 from __future__ import annotations
@@ -24,18 +28,31 @@ from torch import nn
 
 from lowbit.errors import SchemeError
 from lowbit.formats import QTensor, Scheme, quantize
+from lowbit.nn.input_quant import InputQuantizer
 
 
 class QuantLinear(nn.Module):
     """y = x @ dequant(Q)^T + b + sum(adapter(x) for adapter in adapters)."""
 
-    def __init__(self, qweight: QTensor, bias: torch.Tensor | None = None, cache: bool | None = None) -> None:
+    def __init__(self, qweight: QTensor, bias: torch.Tensor | None = None, cache: bool | None = None,
+                 input_quant: InputQuantizer | None = None) -> None:
         super().__init__()
         self.out_features, self.in_features = qweight.shape
         self.cache = cache
         self.bias = nn.Parameter(bias.detach().clone(), requires_grad=False) if bias is not None else None
         self.adapters = nn.ModuleDict()
         self.set_qweight(qweight)
+        self.set_input_quant(input_quant)
+
+    def set_input_quant(self, input_quant: InputQuantizer | None) -> None:
+        """Quantize this layer's input with ``input_quant`` (None = leave it in the compute dtype)."""
+        if input_quant is not None:
+            input_quant.scheme.check_width(self.in_features, "this layer")
+        self.input_quant = input_quant
+
+    def prepare_input(self, x: torch.Tensor) -> torch.Tensor:
+        """The input the product sees: quantized when the recipe says so."""
+        return x if self.input_quant is None else self.input_quant(x)
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, scheme: Scheme | str, imp: torch.Tensor | None = None
@@ -89,6 +106,7 @@ class QuantLinear(nn.Module):
         return super()._apply(fn, recurse)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.prepare_input(x)
         w, rest = self.weight, []
         for adapter in self.adapters.values():
             if getattr(adapter, "merged", False):
@@ -103,4 +121,5 @@ class QuantLinear(nn.Module):
         return y
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, scheme={self.scheme.name}"
+        inp = "" if self.input_quant is None else f", input={self.input_quant.scheme.name}"
+        return f"in_features={self.in_features}, out_features={self.out_features}, scheme={self.scheme.name}{inp}"

@@ -1,4 +1,4 @@
-"""Swap a model's Linear layers for `QuantLinear` according to a `Plan`."""
+"""Swap a model's Linear layers for `QuantLinear` according to a `Plan` (weights and inputs)."""
 
 from __future__ import annotations
 
@@ -8,9 +8,11 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from lowbit.errors import SchemeError
-from lowbit.formats import Scheme
+from lowbit.errors import ConfigError, SchemeError
+from lowbit.formats import Recipe, Scheme
 from lowbit.formats.plan import Plan
+from lowbit.formats.recipe import as_recipe
+from lowbit.nn.input_quant import InputQuantizer
 from lowbit.nn.quant_linear import QuantLinear
 
 LayerFactory = Callable[[str, nn.Linear, Scheme], nn.Module]
@@ -26,31 +28,48 @@ def set_module(model: nn.Module, name: str, module: nn.Module) -> None:
     setattr(parent, child, module)
 
 
-def replace_linears(model: nn.Module, plan: Plan | Mapping[str, Scheme], imp: Mapping[str, torch.Tensor] | None = None,
-                    factory: LayerFactory | None = None, progress: bool = False) -> list[str]:
+def replace_linears(model: nn.Module, plan: Plan | Mapping[str, Scheme | Recipe],
+                    imp: Mapping[str, torch.Tensor] | None = None, factory: LayerFactory | None = None,
+                    progress: bool = False, amax: Mapping[str, torch.Tensor] | None = None) -> list[str]:
     """Replace every planned ``nn.Linear`` in place; returns the replaced names.
 
     imp: optional per-layer input importance (``[in]``) for the ``search`` scale rule.
-    factory: builds the replacement (default: round-to-nearest `QuantLinear`).
-    A planned name that is missing or not a Linear is an error, never skipped.
+    factory: builds the replacement (default: round-to-nearest `QuantLinear`); the
+    recipe's input quantizer is attached to a `QuantLinear` it returns.
+    amax: per-layer calibrated input abs-max, for input schemes with static scales.
+    Every planned name is checked (present, a Linear, widths fit, static scales
+    calibrated) before the first layer is replaced, so a bad plan changes nothing.
     """
-    items = list(plan.items())
+    items = [(n, as_recipe(r)) for n, r in plan.items()]
+    layers = {name: _planned_linear(model, name, recipe, amax) for name, recipe in items}
     done = []
-    for name, scheme in tqdm(items, desc="quantize", disable=not progress, unit="layer"):
-        try:
-            layer = get_module(model, name)
-        except AttributeError:
-            raise SchemeError(f"plan names layer {name!r}, which the model does not have") from None
-        if not isinstance(layer, nn.Linear):
-            raise SchemeError(f"plan layer {name!r} is a {type(layer).__name__}, not a Linear")
-        scheme.check_width(layer.in_features, name)
+    for name, recipe in tqdm(items, desc="quantize", disable=not progress, unit="layer"):
+        layer = layers[name]
         if factory is not None:
-            new = factory(name, layer, scheme)
+            new = factory(name, layer, recipe.weight)
         else:
-            new = QuantLinear.from_linear(layer, scheme, None if imp is None else imp.get(name))
+            new = QuantLinear.from_linear(layer, recipe.weight, None if imp is None else imp.get(name))
+        if recipe.input is not None and isinstance(new, QuantLinear):
+            new.set_input_quant(InputQuantizer(recipe.input, None if amax is None else amax.get(name)))
         set_module(model, name, new.to(layer.weight.device))
         done.append(name)
     return done
+
+
+def _planned_linear(model: nn.Module, name: str, recipe: Recipe,
+                    amax: Mapping[str, torch.Tensor] | None) -> nn.Linear:
+    """The Linear a plan entry names, checked against its recipe."""
+    try:
+        layer = get_module(model, name)
+    except AttributeError:
+        raise SchemeError(f"plan names layer {name!r}, which the model does not have") from None
+    if not isinstance(layer, nn.Linear):
+        raise SchemeError(f"plan layer {name!r} is a {type(layer).__name__}, not a Linear")
+    recipe.check_width(layer.in_features, name)
+    if recipe.needs_calibration and (amax is None or name not in amax):
+        raise ConfigError(f"layer {name}: input scheme {recipe.input.name} has static scales, which come from "
+                          "calibration data; calibrate the inputs first (pass calibration batches)")
+    return layer
 
 
 def quant_layers(model: nn.Module) -> dict[str, QuantLinear]:

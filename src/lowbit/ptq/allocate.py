@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 
 from lowbit.errors import ConfigError
-from lowbit.formats import Scheme
+from lowbit.formats import Recipe, Scheme
 from lowbit.formats.kquants import fit_width
 from lowbit.formats.plan import Plan
 from lowbit.formats.scheme import SCALE_BITS
@@ -43,8 +43,12 @@ class Allocation:
         return self.total_bits / max(self.params, 1)
 
 
-def layer_bits(scheme: Scheme, shape: tuple[int, int], count_scales: bool = True) -> int:
-    """Exact storage bits of one ``[out, in]`` weight (scale and zero per group if counted)."""
+def layer_bits(scheme: Scheme | Recipe, shape: tuple[int, int], count_scales: bool = True) -> int:
+    """Exact storage bits of one ``[out, in]`` weight (scale and zero per group if counted).
+
+    A recipe costs its weight's bits: activations are not stored, so W4A4 and W4A16 cost alike.
+    """
+    scheme = scheme.weight if isinstance(scheme, Recipe) else scheme
     out, cols = shape
     scheme = fit_width(scheme, cols)
     if scheme.super_block:  # llama.cpp's bytes per 256-weight super-block, scales included
@@ -119,15 +123,15 @@ def tie_qkv(names: Sequence[str]) -> list[list[str]]:
 
 
 def allocate(scores: Mapping[str, Mapping[str, float]], sizes: Mapping[str, tuple[int, int]],
-             options: Sequence[Scheme | str], avg_bits: float, ties: Sequence[Sequence[str]] = (),
+             options: Sequence[Recipe | Scheme | str], avg_bits: float, ties: Sequence[Sequence[str]] = (),
              count_scales: bool = True, lm_head_min_bits: int = 6, beam: int | None = None) -> Allocation:
-    """Choose a scheme per layer of ``sizes`` for ``sum bits <= floor(avg_bits * params)``.
+    """Choose a recipe per layer of ``sizes`` for ``sum bits <= floor(avg_bits * params)``.
 
-    scores: scheme name -> layer -> DeltaLoss (from `sensitivity.delta_loss`).
+    scores: recipe name -> layer -> DeltaLoss (from `sensitivity.delta_loss`).
     ties: groups of layers forced to one scheme. count_scales: charge scale/zero bits.
     lm_head_min_bits: a layer named ``*lm_head`` may only take options of >= this many bits.
     """
-    opts = [Scheme.parse(o) for o in options]
+    opts = [Recipe.parse(o) for o in options]
     if not opts:
         raise ConfigError("mixed precision needs at least one option scheme (--options S1,S2)")
     missing = [o.name for o in opts if o.name not in scores]
@@ -158,7 +162,7 @@ def allocate(scores: Mapping[str, Mapping[str, float]], sizes: Mapping[str, tupl
     return Allocation(plan, total, budget, params, score)
 
 
-def positional_plan(sizes: Mapping[str, tuple[int, int]], low: Scheme | str, high: Scheme | str,
+def positional_plan(sizes: Mapping[str, tuple[int, int]], low: Recipe | Scheme | str, high: Recipe | Scheme | str,
                     avg_bits: float, from_end: bool = False, count_scales: bool = True) -> Allocation:
     """The baseline a sensitivity-driven plan has to beat: ``high`` for the first (or last)
     layers in model order, as many as fit in the budget, ``low`` for the rest.
@@ -166,7 +170,7 @@ def positional_plan(sizes: Mapping[str, tuple[int, int]], low: Scheme | str, hig
     Layers are taken contiguously from the chosen end; filling stops at the first layer
     that no longer fits, so the plan is "the first k layers", never a patchwork.
     """
-    lo, hi = Scheme.parse(low), Scheme.parse(high)
+    lo, hi = Recipe.parse(low), Recipe.parse(high)
     names = list(sizes)
     params = sum(o * i for o, i in sizes.values())
     budget = math.floor(avg_bits * params)
@@ -197,9 +201,9 @@ def _groups(names: list[str], ties: Sequence[Sequence[str]]) -> list[list[str]]:
     return groups
 
 
-def _allowed(group: Sequence[str], scheme: Scheme, lm_head_min_bits: int) -> bool:
+def _allowed(group: Sequence[str], recipe: Recipe, lm_head_min_bits: int) -> bool:
     heads = any(n == "lm_head" or n.endswith(".lm_head") for n in group)
-    return not heads or scheme.bits >= lm_head_min_bits
+    return not heads or recipe.weight.bits >= lm_head_min_bits
 
 
 # ----------------------------------------------------------------- outputs
@@ -219,8 +223,8 @@ def plot_bits(plan: Plan, sizes: Mapping[str, tuple[int, int]]) -> bytes:
     import matplotlib.pyplot as plt
 
     names = list(plan)
-    bits = [plan[n].bits_per_weight(sizes[n][1]) for n in names]
-    schemes = plan.schemes()
+    bits = [plan.weight(n).bits_per_weight(sizes[n][1]) for n in names]
+    schemes = plan.recipes()
     colors = [f"C{schemes.index(plan[n])}" for n in names]
     fig, ax = plt.subplots(figsize=(max(6.0, len(names) * 0.12), 3.5))
     ax.bar(range(len(names)), bits, color=colors, width=0.9)

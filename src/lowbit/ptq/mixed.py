@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from lowbit.errors import ConfigError
-from lowbit.formats import Scheme
+from lowbit.formats import Recipe
 from lowbit.formats.kquants import fit_width
 from lowbit.formats.plan import Plan
 from lowbit.models.placement import model_device, on_device
@@ -31,7 +31,9 @@ DTYPE_CHOICES = ("auto", *DTYPES)
 class MixedSettings:
     """A mixed-precision budget.
 
-    avg_bits: average bits per weight over the planned layers. options: candidate schemes.
+    avg_bits: average bits per weight over the planned layers. options: candidate recipes
+        (weight schemes, or recipes that quantize inputs too: w4a4-mxfp4, w8a8-mxfp8); a
+        recipe costs its weight bits.
     delta_mode: DeltaLoss score, ``abs`` (reference code) or ``signed`` (the paper's term).
     tie_qkv: q/k/v of a block take one scheme (fused-QKV kernels need that).
     count_scales: the budget counts scale and zero-point bits (False = element bits only).
@@ -51,7 +53,7 @@ class MixedSettings:
 
     def __post_init__(self) -> None:
         opts = self.options.split(",") if isinstance(self.options, str) else self.options
-        object.__setattr__(self, "options", tuple(Scheme.parse(o).name for o in opts if str(o).strip()))
+        object.__setattr__(self, "options", tuple(Recipe.parse(o).name for o in opts if str(o).strip()))
         if not self.options:
             raise ConfigError("mixed precision needs at least one option, e.g. --options w2g64,w4g128")
         if not self.avg_bits > 0:
@@ -63,8 +65,8 @@ class MixedSettings:
         if self.nsamples < 1:
             raise ConfigError(f"DeltaLoss needs at least one sample, got {self.nsamples}")
 
-    def schemes(self) -> list[Scheme]:
-        return list(dict.fromkeys(Scheme.parse(o) for o in self.options))
+    def schemes(self) -> list[Recipe]:
+        return list(dict.fromkeys(Recipe.parse(o) for o in self.options))
 
 
 def check_feasible(model: nn.Module, plan: Plan, settings: MixedSettings) -> None:
@@ -76,7 +78,7 @@ def check_feasible(model: nn.Module, plan: Plan, settings: MixedSettings) -> Non
     sizes = {n: _shape(model, n) for n in plan}
     for n, (_, cols) in sizes.items():
         for o in settings.schemes():
-            fit_width(o, cols).check_width(cols, n)
+            Recipe(fit_width(o.weight, cols), o.input).check_width(cols, n)
     zero = {o.name: dict.fromkeys(sizes, 0.0) for o in settings.schemes()}
     ties = tie_qkv(list(plan)) if settings.tie_qkv else ()
     allocate(zero, sizes, settings.schemes(), settings.avg_bits, ties=ties, count_scales=settings.count_scales,

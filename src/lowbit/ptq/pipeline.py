@@ -11,6 +11,12 @@ After each block its quantized weights are written atomically to the work folder
 rerun with the same settings replays the finished blocks (forward passes only, the same
 chunking and order, hence bit-identical activations) and continues with the next one;
 a rerun with different settings is refused rather than mixing two runs.
+
+Recipes that quantize inputs: each such Linear gets an `InputQuantizer` before its
+block is tuned (``BlockJob.inputs``), so the tuner sees quantized inputs inside the
+block, and the installed `QuantLinear` keeps it. Static input scales are the abs-max
+of the Linear's FP inputs on the calibration batches, taken by hooks during the pass
+that computes the block's FP targets (so a resumed block gets the same scales again).
 """
 
 from __future__ import annotations
@@ -20,7 +26,7 @@ import json
 import time
 import warnings
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -40,6 +46,7 @@ from lowbit.models.layers import block_path, decoder_blocks
 from lowbit.models.lazy import is_lazy, load_block, materialize
 from lowbit.models.placement import check_device
 from lowbit.nn import QuantLinear, replace_linears, set_module
+from lowbit.nn.input_quant import InputQuantizer
 
 _DROP_KWARGS = ("cache", "past_key_values", "past_key_value", "layer_past")
 
@@ -55,6 +62,8 @@ class BlockJob:
     layers: full layer name -> (module name relative to the block, scheme).
     kwargs: the extra arguments the block is called with (mask, position embeddings).
     imp: full layer name -> ``[in]`` importance, when the tuner asked for it.
+    inputs: full layer name -> the quantizer of its input (layers whose recipe has one);
+    a tuner runs each layer's input through it inside the block.
     """
 
     index: int
@@ -67,6 +76,7 @@ class BlockJob:
     device: torch.device | None = None  # compute device (None = where ``x`` is)
     dtype: torch.dtype | None = None  # the block's activation dtype (None = ``x``'s)
     shard: Shard | None = None  # this process's part of each mini-batch under torch.distributed
+    inputs: dict[str, InputQuantizer] = field(default_factory=dict)  # input quantizers of the recipe
 
     def fetch(self, cache: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
         """Rows ``idx`` of ``x`` or ``y`` on the compute device in the block's dtype (see `gather_rows`)."""
@@ -87,9 +97,16 @@ def module_names(model: nn.Module) -> dict[int, str]:
 
 
 def block_layers(plan: Plan, block_name: str) -> dict[str, tuple[str, Scheme]]:
-    """Plan entries inside one block: full name -> (relative name, scheme)."""
+    """Plan entries inside one block: full name -> (relative name, weight scheme)."""
     pre = block_name + "."
-    return {n: (n[len(pre):], s) for n, s in plan.items() if n.startswith(pre)}
+    return {n: (n[len(pre):], r.weight) for n, r in plan.items() if n.startswith(pre)}
+
+
+def input_quantizers(plan: Plan, layers: Mapping[str, Any], amax: Mapping[str, torch.Tensor],
+                     device: torch.device) -> dict[str, InputQuantizer]:
+    """An `InputQuantizer` per layer of ``layers`` whose recipe quantizes its input, on ``device``."""
+    return {n: InputQuantizer(plan[n].input, amax.get(n)).to(device)  # type: ignore[arg-type]
+            for n in layers if plan[n].input is not None}
 
 
 def run_block(block: nn.Module, x: torch.Tensor, kwargs: Mapping[str, Any], chunk: int) -> torch.Tensor:
@@ -181,8 +198,8 @@ def map_block(block: nn.Module, src: torch.Tensor, dst: torch.Tensor, kwargs: Ma
         torch.cuda.current_stream(device).synchronize()  # the host reads dst next (once per pass, not per step)
 
 
-def sum_across(stats: Mapping[str, torch.Tensor], shard: Shard) -> dict[str, torch.Tensor]:
-    """Per-rank activation statistics summed over the ranks (identity in one process)."""
+def reduce_across(stats: Mapping[str, torch.Tensor], shard: Shard, op: str = "sum") -> dict[str, torch.Tensor]:
+    """Per-rank activation statistics summed (or, ``op="max"``, maxed) over the ranks (identity in one process)."""
     if shard.world == 1:
         return dict(stats)
     import torch.distributed as dist
@@ -190,7 +207,7 @@ def sum_across(stats: Mapping[str, torch.Tensor], shard: Shard) -> dict[str, tor
     out = {}
     for name, t in stats.items():
         t = t.clone()
-        dist.all_reduce(t)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM)
         out[name] = t
     return out
 
@@ -523,19 +540,24 @@ def quantize_blockwise(model: nn.Module, plan: Plan, calib: torch.Tensor, tuner:
         block.to(device)
         t0 = time.perf_counter()
         want_imp = tuner.needs_importance and i >= start
-        hooked = {n: block.get_submodule(r) for n, (r, _) in layers.items()} if want_imp else {}
+        static = [n for n in layers if plan[n].needs_calibration]
+        hooked = {n: block.get_submodule(r) for n, (r, _) in layers.items() if want_imp or n in static}
+        kinds = ("sumsq",) * want_imp + ("absmax",) * bool(static)
         x_in = x_q if x_q is not None else x_fp
         # the targets overwrite X_fp in place, unless the tuner reads X_fp itself
         y = x_fp if x_q is not None else new_cache(x_fp.shape, x_fp.dtype, x_fp.device, device)
-        with torch.no_grad(), activation_stats(hooked, ("sumsq",)) as h, tuning_attention(model):
+        with torch.no_grad(), activation_stats(hooked, kinds) as h, tuning_attention(model):
             map_block(block, x_fp, y, kwargs, options.chunk, device, dtype, shard)
         x_fp = None
+        amax = {n: a.amax() for n, a in reduce_across(h.result("absmax"), shard, "max").items()
+                if n in static} if static else {}
+        inputs = input_quantizers(plan, layers, amax, device)
         if i < start:
             qts = wd.load_block(i, layers, _shapes(block, layers))  # type: ignore[union-attr]
             info: dict[str, float] = {"resumed": 1.0}
         else:
-            imp = sum_across(h.result("sumsq"), shard) if want_imp else None
-            job = BlockJob(i, block, layers, x_in, y, kwargs, imp, device, dtype, shard)
+            imp = reduce_across(h.result("sumsq"), shard) if want_imp else None
+            job = BlockJob(i, block, layers, x_in, y, kwargs, imp, device, dtype, shard, inputs)
             with tuning_attention(model):
                 qts, info = tuner(job)
             if wd and i in wd.damaged:
@@ -543,7 +565,7 @@ def quantize_blockwise(model: nn.Module, plan: Plan, calib: torch.Tensor, tuner:
             if wd and shard.rank == 0:
                 wd.save_block(i, qts)
         x_in = None
-        _install(block, layers, qts, device)
+        _install(block, layers, qts, device, inputs)
         if x_q is not None:
             with torch.no_grad(), tuning_attention(model):
                 map_block(block, x_q, x_q, kwargs, options.chunk, device, dtype, shard)
@@ -626,21 +648,28 @@ def _shapes(block: nn.Module, layers: Mapping[str, tuple[str, Scheme]]) -> dict[
 
 
 def _install(block: nn.Module, layers: Mapping[str, tuple[str, Scheme]], qts: Mapping[str, QTensor],
-             device: torch.device) -> None:
+             device: torch.device, inputs: Mapping[str, InputQuantizer] | None = None) -> None:
     """Swap the block's Linears for frozen QuantLinears holding the tuned weights, on ``device``.
 
     A resumed block's codes were read onto the CPU; tuned ones are already on ``device``.
+    inputs: the layers' input quantizers (the ones the tuning used).
     """
     for name, (rel, _) in layers.items():
         old = block.get_submodule(rel)
         bias = getattr(old, "bias", None)
-        new = QuantLinear(qts[name], None if bias is None else bias.detach())
+        new = QuantLinear(qts[name], None if bias is None else bias.detach(),
+                          input_quant=(inputs or {}).get(name))
         set_module(block, rel, new.to(device))
 
 
 def _quantize_rest(model: nn.Module, plan: Plan, names: Mapping[int, str], blocks: nn.ModuleList) -> None:
     """Planned layers outside the decoder blocks (e.g. lm_head) get plain RTN."""
     prefixes = tuple(names[id(b)] + "." for b in blocks)
-    rest = {n: s for n, s in plan.items() if not n.startswith(prefixes)}
+    rest = {n: r for n, r in plan.items() if not n.startswith(prefixes)}
     if rest:
+        static = [n for n in rest if plan[n].needs_calibration]
+        if static:
+            raise ConfigError(f"{static[0]} lies outside the decoder blocks, where the block-wise pipeline cannot "
+                              "calibrate static input scales; give it a dynamic input scheme (e.g. fp8, mxfp4) "
+                              "or none")
         replace_linears(model, rest)

@@ -5,6 +5,10 @@ grid search of formats.md, weighting each input column by the summed squared
 calibration activations that feed it ("optimized RTN"); that is also SignRoundV2's
 initialisation, which is why it lives in the shared PTQ layer. RTN works on the whole
 model at once: with a device it moves there for the importance pass and the rounding.
+
+Recipes that quantize inputs get their input quantizers; static input scales (NVFP4's
+tensor scale, FP8 / INT8 per tensor) are calibrated in the same pass over the FP model,
+on the calibration batches only.
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ from torch import nn
 
 from lowbit.errors import ConfigError
 from lowbit.formats.plan import Plan
-from lowbit.models.activations import importance
+from lowbit.models.activations import collect
 from lowbit.models.placement import on_device
 from lowbit.nn import replace_linears
 from lowbit.ptq.methods import Method, RunContext, register
@@ -33,22 +37,30 @@ class RTNSettings:
 def searched(plan: Plan) -> Plan:
     """The same plan with every scheme switched to the ``search`` scale rule.
 
-    4-over-6 already picks its scales by error, so those schemes keep their rule.
+    4-over-6 already picks its scales by error, so those schemes keep their rule; input
+    schemes are untouched (their scales are chosen at run time).
     """
-    return Plan({n: s if s.rule == "4over6" else s.replace(rule="search") for n, s in plan.items()})
+    return plan.with_weights({n: s if s.rule == "4over6" else s.replace(rule="search")
+                              for n, s in plan.weights().items()})
 
 
 def rtn_quantize(model: nn.Module, plan: Plan, calib: torch.Tensor | None = None, search: bool = False,
                  imp: Mapping[str, torch.Tensor] | None = None, progress: bool = True) -> Plan:
     """Quantize ``model`` in place; returns the plan actually applied."""
+    static = plan.needs_calibration()
     if search:
         plan = searched(plan)
-        if imp is None:
-            if calib is None:
-                raise ConfigError("RTN's importance search needs calibration batches; pass calib, or "
-                                  "search=False (--no-search) for plain round-to-nearest")
-            imp = importance(model, calib, list(plan))
-    replace_linears(model, plan, imp=imp, progress=progress)
+    kinds = (["sumsq"] if search and imp is None else []) + (["absmax"] if static else [])
+    if kinds and calib is None:
+        why = "RTN's importance search" if "sumsq" in kinds else f"the static input scales of {static[0]}"
+        raise ConfigError(f"{why} needs calibration batches; pass calib"
+                          + (", or search=False (--no-search) for plain round-to-nearest" if not static else ""))
+    amax = None
+    if kinds:
+        stats = collect(model, calib, list(plan), kinds)
+        imp = stats.result("sumsq") if "sumsq" in kinds else imp
+        amax = {n: a.amax() for n, a in stats.result("absmax").items()} if static else None
+    replace_linears(model, plan, imp=imp, progress=progress, amax=amax)
     return plan
 
 

@@ -10,6 +10,16 @@ first-order change of the loss between its FP and quantized weight:
 
 Gradients are summed over the batches. Original weights are restored bit-exactly.
 
+Options that quantize inputs (W4A4, W8A8 recipes) quantize the model's weights *and*
+its Linear inputs, and score each layer by the activation term ``sum |g_Q (.) (x - Q(x))|``
+with ``g_Q = dL/dQ(x)`` taken by a backward hook on the quantized input (a
+straight-through copy of ``x``, so earlier layers still get gradients). As in the
+reference implementation, when every option quantizes inputs the activation term is the
+whole score (the weights then need no gradients at all); when some option is
+weight-only, every option keeps the weight term and activation options add theirs, so
+the scores stay comparable. Static input scales (NVFP4's tensor scale) are calibrated
+on the same batches, on the float model, before any option is scored.
+
 ``dtype="bf16"`` runs the forward and backward under bf16 autocast. The scores only rank
 layers against each other for the knapsack, so the products' precision matters little,
 while the whole-model passes (the 49k-vocabulary head included) are most of a mixed
@@ -25,18 +35,19 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from lowbit.errors import ConfigError
-from lowbit.formats import Scheme, qdq
+from lowbit.formats import Recipe, Scheme, qdq, qdq_input
 from lowbit.formats.kquants import fit_width
+from lowbit.models.activations import input_amax
 from lowbit.models.placement import model_device
 
 MODES = ("abs", "signed")
 DTYPES = ("fp32", "bf16")
 
 
-def delta_loss(model: nn.Module, layers: Iterable[str], schemes: Sequence[Scheme | str],
+def delta_loss(model: nn.Module, layers: Iterable[str], schemes: Sequence[Recipe | Scheme | str],
                batches: torch.Tensor, mode: str = "abs", batch_size: int = 4,
                progress: bool = True, dtype: str = "fp32") -> dict[str, dict[str, float]]:
-    """Scores ``scheme name -> layer name -> DeltaLoss`` (lower = safer to quantize)."""
+    """Scores ``recipe name -> layer name -> DeltaLoss`` (lower = safer to quantize)."""
     if mode not in MODES:
         raise ConfigError(f"DeltaLoss mode must be one of {MODES}, got {mode!r}")
     if dtype not in DTYPES:
@@ -46,14 +57,19 @@ def delta_loss(model: nn.Module, layers: Iterable[str], schemes: Sequence[Scheme
     names = list(layers)
     mods = {n: model.get_submodule(n) for n in names}
     _refuse_tied(model, mods)
+    recipes = [Recipe.parse(s) for s in schemes]
+    weight_term = any(r.input is None for r in recipes)
+    static = any(r.needs_calibration for r in recipes)
+    amax = input_amax(model, batches, names, batch_size) if static else {}
     flags = [(p, p.requires_grad) for p in model.parameters()]
     originals = {n: m.weight.detach().clone() for n, m in mods.items()}
     out: dict[str, dict[str, float]] = {}
     try:
         for p, _ in flags:
             p.requires_grad_(False)
-        for s in tqdm([Scheme.parse(s) for s in schemes], desc="deltaloss", unit="scheme", disable=not progress):
-            out[s.name] = _score_scheme(model, mods, originals, s, batches, mode, batch_size, dtype)
+        for r in tqdm(recipes, desc="deltaloss", unit="scheme", disable=not progress):
+            out[r.name] = _score_scheme(model, mods, originals, r, batches, mode, batch_size, dtype,
+                                        weight_term=weight_term or r.input is None, amax=amax)
     finally:
         with torch.no_grad():
             for n, m in mods.items():
@@ -65,28 +81,63 @@ def delta_loss(model: nn.Module, layers: Iterable[str], schemes: Sequence[Scheme
 
 
 def _score_scheme(model: nn.Module, mods: dict[str, nn.Module], originals: dict[str, torch.Tensor],
-                  scheme: Scheme, batches: torch.Tensor, mode: str, batch_size: int,
-                  dtype: str = "fp32") -> dict[str, float]:
+                  recipe: Recipe, batches: torch.Tensor, mode: str, batch_size: int,
+                  dtype: str = "fp32", weight_term: bool = True,
+                  amax: dict[str, torch.Tensor] | None = None) -> dict[str, float]:
     with torch.no_grad():
         for n, m in mods.items():
-            m.weight.copy_(qdq(originals[n], fit_width(scheme, originals[n].shape[1])))
+            m.weight.copy_(qdq(originals[n], fit_width(recipe.weight, originals[n].shape[1])))
     for m in mods.values():
-        m.weight.requires_grad_(True)
+        m.weight.requires_grad_(weight_term)
         m.weight.grad = None
+    acts = {n: torch.zeros((), dtype=torch.float64) for n in mods}
+    handles = [] if recipe.input is None else [
+        m.register_forward_pre_hook(_input_term(n, recipe, (amax or {}).get(n), mode, acts)) for n, m in mods.items()]
     device = model_device(model)
-    for chunk in batches.split(batch_size):
-        ids = chunk.to(device)
-        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=dtype == "bf16"):
-            loss = model(input_ids=ids, labels=ids, use_cache=False).loss.float() * (len(chunk) / len(batches))
-        loss.backward()
+    try:
+        for chunk in batches.split(batch_size):
+            ids = chunk.to(device)
+            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=dtype == "bf16"):
+                loss = model(input_ids=ids, labels=ids, use_cache=False).loss.float() * (len(chunk) / len(batches))
+            loss.backward()
+    finally:
+        for h in handles:
+            h.remove()
     scores = {}
     with torch.no_grad():
         for n, m in mods.items():
-            term = m.weight.grad * (m.weight - originals[n])  # g (.) (Q - W)
-            scores[n] = float(term.abs().sum() if mode == "abs" else term.sum())
+            total = float(acts[n])
+            if weight_term:
+                term = m.weight.grad * (m.weight - originals[n])  # g (.) (Q - W)
+                total += float(term.abs().sum() if mode == "abs" else term.sum())
+            scores[n] = total
             m.weight.requires_grad_(False)
             m.weight.grad = None
     return scores
+
+
+def _input_term(name: str, recipe: Recipe, amax: torch.Tensor | None, mode: str, acc: dict[str, torch.Tensor]):
+    """Forward pre-hook: feed the layer ``Q(x)`` (straight-through) and, on backward, add
+    ``g (.) (Q(x) - x)`` summed (abs or signed) to ``acc[name]``."""
+
+    def hook(_mod: nn.Module, args: tuple):
+        x = args[0]
+        if not x.requires_grad:  # nothing upstream needs gradients: a leaf is enough
+            x = x.detach().requires_grad_(True)
+        with torch.no_grad():
+            q = qdq_input(x, recipe.input, amax)  # type: ignore[arg-type]
+            # kept until backward for every layer: bf16 halves that memory (the scores only rank layers)
+            diff = (q - x).to(torch.bfloat16)
+        y = x + (q - x).detach()
+
+        def grad_hook(g: torch.Tensor) -> None:
+            term = g.float() * diff.float()
+            acc[name] += (term.abs().sum() if mode == "abs" else term.sum()).double().cpu()
+
+        y.register_hook(grad_hook)
+        return (y, *args[1:])
+
+    return hook
 
 
 def _refuse_tied(model: nn.Module, mods: dict[str, nn.Module]) -> None:

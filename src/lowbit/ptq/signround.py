@@ -45,7 +45,8 @@ class SignRoundSettings:
     v2: SignRoundV2 — importance-searched initial scale and a learned multiplier in [0, 2].
     loss_filter: drop the largest ``filter_frac`` of |pred - ref| from the MSE;
         None = on for V2 at every width (the reference turns it on below 4 bits only;
-        measured on the bundled model at W4 g128, 50 iters: ppl 15.99 off, 15.80 on).
+        measured on the bundled model at W4 g128, 50 iters: ppl 15.99 off, 15.80 on), and
+        for V1 in blocks whose inputs are quantized to <= 4 bits (W4A4).
     fp_scale_lr: step of the FP4/FP8 block-scale factors relative to the offsets' step.
     fp_inputs: tune each block on FP inputs instead of the quantized blocks' outputs.
     tune_dtype: the precision of the tuned Linears' products while tuning. "bf16" runs those
@@ -153,15 +154,21 @@ class TunedLinear(nn.Module):
     ``dtype`` (e.g. bf16) casts input, weight and bias for the product only and returns the
     input's dtype, so just the GEMMs run in low precision. Autocast over the whole block was
     measured worse at W2 g64 (ppl 28.98 vs 27.26 in fp32), likely from bf16 attention.
+    ``input_quant``: the recipe's input quantizer, run on the input first (with a
+    straight-through gradient), so the block is tuned on the inputs the model will see.
     """
 
-    def __init__(self, linear: nn.Linear, rounder: nn.Module, dtype: torch.dtype | None = None) -> None:
+    def __init__(self, linear: nn.Linear, rounder: nn.Module, dtype: torch.dtype | None = None,
+                 input_quant: nn.Module | None = None) -> None:
         super().__init__()
         self.rounder = rounder
         self.dtype = dtype
+        self.input_quant = input_quant
         self.bias = None if linear.bias is None else linear.bias.detach()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.input_quant is not None:
+            x = self.input_quant(x)
         w, b = self.rounder(), self.bias
         if self.dtype is None or self.dtype == x.dtype:
             return F.linear(x, w, b)
@@ -257,6 +264,8 @@ class SignRoundTuner:
         self.needs_importance = config.v2
 
     def __call__(self, job: BlockJob) -> tuple[dict[str, QTensor], dict[str, float]]:
+        if not job.layers:  # a partial plan can leave whole blocks unquantized: nothing to tune
+            return {}, {}
         cfg = self.config
         frozen = [(p, p.requires_grad) for p in job.block.parameters()]
         for p, _ in frozen:
@@ -277,14 +286,16 @@ class SignRoundTuner:
             lin = job.block.get_submodule(rel)
             imp = None if job.imp is None else job.imp[name]
             r = make_rounder(lin.weight.detach(), scheme, imp, self.config.v2)
-            set_module(job.block, rel, TunedLinear(lin, r, dtype))
+            set_module(job.block, rel, TunedLinear(lin, r, dtype, job.inputs.get(name)))
             rounders[name] = r
         return rounders
 
     def _use_filter(self, job: BlockJob) -> bool:
         if self.config.loss_filter is not None:
             return self.config.loss_filter
-        return self.config.v2  # every width, not only < 4 bits: at W4 it took ppl 15.99 -> 15.80
+        # V2: every width, not only < 4 bits (at W4 it took ppl 15.99 -> 15.80); V1 as the
+        # reference: on when a layer's inputs are quantized to 4 bits or fewer
+        return self.config.v2 or any(q.scheme.bits <= 4 for q in job.inputs.values())
 
     def _groups(self, rounders: Mapping[str, nn.Module]) -> list[tuple[list[nn.Parameter], float]]:
         """(parameters, lr multiplier): rounding offsets at lr, FP block-scale factors at fp_scale_lr."""

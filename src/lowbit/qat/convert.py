@@ -40,6 +40,9 @@ def to_qat(model: nn.Module, quantizer: Quantizer, names: Iterable[str] | None =
         if isinstance(layer, QuantLinear):  # a PTQ result (e.g. SignRound) as the starting point
             if len(layer.adapters):
                 raise ConfigError(f"layer {name!r} carries adapters; merge them before QAT")
+            if layer.input_quant is not None:  # QATLinear has no input quantizer: refuse rather than drop it
+                raise ConfigError(f"layer {name!r} quantizes its inputs ({layer.input_quant.scheme.name}); QAT "
+                                  "trains weight-only layers: start from the float model or a weight-only checkpoint")
             new = QATLinear(layer.weight.detach().clone(), layer.bias, quantizer).to(layer.codes.device)
         else:
             new = QATLinear.from_linear(layer, quantizer)

@@ -36,6 +36,7 @@ class StudyRow:
     rel_error: float
     seconds: float
     ppl: float | None = None
+    underflow: float | None = None  # inputs mode: share of non-zero blocks whose E4M3 scale rounds to 0
 
     def to_dict(self) -> dict:
         return asdict(self)
