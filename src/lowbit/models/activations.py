@@ -10,7 +10,9 @@ batch by batch without keeping activations:
 * ``xtx``    ``[in, in]``: the full second moment ``X^T X`` (QWHA's least-squares
   refinement; GPTQ's Hessian is ``2 X^T X``);
 * ``absmax`` ``[in]``: the largest ``|x_tj|`` per input channel (static activation
-  scales, activation-aware channel scaling);
+  scales);
+* ``sumabs`` ``[in]``: ``sum_t |x_tj|``, the mean magnitude of each input channel once
+  divided by ``tokens`` (AWQ's activation-aware channel scales);
 * ``tokens``: how many rows were seen (to turn sums into means).
 
 Sums accumulate in float64 so millions of tokens add up exactly enough; a layer that
@@ -29,7 +31,7 @@ from tqdm.auto import tqdm
 from lowbit.errors import ConfigError
 from lowbit.models.placement import model_device
 
-KINDS = ("sumsq", "xtx", "absmax")
+KINDS = ("sumsq", "xtx", "absmax", "sumabs")
 
 
 class ActivationStats:
@@ -95,6 +97,8 @@ def _statistic(kind: str, x: torch.Tensor) -> torch.Tensor:
     if kind == "xtx":
         xd = x.double()
         return xd.T @ xd
+    if kind == "sumabs":
+        return x.double().abs().sum(0)
     return x.abs().amax(0).double()
 
 
