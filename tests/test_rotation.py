@@ -155,3 +155,26 @@ def test_rotation_spreads_an_outlier_channel():
 
     assert kurtosis(r.model.layers[0].mlp.up_proj.weight) < kurtosis(m.model.layers[0].mlp.up_proj.weight) / 5
 
+
+def test_finetune_rebuilds_the_rotated_float_weights_and_refuses_awq(tiny_hf_dir, tmp_path):
+    """An error-initialised adapter (QWHA, LoftQ) needs the float weights that were quantized: the rotation
+    is data-free, so the base model is rotated again and checked against the checkpoint's digest; AWQ's
+    scales came from calibration data and cannot be redone, so such adapters are refused up front."""
+    from lowbit.api import QuantizeJob, quantize
+    from lowbit.api.finetune import base_weights, check_prestep
+    from lowbit.models.native import load, read_manifest
+
+    quantize(QuantizeJob(out=tmp_path / "q", model=str(tiny_hf_dir), scheme="w4g32", method="rtn",
+                         settings={"search": False}, rotate=True, evaluation=None, progress=False))
+    manifest = read_manifest(tmp_path / "q")
+    names = list(manifest["layers"])
+    weights, info = base_weights(manifest, names, None)
+    assert info["base_verified"] is True
+    q, _ = load(tmp_path / "q")
+    for n in names[:3]:  # the rebuilt float weight is what the stored codes were rounded from
+        err = (weights[n] - q.get_submodule(n).weight).abs().max()
+        assert err <= q.get_submodule(n).scales.abs().max()
+    manifest["meta"]["awq"] = {"grid": 20}
+    with pytest.raises(ConfigError, match="quantized after AWQ scaling"):
+        check_prestep(manifest, "qwha")
+    check_prestep(manifest, "lora")
