@@ -178,3 +178,27 @@ def test_finetune_rebuilds_the_rotated_float_weights_and_refuses_awq(tiny_hf_dir
     with pytest.raises(ConfigError, match="quantized after AWQ scaling"):
         check_prestep(manifest, "qwha")
     check_prestep(manifest, "lora")
+
+
+def test_rotated_tied_model_exports_to_gguf_and_compressed_tensors(tmp_path):
+    """A fused rotation is plain weights: both engine formats hold it, the untied head included."""
+    pytest.importorskip("gguf")
+    pytest.importorskip("compressed_tensors")
+    from transformers import AutoModelForCausalLM
+
+    from lowbit.export import compressed_tensors as ct
+    from lowbit.export import gguf_export as ge
+
+    m = llama(tie=True)
+    quantize_model(m, uniform(m, "w4g32"), "rtn", {"search": False}, rotate=RotationSettings(), progress=False)
+    ids = calib(2, 16, seed=9)
+    with torch.no_grad():
+        ref = m(ids).logits
+    ge.export(m, None, tmp_path / "m.gguf")
+    g = AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file="m.gguf", dtype=torch.float32)
+    ct.export(m, None, tmp_path / "ct")
+    c = ct.load_decompressed(tmp_path / "ct")
+    for loaded in (g, c):
+        assert loaded.config.tie_word_embeddings is False
+        with torch.no_grad():
+            assert torch.equal(loaded(ids).logits, ref)
