@@ -146,3 +146,24 @@ def test_tune_dtype_reaches_the_tuning_options():
     assert build_job(args).settings.tune_dtype == "auto"
     with pytest.raises(SystemExit):
         build_parser().parse_args(["quantize", "--tune-dtype", "fp16", "--out", "o"])
+
+
+def test_gptq_with_rotation_and_awq_round_trips_and_offloads(tmp_path, capsys, tiny_tokenizer):
+    """The pre-steps and GPTQ from the command line: saved, evaluated again, and the same with --offload-dir
+    (which then loads the whole model: the pre-steps need all of it)."""
+    _save_tiny_qwen(tmp_path / "qwen", tiny_tokenizer)
+    common = ["--scheme", "w4g32", "--method", "gptq", "--rotate", "--awq", "--nsamples", "4", "--seqlen", "32",
+              "--eval-seqlen", "64", "--windows", "3", "--json"]
+    results = []
+    for name, extra in (("mem", []), ("off", ["--offload-dir", str(tmp_path / "off")])):
+        code = main(["quantize", str(tmp_path / "qwen"), *common, *extra, "--out", str(tmp_path / f"q_{name}")])
+        assert code == 0, capsys.readouterr().err
+        results.append(json.loads(capsys.readouterr().out.strip().splitlines()[-1]))
+    mem, off = results
+    assert mem["rotation"]["untied_head"] is False and mem["rotation"]["probe_rel_diff"] < 1e-5
+    assert mem["awq"]["groups"] == 6 and mem["scheme"] == "w4g32:rule=search"
+    assert off["ppl_q"] == mem["ppl_q"] and "ppl_fp" in off  # loaded whole, so the float perplexity is there
+    assert main(["eval", str(tmp_path / "q_mem"), "--seqlen", "64", "--windows", "3", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["ppl"] == mem["ppl_q"]
+    meta = json.loads((tmp_path / "q_mem" / "lowbit.json").read_text())["meta"]
+    assert meta["rotation"] == {"kind": "random", "seed": 0, "keep": 0} and meta["awq"]["grid"] == 20

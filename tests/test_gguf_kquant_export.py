@@ -120,11 +120,11 @@ def test_mix_recipes_follow_llama_cpp():
                   "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"):
             sizes[f"model.layers.{i}.{p}"] = (4096, 4096)
     sizes["lm_head"] = (32000, 4096)
-    m = kmix.mix_plan(sizes, "q4_k_m", n_gqa=4)
+    m = kmix.mix_plan(sizes, "q4_k_m", n_gqa=4).weights()
     six = [i for i in range(n) if m[f"model.layers.{i}.mlp.down_proj"].bits == 6]
     assert six == [0, 1, 2, 3, 6, 9, 12, 15, 18, 21, 24, 27, 28, 29, 30, 31]  # use_more_bits
     assert m["lm_head"].name == "q6_k" and m["model.layers.5.self_attn.q_proj"].name == "q4_k"
-    q3 = kmix.mix_plan(sizes, "q3_k_m", n_gqa=4)
+    q3 = kmix.mix_plan(sizes, "q3_k_m", n_gqa=4).weights()
     assert [q3[f"model.layers.{i}.self_attn.v_proj"].bits for i in range(3)] == [5, 5, 4]
     assert q3["model.layers.0.mlp.down_proj"].bits == 5 and q3["model.layers.2.mlp.down_proj"].bits == 4
     assert q3["model.layers.7.self_attn.o_proj"].bits == 4 and q3["model.layers.7.mlp.up_proj"].bits == 3

@@ -83,6 +83,28 @@ def training_rows(tokenizer: Any, data: TrainingData) -> torch.Tensor:
                                        seed=data.seed))
 
 
+def check_prestep(manifest: dict, adapter: str) -> None:
+    """Refuse an error-initialised adapter on a checkpoint made after AWQ scaling (before any loading).
+
+    AWQ's scales came from calibration data the checkpoint does not record, so the float
+    weights that were quantized cannot be rebuilt from the base model.
+    """
+    from lowbit.peft.apply import NEEDS_ERROR
+
+    if adapter in NEEDS_ERROR and manifest.get("meta", {}).get("awq") is not None:
+        raise ConfigError(f"the checkpoint was quantized after AWQ scaling (--awq), so its float weights are not the "
+                          f"base model's and --adapter {adapter}'s init (from the quantization error) cannot be "
+                          "computed; use --adapter lora or fourierft, or a checkpoint made without --awq")
+
+
+def _redo_prestep(fp: torch.nn.Module, meta: dict) -> None:
+    """Turn the float base into the float weights that were quantized: the same rotation (it is data-free)."""
+    if meta.get("rotation") is not None:
+        from lowbit.ptq.rotation import RotationSettings, rotate_model
+
+        rotate_model(fp, RotationSettings(**meta["rotation"]))
+
+
 def base_weights(manifest: dict, names: list[str], base_model: str | None) -> tuple[dict[str, torch.Tensor], dict]:
     """The named float weights of the model the checkpoint was quantized from, checked against its digest.
 
@@ -97,6 +119,7 @@ def base_weights(manifest: dict, names: list[str], base_model: str | None) -> tu
         raise ConfigError(f"the checkpoint was quantized from {source}, which is not there any more; pass the "
                           "float model with --base-model")
     fp = load_model(None if source in (None, BUNDLED_NAME) else source).model
+    _redo_prestep(fp, meta)
     try:
         weights = {n: fp.get_submodule(n).weight.detach().float().clone() for n in names}
     except AttributeError as e:
@@ -120,6 +143,7 @@ def finetune(job: FinetuneJob) -> dict[str, Any]:
     t0 = time.perf_counter()
     manifest = read_manifest(job.quantized_dir)
     check_shapes(job.peft, {n: tuple(spec["shape"]) for n, spec in manifest["layers"].items()})
+    check_prestep(manifest, job.peft.adapter)
     if job.base_model is not None and job.peft.adapter not in NEEDS_ERROR:
         raise ConfigError(f"--base-model applies to --adapter {' | '.join(NEEDS_ERROR)} (their init needs the "
                           f"float weights); --adapter {job.peft.adapter} starts from zero")

@@ -22,10 +22,13 @@ from lowbit.errors import ConfigError
 from lowbit.formats import Recipe, Scheme, kmix
 from lowbit.formats.kquants import fit_width
 from lowbit.formats.plan import Plan
+from lowbit.ptq.awq import AWQSettings
 from lowbit.ptq.methods import coerce_settings, get, make_settings
 from lowbit.ptq.mixed import MixedSettings
+from lowbit.ptq.rotation import RotationSettings
 
-__all__ = ["MixedSettings", "QuantizeJob", "build_plan", "make_settings", "method_options", "quantize"]
+__all__ = ["AWQSettings", "MixedSettings", "QuantizeJob", "RotationSettings", "build_plan", "make_settings",
+           "method_options", "quantize"]
 
 DEFAULT_SCHEME = "w4g128"
 
@@ -76,6 +79,8 @@ class QuantizeJob:
     fields; None = defaults). calib: used when the method or the mixed plan needs data.
     evaluation: None = no perplexity passes. workdir / offload_dir / cache_device: block-wise
     methods only (cache_device "cpu" keeps their cached activations in host memory).
+    rotate / awq: float pre-steps before the method (True = their default settings): a
+    Hadamard rotation of the residual stream, AWQ's activation-aware channel scales.
     """
 
     out: str | Path
@@ -92,12 +97,16 @@ class QuantizeJob:
     workdir: str | None = None
     offload_dir: str | None = None
     cache_device: str | None = None
+    rotate: RotationSettings | bool | None = None
+    awq: AWQSettings | bool | None = None
     force: bool = False
     progress: bool = True
 
     def __post_init__(self) -> None:
         spec = get(self.method)
         object.__setattr__(self, "settings", coerce_settings(self.method, self.settings))
+        object.__setattr__(self, "rotate", _switch(self.rotate, RotationSettings, "rotate"))
+        object.__setattr__(self, "awq", _switch(self.awq, AWQSettings, "awq"))
         sources = [n for n, v in (("--scheme", self.scheme), ("--plan", self.plan_file),
                                   ("--avg-bits/--options", self.mixed)) if v is not None]
         if len(sources) > 1:
@@ -117,7 +126,8 @@ class QuantizeJob:
 
     @property
     def needs_calib(self) -> bool:
-        return get(self.method).needs_calib(self.settings) or self.mixed is not None or self.static_inputs
+        return (get(self.method).needs_calib(self.settings) or self.mixed is not None or self.static_inputs
+                or self.awq is not None)
 
     @property
     def static_inputs(self) -> bool:
@@ -126,10 +136,29 @@ class QuantizeJob:
             return bool(Plan.load(self.plan_file).needs_calibration())
         if self.mixed is not None:
             return any(Recipe.parse(o).needs_calibration for o in self.mixed.options)
+        if kmix.is_mix(self.scheme):
+            return False
         return Recipe.parse(self.scheme or DEFAULT_SCHEME).needs_calibration
+
+    @property
+    def loads_lazily(self) -> bool:
+        """A block-wise run with --offload-dir reads blocks from disk; mixed precision and the pre-steps need all."""
+        return (self.offload_dir is not None and get(self.method).blockwise and self.mixed is None
+                and self.rotate is None and self.awq is None)
 
     def inputs(self) -> list[str | None]:
         return [self.model, self.plan_file, self.calib.data, self.evaluation and self.evaluation.data]
+
+
+def _switch(value: Any, kind: type, name: str) -> Any:
+    """A pre-step's settings: None / False = off, True = defaults, else its settings dataclass."""
+    if value is None or value is False:
+        return None
+    if value is True:
+        return kind()
+    if not isinstance(value, kind):
+        raise ConfigError(f"{name} takes True, False or a {kind.__name__}, got {type(value).__name__}")
+    return value
 
 
 def method_options(method: str) -> list[str]:
@@ -153,13 +182,11 @@ def quantize(job: QuantizeJob) -> dict[str, Any]:
         if folder is not None:
             outputs.check_folder(folder, job.out)
     rank, world = _join_world(job)
-    spec = get(job.method)
-    lazy = job.offload_dir is not None and spec.blockwise and job.mixed is None
     if rank != 0:  # under torchrun: tunes its share of the samples; rank 0 alone writes --out
-        result = _Run(job, load_model(job.model, lazy=lazy), device).execute()
+        result = _Run(job, load_model(job.model, lazy=job.loads_lazily), device).execute()
         return {**result, "rank": rank, "seconds": round(time.perf_counter() - t0, 2)}
     with outputs.claim(job.out, job.force, job.inputs()) as out:
-        lm = load_model(job.model, lazy=lazy)
+        lm = load_model(job.model, lazy=job.loads_lazily)
         run = _Run(job, lm, device)
         result = run.execute()
         run.save(out, result)
@@ -205,6 +232,9 @@ class _Run:
         self.job, self.lm, self.device = job, lm, device
         first = job.mixed.options[0] if job.mixed is not None else job.scheme
         self.plan = build_plan(lm.model, first, job.plan_file, job.lm_head)
+        check = get(job.method).check_plan
+        if check is not None:
+            check(job.settings, self.plan)
         if job.mixed is not None:
             from lowbit.ptq.mixed import check_feasible
 
@@ -213,7 +243,7 @@ class _Run:
         self._check_whole_model_fits()
         self.ev = job.evaluation.tokens(lm.tokenizer) if job.evaluation is not None else None
         self.calib = job.calib.batches(lm.tokenizer) if job.needs_calib else None
-        self.source_digest = _float_digest(lm.model, list(self.plan))
+        self.source_digest: str | None = None
 
     def _check_whole_model_fits(self) -> None:
         """The whole-model passes (perplexities, RTN, DeltaLoss) must fit the device: checked before any work.
@@ -239,7 +269,7 @@ class _Run:
     def execute(self) -> dict[str, Any]:
         from lowbit.models.lazy import is_lazy
         from lowbit.models.placement import on_device
-        from lowbit.ptq import quantize_model
+        from lowbit.ptq import prepare_model, quantize_model
         from lowbit.ptq.mixed import mixed_plan
 
         job, model = self.job, self.lm.model
@@ -250,6 +280,11 @@ class _Run:
         elif self.ev is not None:
             result["ppl_fp_skipped"] = "lazy load (--offload-dir): run `lowbit eval MODEL` for the float perplexity"
         t0 = time.perf_counter()
+        dev = None if self.device is None else str(self.device)
+        self.prepared = prepare_model(model, self.plan, self.calib, job.rotate, job.awq, dev, job.progress)
+        result.update(self.prepared)
+        # the float weights the method quantizes (rotated / scaled): what a fine-tune's error init must match
+        self.source_digest = _float_digest(model, list(self.plan))
         if job.mixed is not None:
             self.allocation = mixed_plan(model, self.plan, job.mixed, self.calib, self.device, job.progress)
             self.plan = self.allocation.plan
@@ -274,7 +309,8 @@ class _Run:
         meta = {"source": self.lm.source, "source_kind": self.lm.kind, "source_digest": self.source_digest,
                 "method": self.job.method,
                 "plan": self.job.scheme if kmix.is_mix(self.job.scheme) else self.plan.describe(),
-                **{k: result[k] for k in ("ppl_fp", "ppl_q") if k in result}}
+                **{k: result[k] for k in ("ppl_fp", "ppl_q") if k in result},
+                **{k: s.to_dict() for k, s in (("rotation", self.job.rotate), ("awq", self.job.awq)) if s is not None}}
         save(self.lm.model, self.lm.tokenizer, out, meta=meta, force=True, extra_files=self._plan_files())
 
     def _plan_files(self) -> dict[str, bytes]:

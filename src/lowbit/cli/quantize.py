@@ -8,7 +8,8 @@ from lowbit.cli import common
 from lowbit.cli.common import UNSET
 
 # flags that set fields of the chosen method's settings dataclass (field = flag name)
-METHOD_FLAGS = ("search", "iters", "batch_size", "preset", "fp_inputs", "tune_dtype", "cache_dtype", "compile")
+METHOD_FLAGS = ("search", "iters", "batch_size", "preset", "fp_inputs", "tune_dtype", "cache_dtype", "compile",
+                "damp", "act_order", "static_groups", "lazy_batch", "true_sequential")
 MIXED_FLAGS = ("avg_bits", "options", "delta_mode", "tie_qkv", "count_scales")
 CALIB_FLAGS = ("nsamples", "seqlen")
 
@@ -22,12 +23,32 @@ def register(sub: argparse._SubParsersAction) -> None:
                    "q4_k (llama.cpp K-quants q2_k..q6_k), or a llama.cpp file-type mix (q4_k_m, q3_k_m, "
                    "q2_k_s, gguf:q2_k, ...: per-layer K types as llama.cpp picks them); default w4g128")
     p.add_argument("--plan", metavar="FILE", default=None, help="a plan JSON (layer -> scheme) instead of --scheme")
-    p.add_argument("--method", default="rtn", help="rtn | signround | signround2 (default rtn)")
+    p.add_argument("--method", default="rtn", help="rtn | gptq | signround | signround2 (default rtn)")
     p.add_argument("--lm-head", action="store_true", help="also quantize the lm_head (kept 16-bit by default)")
+    r = p.add_argument_group("float pre-steps (any method; they keep the float model's function)")
+    r.add_argument("--rotate", action="store_true",
+                   help="rotate the residual stream by a randomized Hadamard matrix fused into the weights (norm "
+                        "scales folded first; a tied lm_head is untied); llama-style blocks only")
+    r.add_argument("--awq", action="store_true",
+                   help="AWQ: search activation-aware per-channel scales on the calibration data and fold them into "
+                        "the preceding norm / Linear before the method quantizes")
     g = p.add_argument_group("method settings (each applies to the methods named)")
     g.add_argument("--search", action=argparse.BooleanOptionalAction, default=UNSET,
-                   help="rtn: choose scales by the importance-weighted search on calibration activations "
-                        "(default on; --no-search = plain round-to-nearest, no data needed)")
+                   help="rtn, gptq: choose scales by the importance-weighted search on calibration activations "
+                        "(default on; rtn --no-search = plain round-to-nearest, no data needed)")
+    g.add_argument("--damp", type=float, default=UNSET,
+                   help="gptq: dampening added to the Hessian's diagonal, a fraction of its mean (0.01; raised "
+                        "with a warning for a layer whose Hessian stays singular)")
+    g.add_argument("--act-order", action=argparse.BooleanOptionalAction, default=UNSET,
+                   help="gptq: quantize columns by decreasing activation energy (default on)")
+    g.add_argument("--static-groups", action=argparse.BooleanOptionalAction, default=UNSET,
+                   help="gptq: fix every group's scale from the float weights before GPTQ runs (default on; "
+                        "needed with --act-order on grouped schemes)")
+    g.add_argument("--lazy-batch", type=common.positive("--lazy-batch"), default=UNSET,
+                   help="gptq: columns per lazy batch update (128)")
+    g.add_argument("--true-sequential", action=argparse.BooleanOptionalAction, default=UNSET,
+                   help="gptq: quantize a block's Linears in execution order, each from inputs through the ones "
+                        "before it (default on)")
     g.add_argument("--iters", type=common.nonnegative("--iters"), default=UNSET,
                    help="signround, signround2: tuning iterations per block (200)")
     g.add_argument("--batch-size", type=common.positive("--batch-size"), default=UNSET,
@@ -48,9 +69,10 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="signround, signround2: where the cached activations live: device (default) or cpu "
                         "(host memory streamed per mini-batch: the most memory-lean mode for large models on "
                         "small GPUs)")
-    g.add_argument("--workdir", default=None, help="signround, signround2: folder for per-block results (resume)")
+    g.add_argument("--workdir", default=None,
+                   help="gptq, signround, signround2: folder for per-block results (resume)")
     g.add_argument("--offload-dir", default=None,
-                   help="signround, signround2: keep blocks on disk, one block's weights in memory")
+                   help="gptq, signround, signround2: keep blocks on disk, one block's weights in memory")
     m = p.add_argument_group("mixed precision (any method)")
     m.add_argument("--avg-bits", type=float, default=UNSET, help="average bits per weight budget")
     m.add_argument("--options", default=UNSET, help="comma-separated candidate schemes, e.g. w2g64,w4g128")
@@ -89,12 +111,12 @@ def build_job(args: argparse.Namespace):
                       lm_head=args.lm_head, method=args.method, settings=settings, mixed=mixed,
                       calib=Calibration(args.data, **calib), evaluation=common.evaluation(args, args.data),
                       device=args.device, workdir=args.workdir, offload_dir=args.offload_dir,
-                      cache_device=args.cache_device, force=args.force,
+                      cache_device=args.cache_device, rotate=args.rotate, awq=args.awq, force=args.force,
                       progress=not args.json)
     if calib and not job.needs_calib:
         raise ConfigError(f"{', '.join(common.flag(k) for k in calib)} set the calibration data, which "
                           f"--method {args.method} {'with --no-search ' if args.method == 'rtn' else ''}does not "
-                          "use; drop them (or use --search, --avg-bits, or a tuning method)")
+                          "use; drop them (or use --search, --awq, --avg-bits, or a tuning method)")
     return job
 
 

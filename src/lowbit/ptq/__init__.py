@@ -1,9 +1,11 @@
 """Post-training quantization: one entry point over a registry of methods.
 
 Each method module registers a `Method` (frozen settings dataclass + run function) in
-`lowbit.ptq.methods`; the three built-in ones are imported here so the registry is
-complete whenever ``lowbit.ptq`` is. Mixed precision (`lowbit.ptq.mixed`) chooses a
-plan first; any method then applies it.
+`lowbit.ptq.methods`; the built-in ones are imported here so the registry is complete
+whenever ``lowbit.ptq`` is. Two pre-steps change the float model without changing its
+function, before any method: a Hadamard rotation of the residual stream
+(`lowbit.ptq.rotation`) and AWQ's activation-aware channel scales (`lowbit.ptq.awq`).
+Mixed precision (`lowbit.ptq.mixed`) then chooses a plan; any method applies it.
 """
 
 from __future__ import annotations
@@ -15,18 +17,42 @@ from torch import nn
 
 from lowbit.formats.plan import Plan
 from lowbit.models.lazy import materialize
-from lowbit.ptq import rtn, signround  # noqa: F401  (register rtn, signround, signround2)
+from lowbit.ptq import gptq, rtn, signround  # noqa: F401  (register gptq, rtn, signround, signround2)
+from lowbit.ptq.awq import AWQSettings, awq_scale
+from lowbit.ptq.gptq import GPTQSettings
 from lowbit.ptq.methods import RunContext, coerce_settings, get, make_settings, names
 from lowbit.ptq.mixed import MixedSettings, mixed_plan
+from lowbit.ptq.rotation import RotationSettings, rotate_model
 from lowbit.ptq.rtn import RTNSettings
 from lowbit.ptq.signround import SignRoundSettings
 
-__all__ = ["MixedSettings", "RTNSettings", "RunContext", "SignRoundSettings", "make_settings", "names",
-           "quantize_model", "round_unquantized_to_half"]
+__all__ = ["AWQSettings", "GPTQSettings", "MixedSettings", "RTNSettings", "RotationSettings", "RunContext",
+           "SignRoundSettings", "make_settings", "names", "prepare_model", "quantize_model",
+           "round_unquantized_to_half"]
+
+
+def prepare_model(model: nn.Module, plan: Plan, calib: torch.Tensor | None = None,
+                  rotate: RotationSettings | None = None, awq: AWQSettings | None = None,
+                  device: str | None = None, progress: bool = True) -> dict[str, Any]:
+    """The float pre-steps, in this order: rotate the residual stream, then AWQ scales; returns what each did.
+
+    Both keep the float model's function (each checks it) and need the whole model, so a
+    lazily loaded one is loaded first. Nothing is done when neither is asked for.
+    """
+    done: dict[str, Any] = {}
+    if rotate is None and awq is None:
+        return done
+    materialize(model)
+    if rotate is not None:
+        done["rotation"] = rotate_model(model, rotate)
+    if awq is not None:
+        done["awq"] = awq_scale(model, plan, calib, awq, device=device, progress=progress)
+    return done
 
 
 def quantize_model(model: nn.Module, plan: Plan, method: str = "rtn", settings: Any = None, *,
                    calib: torch.Tensor | None = None, mixed: MixedSettings | None = None,
+                   rotate: RotationSettings | None = None, awq: AWQSettings | None = None,
                    device: str | None = None, workdir: str | None = None, offload_dir: str | None = None,
                    progress: bool = True, keep16: bool = True, cache_device: str = "device") -> Plan:
     """Quantize ``model`` in place with ``method``; returns the applied plan.
@@ -34,12 +60,16 @@ def quantize_model(model: nn.Module, plan: Plan, method: str = "rtn", settings: 
     settings: the method's settings dataclass, a mapping of its fields (checked strictly),
     or None for its defaults. mixed: choose the plan's schemes by DeltaLoss first (the
     plan's own schemes are then ignored; its layers are the ones allocated).
+    rotate / awq: the float pre-steps of `prepare_model`, before everything else.
     keep16: round the embeddings and an unquantized lm_head to fp16 values, so the
     checkpoint stores them in 16 bits exactly (the numbers evaluated are the numbers saved).
     cache_device: block-wise methods' activation caches on the compute "device" or the "cpu".
     """
     spec = get(method)
     settings = coerce_settings(method, settings)
+    if spec.check_plan is not None:
+        spec.check_plan(settings, plan)
+    prepare_model(model, plan, calib, rotate, awq, device, progress)
     if not spec.blockwise or mixed is not None:
         materialize(model)  # a lazily loaded model, for passes that need all of it at once
     if mixed is not None:

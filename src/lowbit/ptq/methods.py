@@ -53,6 +53,7 @@ class Method:
     at a time (so it can start from a lazily loaded model, offload blocks to disk and
     resume from a work folder). needs_calib: whether these settings need calibration data.
     presets: named bases for the settings (``--preset``).
+    check_plan: refuses settings that cannot apply a plan (called before any heavy work).
     """
 
     name: str
@@ -63,6 +64,7 @@ class Method:
     summary: str
     fixed: Mapping[str, Any] = field(default_factory=dict)
     presets: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
+    check_plan: Callable[[Any, Plan], None] | None = None
 
     def settable(self) -> list[str]:
         return [f.name for f in dataclasses.fields(self.settings) if f.name not in self.fixed]

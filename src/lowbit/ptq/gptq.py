@@ -1,0 +1,460 @@
+"""GPTQ (OPTQ): quantize a Linear column by column, feeding each column's error into the columns not yet quantized.
+
+With ``H = X^T X`` from the layer's calibration inputs, quantizing column ``i`` to ``q``
+and updating the remaining columns by ``-(w_i - q_i) / [H^-1]_ii * [H^-1]_i,j`` keeps the
+layer's output error ``||(W - Q) X^T||^2`` minimal given the rounding so far. As in the
+paper: ``H`` is dampened by ``damp`` times its mean diagonal, the inverse is taken once
+through its upper Cholesky factor, and updates are applied lazily in batches of
+``lazy_batch`` columns (one GEMM per batch for the columns after it).
+
+Every INT and FP scheme works, because a group's scale is chosen by the scheme's own rule
+(`lowbit.formats`: abs-max, importance-weighted search with ``diag(H)`` as the
+importance, 4-over-6, the E8M0 / E4M3 / UE5M3 grids, NVFP4's per-tensor scale fixed from
+the layer's float weights) and then every column of the group is rounded on that grid:
+
+* without act-order, a group's scale is chosen when GPTQ reaches its first column, from
+  the current weights of its columns (they carry the error of every column before them);
+* act-order visits columns by decreasing ``diag(H)``, which scatters a group's columns
+  over the run. Groups stay consecutive input columns (the only layout lowbit's QTensor,
+  NVFP4 and MXFP4 blocks and the GGUF types can hold; a per-column group index is not
+  stored), so their scales must be fixed before their columns are visited:
+  ``static_groups`` chooses every scale up front from the float weights (the classic
+  static groups). Act-order without static groups would need that index and is refused.
+
+Sequential through the model (`lowbit.ptq.pipeline`): each block's Hessians come from its
+inputs through the already quantized blocks, and with ``true_sequential`` a block's
+Linears are quantized in the order they run (q/k/v, o, gate/up, down: layers reading the
+same input share one Hessian and one factorisation), each group's Hessian taken with the
+groups before it already quantized. Device placement, disk offload, resume and progress
+are the pipeline's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from lowbit.errors import ConfigError
+from lowbit.formats import QTensor, Scheme, fp8, rules
+from lowbit.formats.fp4 import ELEM_GRIDS, encode_codes
+from lowbit.formats.groups import to_groups
+from lowbit.formats.integer import int_codes, int_dequant, int_params, search_int_params
+from lowbit.formats.plan import Plan
+from lowbit.models.activations import activation_stats
+from lowbit.ptq.methods import Method, RunContext, register
+from lowbit.ptq.pipeline import BlockJob, PipelineOptions, quantize_blockwise
+from lowbit.ptq.rtn import searched
+
+DAMP_RETRIES = (0.01, 0.1, 1.0)  # dampening tried, in order, when a Hessian is not positive definite
+CHUNK = 8  # samples per block forward while collecting Hessians
+
+
+@dataclass(frozen=True)
+class GPTQSettings:
+    """GPTQ's knobs (defaults: the common GPTQ recipe, act-order with static groups).
+
+    damp: added to H's diagonal, as a fraction of its mean diagonal (raised, with a
+        warning, for a layer whose Hessian is still singular).
+    act_order: visit columns by decreasing ``diag(H)`` (the inputs with most energy first).
+    static_groups: choose every group's scale from the float weights before GPTQ starts
+        (required with act_order on grouped schemes, see the module docstring).
+    lazy_batch: columns per lazy batch update.
+    true_sequential: quantize a block's Linears in execution order, each group's Hessian
+        from inputs through the already quantized ones (False: all Hessians from one pass).
+    search: group scales by the importance-weighted search of `formats` (importance =
+        ``diag(H)``), as RTN's default; False = the scheme's own rule (abs-max).
+    """
+
+    damp: float = 0.01
+    act_order: bool = True
+    static_groups: bool = True
+    lazy_batch: int = 128
+    true_sequential: bool = True
+    search: bool = True
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.damp <= 1:
+            raise ConfigError(f"damp must be in [0, 1] (a fraction of the Hessian's mean diagonal), got {self.damp}")
+        if self.lazy_batch < 1:
+            raise ConfigError(f"lazy_batch must be >= 1, got {self.lazy_batch}")
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def check_plan(settings: GPTQSettings, plan: Plan) -> None:
+    """Refuse act-order without static groups on grouped schemes (it needs a per-column group index)."""
+    if not settings.act_order or settings.static_groups:
+        return
+    grouped = sorted({s.name for s in plan.weights().values() if s.group_size != -1})
+    if grouped:
+        raise ConfigError(f"--act-order without --static-groups puts columns of different groups of {grouped[0]} "
+                          "under one scale, which needs a per-column group index that lowbit checkpoints, NVFP4 / "
+                          "MXFP4 blocks and GGUF cannot hold; keep --static-groups (the default) or pass "
+                          "--no-act-order")
+
+
+# ------------------------------------------------------------------ grids
+class _Grid:
+    """One scheme's grid for a stack of weight rows: group scales, column rounding, final codes.
+
+    enc: NVFP4's per-tensor scale per row (each row keeps its own layer's), else None.
+    """
+
+    def __init__(self, scheme: Scheme, enc: torch.Tensor | None) -> None:
+        self.s, self.enc = scheme, enc
+        self.elem = ELEM_GRIDS.get(scheme.elem)
+
+    def params(self, wg: torch.Tensor, imp_g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Scales (and zeros) ``[rows, ng]`` for groups ``wg [rows, ng, g]`` by the scheme's rule."""
+        s = self.s
+        if s.elem == "int":
+            parts = [search_int_params(c, s, imp_g) if s.rule == "search" else int_params(c, s)
+                     for c in wg.split(1024)]
+            return torch.cat([p[0] for p in parts]), (None if s.sym else torch.cat([p[1] for p in parts]))
+        a = wg.abs()
+        amax = a.amax(-1)
+        hp = rules.absmax_hp(amax, s, self.elem)
+        if self.enc is not None:
+            a, hp = a * self.enc[:, None, None], hp * self.enc[:, None]
+        weight = imp_g if s.rule == "search" else None
+        sc = rules.choose_scales(a, s, self.elem, weight, rules.BRUTE_WINDOW, hp)
+        if s.guard:
+            sc = torch.where((amax > 0) & (sc == 0), torch.full_like(sc, fp8.smallest_scale(s.scale)), sc)
+        return sc, None
+
+    def qdq(self, w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None) -> torch.Tensor:
+        """Column ``w [rows]`` rounded on the grid of its group: the values `QTensor.dequantize` gives."""
+        if self.s.elem == "int":
+            return int_dequant(int_codes(w.unsqueeze(-1), scale, zero, self.s), scale, zero).squeeze(-1)
+        a = w.abs() if self.enc is None else w.abs() * self.enc
+        r = rules.elem_mags(a.unsqueeze(-1), scale, self.elem, False).squeeze(-1)
+        step = scale if self.enc is None else scale / self.enc
+        return torch.where((w < 0) & (r > 0), -r, r) * step
+
+    def codes(self, deq: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None) -> torch.Tensor:
+        """uint8 codes ``[rows, ng, g]`` of grid values ``deq [rows, in]`` (exact: they are on the grid)."""
+        s = self.s
+        x = to_groups(deq, s.group_for(deq.shape[1]))
+        if s.elem == "int":
+            return (int_codes(x, scale, zero, s) - s.qmin).to(torch.uint8)
+        a = x.abs() if self.enc is None else x.abs() * self.enc[:, None, None]
+        return encode_codes(x, rules.elem_mags(a, scale, self.elem, False), s.elem)
+
+
+# ----------------------------------------------------------------- hessian
+def inverse_factor(h: torch.Tensor, damp: float, where: str) -> tuple[torch.Tensor, float]:
+    """Upper Cholesky factor of ``(H + d * mean(diag H) * I)^-1`` and the dampening ``d`` that worked.
+
+    Columns whose input was always zero get a unit diagonal (their weights then move no
+    other column). If the dampened H is still not positive definite, larger dampening
+    is tried (`DAMP_RETRIES`) with a warning naming the layer; a Hessian no dampening
+    repairs (NaN or inf inputs) is an error.
+    """
+    h = h.double().clone()
+    diag = h.diagonal()
+    dead = diag == 0
+    diag[dead] = 1.0
+    mean = diag.mean()
+    eye = torch.eye(h.shape[0], dtype=h.dtype, device=h.device)
+    flipped = h.flip(0, 1)  # J H J, J the order reversal
+    for d in (damp, *(x for x in DAMP_RETRIES if x > damp)):
+        # with J H J = L L^T: H^-1 = (J L^-1 J)^T (J L^-1 J), and J L^-1 J is upper triangular, so it is the
+        # factor wanted: one Cholesky and one triangular solve (no inverse, no second Cholesky)
+        chol, info = torch.linalg.cholesky_ex(flipped + d * mean * eye)
+        if int(info) == 0:
+            u = torch.linalg.solve_triangular(chol, eye, upper=False).flip(0, 1)
+            if bool(torch.isfinite(u).all()):
+                if d != damp:
+                    warnings.warn(f"GPTQ: the Hessian of {where} is singular with dampening {damp} (fraction of its "
+                                  f"mean diagonal); used {d} for it. Pass a larger --damp to choose it yourself, or "
+                                  "more calibration tokens (--nsamples, --seqlen)", stacklevel=2)
+                return u.float(), d
+    raise ConfigError(f"GPTQ: the Hessian of {where} is not positive definite even with dampening "
+                      f"{DAMP_RETRIES[-1]} of its mean diagonal (its calibration inputs hold NaN or inf?); check the "
+                      "model's float outputs on the calibration data")
+
+
+# -------------------------------------------------------------------- core
+def gptq_matrix(w: torch.Tensor, h: torch.Tensor, scheme: Scheme, settings: GPTQSettings,
+                enc: torch.Tensor | None = None, where: str = "a layer") -> tuple[torch.Tensor, torch.Tensor,
+                                                                              torch.Tensor | None, float]:
+    """GPTQ of ``w [rows, in]`` under Hessian ``h [in, in]``: (grid values, scales, zeros, dampening used).
+
+    enc: per-row NVFP4 tensor scales (None for other schemes). Scales and zeros are
+    ``[rows, ngroups]`` over consecutive input columns, as a `QTensor` holds them.
+    """
+    rows, n = w.shape
+    g = scheme.group_for(n)
+    grid = _Grid(scheme, enc)
+    imp = h.diagonal().float().clamp_min(0)
+    perm = torch.argsort(imp, descending=True, stable=True) if settings.act_order else torch.arange(n, device=w.device)
+    u, d = inverse_factor(h[perm][:, perm], settings.damp, where)
+    ng = -(-n // g)
+    scale = torch.zeros(rows, ng, device=w.device)
+    zero = None if scheme.elem != "int" or scheme.sym else torch.zeros(rows, ng, device=w.device)
+    static = settings.static_groups or ng == 1
+    if static:
+        scale, zero = grid.params(to_groups(w.float(), g), to_groups(imp.reshape(1, -1), g)[0])
+    loop = _Loop(w.float()[:, perm], u, perm, g, grid, imp, scale, zero, static)
+    q = loop.run(settings.lazy_batch)
+    out = torch.empty_like(q)
+    out[:, perm] = q
+    return (out, *loop.scales(), d)
+
+
+class _Loop:
+    """The column loop over permuted columns with lazy batch updates.
+
+    Weights are held transposed (``[in, rows]``), so a column and every update of it is
+    one contiguous row; scales likewise (``[ngroups, rows]``).
+    """
+
+    def __init__(self, w, u, perm, g, grid, imp, scale, zero, static) -> None:
+        self.w, self.u, self.g, self.grid, self.imp = w.T.contiguous(), u, g, grid, imp
+        self.scale = scale.T.contiguous()
+        self.zero = None if zero is None else zero.T.contiguous()
+        self.orig = perm.tolist()  # permuted position -> original column
+        self.pos = torch.empty_like(perm)
+        self.pos[perm] = torch.arange(perm.numel(), device=perm.device)
+        self.decided = [static] * scale.shape[1]
+
+    def run(self, batch: int) -> torch.Tensor:
+        """Grid values ``[rows, in]`` of the permuted columns."""
+        w, u = self.w, self.u
+        n = w.shape[0]
+        diag = u.diagonal().tolist()
+        q = torch.empty_like(w)
+        for i1 in range(0, n, batch):
+            i2 = min(i1 + batch, n)
+            w1, u1 = w[i1:i2].clone(), u[i1:i2, i1:i2]
+            e1 = torch.empty_like(w1)
+            for i in range(i2 - i1):
+                j = self.orig[i1 + i] // self.g
+                if not self.decided[j]:
+                    self._choose(j, w1, e1, i1, i2, i)
+                col = w1[i]
+                qc = self.grid.qdq(col, self.scale[j], None if self.zero is None else self.zero[j])
+                q[i1 + i] = qc
+                err = (col - qc).div_(diag[i1 + i])
+                w1[i + 1:].addr_(u1[i, i + 1:], err, alpha=-1.0)
+                e1[i] = err
+            if i2 < n:
+                w[i2:].addmm_(u[i1:i2, i2:].T, e1, alpha=-1.0)
+        return q.T
+
+    def _choose(self, j: int, w1, e1, i1: int, i2: int, i: int) -> None:
+        """Scale of group ``j`` from the current (error-updated) weights of its columns."""
+        n = self.w.shape[0]
+        cols = torch.arange(j * self.g, min((j + 1) * self.g, n), device=self.w.device)
+        pos = self.pos[cols]
+        cur = torch.empty(cols.numel(), self.w.shape[1], device=self.w.device)
+        inside = pos < i2
+        cur[inside] = w1[pos[inside] - i1]
+        out = pos[~inside]
+        if out.numel():
+            cur[~inside] = self.w[out] - self.u[i1:i1 + i, out].T @ e1[:i]
+        sc, z = self.grid.params(cur.T.unsqueeze(1), self.imp[cols].reshape(1, -1))
+        self.scale[j] = sc[:, 0]
+        if self.zero is not None:
+            self.zero[j] = z[:, 0]  # type: ignore[index]
+        self.decided[j] = True
+
+    def scales(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        return self.scale.T.contiguous(), None if self.zero is None else self.zero.T.contiguous()
+
+
+def gptq_layers(weights: Mapping[str, tuple[torch.Tensor, Scheme]], h: torch.Tensor, settings: GPTQSettings
+                ) -> tuple[dict[str, QTensor], dict[str, float]]:
+    """GPTQ of several Linears that read the same input (one Hessian): name -> QTensor, and their errors.
+
+    Layers with one scheme are stacked row-wise (GPTQ treats rows independently, so this
+    is the same result for one factorisation and one column loop). The error of each
+    layer is ``tr(D H D^T) / tr(W H W^T)`` with ``D = W - Q``: its relative output error
+    on the calibration inputs.
+    """
+    by_scheme: dict[Scheme, list[str]] = {}
+    for name, (_, s) in weights.items():
+        by_scheme.setdefault(s, []).append(name)
+    out: dict[str, QTensor] = {}
+    errs: dict[str, float] = {}
+    damp_used = settings.damp
+    for scheme, names in by_scheme.items():
+        ws = [weights[n][0].detach().float() for n in names]
+        encs = [_tensor_encode(x, scheme) for x in ws]
+        enc_rows = None if encs[0] is None else torch.cat([e.expand(x.shape[0]) for e, x in zip(encs, ws, strict=True)])
+        stack = torch.cat(ws)
+        deq, scale, zero, d = gptq_matrix(stack, h, scheme, settings, enc_rows, where=", ".join(names))
+        damp_used = max(damp_used, d)
+        grid = _Grid(scheme, enc_rows)
+        codes = grid.codes(deq, scale, zero)
+        r0 = 0
+        for name, x, enc in zip(names, ws, encs, strict=True):
+            r1 = r0 + x.shape[0]
+            out[name] = QTensor(codes[r0:r1].contiguous(), scale[r0:r1].contiguous(),
+                                None if zero is None else zero[r0:r1].contiguous(), enc, tuple(x.shape), scheme)
+            errs[name] = _relative_error(x, deq[r0:r1], h)
+            r0 = r1
+    return out, {"damp": damp_used, **{f"err/{n}": e for n, e in errs.items()}}
+
+
+def _tensor_encode(w: torch.Tensor, s: Scheme) -> torch.Tensor | None:
+    """NVFP4's per-tensor scale of a layer's float weight, as `formats.fp4.quantize_fp` computes it."""
+    if not s.tensor_scale:
+        return None
+    return rules.tensor_encode(w.abs().amax(), s, ELEM_GRIDS[s.elem])
+
+
+def _relative_error(w: torch.Tensor, q: torch.Tensor, h: torch.Tensor) -> float:
+    hf = h.float()
+    d = w - q
+    return float((d @ hf * d).sum() / (w @ hf * w).sum().clamp_min(1e-30))
+
+
+# ------------------------------------------------------------ block tuner
+class _Stop(Exception):
+    """Raised by a hook once the inputs it needs have been seen (the rest of the block need not run)."""
+
+
+def input_groups(block: nn.Module, mods: Mapping[str, nn.Module], x: torch.Tensor, kwargs: Mapping[str, Any]
+                 ) -> list[list[str]]:
+    """The planned Linears grouped by shared input tensor, groups in the order the block runs them."""
+    seen: list[tuple[str, torch.Tensor]] = []
+
+    def hook(name: str):
+        def fn(_m: nn.Module, args: tuple) -> None:
+            if all(n != name for n, _ in seen):
+                seen.append((name, args[0]))
+        return fn
+
+    handles = [m.register_forward_pre_hook(hook(n)) for n, m in mods.items()]
+    try:
+        with torch.no_grad():
+            block(x, **kwargs)
+    finally:
+        for hd in handles:
+            hd.remove()
+    missing = [n for n in mods if all(n != s for s, _ in seen)]
+    if missing:
+        raise ConfigError(f"GPTQ: {missing[:3]} never ran in a forward pass of their block; they cannot be "
+                          "quantized from calibration inputs")
+    groups: list[tuple[torch.Tensor, list[str]]] = []
+    for name, inp in seen:
+        for t, names in groups:
+            if t is inp:
+                names.append(name)
+                break
+        else:
+            groups.append((inp, [name]))
+    return [names for _, names in groups]
+
+
+def hessians(block: nn.Module, mods: Mapping[str, nn.Module], x: torch.Tensor, kwargs: Mapping[str, Any],
+             stop: bool, chunk: int = CHUNK, device: torch.device | None = None,
+             dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+    """``X^T X`` (float64) of each module's input over all samples; ``stop`` ends each forward there.
+
+    ``x`` may be a compact cache (bf16, or in host memory): each chunk is moved to
+    ``device`` in ``dtype`` (the block's) before it runs.
+    """
+    handles = []
+    if stop:
+        def halt(_m: nn.Module, _a: tuple) -> None:
+            raise _Stop
+    with torch.no_grad(), activation_stats(mods, ("xtx",), torch.float32) as st:
+        if stop:
+            handles = [m.register_forward_pre_hook(halt) for m in mods.values()]
+        try:
+            for part in x.split(chunk):
+                part = part.to(device or part.device, non_blocking=True).to(dtype or part.dtype)
+                try:
+                    block(part, **kwargs)
+                except _Stop:
+                    pass
+        finally:
+            for hd in handles:
+                hd.remove()
+    return st.result("xtx", torch.float64, x.device)
+
+
+class GPTQTuner:
+    """The pipeline's per-block tuner: GPTQ of each group of Linears, in execution order."""
+
+    needs_importance = False
+
+    def __init__(self, settings: GPTQSettings) -> None:
+        self.settings = settings
+
+    def __call__(self, job: BlockJob) -> tuple[dict[str, QTensor], dict[str, float]]:
+        mods = {n: job.block.get_submodule(rel) for n, (rel, _) in job.layers.items()}
+        if not mods:
+            return {}, {}
+        first = job.x[:1].to(job.device or job.x.device).to(job.dtype or job.x.dtype)
+        # a recipe that quantizes a layer's input: its Hessian is built from the inputs it will see
+        quantizers = [mods[n].register_forward_pre_hook(_input_hook(q)) for n, q in job.inputs.items() if n in mods]
+        groups = input_groups(job.block, mods, first, job.kwargs)
+        original = {n: m.weight for n, m in mods.items()}
+        seq = self.settings.true_sequential
+        qts: dict[str, QTensor] = {}
+        errs: list[float] = []
+        damp = self.settings.damp
+        try:
+            where = {"device": job.device, "dtype": job.dtype}
+            hs = {} if seq else hessians(job.block, {g[0]: mods[g[0]] for g in groups}, job.x, job.kwargs, False,
+                                         **where)
+            for group in groups:
+                h = hessians(job.block, {group[0]: mods[group[0]]}, job.x, job.kwargs, True, **where)[group[0]] \
+                    if seq else hs[group[0]]
+                out, info = gptq_layers({n: (mods[n].weight, job.layers[n][1]) for n in group}, h, self.settings)
+                damp = max(damp, info["damp"])
+                errs += [v for k, v in info.items() if k.startswith("err/")]
+                for n in group:
+                    qts[n] = out[n]
+                    mods[n].weight = nn.Parameter(out[n].dequantize(original[n].dtype), requires_grad=False)
+        finally:
+            for n, m in mods.items():
+                m.weight = original[n]
+            for hd in quantizers:
+                hd.remove()
+        return qts, {"loss": sum(errs) / len(errs), "damp": damp}
+
+
+def _input_hook(quantizer: nn.Module):
+    """A forward pre-hook that hands the layer (and the statistics hooks after it) its quantized input."""
+    def fn(_m: nn.Module, args: tuple) -> tuple:
+        return (quantizer(args[0]), *args[1:])
+    return fn
+
+
+def gptq_quantize(model: nn.Module, plan: Plan, settings: GPTQSettings, calib: torch.Tensor,
+                  device: str | None = None, workdir: str | None = None, offload_dir: str | None = None,
+                  progress: bool = True) -> tuple[Plan, list[dict[str, float]]]:
+    """Quantize ``model`` in place with GPTQ block by block; returns the plan applied and per-block info.
+
+    With ``search`` the plan's schemes take the ``search`` rule (as RTN's), which is
+    what their stored scales were chosen by.
+    """
+    if calib is None or calib.numel() == 0:
+        raise ConfigError("GPTQ needs calibration batches (LongTensor [nsamples, seqlen])")
+    check_plan(settings, plan)
+    plan = searched(plan) if settings.search else plan
+    opts = PipelineOptions(chunk=CHUNK, device=device or "cpu", offload_dir=offload_dir)
+    infos = quantize_blockwise(model, plan, calib, GPTQTuner(settings), {"method": "gptq", "config": settings.to_dict()},
+                               opts, workdir=workdir, progress=progress)
+    return plan, infos
+
+
+def _run(model: nn.Module, plan: Plan, settings: GPTQSettings, ctx: RunContext) -> Plan:
+    return gptq_quantize(model, plan, settings, ctx.calib, device=ctx.device, workdir=ctx.workdir,
+                         offload_dir=ctx.offload_dir, progress=ctx.progress)[0]
+
+
+register(Method("gptq", GPTQSettings, _run, blockwise=True, needs_calib=lambda _s: True,
+                summary="GPTQ: column-by-column rounding with Hessian error feedback, block by block",
+                check_plan=check_plan))

@@ -1,0 +1,264 @@
+"""Hadamard rotation of the residual stream, fused into the weights (QuaRot-style).
+
+An orthogonal ``R`` applied to the residual stream changes no output when every writer
+turns its output by ``R`` and every reader its input by ``R^T``: the embedding rows
+``E -> E R``, the Linears after a norm ``W -> W R``, the Linears adding into the stream
+(o_proj, down_proj) ``W -> R^T W`` (bias ``b -> b R``), the lm_head ``W -> W R``. An
+RMSNorm commutes with ``R`` (``rms(h R) = rms(h)``) only without its per-channel scale,
+so each norm's scale is first folded into the Linears that read it and then set to 1.
+Nothing is added at inference: the rotated model is a model of the same architecture,
+whose weights have no outlier channels left for the quantizer to clip (the point).
+
+``R = diag(s) H^T / sqrt(n)`` with the Walsh-Hadamard construction of `lowbit.formats.wht`
+(any width ``m * 2^k``, e.g. SmolLM2's 576 = 36 * 16) and ``s`` random signs
+(``kind="random"``, QuaRot's randomized Hadamard) or all ones (``kind="hadamard"``).
+The products run in float64 so the rotated float model equals the original to float32
+rounding; `rotate_model` checks that on a probe input before returning.
+
+Channels the model switches off: SmolLM2 (like many LLMs) carries a few "massive"
+channels in its residual stream and multiplies them by ~0 in the RMSNorm before every MLP
+(|w| ~ 1e-4 against a median of 0.2). Folded into gate/up and rotated, that ~0 scale no
+longer shields them: the quantization error of the rotated weights meets the full
+massive input, and gate/up's output error grows 2.4-4.4x (measured). ``keep`` leaves such
+channels out of the rotation (identity on them, their norm scales stay in the norms,
+only the other channels are folded and rotated by a Hadamard of the remaining width):
+``None`` picks the channels some RMSNorm scales below ``QUIET`` times its median, adding
+the next quietest until the rest of the width has a Hadamard construction.
+
+A tied lm_head cannot stay tied: the embedding becomes ``E R`` but the head
+``E diag(w_norm) R``, so the head is untied (one extra vocab x width table, stored in
+16 bits like the embedding) and the model config says so. The online rotations for
+activation quantization (before down_proj, the KV path) are a later addition on top of
+this module: they rotate a Linear's input inside the block and need a slot in the
+layer's recipe, which the fused residual rotation does not.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from lowbit.errors import ConfigError, ModelError
+from lowbit.formats.wht import factor, wht, wht_columns
+from lowbit.models.layers import linear_layers
+from lowbit.models.structure import ResidualMap, residual_map
+
+KINDS = ("random", "hadamard")
+QUIET = 0.02  # a norm scale below this fraction of the norm's median switches its channel off
+_ROWS = 8192  # rows transformed per float64 chunk (a 128k x 4096 embedding must not be copied whole)
+
+
+@dataclass(frozen=True)
+class RotationSettings:
+    """kind: "random" (random signs, then Hadamard: QuaRot's choice) or "hadamard" (plain); seed of the signs.
+
+    keep: channels left out of the rotation: 0 = none (every channel is rotated), None =
+    the channels some RMSNorm switches off (see the module doc), k = the k quietest.
+    """
+
+    kind: str = "random"
+    seed: int = 0
+    keep: int | None = 0
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise ConfigError(f"rotation kind must be one of {KINDS}, got {self.kind!r}")
+        if self.keep is not None and self.keep < 0:
+            raise ConfigError(f"rotation keep must be >= 0 channels (or None: automatic), got {self.keep}")
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class Rotation:
+    """``h -> h R`` with ``R`` = identity on the kept channels and ``diag(signs) H^T / sqrt(n)`` on the others."""
+
+    signs: torch.Tensor  # [n] float64, +-1, one per rotated channel
+    mixed: torch.Tensor  # [n] long: the rotated channels
+    width: int
+
+    @classmethod
+    def make(cls, width: int, settings: RotationSettings, kept: list[int] | None = None) -> Rotation:
+        kept = sorted(kept or [])
+        mixed = torch.tensor([c for c in range(width) if c not in set(kept)], dtype=torch.long)
+        n = mixed.numel()
+        if factor(n) is None:
+            raise ModelError(f"no Hadamard construction for the model width {n} (needs m * 2^k with a known "
+                             "Hadamard order m); quantize without --rotate")
+        if settings.kind == "hadamard":
+            return cls(torch.ones(n, dtype=torch.float64), mixed, width)
+        gen = torch.Generator().manual_seed(settings.seed)
+        return cls(torch.randint(0, 2, (n,), generator=gen).to(torch.float64) * 2 - 1, mixed, width)
+
+    @property
+    def n(self) -> int:
+        return self.signs.numel()
+
+    @property
+    def kept(self) -> list[int]:
+        return sorted(set(range(self.width)) - set(self.mixed.tolist()))
+
+    def rows(self, x: torch.Tensor) -> torch.Tensor:
+        """``x R`` for ``x [..., width]`` (embedding rows, reader weights, writer biases), in x's dtype."""
+        flat = x.reshape(-1, self.width)
+        out = flat.clone()
+        s, idx = self.signs.to(x.device), self.mixed.to(x.device)
+        for i in range(0, flat.shape[0], _ROWS):
+            part = flat[i: i + _ROWS, idx].double() * s
+            out[i: i + _ROWS, idx] = wht(part, scale=1 / math.sqrt(self.n)).to(x.dtype)
+        return out.reshape(x.shape)
+
+    def columns(self, w: torch.Tensor) -> torch.Tensor:
+        """``R^T W`` for a writer's ``W [width, in]`` (its output turns with the stream)."""
+        out = w.clone()
+        s, idx = self.signs.to(w.device).unsqueeze(1), self.mixed.to(w.device)
+        for i in range(0, w.shape[1], _ROWS):
+            part = w[idx, i: i + _ROWS].double() * s
+            out[idx, i: i + _ROWS] = wht_columns(part, scale=1 / math.sqrt(self.n)).to(w.dtype)
+        return out
+
+
+def quiet_channels(model: nn.Module, rmap: ResidualMap) -> tuple[list[int], torch.Tensor]:
+    """Channels by how far some RMSNorm of the stream switches them off, and that ratio (min of |w| / median |w|)."""
+    ratio = torch.full((rmap.width,), float("inf"), dtype=torch.float64)
+    for norm in _norms(model, rmap):
+        g = norm.weight.detach().abs().double().cpu()
+        ratio = torch.minimum(ratio, g / g.median().clamp_min(1e-30))
+    return [int(c) for c in ratio.argsort()], ratio
+
+
+def kept_channels(model: nn.Module, rmap: ResidualMap, keep: int | None) -> list[int]:
+    """The channels ``keep`` leaves out of the rotation (see `RotationSettings`)."""
+    if keep == 0:
+        return []
+    order, ratio = quiet_channels(model, rmap)
+    if keep is not None:
+        return order[:keep]
+    k = int((ratio < QUIET).sum())
+    if k == 0:
+        return []
+    while factor(rmap.width - k) is None:
+        k += 1
+    return order[:k]
+
+
+def _norms(model: nn.Module, rmap: ResidualMap) -> list[nn.Module]:
+    out = []
+    for bname in rmap.blocks:
+        block = model.get_submodule(bname)
+        out += [block.get_submodule(n) for n in rmap.layout.norms]
+    return [*out, model.get_submodule(rmap.final_norm)]
+
+
+def rotate_model(model: nn.Module, settings: RotationSettings = RotationSettings(), check: bool = True
+                 ) -> dict[str, Any]:
+    """Fold the norms and rotate the residual stream of ``model`` in place; returns what was done.
+
+    check: compare the logits of a probe input before and after (a `ModelError` if the
+    architecture turned out not to be what the map said; the model is then unusable).
+    """
+    t0 = time.perf_counter()
+    rmap = residual_map(model, "rotation")
+    planned = [n for n, m in linear_layers(model).items() if not isinstance(m, nn.Linear)]
+    if planned:
+        raise ConfigError(f"rotation rewrites float weights, but {planned[0]} is already quantized; rotate the "
+                          "float model before quantizing it")
+    rot = Rotation.make(rmap.width, settings, kept_channels(model, rmap, settings.keep))
+    probe = _probe_ids(model) if check else None
+    before = _logits(model, probe) if check else None
+    untied = rmap.tied
+    if untied:
+        untie_head(model, rmap)
+    fold_norms(model, rmap)
+    _rotate(model, rmap, rot)
+    info: dict[str, Any] = {**settings.to_dict(), "width": rmap.width, "rotated_width": rot.n,
+                            "hadamard_m": factor(rot.n), "kept_channels": rot.kept, "untied_head": untied}
+    if check:
+        err = _max_rel_diff(before, _logits(model, probe))
+        info["probe_rel_diff"] = err
+        if not err < 1e-3:
+            raise ModelError(f"the rotated {type(model).__name__} no longer computes the same function (relative "
+                             f"logit difference {err:.3g}); its blocks are not the pre-norm residual stream lowbit "
+                             "rotates. Quantize without --rotate")
+    info["seconds"] = round(time.perf_counter() - t0, 3)
+    return info
+
+
+# ---------------------------------------------------------------------- steps
+def untie_head(model: nn.Module, rmap: ResidualMap) -> None:
+    """Give the lm_head a weight of its own (a copy of the embedding) and record it in the config."""
+    head = model.get_submodule(rmap.head)
+    head.weight = nn.Parameter(head.weight.detach().clone(), requires_grad=head.weight.requires_grad)
+    configs = [getattr(model, "config", None)]
+    text = getattr(configs[0], "get_text_config", None)
+    configs.append(text() if callable(text) else None)
+    for cfg in configs:
+        if cfg is not None and hasattr(cfg, "tie_word_embeddings"):
+            cfg.tie_word_embeddings = False
+    if hasattr(model, "all_tied_weights_keys"):
+        model.all_tied_weights_keys = {}
+
+
+@torch.no_grad()
+def fold_norms(model: nn.Module, rmap: ResidualMap, channels: torch.Tensor | None = None) -> None:
+    """Multiply every RMSNorm's scale into the Linears reading its output, then set the scale to 1.
+
+    channels: fold these only (the rotated ones); the others keep their scale in the norm.
+    """
+    lay = rmap.layout
+    idx = torch.arange(rmap.width) if channels is None else channels
+    for bname in rmap.blocks:
+        block = model.get_submodule(bname)
+        _fold(block.get_submodule(lay.attn_norm), [block.get_submodule(n) for n in lay.attn_in], idx)
+        _fold(block.get_submodule(lay.mlp_norm), [block.get_submodule(n) for n in lay.mlp_in], idx)
+    _fold(model.get_submodule(rmap.final_norm), [model.get_submodule(rmap.head)], idx)
+
+
+def _fold(norm: nn.Module, readers: list[nn.Module], idx: torch.Tensor) -> None:
+    idx = idx.to(norm.weight.device)
+    g = norm.weight.detach()[idx].double()
+    for lin in readers:
+        cols = idx.to(lin.weight.device)
+        lin.weight[:, cols] = (lin.weight[:, cols].double() * g.to(lin.weight.device)).to(lin.weight.dtype)
+    norm.weight[idx] = 1.0
+
+
+@torch.no_grad()
+def _rotate(model: nn.Module, rmap: ResidualMap, rot: Rotation) -> None:
+    lay = rmap.layout
+    emb = model.get_submodule(rmap.embed)
+    emb.weight.copy_(rot.rows(emb.weight))
+    for bname in rmap.blocks:
+        block = model.get_submodule(bname)
+        for name in lay.readers:
+            lin = block.get_submodule(name)
+            lin.weight.copy_(rot.rows(lin.weight))
+        for name in lay.writers:
+            lin = block.get_submodule(name)
+            lin.weight.copy_(rot.columns(lin.weight))
+            if lin.bias is not None:
+                lin.bias.copy_(rot.rows(lin.bias))
+    head = model.get_submodule(rmap.head)
+    head.weight.copy_(rot.rows(head.weight))
+
+
+# ---------------------------------------------------------------------- check
+def _probe_ids(model: nn.Module) -> torch.Tensor:
+    vocab = model.get_input_embeddings().weight.shape[0]
+    return torch.randint(0, vocab, (1, 16), generator=torch.Generator().manual_seed(0))
+
+
+@torch.no_grad()
+def _logits(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    dev = model.get_input_embeddings().weight.device
+    return model(input_ids=ids.to(dev), use_cache=False).logits.double().cpu()
+
+
+def _max_rel_diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).abs().max() / a.abs().max().clamp_min(1e-30))
