@@ -63,6 +63,12 @@ def _rows() -> dict[str, dict[str, Any]]:
                                        "settings": {"search": False}}
         rows[f"{scheme}/rtn/rot-hadamard"] = {"tool": "lowbit", "scheme": scheme, "method": "rtn",
                                               "rotate": "hadamard"}
+        # the rotation that leaves the channels an RMSNorm switches off where they are (RotationSettings.keep)
+        keep = {"kind": "random", "keep": None}
+        rows[f"{scheme}/rtn/rot-keep"] = {"tool": "lowbit", "scheme": scheme, "method": "rtn", "rotate": keep}
+        rows[f"{scheme}/gptq/rot-keep"] = {"tool": "lowbit", "scheme": scheme, "method": "gptq", "rotate": keep}
+        rows[f"{scheme}/signround2/rot-keep"] = {"tool": "lowbit", "scheme": scheme, "method": "signround2",
+                                                 "rotate": keep, "settings": {"iters": SR_ITERS, "seed": 0}}
         rows[f"{scheme}/awq-rtn-qinputs"] = {"tool": "lowbit", "scheme": scheme, "method": "rtn",
                                              "awq": {"inputs": "quantized"}}
         rows[f"{scheme}/awq-gptq"] = {"tool": "lowbit", "scheme": scheme, "method": "gptq", "awq": {}}
@@ -101,7 +107,8 @@ def run_lowbit(spec: dict, lm: Any, calib: Any) -> dict:
     if spec["method"] is None:
         return {}
     plan = Plan.uniform(linear_layers(lm.model), spec["scheme"])
-    rotate = RotationSettings(kind=spec["rotate"]) if spec.get("rotate") else None
+    r = spec.get("rotate")
+    rotate = None if not r else RotationSettings(**r) if isinstance(r, dict) else RotationSettings(kind=r)
     awq = AWQSettings(**spec["awq"]) if spec.get("awq") is not None else None
     plan = quantize_model(lm.model, plan, spec["method"], spec.get("settings"), calib=calib, rotate=rotate, awq=awq,
                           progress=False)
