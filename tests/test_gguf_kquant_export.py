@@ -128,9 +128,9 @@ def test_mix_recipes_follow_llama_cpp():
     assert [q3[f"model.layers.{i}.self_attn.v_proj"].bits for i in range(3)] == [5, 5, 4]
     assert q3["model.layers.0.mlp.down_proj"].bits == 5 and q3["model.layers.2.mlp.down_proj"].bits == 4
     assert q3["model.layers.7.self_attn.o_proj"].bits == 4 and q3["model.layers.7.mlp.up_proj"].bits == 3
-    q2 = kmix.mix_plan(sizes, "gguf:q2_k", n_gqa=4)
+    q2 = kmix.mix_plan(sizes, "gguf:q2_k", n_gqa=4).weights()
     assert q2["model.layers.3.self_attn.v_proj"].bits == 4 and q2["model.layers.3.mlp.down_proj"].bits == 3
-    assert kmix.mix_plan(sizes, "gguf:q2_k", n_gqa=1)["model.layers.3.self_attn.v_proj"].bits == 3
+    assert kmix.mix_plan(sizes, "gguf:q2_k", n_gqa=1).weight("model.layers.3.self_attn.v_proj").bits == 3
     narrow = kmix.mix_plan({"lm_head": (100, 576)}, "q4_k_m", 1)
     assert narrow["lm_head"].name == "w8g32"  # llama.cpp: Q8_0 for an output whose rows do not fit
     with pytest.raises(SchemeError, match="unknown K-quant mix"):
