@@ -224,3 +224,39 @@ def test_gptq_method_beats_rtn_on_the_model_output():
         assert isinstance(plan, Plan)
         errs[method] = float((q(ids).logits - ref).pow(2).mean())
     assert errs["gptq"] < errs["rtn"]
+
+
+def test_hessian_comes_from_the_inputs_a_recipe_quantizes(monkeypatch):
+    """A W+A recipe: GPTQ minimises the error on the quantized inputs the layer will see."""
+    import lowbit.ptq.gptq as gptq_mod
+    from lowbit.formats import InputScheme
+    from lowbit.nn.input_quant import InputQuantizer
+
+    m = tiny_model(layers=1)
+    block = decoder_blocks(m)[0]
+    x, kw = capture_inputs(m, block, calib(), torch.device("cpu"))
+    layers = {n: (n.split("layers.0.", 1)[1], s) for n, s in uniform(m, "w4g32").weights().items()}
+    name = "model.layers.0.mlp.down_proj"
+    iq = InputQuantizer(InputScheme.parse("mxfp4"))
+    seen = {}
+    real = gptq_mod.gptq_layers
+
+    def spy(weights, h, settings):
+        seen[tuple(weights)] = h.clone()
+        return real(weights, h, settings)
+
+    monkeypatch.setattr(gptq_mod, "gptq_layers", spy)
+    job = BlockJob(0, block, layers, x, block(x, **kw)[0], kw, None, inputs={name: iq})
+    GPTQTuner(GPTQSettings(true_sequential=False))(job)
+    assert not block.mlp.down_proj._forward_pre_hooks  # the quantizing hook is gone afterwards
+    got = []
+    hd = block.mlp.down_proj.register_forward_pre_hook(lambda _m, a: got.append(a[0].detach()))
+    with torch.no_grad():
+        block(x, **kw)
+    hd.remove()
+    flat = torch.cat([t.reshape(-1, t.shape[-1]) for t in got]).double()
+    quantized = torch.cat([iq(t).reshape(-1, t.shape[-1]) for t in got]).double()
+    h = seen[(name,)]
+    unit = lambda a: a / a.norm()  # noqa: E731  (the Hessian's scale convention does not matter here)
+    assert torch.allclose(unit(h), unit(quantized.T @ quantized), atol=1e-6)
+    assert not torch.allclose(unit(h), unit(flat.T @ flat), atol=1e-4)
