@@ -202,3 +202,40 @@ def test_rotated_tied_model_exports_to_gguf_and_compressed_tensors(tmp_path):
         assert loaded.config.tie_word_embeddings is False
         with torch.no_grad():
             assert torch.equal(loaded(ids).logits, ref)
+
+
+def test_channels_a_norm_switches_off_stay_out_of_the_rotation():
+    """keep=None leaves the 'massive' channels an RMSNorm multiplies by ~0 where they are; the function holds."""
+    m = llama()
+    with torch.no_grad():
+        m.model.layers[1].post_attention_layernorm.weight[[5, 17]] = 1e-4  # switched off before the MLP
+    ref = copy.deepcopy(m)
+    emb = m.model.embed_tokens.weight.detach().clone()
+    info = rotate_model(m, RotationSettings(keep=None))
+    # 64 - 2 = 62 has no Hadamard construction: the next quietest channels join until the rest has one
+    assert {5, 17} <= set(info["kept_channels"]) and factor_ok(info["rotated_width"])
+    kept = info["kept_channels"]
+    assert torch.equal(m.model.embed_tokens.weight[:, kept], emb[:, kept])  # identity on the kept channels
+    assert not torch.allclose(m.model.embed_tokens.weight[:, 0], emb[:, 0])  # the others turn
+    same_function(ref, m)
+    assert {5, 17} <= set(rotate_model(copy.deepcopy(ref), RotationSettings(keep=32))["kept_channels"])
+    with pytest.raises(ModelError, match="--rotate-keep"):  # 61 rotated channels: no Hadamard of that order
+        rotate_model(copy.deepcopy(ref), RotationSettings(keep=3))
+    none = rotate_model(copy.deepcopy(ref), RotationSettings(keep=0))
+    assert none["kept_channels"] == [] and none["rotated_width"] == 64
+
+
+def factor_ok(n: int) -> bool:
+    from lowbit.formats.wht import factor
+
+    return factor(n) is not None
+
+
+def test_rotate_keep_flag(tmp_path, capsys):
+    from lowbit.cli import main
+
+    base = ["quantize", "--scheme", "w4g32", "--no-eval", "--out", str(tmp_path / "q")]
+    assert main([*base, "--rotate-keep", "auto"]) == 2
+    assert "--rotate-keep sets which channels --rotate leaves alone" in capsys.readouterr().err
+    assert main([*base, "--rotate", "--rotate-keep", "some"]) == 2
+    assert "--rotate-keep takes auto or a number" in capsys.readouterr().err

@@ -29,6 +29,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     r.add_argument("--rotate", action="store_true",
                    help="rotate the residual stream by a randomized Hadamard matrix fused into the weights (norm "
                         "scales folded first; a tied lm_head is untied); llama-style blocks only")
+    r.add_argument("--rotate-keep", metavar="auto|N", default=UNSET,
+                   help="with --rotate: channels left out of the rotation. auto = the channels some RMSNorm "
+                        "switches off (scale < 2%% of its median: the 'massive' channels of SmolLM2 and many LLMs, "
+                        "whose quantization error a rotation would otherwise spread), N = the N quietest; "
+                        "default 0 = rotate every channel")
     r.add_argument("--awq", action="store_true",
                    help="AWQ: search activation-aware per-channel scales on the calibration data and fold them into "
                         "the preceding norm / Linear before the method quantizes")
@@ -111,13 +116,30 @@ def build_job(args: argparse.Namespace):
                       lm_head=args.lm_head, method=args.method, settings=settings, mixed=mixed,
                       calib=Calibration(args.data, **calib), evaluation=common.evaluation(args, args.data),
                       device=args.device, workdir=args.workdir, offload_dir=args.offload_dir,
-                      cache_device=args.cache_device, rotate=args.rotate, awq=args.awq, force=args.force,
+                      cache_device=args.cache_device, rotate=_rotation(args), awq=args.awq, force=args.force,
                       progress=not args.json)
     if calib and not job.needs_calib:
         raise ConfigError(f"{', '.join(common.flag(k) for k in calib)} set the calibration data, which "
                           f"--method {args.method} {'with --no-search ' if args.method == 'rtn' else ''}does not "
                           "use; drop them (or use --search, --awq, --avg-bits, or a tuning method)")
     return job
+
+
+def _rotation(args: argparse.Namespace):
+    """--rotate with --rotate-keep: the rotation's settings (True = defaults, False = off)."""
+    from lowbit.api.quantize import RotationSettings
+    from lowbit.errors import ConfigError
+
+    keep = vars(args).get("rotate_keep")
+    if keep is None:
+        return args.rotate
+    if not args.rotate:
+        raise ConfigError("--rotate-keep sets which channels --rotate leaves alone; add --rotate or drop it")
+    if keep == "auto":
+        return RotationSettings(keep=None)
+    if not keep.isdigit():
+        raise ConfigError(f"--rotate-keep takes auto or a number of channels >= 0, got {keep!r}")
+    return RotationSettings(keep=int(keep))
 
 
 def _mixed(args: argparse.Namespace):

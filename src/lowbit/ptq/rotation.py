@@ -90,7 +90,7 @@ class Rotation:
         n = mixed.numel()
         if factor(n) is None:
             raise ModelError(f"no Hadamard construction for the model width {n} (needs m * 2^k with a known "
-                             "Hadamard order m); quantize without --rotate")
+                             "Hadamard order m); quantize without --rotate, or with a --rotate-keep that leaves such a width")
         if settings.kind == "hadamard":
             return cls(torch.ones(n, dtype=torch.float64), mixed, width)
         gen = torch.Generator().manual_seed(settings.seed)
