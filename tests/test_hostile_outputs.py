@@ -216,8 +216,8 @@ def test_partial_plan_reports_bits_over_every_linear(tiny_hf_dir, tmp_path, caps
 # ------------------------------------------------------------------- qat
 def test_qat_workdir_is_the_one_used_and_copied(tiny_hf_dir, tmp_path, capsys):
     out, work = tmp_path / "o", tmp_path / "w"
-    args = ["qat", str(tiny_hf_dir), "--scheme", "w2", "--steps", "8", "--batch-size", "2", "--seqlen", "32",
-            "--no-eval", "--checkpoint-every", "4", "--workdir", str(work), "--out", str(out), "--json"]
+    args = ["qat", str(tiny_hf_dir), "--scheme", "w2", "--method", "winq", "--steps", "8", "--batch-size", "2",
+            "--seqlen", "32", "--no-eval", "--checkpoint-every", "4", "--workdir", str(work), "--out", str(out), "--json"]
     assert main(args) == 0
     first = last_json(capsys)
     assert first["workdir"] == str(work) and first["reinits"] == [2, 4, 6]
@@ -233,9 +233,10 @@ def test_qat_workdir_is_the_one_used_and_copied(tiny_hf_dir, tmp_path, capsys):
 @pytest.mark.parametrize("args,needle", [
     (["--method", "ste", "--reinit-a", "0.5"], "--reinit-a switch WinQ parts"),
     (["--method", "ste", "--no-noise"], "--no-noise switch WinQ parts"),
-    (["--reinit-every", "50"], "not shorter than the 8-step run"),
-    (["--reinit-a", "1.0"], "must be in [0, 1)"),
-    (["--sigma-w", "-1"], "sigmas must be >= 0"),
+    (["--reinit-every", "50"], "switch WinQ parts; --method ste has none"),  # ste is the default
+    (["--method", "winq", "--reinit-every", "50"], "not shorter than the 8-step run"),
+    (["--method", "winq", "--reinit-a", "1.0"], "must be in [0, 1)"),
+    (["--method", "winq", "--sigma-w", "-1"], "sigmas must be >= 0"),
     (["--kd-temperature", "2"], "add --kd"),
 ])
 def test_qat_refuses_flags_its_method_cannot_honour(tiny_hf_dir, tmp_path, capsys, args, needle):

@@ -84,7 +84,7 @@ def test_resume_with_other_settings_is_refused(model_dir, tmp_path, capsys):
     out, work = tmp_path / "o", tmp_path / "work"
     train = [a for i, a in enumerate(FAST) if a not in ("--eval-seqlen", "--windows")
              and FAST[i - 1] not in ("--eval-seqlen", "--windows")]
-    args = ["qat", str(model_dir), "--scheme", "ternary", *train, "--no-eval", "--checkpoint-every", "2",
+    args = ["qat", str(model_dir), "--scheme", "ternary", "--method", "winq", *train, "--no-eval", "--checkpoint-every", "2",
             "--workdir", str(work), "--out", str(out)]
     assert main(args) == 0
     first = last_json(capsys)

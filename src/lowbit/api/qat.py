@@ -40,7 +40,7 @@ class QatJob:
     out: str | Path
     scheme: str
     train: TrainConfig
-    method: str = "winq"
+    method: str = "ste"
     winq: WinQConfig = field(default_factory=WinQConfig)
     quantizer: str = "auto"
     model: str | None = None

@@ -18,7 +18,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                                    "as fake quantization.")
     common.add_model(p)
     p.add_argument("--scheme", default="w2", help="QAT scheme (default w2)")
-    p.add_argument("--method", default="winq", help="ste | winq (default winq)")
+    p.add_argument("--method", default="ste",
+                   help="ste | winq (default ste: WinQ reached neither STE's loss sooner nor its perplexity in any "
+                        "run measured; benchmarks/results/qat_winq.md)")
     p.add_argument("--quantizer", default="auto", help="auto | sign | ternary | seq | lsq | fake (default auto)")
     p.add_argument("--steps", type=common.positive("--steps"), default=100, help="optimizer steps (100)")
     p.add_argument("--batch-size", type=common.positive("--batch-size"), default=8, help="sequences per step (8)")
