@@ -142,6 +142,11 @@ def run_llmcompressor(spec: dict, lm: Any, calib: Any) -> dict:
     from llmcompressor.modifiers.transform.awq import AWQModifier
     from torch.utils.data import DataLoader
 
+    if not torch.cuda.is_available():
+        # llm-compressor 0.14's AWQ pins its activation cache (Tensor.pin_memory), which a CPU-only torch
+        # refuses ("Cannot access accelerator device"); page-locking only speeds host-to-GPU copies, so
+        # on a CPU the unpinned tensor is the same data
+        torch.Tensor.pin_memory = lambda self, *args, **kwargs: self  # type: ignore[method-assign]
     groups = _llmc_scheme(spec["scheme"])
     if spec["algo"] == "gptq":
         recipe = [GPTQModifier(config_groups=groups, ignore=["lm_head"], block_size=128, dampening_frac=0.01,
