@@ -42,6 +42,8 @@ ROWS: dict[str, dict[str, Any]] = {
     "nvfp4-rtn-absmax": {"tool": "lowbit", "method": "rtn", "scheme": "w4a4-nvfp4", "search": False},
     "nvfp4-rtn-46": {"tool": "lowbit", "method": "rtn", "scheme": "w4a4-nvfp4-46", "search": False},
     "nvfp4-rtn-span": {"tool": "lowbit", "method": "rtn", "scheme": "w4a4-nvfp4-span", "search": False},
+    "nvfp4-rtn-spanw-46a": {"tool": "lowbit", "method": "rtn", "scheme": "nvfp4-46:rule=span@nvfp4-46",
+                            "search": False},  # span on the weights, 4-over-6 on the inputs
     "nvfp4-fouroversix-46": {"tool": "fouroversix", "dtype": "nvfp4", "scale_rule": "mse"},
     "nvfp4-fouroversix-6": {"tool": "fouroversix", "dtype": "nvfp4", "scale_rule": "static_6"},
     # --- W4A4 RTN (importance-searched weights) and SignRoundV2 vs auto-round
