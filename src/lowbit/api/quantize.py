@@ -51,7 +51,7 @@ def build_plan(model: nn.Module, scheme: str | Scheme | Recipe | None, plan_file
     else:
         # a K-quant on rows that are not a multiple of 256 takes llama.cpp's fallback type
         r0 = Recipe.parse(scheme or DEFAULT_SCHEME)
-        plan = Plan({n: Recipe(fit_width(r0.weight, m.in_features), r0.input, r0.rotation) for n, m in layers.items()})
+        plan = Plan({n: fit_width(r0, m.in_features) for n, m in layers.items()})
     for name, r in plan.items():
         r.check_width(model.get_submodule(name).in_features, name)
     return plan

@@ -395,7 +395,7 @@ class GPTQTuner:
         mods = {n: job.block.get_submodule(rel) for n, (rel, _) in job.layers.items()}
         if not mods:
             return {}, {}
-        first = job.x[:1].to(job.device or job.x.device).to(job.dtype or job.x.dtype)
+        first = job.fetch(job.x, torch.arange(1, device=job.x.device))
         # a recipe that quantizes a layer's input: its Hessian is built from the inputs it will see
         quantizers = [mods[n].register_forward_pre_hook(_input_hook(q)) for n, q in job.inputs.items() if n in mods]
         groups = input_groups(job.block, mods, first, job.kwargs)

@@ -78,7 +78,7 @@ def check_feasible(model: nn.Module, plan: Plan, settings: MixedSettings) -> Non
     sizes = {n: _shape(model, n) for n in plan}
     for n, (_, cols) in sizes.items():
         for o in settings.schemes():
-            Recipe(fit_width(o.weight, cols), o.input).check_width(cols, n)
+            fit_width(o, cols).check_width(cols, n)
     zero = {o.name: dict.fromkeys(sizes, 0.0) for o in settings.schemes()}
     ties = tie_qkv(list(plan)) if settings.tie_qkv else ()
     allocate(zero, sizes, settings.schemes(), settings.avg_bits, ties=ties, count_scales=settings.count_scales,

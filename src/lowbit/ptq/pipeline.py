@@ -198,18 +198,20 @@ def map_block(block: nn.Module, src: torch.Tensor, dst: torch.Tensor, kwargs: Ma
         torch.cuda.current_stream(device).synchronize()  # the host reads dst next (once per pass, not per step)
 
 
-def reduce_across(stats: Mapping[str, torch.Tensor], shard: Shard, op: str = "sum") -> dict[str, torch.Tensor]:
-    """Per-rank activation statistics summed (or, ``op="max"``, maxed) over the ranks (identity in one process)."""
+def reduce_tensor(x: torch.Tensor, shard: Shard, op: str = "sum") -> torch.Tensor:
+    """``x`` summed (or, ``op="max"``, maxed) over the ranks, as a new tensor (``x`` itself in one process)."""
     if shard.world == 1:
-        return dict(stats)
+        return x
     import torch.distributed as dist
 
-    out = {}
-    for name, t in stats.items():
-        t = t.clone()
-        dist.all_reduce(t, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM)
-        out[name] = t
-    return out
+    x = x.clone()
+    dist.all_reduce(x, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM)
+    return x
+
+
+def reduce_across(stats: Mapping[str, torch.Tensor], shard: Shard, op: str = "sum") -> dict[str, torch.Tensor]:
+    """Per-rank activation statistics reduced over the ranks (`reduce_tensor` on each)."""
+    return {name: reduce_tensor(t, shard, op) for name, t in stats.items()}
 
 
 # ---------------------------------------------------------------------- capture

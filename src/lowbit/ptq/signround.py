@@ -28,7 +28,14 @@ from lowbit.formats.plan import Plan
 from lowbit.nn import set_module
 from lowbit.nn.precision import resolve_dtype
 from lowbit.ptq.methods import Method, RunContext, register
-from lowbit.ptq.pipeline import CACHE_DTYPES, BlockJob, PipelineOptions, Shard, quantize_blockwise
+from lowbit.ptq.pipeline import (
+    CACHE_DTYPES,
+    BlockJob,
+    PipelineOptions,
+    Shard,
+    quantize_blockwise,
+    reduce_tensor,
+)
 from lowbit.ptq.rounders import make_rounder
 
 TUNE_DTYPES = ("auto", "bf16", "fp32")
@@ -347,7 +354,7 @@ class SignRoundTuner:
             pred = forward(job.fetch(job.x, idx))
             loss = filtered_mse_shard(pred, job.fetch(job.y, idx), frac, shard)
             loss.backward()
-            value = _sum_across(loss.detach(), shard)
+            value = reduce_tensor(loss.detach(), shard)
             first = value if first is None else first
             with torch.no_grad():
                 better = value < best  # NaN never improves
@@ -373,17 +380,6 @@ class SignRoundTuner:
             return y[0] if isinstance(y, tuple) else y
 
         return torch.compile(run, dynamic=False) if self.config.compile else run
-
-
-def _sum_across(x: torch.Tensor, shard: Shard) -> torch.Tensor:
-    """``x`` summed over the ranks (itself in one process); stays on the device."""
-    if shard.world == 1:
-        return x
-    import torch.distributed as dist
-
-    x = x.clone()
-    dist.all_reduce(x)
-    return x
 
 
 def _sum_grads(params: list[nn.Parameter], shard: Shard) -> None:
