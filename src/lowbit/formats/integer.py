@@ -34,15 +34,29 @@ def cast_scale(scale: torch.Tensor, fmt: str) -> torch.Tensor:
 def int_params(wg: torch.Tensor, s: Scheme, shrink: torch.Tensor | float = 1.0
                ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Scale (and zero point) per group for ``wg [..., g]``; ``shrink`` scales the range."""
+    return params_from_range(group_range(wg, s), s, shrink)
+
+
+def group_range(wg: torch.Tensor, s: Scheme) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The range each group's scale is cut from: (unrounded scale, None) for symmetric schemes, (lo, hi) else.
+
+    Split from `params_from_range` so a scale search reduces each group once, not once per candidate.
+    """
     if s.sym:
         if s.full_range:
             idx = wg.abs().argmax(-1, keepdim=True)
-            scale = wg.gather(-1, idx).squeeze(-1) / s.qmin
-        else:
-            scale = wg.abs().amax(-1) / s.qmax
-        return cast_scale(scale * shrink, s.scale), None
-    lo = wg.amin(-1).clamp(max=0) * shrink
-    hi = wg.amax(-1).clamp(min=0) * shrink
+            return wg.gather(-1, idx).squeeze(-1) / s.qmin, None
+        return wg.abs().amax(-1) / s.qmax, None
+    return wg.amin(-1).clamp(max=0), wg.amax(-1).clamp(min=0)
+
+
+def params_from_range(rng: tuple[torch.Tensor, torch.Tensor | None], s: Scheme, shrink: torch.Tensor | float = 1.0
+                      ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Scale (and zero point) of a `group_range` shrunk by ``shrink``."""
+    a, b = rng
+    if b is None:
+        return cast_scale(a * shrink, s.scale), None
+    lo, hi = a * shrink, b * shrink
     scale = cast_scale((hi - lo) / s.qmax, s.scale)
     zero = torch.round(-lo / scale).clamp(0, s.qmax)
     return scale, zero
@@ -100,12 +114,13 @@ def search_int_params(wg: torch.Tensor, s: Scheme, imp_g: torch.Tensor, coarse: 
     unshrunk abs-max scale is always a candidate, so the result is never worse than it.
     """
     grid = search_shrinks(s).to(wg.device)
+    rng = group_range(wg, s)
     stride = max(1, len(grid) // coarse)
-    best_err = _weighted_err(wg, *int_params(wg, s), s, imp_g)
+    best_err = _weighted_err(wg, *params_from_range(rng, s), s, imp_g)
     best_f = torch.ones_like(best_err)
     best_i = torch.full_like(best_err, -1, dtype=torch.long)
     for i in range(0, len(grid), stride):
-        err = _weighted_err(wg, *int_params(wg, s, grid[i]), s, imp_g)
+        err = _weighted_err(wg, *params_from_range(rng, s, grid[i]), s, imp_g)
         better = err < best_err
         best_err, best_f = torch.where(better, err, best_err), torch.where(better, grid[i], best_f)
         best_i = torch.where(better, i, best_i)
@@ -114,10 +129,10 @@ def search_int_params(wg: torch.Tensor, s: Scheme, imp_g: torch.Tensor, coarse: 
             continue
         idx = (best_i + off).clamp(0, len(grid) - 1)
         f = torch.where(best_i >= 0, grid[idx], 1.0)
-        err = _weighted_err(wg, *int_params(wg, s, f), s, imp_g)
+        err = _weighted_err(wg, *params_from_range(rng, s, f), s, imp_g)
         better = err < best_err
         best_err, best_f = torch.where(better, err, best_err), torch.where(better, f, best_f)
-    return int_params(wg, s, best_f)
+    return params_from_range(rng, s, best_f)
 
 
 def quantize_int(w: torch.Tensor, s: Scheme, imp: torch.Tensor | None = None) -> QTensor:
