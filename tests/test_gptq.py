@@ -284,7 +284,7 @@ def test_gptq_skips_the_fp_chain_and_gets_the_same_model():
         tuner = Tuner(targets)
         block0 = decoder_blocks(q)[0]
         count = []
-        hd = block0.register_forward_hook(lambda *_: count.append(1))
+        hd = block0.register_forward_hook(lambda *_, seen=count: seen.append(1))
         quantize_blockwise(q, uniform(q, "w3g32"), calib(), tuner, {"method": "gptq"}, PipelineOptions(chunk=4),
                            progress=False)
         hd.remove()
