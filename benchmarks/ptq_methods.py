@@ -88,6 +88,9 @@ def _rows() -> dict[str, dict[str, Any]]:
         rows[f"{scheme}/awq-rtn"] = {**base, "method": "rtn", "awq": {}}
         rows[f"{scheme}/llmc-gptq"] = {"tool": "llmcompressor", "scheme": scheme, "algo": "gptq"}
         rows[f"{scheme}/llmc-awq-rtn"] = {"tool": "llmcompressor", "scheme": scheme, "algo": "awq"}
+        # like for like with llm-compressor's min-max scales: GPTQ without the importance search
+        rows[f"{scheme}/gptq-nosearch"] = {"tool": "lowbit", "scheme": scheme, "method": "gptq",
+                                           "settings": {"search": False}, "ablation": True}
     return rows
 
 

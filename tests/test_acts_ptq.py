@@ -314,3 +314,14 @@ def test_signround_plan_covering_only_some_blocks():
     quantize_model(model, Plan.uniform(names, "w4a4-mxfp4"), "signround2", {"iters": 1, "batch_size": 4},
                    calib=c, progress=False)
     assert sorted(quant_layers(model)) == sorted(names)
+
+
+@pytest.mark.parametrize("cols,panel", [(50, 64), (200, 64), (577, 192), (256, 64)])
+def test_gram_is_the_symmetric_product(cols, panel):
+    """The panelled X^T X (GPTQ's Hessians, QWHA's second moments) equals the full product and is symmetric."""
+    from lowbit.models.activations import gram
+
+    x = torch.randn(300, cols, dtype=torch.float64)
+    g = gram(x, panel)
+    assert torch.equal(g, g.T)
+    assert torch.allclose(g, x.T @ x, rtol=1e-12, atol=1e-10)

@@ -332,3 +332,61 @@ def test_tuning_loop_never_syncs_the_host(monkeypatch):
     for scheme in ("w4g32", "w2g32", "nvfp4"):
         signround(tiny_model(layers=1), scheme, DEVICE, iters=4)
     assert len(calls) == 3
+
+
+def _quantized(model, recipe: str, method: str, device: str, **kw):
+    from lowbit.ptq import quantize_model
+
+    plan = quantize_model(model, uniform(model, recipe), method, kw.pop("settings", None), calib=calib(),
+                          device=device, progress=False, **kw)
+    assert {p.device.type for p in model.parameters()} == {"cpu"}  # handed back where it was
+    return plan
+
+
+def _logits(model, ids) -> torch.Tensor:
+    with torch.no_grad():
+        return model(ids).logits
+
+
+@pytest.mark.parametrize("recipe", ["w4g32", "w2g32", "nvfp4"])
+def test_gptq_on_device_tracks_the_cpu_run(recipe):
+    """GPTQ's Hessians, float32 factor and column loop on the device: the CPU's codes up to near ties."""
+    m = tiny_model(layers=2)
+    gpu, cpu = copy.deepcopy(m), copy.deepcopy(m)
+    _quantized(gpu, recipe, "gptq", DEVICE)
+    _quantized(cpu, recipe, "gptq", "cpu")
+    # a near tie rounded the other way feeds a different error into the later columns
+    assert code_agreement(gpu, cpu) > 0.9
+    ids = calib(2, 16, seed=5)
+    ref = _logits(m, ids)
+    err = lambda q: float((_logits(q, ids) - ref).pow(2).mean())  # noqa: E731
+    assert err(gpu) == pytest.approx(err(cpu), rel=0.2)
+
+
+@pytest.mark.parametrize("recipe,method", [("w4a4-nvfp4-46", "rtn"), ("w4a4-mxfp4", "signround2"),
+                                           ("w8a8-fp8-static", "rtn"), ("w4a4-nvfp4", "gptq")])
+def test_activation_recipes_on_device_match_the_cpu(recipe, method):
+    """W+A recipes: quantized inputs inside tuning and in the forward, static scales from the calibration pass."""
+    m = tiny_model(layers=2)
+    gpu, cpu = copy.deepcopy(m), copy.deepcopy(m)
+    settings = {"iters": 6, "batch_size": 4} if method == "signround2" else None
+    _quantized(gpu, recipe, method, DEVICE, settings=settings)
+    _quantized(cpu, recipe, method, "cpu", settings=settings)
+    assert code_agreement(gpu, cpu) > (0.999 if method == "rtn" else 0.9)
+    ids = calib(2, 16, seed=5)
+    a, b = _logits(gpu.to(DEVICE), ids.to(DEVICE)).cpu(), _logits(cpu, ids)
+    gpu.cpu()
+    assert torch.isfinite(a).all()
+    assert float((a - b).abs().max()) < 0.05 * float(b.abs().max())
+
+
+def test_awq_and_rotation_on_device_match_the_cpu():
+    """The float pre-steps (Hadamard rotation, AWQ's searched scales) on the device, then RTN."""
+    from lowbit.ptq import AWQSettings, RotationSettings
+
+    m = tiny_model(layers=2)
+    gpu, cpu = copy.deepcopy(m), copy.deepcopy(m)
+    kw = {"rotate": RotationSettings(), "awq": AWQSettings()}
+    _quantized(gpu, "w4g32", "rtn", DEVICE, **kw)
+    _quantized(cpu, "w4g32", "rtn", "cpu", **kw)
+    assert code_agreement(gpu, cpu) > 0.97

@@ -260,3 +260,37 @@ def test_hessian_comes_from_the_inputs_a_recipe_quantizes(monkeypatch):
     unit = lambda a: a / a.norm()  # noqa: E731  (the Hessian's scale convention does not matter here)
     assert torch.allclose(unit(h), unit(quantized.T @ quantized), atol=1e-6)
     assert not torch.allclose(unit(h), unit(flat.T @ flat), atol=1e-4)
+
+
+def test_gptq_skips_the_fp_chain_and_gets_the_same_model():
+    """GPTQ reads only the quantized inputs: the pipeline runs no FP targets (one block forward per block
+    fewer) and the result is the one with the FP chain run anyway."""
+    m = tiny_model(layers=2)
+    forwards = {}
+
+    class Tuner(GPTQTuner):
+        def __init__(self, targets: bool) -> None:
+            super().__init__(GPTQSettings())
+            self.needs_targets = targets
+            self.ys = []
+
+        def __call__(self, job):
+            self.ys.append(job.y)
+            return super().__call__(job)
+
+    models = {}
+    for targets in (False, True):
+        q = copy.deepcopy(m)
+        tuner = Tuner(targets)
+        block0 = decoder_blocks(q)[0]
+        count = []
+        hd = block0.register_forward_hook(lambda *_, seen=count: seen.append(1))
+        quantize_blockwise(q, uniform(q, "w3g32"), calib(), tuner, {"method": "gptq"}, PipelineOptions(chunk=4),
+                           progress=False)
+        hd.remove()
+        forwards[targets] = len(count)
+        assert all((y is None) != targets for y in tuner.ys)
+        models[targets] = quant_layers(q)
+    a, b = models[False], models[True]
+    assert all(torch.equal(a[n].codes, b[n].codes) and torch.equal(a[n].scales, b[n].scales) for n in a)
+    assert forwards[False] < forwards[True]

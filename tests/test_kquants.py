@@ -145,3 +145,16 @@ def test_search_beats_llama_cpps_importance_quantizer(bits):
 
     print(f"Q{bits}_K importance-weighted error lowbit/ggml = {err(ours) / err(theirs):.3f}")
     assert err(ours) < err(theirs)
+
+
+def test_element_weights_follow_llama_cpps_convention():
+    """imp * sqrt(c * mean(x^2) + x^2) per super-block: larger weights count more, Q6_K keeps the importance."""
+    from lowbit.formats.kquants import KTYPES, element_weights
+
+    x = torch.randn(3, 2, 16, 16)
+    wt = torch.rand(1, 2, 16, 16) + 0.1
+    q2, q4, q6 = (element_weights(x, wt, KTYPES[b]) for b in (2, 4, 6))
+    sigma2 = x.pow(2).mean((-1, -2), keepdim=True)
+    assert torch.allclose(q2, wt * (sigma2 + x * x).sqrt())
+    assert torch.allclose(q4, wt * (2 * sigma2 + x * x).sqrt())
+    assert torch.equal(q6, wt.expand_as(x))

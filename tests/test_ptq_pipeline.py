@@ -160,6 +160,7 @@ def test_disk_offload_keeps_one_fp_block_in_memory(tmp_path):
         return tuner(job)
 
     counting.needs_importance = False
+    counting.needs_targets = True
     from lowbit.ptq.pipeline import PipelineOptions, quantize_blockwise
 
     cfg = make_config(iters=2, batch_size=4)

@@ -34,15 +34,29 @@ def cast_scale(scale: torch.Tensor, fmt: str) -> torch.Tensor:
 def int_params(wg: torch.Tensor, s: Scheme, shrink: torch.Tensor | float = 1.0
                ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Scale (and zero point) per group for ``wg [..., g]``; ``shrink`` scales the range."""
+    return params_from_range(group_range(wg, s), s, shrink)
+
+
+def group_range(wg: torch.Tensor, s: Scheme) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The range each group's scale is cut from: (unrounded scale, None) for symmetric schemes, (lo, hi) else.
+
+    Split from `params_from_range` so a scale search reduces each group once, not once per candidate.
+    """
     if s.sym:
         if s.full_range:
             idx = wg.abs().argmax(-1, keepdim=True)
-            scale = wg.gather(-1, idx).squeeze(-1) / s.qmin
-        else:
-            scale = wg.abs().amax(-1) / s.qmax
-        return cast_scale(scale * shrink, s.scale), None
-    lo = wg.amin(-1).clamp(max=0) * shrink
-    hi = wg.amax(-1).clamp(min=0) * shrink
+            return wg.gather(-1, idx).squeeze(-1) / s.qmin, None
+        return wg.abs().amax(-1) / s.qmax, None
+    return wg.amin(-1).clamp(max=0), wg.amax(-1).clamp(min=0)
+
+
+def params_from_range(rng: tuple[torch.Tensor, torch.Tensor | None], s: Scheme, shrink: torch.Tensor | float = 1.0
+                      ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Scale (and zero point) of a `group_range` shrunk by ``shrink``."""
+    a, b = rng
+    if b is None:
+        return cast_scale(a * shrink, s.scale), None
+    lo, hi = a * shrink, b * shrink
     scale = cast_scale((hi - lo) / s.qmax, s.scale)
     zero = torch.round(-lo / scale).clamp(0, s.qmax)
     return scale, zero
@@ -100,12 +114,13 @@ def search_int_params(wg: torch.Tensor, s: Scheme, imp_g: torch.Tensor, coarse: 
     unshrunk abs-max scale is always a candidate, so the result is never worse than it.
     """
     grid = search_shrinks(s).to(wg.device)
+    rng = group_range(wg, s)
     stride = max(1, len(grid) // coarse)
-    best_err = _weighted_err(wg, *int_params(wg, s), s, imp_g)
+    best_err = _weighted_err(wg, *params_from_range(rng, s), s, imp_g)
     best_f = torch.ones_like(best_err)
     best_i = torch.full_like(best_err, -1, dtype=torch.long)
     for i in range(0, len(grid), stride):
-        err = _weighted_err(wg, *int_params(wg, s, grid[i]), s, imp_g)
+        err = _weighted_err(wg, *params_from_range(rng, s, grid[i]), s, imp_g)
         better = err < best_err
         best_err, best_f = torch.where(better, err, best_err), torch.where(better, grid[i], best_f)
         best_i = torch.where(better, i, best_i)
@@ -114,10 +129,36 @@ def search_int_params(wg: torch.Tensor, s: Scheme, imp_g: torch.Tensor, coarse: 
             continue
         idx = (best_i + off).clamp(0, len(grid) - 1)
         f = torch.where(best_i >= 0, grid[idx], 1.0)
-        err = _weighted_err(wg, *int_params(wg, s, f), s, imp_g)
+        err = _weighted_err(wg, *params_from_range(rng, s, f), s, imp_g)
         better = err < best_err
         best_err, best_f = torch.where(better, err, best_err), torch.where(better, f, best_f)
-    return int_params(wg, s, best_f)
+    scale, zero = params_from_range(rng, s, best_f)
+    return refit_scale(wg, s, imp_g, scale, zero, best_err)
+
+
+def refit_scale(wg: torch.Tensor, s: Scheme, imp_g: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None,
+                err: torch.Tensor, rounds: int = 2) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Per group, the weighted least-squares scale for the codes the current scale rounds to, kept where better.
+
+    A candidate scale from the range grid is rarely the best scale for the codes it
+    produces: given codes ``L``, ``sum imp * w * L / sum imp * L^2`` minimises the weighted
+    error, and re-rounding at that scale can only move codes to nearer levels. Each round
+    takes the refit (cast to the scale format) where it lowers the error; the zero point
+    stays. llama.cpp's legacy quantizers with an importance matrix end the same way.
+    """
+    for _ in range(rounds):
+        lv = int_codes(wg, scale, zero, s)
+        if zero is not None:
+            lv -= zero.unsqueeze(-1)
+        den = (imp_g * lv * lv).sum(-1)
+        fit = (imp_g * wg * lv).sum(-1) / den.where(den > 0, torch.ones_like(den))
+        fit = cast_scale(torch.where((den > 0) & (fit != 0), fit, scale), s.scale)
+        e = _weighted_err(wg, fit, zero, s, imp_g)
+        better = e < err
+        if not bool(better.any()):
+            break
+        scale, err = torch.where(better, fit, scale), torch.where(better, e, err)
+    return scale, zero
 
 
 def quantize_int(w: torch.Tensor, s: Scheme, imp: torch.Tensor | None = None) -> QTensor:

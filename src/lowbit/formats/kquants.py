@@ -257,6 +257,28 @@ def _refine_codes(x, wt, d, sc, dmin, m, kt: KType):
     return sc, m, best_e
 
 
+# weight of each element's error relative to its column importance, by K type: imp * sqrt(c * mean(x^2) + x^2)
+# over the super-block (c = 0: the column importance alone)
+MAGNITUDE = {2: 1.0, 3: 2.0, 4: 2.0, 5: 2.0, 6: 0.0}
+
+
+def element_weights(x: torch.Tensor, wt: torch.Tensor, kt: KType) -> torch.Tensor:
+    """Per-element error weights ``[rows, nsup, nsb, sub]`` from column importances ``wt``.
+
+    The column importance (mean squared input) treats a column's errors alike whatever
+    the weight's size; scaled by ``sqrt(c * mean(x^2) + x^2)`` over each super-block, the
+    large weights of a sub-block count more, which is what llama.cpp's imatrix quantizers
+    do (the same constants per type; Q6_K keeps the plain importance, as llama.cpp does).
+    On the bundled model's Q2_K mix it lowers lowbit's perplexity a little (search_ablation
+    rows in benchmarks/results/gguf.json).
+    """
+    c = MAGNITUDE.get(kt.bits, 0.0)
+    if c == 0:
+        return wt.expand_as(x)
+    sigma2 = x.pow(2).mean((-1, -2), keepdim=True) * c
+    return wt * (sigma2 + x * x).sqrt()
+
+
 def quantize_parts(w: torch.Tensor, kt: KType, imp: torch.Tensor | None = None, search: bool = True,
                    chunk: int = 512) -> KParts:
     """The K-quant parts of ``w [out, cols]`` (cols a multiple of 256), rows in chunks."""
@@ -268,8 +290,9 @@ def quantize_parts(w: torch.Tensor, kt: KType, imp: torch.Tensor | None = None, 
         wt = wt + 1e-6 * wt.mean().clamp_min(1e-30)
     parts = []
     for xc in x.split(chunk):
-        s, mn = sub_block_params(xc, wt, kt, search=search)
-        parts.append(double_quantize(xc, wt, s, mn, kt, refine=search))
+        wc = element_weights(xc, wt, kt) if imp is not None else wt
+        s, mn = sub_block_params(xc, wc, kt, search=search)
+        parts.append(double_quantize(xc, wc, s, mn, kt, refine=search))
     cat = (lambda k: torch.cat([getattr(p, k) for p in parts]))  # noqa: E731
     return KParts(cat("codes"), cat("sc"), None if kt.sym else cat("m"), cat("d"), None if kt.sym else cat("dmin"))
 

@@ -153,32 +153,46 @@ def inverse_factor(h: torch.Tensor, damp: float, where: str) -> tuple[torch.Tens
     """Upper Cholesky factor of ``(H + d * mean(diag H) * I)^-1`` and the dampening ``d`` that worked.
 
     Columns whose input was always zero get a unit diagonal (their weights then move no
-    other column). If the dampened H is still not positive definite, larger dampening
-    is tried (`DAMP_RETRIES`) with a warning naming the layer; a Hessian no dampening
-    repairs (NaN or inf inputs) is an error.
+    other column). The factorisation runs in float32, as the reference GPTQ does (the
+    dampening bounds the condition number by about ``in_features / d``), and is retried
+    in float64 when float32 fails; if the dampened H is still not positive definite,
+    larger dampening is tried (`DAMP_RETRIES`) with a warning naming the layer; a
+    Hessian no dampening repairs (NaN or inf inputs) is an error.
     """
     h = h.double().clone()
     diag = h.diagonal()
     dead = diag == 0
     diag[dead] = 1.0
     mean = diag.mean()
-    eye = torch.eye(h.shape[0], dtype=h.dtype, device=h.device)
     flipped = h.flip(0, 1)  # J H J, J the order reversal
     for d in (damp, *(x for x in DAMP_RETRIES if x > damp)):
-        # with J H J = L L^T: H^-1 = (J L^-1 J)^T (J L^-1 J), and J L^-1 J is upper triangular, so it is the
-        # factor wanted: one Cholesky and one triangular solve (no inverse, no second Cholesky)
-        chol, info = torch.linalg.cholesky_ex(flipped + d * mean * eye)
-        if int(info) == 0:
-            u = torch.linalg.solve_triangular(chol, eye, upper=False).flip(0, 1)
-            if bool(torch.isfinite(u).all()):
-                if d != damp:
-                    warnings.warn(f"GPTQ: the Hessian of {where} is singular with dampening {damp} (fraction of its "
-                                  f"mean diagonal); used {d} for it. Pass a larger --damp to choose it yourself, or "
-                                  "more calibration tokens (--nsamples, --seqlen)", stacklevel=2)
-                return u.float(), d
+        u = _factor(flipped + d * mean * torch.eye(h.shape[0], dtype=h.dtype, device=h.device))
+        if u is not None:
+            if d != damp:
+                warnings.warn(f"GPTQ: the Hessian of {where} is singular with dampening {damp} (fraction of its "
+                              f"mean diagonal); used {d} for it. Pass a larger --damp to choose it yourself, or "
+                              "more calibration tokens (--nsamples, --seqlen)", stacklevel=2)
+            return u, d
     raise ConfigError(f"GPTQ: the Hessian of {where} is not positive definite even with dampening "
                       f"{DAMP_RETRIES[-1]} of its mean diagonal (its calibration inputs hold NaN or inf?); check the "
                       "model's float outputs on the calibration data")
+
+
+def _factor(flipped: torch.Tensor) -> torch.Tensor | None:
+    """float32 upper factor of ``H^-1`` from ``J H J`` (float32, else float64), or None if H is not positive definite.
+
+    With ``J H J = L L^T``: ``H^-1 = (J L^-1 J)^T (J L^-1 J)`` and ``J L^-1 J`` is upper
+    triangular, so it is the factor wanted: one Cholesky and one triangular solve.
+    """
+    for dt in (torch.float32, torch.float64):
+        a = flipped.to(dt)
+        chol, info = torch.linalg.cholesky_ex(a)
+        if int(info) == 0:
+            eye = torch.eye(a.shape[0], dtype=dt, device=a.device)
+            u = torch.linalg.solve_triangular(chol, eye, upper=False).flip(0, 1).float()
+            if bool(torch.isfinite(u).all()):
+                return u
+    return None
 
 
 # -------------------------------------------------------------------- core
@@ -387,6 +401,7 @@ class GPTQTuner:
     """The pipeline's per-block tuner: GPTQ of each group of Linears, in execution order."""
 
     needs_importance = False
+    needs_targets = False  # GPTQ reads only the quantized inputs: the pipeline skips the FP chain
 
     def __init__(self, settings: GPTQSettings) -> None:
         self.settings = settings

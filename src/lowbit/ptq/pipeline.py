@@ -70,7 +70,7 @@ class BlockJob:
     block: nn.Module
     layers: dict[str, tuple[str, Scheme]]
     x: torch.Tensor
-    y: torch.Tensor
+    y: torch.Tensor | None  # FP targets; None for a tuner that does not ask for them
     kwargs: dict[str, Any]
     imp: dict[str, torch.Tensor] | None
     device: torch.device | None = None  # compute device (None = where ``x`` is)
@@ -84,9 +84,16 @@ class BlockJob:
 
 
 class BlockTuner(Protocol):
-    """Turns one block's FP Linears into QTensors; returns (name -> QTensor, info dict)."""
+    """Turns one block's FP Linears into QTensors; returns (name -> QTensor, info dict).
+
+    needs_importance: the FP pass collects each Linear's input sum of squares (``job.imp``).
+    needs_targets: the tuner reads the block's FP outputs (``job.y``); a tuner that only
+    reads the quantized inputs (GPTQ) sets it False and the FP chain is not run at all
+    (one block forward per block saved), unless static input scales need it.
+    """
 
     needs_importance: bool
+    needs_targets: bool
 
     def __call__(self, job: BlockJob) -> tuple[dict[str, QTensor], dict[str, float]]: ...
 
@@ -529,7 +536,9 @@ def quantize_blockwise(model: nn.Module, plan: Plan, calib: torch.Tensor, tuner:
     offload = block_loader(model, blocks, _rank_folder(options.offload_dir, shard))
     start = _resume_point(wd, len(blocks), shard)
     x_fp, x_q = x, None
-    if not options.fp_inputs:
+    if not options.fp_inputs and not _tracks_fp(tuner, plan):
+        x_fp, x_q = None, x  # only the quantized chain is needed: the captured inputs become X_q
+    elif not options.fp_inputs:
         x_q = new_cache(x.shape, x.dtype, x.device, device)
         x_q.copy_(x)
     infos: list[dict[str, float]] = []
@@ -549,7 +558,8 @@ def quantize_blockwise(model: nn.Module, plan: Plan, calib: torch.Tensor, tuner:
         # the targets overwrite X_fp in place, unless the tuner reads X_fp itself
         y = x_fp if x_q is not None else new_cache(x_fp.shape, x_fp.dtype, x_fp.device, device)
         with torch.no_grad(), activation_stats(hooked, kinds) as h, tuning_attention(model):
-            map_block(block, x_fp, y, kwargs, options.chunk, device, dtype, shard)
+            if y is not None:
+                map_block(block, x_fp, y, kwargs, options.chunk, device, dtype, shard)
         x_fp = None
         amax = {n: a.amax() for n, a in reduce_across(h.result("absmax"), shard, "max").items()
                 if n in static} if static else {}
@@ -582,6 +592,13 @@ def quantize_blockwise(model: nn.Module, plan: Plan, calib: torch.Tensor, tuner:
     if is_lazy(model):
         materialize(model)  # every block is loaded by now: this only drops the marker
     return infos
+
+
+def _tracks_fp(tuner: BlockTuner, plan: Plan) -> bool:
+    """Whether the FP chain (``X_fp``, targets ``Y``) must run: the tuner reads targets or importance, or a
+    recipe's static input scale is taken from the FP inputs."""
+    return (tuner.needs_targets or tuner.needs_importance
+            or any(r.needs_calibration for _, r in plan.items()))
 
 
 def _block_dtype(block: nn.Module) -> torch.dtype:

@@ -269,6 +269,7 @@ class SignRoundTuner:
     def __init__(self, config: SignRoundSettings) -> None:
         self.config = config
         self.needs_importance = config.v2
+        self.needs_targets = True  # the block loss compares with the FP outputs
 
     def __call__(self, job: BlockJob) -> tuple[dict[str, QTensor], dict[str, float]]:
         if not job.layers:  # a partial plan can leave whole blocks unquantized: nothing to tune
