@@ -150,8 +150,11 @@ def refit_scale(wg: torch.Tensor, s: Scheme, imp_g: torch.Tensor, scale: torch.T
         lv = int_codes(wg, scale, zero, s)
         if zero is not None:
             lv -= zero.unsqueeze(-1)
-        den = (imp_g * lv * lv).sum(-1)
-        fit = (imp_g * wg * lv).sum(-1) / den.where(den > 0, torch.ones_like(den))
+        # float64 sums: the fit is cast to the scale format next, and float32 sums in another
+        # summation order (a tensor at another address) could round it to the neighbouring value
+        lv64, imp64 = lv.double(), imp_g.double()
+        den = (imp64 * lv64 * lv64).sum(-1)
+        fit = ((imp64 * wg.double() * lv64).sum(-1) / den.where(den > 0, torch.ones_like(den))).float()
         fit = cast_scale(torch.where((den > 0) & (fit != 0), fit, scale), s.scale)
         e = _weighted_err(wg, fit, zero, s, imp_g)
         better = e < err
