@@ -103,8 +103,8 @@ def _weighted_err(wg, scale, zero, s: Scheme, imp_g) -> torch.Tensor:
     return d.mul_(d).mul_(imp_g).sum(-1)
 
 
-def search_int_params(wg: torch.Tensor, s: Scheme, imp_g: torch.Tensor, coarse: int = 24, fine: int = 12
-                      ) -> tuple[torch.Tensor, torch.Tensor | None]:
+def search_int_params(wg: torch.Tensor, s: Scheme, imp_g: torch.Tensor, coarse: int = 24, fine: int = 12,
+                      refit: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Per group, the candidate scale minimising ``sum_j imp_j (qdq(w_j) - w_j)^2``.
 
     The spec's candidate grid (up to 200 range multipliers) is searched coarse-to-fine:
@@ -133,7 +133,7 @@ def search_int_params(wg: torch.Tensor, s: Scheme, imp_g: torch.Tensor, coarse: 
         better = err < best_err
         best_err, best_f = torch.where(better, err, best_err), torch.where(better, f, best_f)
     scale, zero = params_from_range(rng, s, best_f)
-    return refit_scale(wg, s, imp_g, scale, zero, best_err)
+    return refit_scale(wg, s, imp_g, scale, zero, best_err) if refit else (scale, zero)
 
 
 def refit_scale(wg: torch.Tensor, s: Scheme, imp_g: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None,
