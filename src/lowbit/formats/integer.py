@@ -112,6 +112,7 @@ def search_int_params(wg: torch.Tensor, s: Scheme, imp_g: torch.Tensor, coarse: 
     each group's coarse winner. The error curve over the multiplier is smooth at this
     resolution, so this finds the grid optimum in ~1/4 of the evaluations; the
     unshrunk abs-max scale is always a candidate, so the result is never worse than it.
+    ``refit``: finish with `refit_scale` (the least-squares scale of the winner's codes).
     """
     grid = search_shrinks(s).to(wg.device)
     rng = group_range(wg, s)

@@ -269,8 +269,8 @@ def element_weights(x: torch.Tensor, wt: torch.Tensor, kt: KType) -> torch.Tenso
     the weight's size; scaled by ``sqrt(c * mean(x^2) + x^2)`` over each super-block, the
     large weights of a sub-block count more, which is what llama.cpp's imatrix quantizers
     do (the same constants per type; Q6_K keeps the plain importance, as llama.cpp does).
-    On the bundled model's Q2_K mix it lowers lowbit's perplexity a little (search_ablation
-    rows in benchmarks/results/gguf.json).
+    On the bundled model's Q2_K mix it lowers lowbit's perplexity a little
+    (benchmarks/results/search_ablation.json).
     """
     c = MAGNITUDE.get(kt.bits, 0.0)
     if c == 0:
