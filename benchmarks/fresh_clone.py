@@ -31,7 +31,8 @@ def run(command: str, workdir: Path) -> dict:
     t0 = time.perf_counter()
     out = subprocess.run(["make", command], cwd=clone, env=env, capture_output=True, text=True)
     seconds = time.perf_counter() - t0
-    tail = [line for line in (out.stdout + out.stderr).splitlines() if line.strip()][-12:]
+    # stdout holds the results (pytest's summary, the demo's perplexities); stderr pip's warnings and bars
+    tail = [line for line in out.stdout.splitlines() if line.strip()][-12:]
     return {"command": f"make {command}", "returncode": out.returncode, "seconds": round(seconds, 1), "tail": tail}
 
 
