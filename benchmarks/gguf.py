@@ -1,6 +1,6 @@
 """llama.cpp K-quant files of the bundled model: lowbit (searched RTN, SignRoundV2) vs llama.cpp's quantizer.
 
-    python -m benchmarks.gguf [--mixes q4_k_m,q3_k_m,gguf:q2_k] [--methods rtn,signround2,llamacpp,llamacpp-imatrix]
+    python -m benchmarks.gguf [--mixes q4_k_m,q3_k_m,gguf:q2_k] [--methods rtn,gptq,signround2,llamacpp,llamacpp-imatrix]
                               [--seeds 0,1] [--iters 50] [--windows 8] [--seqlen 512] [--threads 2]
 
 Every file has the same per-tensor types, hence the same size: lowbit's mix plans reproduce
@@ -11,6 +11,8 @@ benchmarks/results/gguf.json as they finish):
 
 - ``rtn``: lowbit's importance-weighted K-quant search (no tuning).
 - ``signround2``: lowbit SignRoundV2 through the double-quantized scales, per seed.
+- ``gptq``: lowbit GPTQ (act-order, static groups: every super-block's scales from the
+  float weights, then column-by-column rounding with error feedback under them).
 - ``llamacpp``: llama.cpp's own quantizer (``llama_model_quantize``) from an F32 GGUF of
   the same float weights, without an importance matrix.
 - ``llamacpp-imatrix``: llama.cpp's quantizer with an importance matrix computed on the same
@@ -215,7 +217,7 @@ def table(data: dict) -> str:
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--mixes", default="q4_k_m,q3_k_m,gguf:q2_k")
-    p.add_argument("--methods", default="rtn,signround2,llamacpp,llamacpp-imatrix")
+    p.add_argument("--methods", default="rtn,gptq,signround2,llamacpp,llamacpp-imatrix")
     p.add_argument("--seeds", default="0,1")
     p.add_argument("--iters", type=int, default=50)
     p.add_argument("--nsamples", type=int, default=16)
@@ -237,6 +239,7 @@ def main(argv: list[str] | None = None) -> dict:
     from lowbit.eval.perplexity import eval_windows
     from lowbit.models import linear_layers, load_model
     from lowbit.models.activations import importance
+    from lowbit.ptq.gptq import GPTQSettings, gptq_quantize
     from lowbit.ptq.rtn import rtn_quantize
     from lowbit.ptq.signround import make_config, signround_quantize
 
@@ -297,7 +300,7 @@ def main(argv: list[str] | None = None) -> dict:
                     "ppl_llamacpp": llamacpp_ppl(out, win, args.threads)})
         if "rtn" in methods and imp is None:  # one importance pass serves every mix
             imp = importance(lm.model, calib, list(linear_layers(lm.model)))
-        runs = [("rtn", None)] if "rtn" in methods else []
+        runs = [(m, None) for m in ("rtn", "gptq") if m in methods]
         runs += [("signround2", int(s)) for s in args.seeds.split(",")] if "signround2" in methods else []
         for method, seed in runs:
             model = copy.deepcopy(lm.model)
@@ -305,6 +308,8 @@ def main(argv: list[str] | None = None) -> dict:
             t0 = time.perf_counter()
             if method == "rtn":
                 rtn_quantize(model, plan, calib, search=True, imp=imp, progress=False)
+            elif method == "gptq":
+                gptq_quantize(model, plan, GPTQSettings(), calib, progress=False)
             else:
                 signround_quantize(model, plan, make_config(iters=args.iters, v2=True, seed=seed), calib,
                                    progress=False)

@@ -181,3 +181,24 @@ def test_a_kquant_file_lowbit_wrote_is_an_input_to_every_command(tmp_path, tiny_
         torch.testing.assert_close(lm.model(x).logits, model(x).logits, rtol=1e-4, atol=1e-4)
     with pytest.raises(LowbitError, match="already exists"):
         export(ExportJob(tmp_path / "q", "gguf", tmp_path / "m.gguf"))
+
+
+@pytest.mark.parametrize("mix", ["gguf:q2_k", "q4_k_m"])
+def test_gptq_on_a_kquant_mix_exports_exact_blocks(tmp_path, tiny_tokenizer, mix):
+    """GPTQ quantizes the K types and their legacy fallbacks alike; every tensor is written exactly."""
+    from lowbit.ptq.gptq import GPTQSettings, gptq_quantize
+
+    vocab = len(tiny_tokenizer)
+    model = tiny_arch("llama", vocab, hidden=288)  # 288 columns: q/k/v/o/gate/up take the fallback types
+    plan = build_plan(model, mix)
+    calib = torch.randint(0, vocab, (8, 32), generator=torch.Generator().manual_seed(4))
+    gptq_quantize(model, plan, GPTQSettings(), calib, progress=False)
+    layers = quant_layers(model)
+    assert any(q.scheme.super_block for q in layers.values()) and not all(q.scheme.super_block for q in layers.values())
+    path = tmp_path / "g.gguf"
+    r = ge.export(model, tiny_tokenizer, path, allow_requant=mix == "q4_k_m")  # Q5_1's fp16 min (see gguf.md)
+    assert r["verified"] + len(r["requantized"]) == len(layers)
+    back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file=path.name).eval()
+    with torch.no_grad():
+        want, have = model(ids(vocab)).logits, back(ids(vocab)).logits
+    torch.testing.assert_close(have, want, rtol=1e-3, atol=1e-3)

@@ -126,7 +126,7 @@ def test_singular_hessian_raises_dampening_and_says_so():
     h = x.T @ x
     w = torch.randn(16, 64)
     with pytest.warns(UserWarning, match=r"singular with dampening 0.0.*used 0.01 for it. Pass a larger --damp"):
-        _, _, _, used = gptq_matrix(w, h, Scheme.parse("w4g32"), GPTQSettings(damp=0.0), where="layer L")
+        _, _, used = gptq_matrix(w, h, Scheme.parse("w4g32"), GPTQSettings(damp=0.0), where="layer L")
     assert used == 0.01
     h[0, 0] = float("nan")
     with pytest.raises(ConfigError, match="not positive definite even with dampening 1.0"):
@@ -294,3 +294,44 @@ def test_gptq_skips_the_fp_chain_and_gets_the_same_model():
     a, b = models[False], models[True]
     assert all(torch.equal(a[n].codes, b[n].codes) and torch.equal(a[n].scales, b[n].scales) for n in a)
     assert forwards[False] < forwards[True]
+
+
+KQUANTS = ["q2_k", "q3_k", "q4_k", "q5_k", "q6_k"]
+
+
+@pytest.mark.parametrize("scheme", KQUANTS)
+@pytest.mark.parametrize("static", [False, True])
+def test_kquant_identity_hessian_is_the_rtn_search(scheme, static):
+    """Per super-block (dynamic) or per row (static), the K-quant parameters GPTQ chooses are RTN's search."""
+    s = Scheme.parse(scheme).replace(rule="search")
+    w = torch.randn(8, 512, generator=torch.Generator().manual_seed(5)) * 0.05
+    out, _ = gptq_layers({"a": (w, s)}, torch.eye(512, dtype=torch.float64),
+                         GPTQSettings(act_order=static, static_groups=static))
+    ref, q = quantize(w, s, torch.ones(512)), out["a"]
+    assert torch.equal(q.codes, ref.codes) and torch.equal(q.scales, ref.scales)
+    assert torch.equal(q.tensor_scale, ref.tensor_scale)
+    assert (q.zeros is None) == (ref.zeros is None) and (q.zeros is None or torch.equal(q.zeros, ref.zeros))
+
+
+@pytest.mark.parametrize("scheme", KQUANTS)
+@pytest.mark.parametrize("act_order", [False, True])
+def test_kquant_gptq_beats_the_search_and_writes_exact_gguf_blocks(scheme, act_order):
+    """GPTQ through llama.cpp's two-level scales: lower output error than the importance-weighted
+    RTN search, and the stored blocks dequantize (in gguf-py too) to exactly the values GPTQ fed back."""
+    gguf = pytest.importorskip("gguf")
+    import numpy as np
+
+    from lowbit.export.gguf_kquants import pack_kquant
+
+    s = Scheme.parse(scheme).replace(rule="search")
+    h = correlated(n=512, seed=6)
+    w = torch.randn(16, 512, generator=torch.Generator().manual_seed(6)) * 0.05
+    settings = GPTQSettings(act_order=act_order, static_groups=act_order)
+    deq, *_ = gptq_matrix(w, h, s, settings)
+    out, _ = gptq_layers({"a": (w, s)}, h, settings)
+    q = out["a"]
+    assert torch.equal(q.dequantize(), deq)
+    ref = gguf.quants.dequantize(pack_kquant(q), gguf.GGMLQuantizationType[scheme.upper()])
+    assert np.array_equal(ref, deq.numpy())
+    rtn = quantize(w, s, h.diagonal().float()).dequantize()
+    assert output_error(w, deq, h) < 0.8 * output_error(w, rtn, h)

@@ -123,13 +123,18 @@ def _lsq(x: torch.Tensor, q: torch.Tensor, wt: torch.Tensor, sym: bool) -> tuple
     return s, torch.where(pos, torch.zeros_like(b), -b)
 
 
-def _codes(x: torch.Tensor, s: torch.Tensor, mn: torch.Tensor, kt: KType) -> torch.Tensor:
+def element_codes(x: torch.Tensor, s: torch.Tensor, mn: torch.Tensor, kt: KType) -> torch.Tensor:
+    """Signed element codes of ``x [..., sub]`` under sub-block scale ``s`` and min ``mn`` ``[...]``.
+
+    Rounds ``(x + mn) * (1 / s)`` as ggml's quantizers do (multiplying by the inverse), so
+    a value already on the grid gets back its own code.
+    """
     inv = torch.where(s != 0, 1.0 / s, torch.zeros_like(s))
     return ((x + mn.unsqueeze(-1)) * inv.unsqueeze(-1)).round_().clamp_(kt.qmin, kt.qmax)
 
 
 def _err(x: torch.Tensor, s: torch.Tensor, mn: torch.Tensor, kt: KType, wt: torch.Tensor) -> torch.Tensor:
-    q = _codes(x, s, mn, kt)
+    q = element_codes(x, s, mn, kt)
     d = q.mul_(s.unsqueeze(-1)).sub_(mn.unsqueeze(-1)).sub_(x)
     return d.mul_(d).mul_(wt).sum(-1)
 
@@ -157,7 +162,7 @@ def sub_block_params(x: torch.Tensor, wt: torch.Tensor, kt: KType, steps: int = 
         f = 0.9 + 0.4 * k / steps
         s0 = ext / kt.qmin / f if kt.sym else ((hi - lo) / kt.qmax / f).clamp_min(0)
         m0 = torch.zeros_like(s0) if kt.sym else -lo
-        q = _codes(x, s0, m0, kt)
+        q = element_codes(x, s0, m0, kt)
         for s, mn in ((s0, m0), _lsq(x, q, wt, kt.sym)):
             e = _err(x, s, mn, kt, wt)
             better = e < best_e
@@ -205,7 +210,7 @@ def final_error(x: torch.Tensor, wt: torch.Tensor, d: torch.Tensor, sc: torch.Te
     """
     ds = d.unsqueeze(-1) * sc
     dm = torch.zeros_like(ds) if m is None else dmin.unsqueeze(-1) * m
-    q = _codes(x, ds, dm, kt)
+    q = element_codes(x, ds, dm, kt)
     diff = q * ds.unsqueeze(-1) - dm.unsqueeze(-1) - x
     return (diff * diff * wt).sum(-1), q
 

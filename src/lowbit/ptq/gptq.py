@@ -41,12 +41,12 @@ import torch
 from torch import nn
 
 from lowbit.errors import ConfigError
-from lowbit.formats import QTensor, Scheme, fp8, rules
-from lowbit.formats.fp4 import ELEM_GRIDS, encode_codes
+from lowbit.formats import QTensor, Scheme, rules
+from lowbit.formats.fp4 import ELEM_GRIDS
 from lowbit.formats.groups import to_groups
-from lowbit.formats.integer import int_codes, int_dequant, int_params, search_int_params
 from lowbit.formats.plan import Plan
 from lowbit.models.activations import activation_stats
+from lowbit.ptq.gptq_grids import Grid, KGrid, Tensors, make_grid
 from lowbit.ptq.methods import Method, RunContext, register
 from lowbit.ptq.pipeline import BlockJob, PipelineOptions, quantize_blockwise
 from lowbit.ptq.rtn import searched
@@ -100,54 +100,6 @@ def check_plan(settings: GPTQSettings, plan: Plan) -> None:
                           "--no-act-order")
 
 
-# ------------------------------------------------------------------ grids
-class _Grid:
-    """One scheme's grid for a stack of weight rows: group scales, column rounding, final codes.
-
-    enc: NVFP4's per-tensor scale per row (each row keeps its own layer's), else None.
-    """
-
-    def __init__(self, scheme: Scheme, enc: torch.Tensor | None) -> None:
-        self.s, self.enc = scheme, enc
-        self.elem = ELEM_GRIDS.get(scheme.elem)
-
-    def params(self, wg: torch.Tensor, imp_g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Scales (and zeros) ``[rows, ng]`` for groups ``wg [rows, ng, g]`` by the scheme's rule."""
-        s = self.s
-        if s.elem == "int":
-            parts = [search_int_params(c, s, imp_g) if s.rule == "search" else int_params(c, s)
-                     for c in wg.split(1024)]
-            return torch.cat([p[0] for p in parts]), (None if s.sym else torch.cat([p[1] for p in parts]))
-        a = wg.abs()
-        amax = a.amax(-1)
-        hp = rules.absmax_hp(amax, s, self.elem)
-        if self.enc is not None:
-            a, hp = a * self.enc[:, None, None], hp * self.enc[:, None]
-        weight = imp_g if s.rule == "search" else None
-        sc = rules.choose_scales(a, s, self.elem, weight, rules.BRUTE_WINDOW, hp)
-        if s.guard:
-            sc = torch.where((amax > 0) & (sc == 0), torch.full_like(sc, fp8.smallest_scale(s.scale)), sc)
-        return sc, None
-
-    def qdq(self, w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None) -> torch.Tensor:
-        """Column ``w [rows]`` rounded on the grid of its group: the values `QTensor.dequantize` gives."""
-        if self.s.elem == "int":
-            return int_dequant(int_codes(w.unsqueeze(-1), scale, zero, self.s), scale, zero).squeeze(-1)
-        a = w.abs() if self.enc is None else w.abs() * self.enc
-        r = rules.elem_mags(a.unsqueeze(-1), scale, self.elem, False).squeeze(-1)
-        step = scale if self.enc is None else scale / self.enc
-        return torch.where((w < 0) & (r > 0), -r, r) * step
-
-    def codes(self, deq: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None) -> torch.Tensor:
-        """uint8 codes ``[rows, ng, g]`` of grid values ``deq [rows, in]`` (exact: they are on the grid)."""
-        s = self.s
-        x = to_groups(deq, s.group_for(deq.shape[1]))
-        if s.elem == "int":
-            return (int_codes(x, scale, zero, s) - s.qmin).to(torch.uint8)
-        a = x.abs() if self.enc is None else x.abs() * self.enc[:, None, None]
-        return encode_codes(x, rules.elem_mags(a, scale, self.elem, False), s.elem)
-
-
 # ----------------------------------------------------------------- hessian
 def inverse_factor(h: torch.Tensor, damp: float, where: str) -> tuple[torch.Tensor, float]:
     """Upper Cholesky factor of ``(H + d * mean(diag H) * I)^-1`` and the dampening ``d`` that worked.
@@ -197,47 +149,50 @@ def _factor(flipped: torch.Tensor) -> torch.Tensor | None:
 
 # -------------------------------------------------------------------- core
 def gptq_matrix(w: torch.Tensor, h: torch.Tensor, scheme: Scheme, settings: GPTQSettings,
-                enc: torch.Tensor | None = None, where: str = "a layer") -> tuple[torch.Tensor, torch.Tensor,
-                                                                              torch.Tensor | None, float]:
-    """GPTQ of ``w [rows, in]`` under Hessian ``h [in, in]``: (grid values, scales, zeros, dampening used).
+                enc: torch.Tensor | None = None, where: str = "a layer") -> tuple[torch.Tensor, Tensors, float]:
+    """GPTQ of ``w [rows, in]`` under Hessian ``h [in, in]``: (grid values, stored tensors, dampening used).
 
-    enc: per-row NVFP4 tensor scales (None for other schemes). Scales and zeros are
-    ``[rows, ngroups]`` over consecutive input columns, as a `QTensor` holds them.
+    enc: per-row NVFP4 tensor scales (None for other schemes). The stored tensors are
+    `Grid.tensors`' (codes, scales, zeros, K-quant super-block scales or None), rows as ``w``'s.
     """
     rows, n = w.shape
-    g = scheme.group_for(n)
-    grid = _Grid(scheme, enc)
+    grid = make_grid(scheme, enc, n)
     imp = h.diagonal().float().clamp_min(0)
     perm = torch.argsort(imp, descending=True, stable=True) if settings.act_order else torch.arange(n, device=w.device)
     u, d = inverse_factor(h[perm][:, perm], settings.damp, where)
-    ng = -(-n // g)
+    ng = -(-n // grid.round_g)
     scale = torch.zeros(rows, ng, device=w.device)
-    zero = None if scheme.elem != "int" or scheme.sym else torch.zeros(rows, ng, device=w.device)
-    static = settings.static_groups or ng == 1
+    asym = scheme.elem == "int" and not scheme.sym
+    zero = torch.zeros(rows, ng, device=w.device) if asym else None
+    static = settings.static_groups or n <= grid.param_g
     if static:
-        scale, zero = grid.params(to_groups(w.float(), g), to_groups(imp.reshape(1, -1), g)[0])
-    loop = _Loop(w.float()[:, perm], u, perm, g, grid, imp, scale, zero, static)
+        scale, zero = grid.params(to_groups(w.float(), grid.param_g), to_groups(imp.reshape(1, -1), grid.param_g)[0])
+    loop = _Loop(w.float()[:, perm], u, perm, grid, imp, scale, zero, static)
     q = loop.run(settings.lazy_batch)
     out = torch.empty_like(q)
     out[:, perm] = q
-    return (out, *loop.scales(), d)
+    return out, grid.tensors(out, *loop.scales()), d
 
 
 class _Loop:
     """The column loop over permuted columns with lazy batch updates.
 
     Weights are held transposed (``[in, rows]``), so a column and every update of it is
-    one contiguous row; scales likewise (``[ngroups, rows]``).
+    one contiguous row; scales likewise (``[ngroups, rows]``). A column is rounded under
+    the parameters of its rounding group (``grid.round_g`` columns); without static groups
+    those are chosen when the loop first reaches a column of their parameter group
+    (``grid.param_g`` columns: a K-quant's super-block holds several sub-blocks).
     """
 
-    def __init__(self, w, u, perm, g, grid, imp, scale, zero, static) -> None:
-        self.w, self.u, self.g, self.grid, self.imp = w.T.contiguous(), u, g, grid, imp
+    def __init__(self, w, u, perm, grid: Grid | KGrid, imp, scale, zero, static) -> None:
+        self.w, self.u, self.grid, self.imp = w.T.contiguous(), u, grid, imp
+        self.g, self.pg = grid.round_g, grid.param_g
         self.scale = scale.T.contiguous()
         self.zero = None if zero is None else zero.T.contiguous()
         self.orig = perm.tolist()  # permuted position -> original column
         self.pos = torch.empty_like(perm)
         self.pos[perm] = torch.arange(perm.numel(), device=perm.device)
-        self.decided = [static] * scale.shape[1]
+        self.decided = [static] * -(-perm.numel() // self.pg)
 
     def run(self, batch: int) -> torch.Tensor:
         """Grid values ``[rows, in]`` of the permuted columns."""
@@ -250,9 +205,10 @@ class _Loop:
             w1, u1 = w[i1:i2].clone(), u[i1:i2, i1:i2]
             e1 = torch.empty_like(w1)
             for i in range(i2 - i1):
-                j = self.orig[i1 + i] // self.g
-                if not self.decided[j]:
-                    self._choose(j, w1, e1, i1, i2, i)
+                c = self.orig[i1 + i]
+                if not self.decided[c // self.pg]:
+                    self._choose(c // self.pg, w1, e1, i1, i2, i)
+                j = c // self.g
                 col = w1[i]
                 qc = self.grid.qdq(col, self.scale[j], None if self.zero is None else self.zero[j])
                 q[i1 + i] = qc
@@ -264,9 +220,9 @@ class _Loop:
         return q.T
 
     def _choose(self, j: int, w1, e1, i1: int, i2: int, i: int) -> None:
-        """Scale of group ``j`` from the current (error-updated) weights of its columns."""
+        """Parameters of parameter group ``j`` from the current (error-updated) weights of its columns."""
         n = self.w.shape[0]
-        cols = torch.arange(j * self.g, min((j + 1) * self.g, n), device=self.w.device)
+        cols = torch.arange(j * self.pg, min((j + 1) * self.pg, n), device=self.w.device)
         pos = self.pos[cols]
         cur = torch.empty(cols.numel(), self.w.shape[1], device=self.w.device)
         inside = pos < i2
@@ -274,10 +230,11 @@ class _Loop:
         out = pos[~inside]
         if out.numel():
             cur[~inside] = self.w[out] - self.u[i1:i1 + i, out].T @ e1[:i]
-        sc, z = self.grid.params(cur.T.unsqueeze(1), self.imp[cols].reshape(1, -1))
-        self.scale[j] = sc[:, 0]
+        sc, z = self.grid.params(cur.T.unsqueeze(1), self.imp[cols].reshape(1, -1), first=j)
+        k = sc.shape[1]  # rounding groups in this parameter group
+        self.scale[j * k:(j + 1) * k] = sc.T
         if self.zero is not None:
-            self.zero[j] = z[:, 0]  # type: ignore[index]
+            self.zero[j * k:(j + 1) * k] = z.T  # type: ignore[union-attr]
         self.decided[j] = True
 
     def scales(self) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -304,15 +261,14 @@ def gptq_layers(weights: Mapping[str, tuple[torch.Tensor, Scheme]], h: torch.Ten
         encs = [_tensor_encode(x, scheme) for x in ws]
         enc_rows = None if encs[0] is None else torch.cat([e.expand(x.shape[0]) for e, x in zip(encs, ws, strict=True)])
         stack = torch.cat(ws)
-        deq, scale, zero, d = gptq_matrix(stack, h, scheme, settings, enc_rows, where=", ".join(names))
+        deq, (codes, scale, zero, sup), d = gptq_matrix(stack, h, scheme, settings, enc_rows, where=", ".join(names))
         damp_used = max(damp_used, d)
-        grid = _Grid(scheme, enc_rows)
-        codes = grid.codes(deq, scale, zero)
         r0 = 0
         for name, x, enc in zip(names, ws, encs, strict=True):
             r1 = r0 + x.shape[0]
+            ts = enc if sup is None else sup[r0:r1].contiguous()  # NVFP4: the layer's; K-quants: per row
             out[name] = QTensor(codes[r0:r1].contiguous(), scale[r0:r1].contiguous(),
-                                None if zero is None else zero[r0:r1].contiguous(), enc, tuple(x.shape), scheme)
+                                None if zero is None else zero[r0:r1].contiguous(), ts, tuple(x.shape), scheme)
             errs[name] = _relative_error(x, deq[r0:r1], h)
             r0 = r1
     return out, {"damp": damp_used, **{f"err/{n}": e for n, e in errs.items()}}
