@@ -39,7 +39,13 @@ RESULTS = "ptq_methods"
 NSAMPLES, SEQLEN = 32, 256
 SCHEMES = ("w4g128", "w3g128", "w2g64")
 PEER_SCHEMES = ("w4g64", "w3g64")
+ACT_SCHEMES = ("w4a4-nvfp4", "w4a4-mxfp4")  # weights and inputs in FP4 (issue 21's recipes)
 SR_ITERS = 50
+# W4A4 rotations: QuaRot's = the residual stream fused into the weights + an online Hadamard before
+# down_proj (whose input, SwiGLU's product, nothing upstream can absorb a rotation into)
+ONLINE = {"online": ["down_proj"]}
+ACT_ROTATIONS = {"/rot": {"kind": "random", **ONLINE}, "/rot-online": {"residual": False, **ONLINE},
+                 "/rot-keep": {"kind": "random", "keep": None, **ONLINE}}
 
 
 def _rows() -> dict[str, dict[str, Any]]:
@@ -91,6 +97,15 @@ def _rows() -> dict[str, dict[str, Any]]:
         # like for like with llm-compressor's min-max scales: GPTQ without the importance search
         rows[f"{scheme}/gptq-nosearch"] = {"tool": "lowbit", "scheme": scheme, "method": "gptq",
                                            "settings": {"search": False}, "ablation": True}
+    for scheme in ACT_SCHEMES:
+        for rot, r in {"": None, **ACT_ROTATIONS}.items():
+            base = {"tool": "lowbit", "scheme": scheme, "rotate": r}
+            extra = {"ablation": True} if rot == "/rot-keep" else {}
+            rows[f"{scheme}/rtn{rot}"] = {**base, "method": "rtn", **extra}
+            rows[f"{scheme}/gptq{rot}"] = {**base, "method": "gptq", **extra}
+            rows[f"{scheme}/awq-rtn{rot}"] = {**base, "method": "rtn", "awq": {}, **extra}
+            rows[f"{scheme}/signround2{rot}"] = {**base, "method": "signround2",
+                                                 "settings": {"iters": SR_ITERS, "seed": 0}, **extra}
     return rows
 
 
@@ -241,7 +256,7 @@ def table(rows: list[dict]) -> str:
         parts = rest.split("/")
         method = parts[0]
         rot = "rot" in parts
-        if any(p.startswith("rot-") for p in parts):
+        if any(p.startswith("rot-") for p in parts):  # a variant of the rotation: its own line
             method += "/" + next(p for p in parts if p.startswith("rot-"))
         by.setdefault((scheme, method, rot), []).append(r)
 
@@ -254,8 +269,9 @@ def table(rows: list[dict]) -> str:
                                    if len(vals) > 1 else "")
 
     lines = []
-    for (scheme, method, rot), rs in sorted(by.items(), key=lambda kv: (SCHEMES.index(kv[0][0]) if kv[0][0] in SCHEMES
-                                                                         else 9, kv[0][1], kv[0][2])):
+    order = (*SCHEMES, *PEER_SCHEMES, *ACT_SCHEMES)
+    for (scheme, method, rot), rs in sorted(by.items(), key=lambda kv: (order.index(kv[0][0]) if kv[0][0] in order
+                                                                         else 99, kv[0][1], kv[0][2])):
         if rot:
             continue
         r_rot = by.get((scheme, method, True))

@@ -34,6 +34,11 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "switches off (scale < 2%% of its median: the 'massive' channels of SmolLM2 and many LLMs, "
                         "whose quantization error a rotation would otherwise spread), N = the N quietest; "
                         "default 0 = rotate every channel")
+    r.add_argument("--rotate-online", metavar="LAYERS", default=UNSET,
+                   help="rotate these Linears' inputs by a Hadamard at run time, their weights rotated to match "
+                        "(comma-separated names in every block, e.g. down_proj: QuaRot's rotation for activation "
+                        "quantization, with or without --rotate). Kept by lowbit's native format; the "
+                        "compressed-tensors and GGUF exports refuse such a model")
     r.add_argument("--awq", action="store_true",
                    help="AWQ: search activation-aware per-channel scales on the calibration data and fold them into "
                         "the preceding norm / Linear before the method quantizes")
@@ -126,20 +131,25 @@ def build_job(args: argparse.Namespace):
 
 
 def _rotation(args: argparse.Namespace):
-    """--rotate with --rotate-keep: the rotation's settings (True = defaults, False = off)."""
+    """--rotate, --rotate-keep, --rotate-online: the rotation's settings (True = defaults, False = off)."""
     from lowbit.api.quantize import RotationSettings
     from lowbit.errors import ConfigError
 
     keep = vars(args).get("rotate_keep")
-    if keep is None:
-        return args.rotate
-    if not args.rotate:
+    online = vars(args).get("rotate_online")
+    if keep is not None and not args.rotate:
         raise ConfigError("--rotate-keep sets which channels --rotate leaves alone; add --rotate or drop it")
-    if keep == "auto":
-        return RotationSettings(keep=None)
-    if not keep.isdigit():
-        raise ConfigError(f"--rotate-keep takes auto or a number of channels >= 0, got {keep!r}")
-    return RotationSettings(keep=int(keep))
+    kw: dict = {}
+    if keep is not None:
+        if keep != "auto" and not keep.isdigit():
+            raise ConfigError(f"--rotate-keep takes auto or a number of channels >= 0, got {keep!r}")
+        kw["keep"] = None if keep == "auto" else int(keep)
+    if online is not None:
+        names = tuple(n.strip() for n in online.split(",") if n.strip())
+        if not names:
+            raise ConfigError("--rotate-online takes Linear names (comma-separated, e.g. down_proj)")
+        kw.update(online=names, residual=args.rotate)
+    return RotationSettings(**kw) if kw else args.rotate
 
 
 def _mixed(args: argparse.Namespace):

@@ -57,6 +57,7 @@ from lowbit.formats import InputScheme, QTensor, Scheme
 from lowbit.formats.inputs import encode_scale
 from lowbit.io import atomic_dir
 from lowbit.nn import QuantLinear, quant_layers
+from lowbit.nn.input_rotation import refuse_online_rotations
 
 WEIGHTS = "model.safetensors"
 PACK = "pack-quantized"
@@ -260,6 +261,7 @@ def export(model: nn.Module, tokenizer: Any, out: str | Path, force: bool = Fals
     qlayers = quant_layers(model)
     if not qlayers:
         raise SchemeError("the model has no quantized layers; export a checkpoint made by `lowbit quantize`")
+    refuse_online_rotations(model, "compressed-tensors")
     targets = {n: layer_target(m, n) for n, m in qlayers.items()}
     tensors = _state_tensors(model, qlayers, targets)
     ignore = [n for n, m in model.named_modules() if isinstance(m, nn.Linear) and n not in qlayers]

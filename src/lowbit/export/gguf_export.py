@@ -49,6 +49,7 @@ from lowbit.export.gguf_kquants import pack_kquant
 from lowbit.formats import QTensor, Scheme
 from lowbit.io import atomic_file
 from lowbit.nn import quant_layers
+from lowbit.nn.input_rotation import refuse_online_rotations
 
 # every GGUF lowbit writes carries this key, so --force can tell its own files from others
 MARKER_KEY = "lowbit.written_by"
@@ -314,6 +315,7 @@ def plan_types(model: nn.Module, allow_requant: bool = False) -> dict[str, Tenso
     """GGUF type per quantized layer; refuses inexact ones unless ``allow_requant``."""
     out: dict[str, TensorPlan] = {}
     bad, rounded = [], []
+    refuse_online_rotations(model, "GGUF")
     acts = [f"{n} ({m.input_quant.scheme.name})" for n, m in quant_layers(model).items()
             if getattr(m, "input_quant", None) is not None]
     if acts:  # --allow-requant cannot help: no GGUF type says anything about activations

@@ -38,7 +38,7 @@ class PackedSlot(nn.Module):
 
     def build(self) -> nn.Module:
         from lowbit.formats import QTensor, Scheme
-        from lowbit.models.native import input_quantizer
+        from lowbit.models.native import input_quantizer, input_rotation
         from lowbit.nn import QuantLinear
 
         scheme = Scheme.from_dict(self.spec["scheme"])
@@ -50,7 +50,8 @@ class PackedSlot(nn.Module):
         except (CheckpointError, ValueError, RuntimeError) as e:
             raise CheckpointError(f"stored tensors disagree with shape {list(shape)} and scheme {scheme.name} "
                                   f"({e}); the checkpoint was edited or damaged") from None
-        return QuantLinear(q, None if self.bias is None else self.bias.detach(), input_quant=inputs)
+        return QuantLinear(q, None if self.bias is None else self.bias.detach(), input_quant=inputs,
+                           input_rotation=input_rotation("this layer", self.spec))
 
 
 def _header(weights: Path, name: str) -> dict[str, tuple[list[int], torch.dtype]]:

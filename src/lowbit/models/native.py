@@ -32,11 +32,12 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from lowbit.errors import CheckpointError, SchemeError
+from lowbit.errors import CheckpointError, ConfigError, SchemeError
 from lowbit.formats import InputScheme, QTensor, Scheme
 from lowbit.io import atomic_dir, atomic_write_text, file_inside, sha256_file
 from lowbit.nn import QuantLinear, quant_layers, set_module
 from lowbit.nn.input_quant import InputQuantizer
+from lowbit.nn.input_rotation import InputRotation
 
 FORMAT = "lowbit"
 VERSION = 1
@@ -84,10 +85,12 @@ def save(model: nn.Module, tokenizer: Any, out: str | Path, meta: dict | None = 
 
 
 def layer_spec(layer: QuantLinear) -> dict:
-    """The manifest entry of a quantized layer: weight scheme, shape, and input scheme if any."""
+    """The manifest entry of a quantized layer: weight scheme, shape, input scheme and online rotation if any."""
     spec = {"scheme": layer.scheme.to_dict(), "shape": [layer.out_features, layer.in_features]}
     if layer.input_quant is not None:
         spec["input"] = layer.input_quant.scheme.to_dict()
+    if layer.input_rotation is not None:
+        spec["input_rotation"] = layer.input_rotation.spec()
     return spec
 
 
@@ -97,6 +100,22 @@ def layer_tensors(layer: QuantLinear) -> dict[str, torch.Tensor]:
     if layer.input_quant is not None and layer.input_quant.amax is not None:
         d["input_amax"] = layer.input_quant.amax.detach().float().reshape(1)
     return d
+
+
+def input_rotation(name: str, spec: dict) -> InputRotation | None:
+    """The layer's online input rotation from its manifest entry (None when its input is not rotated)."""
+    r = spec.get("input_rotation")
+    if r is None:
+        return None
+    try:
+        rot = InputRotation.from_spec(dict(r))
+    except (ConfigError, KeyError, TypeError, ValueError) as e:
+        raise CheckpointError(f"layer {name}: its online input rotation cannot be read ({e}); re-create the "
+                              "checkpoint") from None
+    if rot.width != spec["shape"][1]:
+        raise CheckpointError(f"layer {name}: its online rotation has width {rot.width} but the layer "
+                              f"{spec['shape'][1]} inputs; the checkpoint was edited or damaged")
+    return rot
 
 
 def input_quantizer(name: str, spec: dict, amax: torch.Tensor | None) -> InputQuantizer | None:
@@ -245,7 +264,7 @@ def _quant_layer(name: str, spec: dict, tensors: dict[str, torch.Tensor]) -> Qua
         raise CheckpointError(f"layer {name}: stored tensors disagree with shape {list(shape)} and "
                               f"scheme {scheme.name} ({e}); the checkpoint was edited or damaged") from None
     bias = tensors.pop(f"{name}.bias", None)
-    return QuantLinear(q, bias, input_quant=inputs)
+    return QuantLinear(q, bias, input_quant=inputs, input_rotation=input_rotation(name, spec))
 
 
 def _load_rest(model: nn.Module, tensors: dict[str, torch.Tensor], manifest: dict) -> None:

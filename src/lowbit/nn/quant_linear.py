@@ -17,7 +17,9 @@ forward and the input gradient then cost one GEMM each instead of two.
 
 A layer whose recipe quantizes its input holds an `InputQuantizer` in ``input_quant``;
 ``prepare_input`` applies it first, so the product sees the input the target format
-would (adapters see it too: they run on the same input an engine would give them).
+would (adapters see it too: they run on the same input an engine would give them). A
+layer whose input is rotated online (`lowbit.nn.input_rotation`, its weight stored
+rotated) holds the `InputRotation` in ``input_rotation``, applied before the quantizer.
 """
 
 from __future__ import annotations
@@ -29,13 +31,14 @@ from torch import nn
 from lowbit.errors import SchemeError
 from lowbit.formats import QTensor, Scheme, quantize
 from lowbit.nn.input_quant import InputQuantizer
+from lowbit.nn.input_rotation import InputRotation
 
 
 class QuantLinear(nn.Module):
     """y = x @ dequant(Q)^T + b + sum(adapter(x) for adapter in adapters)."""
 
     def __init__(self, qweight: QTensor, bias: torch.Tensor | None = None, cache: bool | None = None,
-                 input_quant: InputQuantizer | None = None) -> None:
+                 input_quant: InputQuantizer | None = None, input_rotation: InputRotation | None = None) -> None:
         super().__init__()
         self.out_features, self.in_features = qweight.shape
         self.cache = cache
@@ -43,6 +46,7 @@ class QuantLinear(nn.Module):
         self.adapters = nn.ModuleDict()
         self.set_qweight(qweight)
         self.set_input_quant(input_quant)
+        self.set_input_rotation(input_rotation)
 
     def set_input_quant(self, input_quant: InputQuantizer | None) -> None:
         """Quantize this layer's input with ``input_quant`` (None = leave it in the compute dtype)."""
@@ -50,8 +54,17 @@ class QuantLinear(nn.Module):
             input_quant.scheme.check_width(self.in_features, "this layer")
         self.input_quant = input_quant
 
+    def set_input_rotation(self, rotation: InputRotation | None) -> None:
+        """Rotate this layer's input online (its stored weight must be the rotated one); None = no rotation."""
+        if rotation is not None and rotation.width != self.in_features:
+            raise SchemeError(f"an online rotation of width {rotation.width} cannot rotate the {self.in_features} "
+                              "inputs of this layer")
+        self.input_rotation = rotation
+
     def prepare_input(self, x: torch.Tensor) -> torch.Tensor:
-        """The input the product sees: quantized when the recipe says so."""
+        """The input the product sees: rotated online and quantized when the layer says so."""
+        if self.input_rotation is not None:
+            x = self.input_rotation(x)
         return x if self.input_quant is None else self.input_quant(x)
 
     @classmethod
@@ -122,4 +135,5 @@ class QuantLinear(nn.Module):
 
     def extra_repr(self) -> str:
         inp = "" if self.input_quant is None else f", input={self.input_quant.scheme.name}"
+        inp += "" if self.input_rotation is None else f", input_rotation={self.input_rotation.kind}"
         return f"in_features={self.in_features}, out_features={self.out_features}, scheme={self.scheme.name}{inp}"

@@ -13,6 +13,7 @@ from lowbit.formats import Recipe, Scheme
 from lowbit.formats.plan import Plan
 from lowbit.formats.recipe import as_recipe
 from lowbit.nn.input_quant import InputQuantizer
+from lowbit.nn.input_rotation import rotation_of
 from lowbit.nn.quant_linear import QuantLinear
 
 LayerFactory = Callable[[str, nn.Linear, Scheme], nn.Module]
@@ -35,7 +36,8 @@ def replace_linears(model: nn.Module, plan: Plan | Mapping[str, Scheme | Recipe]
 
     imp: optional per-layer input importance (``[in]``) for the ``search`` scale rule.
     factory: builds the replacement (default: round-to-nearest `QuantLinear`); the
-    recipe's input quantizer is attached to a `QuantLinear` it returns.
+    recipe's input quantizer, and the layer's online input rotation if it has one, are
+    attached to a `QuantLinear` it returns.
     amax: per-layer calibrated input abs-max, for input schemes with static scales.
     Every planned name is checked (present, a Linear, widths fit, static scales
     calibrated) before the first layer is replaced, so a bad plan changes nothing.
@@ -51,6 +53,8 @@ def replace_linears(model: nn.Module, plan: Plan | Mapping[str, Scheme | Recipe]
             new = QuantLinear.from_linear(layer, recipe.weight, None if imp is None else imp.get(name))
         if recipe.input is not None and isinstance(new, QuantLinear):
             new.set_input_quant(InputQuantizer(recipe.input, None if amax is None else amax.get(name)))
+        if isinstance(new, QuantLinear):  # an online rotation stays with the (rotated) weight
+            new.set_input_rotation(rotation_of(layer))
         set_module(model, name, new.to(layer.weight.device))
         done.append(name)
     return done

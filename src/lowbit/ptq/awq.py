@@ -51,6 +51,7 @@ from lowbit.models.activations import activation_stats
 from lowbit.models.layers import decoder_blocks
 from lowbit.models.placement import check_device
 from lowbit.models.structure import BlockLayout, block_layout
+from lowbit.nn.input_rotation import rotation_of
 from lowbit.ptq.pipeline import capture_inputs, module_names, run_block
 
 INPUTS = ("fp", "quantized")
@@ -96,6 +97,8 @@ class ScaleGroup:
 
 
 def scale_groups(block: nn.Module, layout: BlockLayout) -> list[ScaleGroup]:
+    """The block's scale groups; a group whose scaled Linears rotate their input online is left out
+    (a per-channel scale cannot pass through the rotation: ``(x / s) R`` is not ``(x R) / s``)."""
     groups = [ScaleGroup(layout.attn_norm, layout.attn_in, layout.attn_out)]
     if layout.value is not None:
         v, o = block.get_submodule(layout.value), block.get_submodule(layout.attn_out)
@@ -104,7 +107,7 @@ def scale_groups(block: nn.Module, layout: BlockLayout) -> list[ScaleGroup]:
     groups.append(ScaleGroup(layout.mlp_norm, layout.mlp_in, layout.mlp_out))
     if layout.up is not None:
         groups.append(ScaleGroup(layout.up, (layout.mlp_out,)))
-    return groups
+    return [g for g in groups if all(rotation_of(block.get_submodule(n)) is None for n in g.layers)]
 
 
 def awq_scale(model: nn.Module, plan: Plan, calib: torch.Tensor, settings: AWQSettings = AWQSettings(),

@@ -47,6 +47,7 @@ from lowbit.models.lazy import is_lazy, load_block, materialize
 from lowbit.models.placement import check_device
 from lowbit.nn import QuantLinear, replace_linears, set_module
 from lowbit.nn.input_quant import InputQuantizer
+from lowbit.nn.input_rotation import rotation_of
 
 _DROP_KWARGS = ("cache", "past_key_values", "past_key_value", "layer_past")
 
@@ -677,7 +678,7 @@ def _install(block: nn.Module, layers: Mapping[str, tuple[str, Scheme]], qts: Ma
         old = block.get_submodule(rel)
         bias = getattr(old, "bias", None)
         new = QuantLinear(qts[name], None if bias is None else bias.detach(),
-                          input_quant=(inputs or {}).get(name))
+                          input_quant=(inputs or {}).get(name), input_rotation=rotation_of(old))
         set_module(block, rel, new.to(device))
 
 

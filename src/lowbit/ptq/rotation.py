@@ -27,10 +27,13 @@ the next quietest until the rest of the width has a Hadamard construction.
 
 A tied lm_head cannot stay tied: the embedding becomes ``E R`` but the head
 ``E diag(w_norm) R``, so the head is untied (one extra vocab x width table, stored in
-16 bits like the embedding) and the model config says so. The online rotations for
-activation quantization (before down_proj, the KV path) are a later addition on top of
-this module: they rotate a Linear's input inside the block and need a slot in the
-layer's recipe, which the fused residual rotation does not.
+16 bits like the embedding) and the model config says so.
+
+Online rotations (``online``, e.g. ``("down_proj",)``): a Linear whose input nothing
+upstream can absorb a rotation into (down_proj reads SwiGLU's product) gets its weight
+rows rotated and a Hadamard applied to its input at run time (`lowbit.nn.input_rotation`),
+QuaRot's rotation for activation quantization. They work with or without the residual
+rotation (``residual``) and are checked by the same probe.
 """
 
 from __future__ import annotations
@@ -45,8 +48,9 @@ from torch import nn
 
 from lowbit.errors import ConfigError, ModelError
 from lowbit.formats.wht import factor, wht, wht_columns
-from lowbit.models.layers import linear_layers
+from lowbit.models.layers import block_path, decoder_blocks, linear_layers
 from lowbit.models.structure import ResidualMap, residual_map
+from lowbit.nn.input_rotation import attach
 
 KINDS = ("random", "hadamard")
 QUIET = 0.02  # a norm scale below this fraction of the norm's median switches its channel off
@@ -59,13 +63,22 @@ class RotationSettings:
 
     keep: channels left out of the rotation: 0 = none (every channel is rotated), None =
     the channels some RMSNorm switches off (see the module doc), k = the k quietest.
+    residual: rotate the residual stream (fused into the weights).
+    online: names (last component, e.g. ``down_proj``) of the Linears whose input is also
+    rotated at run time; each must match a Linear of every decoder block.
     """
 
     kind: str = "random"
     seed: int = 0
     keep: int | None = 0
+    residual: bool = True
+    online: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "online", tuple(self.online))
+        if not self.residual and not self.online:
+            raise ConfigError("a rotation with residual=False needs online layers (e.g. down_proj); otherwise "
+                              "it rotates nothing")
         if self.kind not in KINDS:
             raise ConfigError(f"rotation kind must be one of {KINDS}, got {self.kind!r}")
         if self.keep is not None and self.keep < 0:
@@ -164,21 +177,28 @@ def rotate_model(model: nn.Module, settings: RotationSettings = RotationSettings
     architecture turned out not to be what the map said; the model is then unusable).
     """
     t0 = time.perf_counter()
-    rmap = residual_map(model, "rotation")
+    rmap = residual_map(model, "rotation") if settings.residual else None
     planned = [n for n, m in linear_layers(model).items() if not isinstance(m, nn.Linear)]
     if planned:
         raise ConfigError(f"rotation rewrites float weights, but {planned[0]} is already quantized; rotate the "
                           "float model before quantizing it")
-    rot = Rotation.make(rmap.width, settings, kept_channels(model, rmap, settings.keep))
+    blocks = [f"{block_path(model)}.{i}" for i in range(len(decoder_blocks(model)))]
+    online = online_layers(model, blocks, settings.online)
+    rot = None if rmap is None else Rotation.make(rmap.width, settings, kept_channels(model, rmap, settings.keep))
     probe = _probe_ids(model) if check else None
     before = _logits(model, probe) if check else None
-    untied = rmap.tied
-    if untied:
-        untie_head(model, rmap)
-    fold_norms(model, rmap)
-    _rotate(model, rmap, rot)
-    info: dict[str, Any] = {**settings.to_dict(), "width": rmap.width, "rotated_width": rot.n,
-                            "hadamard_m": factor(rot.n), "kept_channels": rot.kept, "untied_head": untied}
+    info: dict[str, Any] = settings.to_dict()
+    if rmap is not None and rot is not None:
+        untied = rmap.tied
+        if untied:
+            untie_head(model, rmap)
+        fold_norms(model, rmap)
+        _rotate(model, rmap, rot)
+        info.update(width=rmap.width, rotated_width=rot.n, hadamard_m=factor(rot.n), kept_channels=rot.kept,
+                    untied_head=untied)
+    for name in online:
+        attach(model.get_submodule(name))
+    info["online_layers"] = len(online)
     if check:
         err = _max_rel_diff(before, _logits(model, probe))
         info["probe_rel_diff"] = err
@@ -191,6 +211,27 @@ def rotate_model(model: nn.Module, settings: RotationSettings = RotationSettings
 
 
 # ---------------------------------------------------------------------- steps
+def online_layers(model: nn.Module, blocks: list[str], online: tuple[str, ...]) -> list[str]:
+    """Full names of the Linears to rotate online: ``online`` names in every block, checked first."""
+    out = []
+    for short in online:
+        found = [f"{b}.{rel}" for b in blocks for rel, m in model.get_submodule(b).named_modules()
+                 if rel.rpartition(".")[2] == short and isinstance(m, nn.Linear)]
+        if len(found) != len(blocks):
+            names = sorted({rel.rpartition(".")[2] for rel, m in model.get_submodule(blocks[0]).named_modules()
+                            if isinstance(m, nn.Linear)})
+            raise ConfigError(f"online rotation of {short!r}: every decoder block needs exactly one Linear of that "
+                              f"name ({len(found)} found in {len(blocks)} blocks); the blocks' Linears are "
+                              f"{names}")
+        for n in found:
+            width = model.get_submodule(n).in_features
+            if factor(width) is None:
+                raise ConfigError(f"online rotation of {short!r}: no Hadamard construction for its {width} inputs "
+                                  "(needs m * 2^k with a known Hadamard order m); leave it out of --rotate-online")
+        out += found
+    return out
+
+
 def untie_head(model: nn.Module, rmap: ResidualMap) -> None:
     """Give the lm_head a weight of its own (a copy of the embedding) and record it in the config."""
     head = model.get_submodule(rmap.head)
