@@ -67,6 +67,73 @@ def lowbit_file(model, tokenizer, out: Path, mix: str) -> dict:
                               file_type=gguf_export.FILE_TYPES.get(mix, 1))
 
 
+# auto-round's GGUF presets for lowbit's mixes (auto-round has no plain Q2_K file type: its q2_k_s)
+AUTOROUND = {"q2_k_s": "gguf:q2_k_s", "q3_k_m": "gguf:q3_k_m", "q4_k_m": "gguf:q4_k_m", "q3_k_s": "gguf:q3_k_s",
+             "q4_k_s": "gguf:q4_k_s", "q5_k_m": "gguf:q5_k_m"}
+
+
+def autoround_child(mix: str, out_dir: Path, iters: int, seed: int, nsamples: int) -> dict:
+    """auto-round's GGUF export of ``mix`` from its tuned weights (runs in the peer's interpreter).
+
+    The same loader, float weights and calibration tokens as lowbit's rows; the token
+    embedding / tied head are kept 16-bit (``bits: 16`` in its layer_config) as in every
+    other file here. auto-round converts through llama.cpp's converter and checks the
+    checkpoint's tensor names, reading both from the model's folder: the loaded model is
+    saved to one (safetensors) first.
+    """
+    from auto_round import AutoRound
+
+    from lowbit.data import calibration_batches
+    from lowbit.models import load_model
+
+    torch.set_num_threads(1)
+    lm = load_model(None)
+    calib = calibration_batches(lm.tokenizer, nsamples=nsamples, seqlen=256)
+    folder = tempfile.mkdtemp(prefix="ar-hf-")
+    lm.model.save_pretrained(folder)
+    lm.tokenizer.save_pretrained(folder)
+    lm.model.name_or_path = folder
+    lm.model.config._name_or_path = folder
+    t0 = time.perf_counter()
+    ar = AutoRound(lm.model, lm.tokenizer, scheme=AUTOROUND[mix], dataset=[r.unsqueeze(0) for r in calib],
+                   nsamples=len(calib), seqlen=calib.shape[1], batch_size=8, iters=iters, seed=seed, amp=False,
+                   device_map="cpu", layer_config={"model.embed_tokens": {"bits": 16}, "lm_head": {"bits": 16}})
+    ar.quantize_and_save(str(out_dir), format=AUTOROUND[mix])
+    import auto_round
+
+    files = sorted(out_dir.rglob("*.gguf"))
+    return {"file": str(files[0]), "seconds": round(time.perf_counter() - t0, 1), "autoround": auto_round.__version__}
+
+
+def run_autoround(python: str, mix: str, out: Path, iters: int, seed: int, nsamples: int) -> dict:
+    """``autoround_child`` in a fresh process of the peer's interpreter; its file moved to ``out``."""
+    import json
+    import os
+    import shutil
+    import subprocess
+
+    work = Path(tempfile.mkdtemp(prefix="ar-gguf-"))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": f"{common.ROOT / 'src'}:{common.ROOT}"}
+    cmd = [python, "-m", "benchmarks.gguf", "--autoround-child", json.dumps([mix, str(work), iters, seed, nsamples])]
+    done = subprocess.run(cmd, cwd=common.ROOT, env=env, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise RuntimeError(f"auto-round failed ({done.returncode}):\n{done.stderr[-3000:]}")
+    info = json.loads(done.stdout.strip().splitlines()[-1])
+    shutil.move(info["file"], out)
+    shutil.rmtree(work, ignore_errors=True)
+    return info
+
+
+def gguf_types(path: Path) -> dict[str, int]:
+    """Tensor count per GGUF type of a file."""
+    import gguf
+
+    out: dict[str, int] = {}
+    for t in gguf.GGUFReader(str(path)).tensors:
+        out[t.tensor_type.name] = out.get(t.tensor_type.name, 0) + 1
+    return out
+
+
 def float_file(model, out: Path) -> None:
     from lowbit.export import gguf_export
     from lowbit.models.loading import bundled_gguf
@@ -228,7 +295,15 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--eval-missing", action="store_true",
                    help="only fill in llama.cpp perplexities of kept lowbit files whose rows lack one")
     p.add_argument("--table", action="store_true", help="print the markdown table of the results file and stop")
+    p.add_argument("--peer-python", default=None, help="python of a venv with auto-round 0.16 (autoround rows)")
+    p.add_argument("--autoround-child", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    if args.autoround_child:
+        import json
+
+        mix, work, iters, seed, nsamples = json.loads(args.autoround_child)
+        print(json.dumps(autoround_child(mix, Path(work), iters, seed, nsamples)), flush=True)
+        return {}
     if args.table:
         print(table(common.load_results(NAME)))
         return common.load_results(NAME)
@@ -300,6 +375,16 @@ def main(argv: list[str] | None = None) -> dict:
                     "ppl_llamacpp": llamacpp_ppl(out, win, args.threads)})
         if "rtn" in methods and imp is None:  # one importance pass serves every mix
             imp = importance(lm.model, calib, list(linear_layers(lm.model)))
+        if "autoround" in methods:
+            if args.peer_python is None or mix not in AUTOROUND:
+                raise SystemExit(f"autoround rows need --peer-python and a mix auto-round has ({sorted(AUTOROUND)})")
+            for seed in (int(x) for x in args.seeds.split(",")):
+                out = folder / f"autoround-{seed}-{tag}.gguf"
+                info = run_autoround(args.peer_python, mix, out, args.iters, seed, args.nsamples)
+                record({"mix": mix, "method": "autoround", "seed": seed, "file": out.name,
+                        "file_bytes": out.stat().st_size, "seconds": info["seconds"], "iters": args.iters,
+                        "autoround": info["autoround"], "types": gguf_types(out),
+                        "ppl_llamacpp": llamacpp_ppl(out, win, args.threads)})
         runs = [(m, None) for m in ("rtn", "gptq") if m in methods]
         runs += [("signround2", int(s)) for s in args.seeds.split(",")] if "signround2" in methods else []
         for method, seed in runs:

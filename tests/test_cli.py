@@ -166,4 +166,5 @@ def test_gptq_with_rotation_and_awq_round_trips_and_offloads(tmp_path, capsys, t
     assert main(["eval", str(tmp_path / "q_mem"), "--seqlen", "64", "--windows", "3", "--json"]) == 0
     assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["ppl"] == mem["ppl_q"]
     meta = json.loads((tmp_path / "q_mem" / "lowbit.json").read_text())["meta"]
-    assert meta["rotation"] == {"kind": "random", "seed": 0, "keep": 0} and meta["awq"]["grid"] == 20
+    assert meta["rotation"] == {"kind": "random", "seed": 0, "keep": 0, "residual": True, "online": []}
+    assert meta["awq"]["grid"] == 20
