@@ -13,6 +13,9 @@ benchmarks/results/gguf.json as they finish):
 - ``signround2``: lowbit SignRoundV2 through the double-quantized scales, per seed.
 - ``gptq``: lowbit GPTQ (act-order, static groups: every super-block's scales from the
   float weights, then column-by-column rounding with error feedback under them).
+- ``autoround`` / ``autoround-rtn``: auto-round 0.16's GGUF export of the same file type from
+  its tuned weights (``--iters``; 0 = its RTN), run in the peer's interpreter
+  (``--peer-python``); q2_k is its q2_k_s (it has no plain Q2_K file type).
 - ``llamacpp``: llama.cpp's own quantizer (``llama_model_quantize``) from an F32 GGUF of
   the same float weights, without an importance matrix.
 - ``llamacpp-imatrix``: llama.cpp's quantizer with an importance matrix computed on the same
@@ -75,15 +78,28 @@ AUTOROUND = {"q2_k_s": "gguf:q2_k_s", "q3_k_m": "gguf:q3_k_m", "q4_k_m": "gguf:q
 def autoround_child(mix: str, out_dir: Path, iters: int, seed: int, nsamples: int) -> dict:
     """auto-round's GGUF export of ``mix`` from its tuned weights (runs in the peer's interpreter).
 
-    The same loader, float weights and calibration tokens as lowbit's rows; the token
-    embedding / tied head are kept 16-bit (``bits: 16`` in its layer_config) as in every
-    other file here. auto-round converts through llama.cpp's converter and checks the
+    The same loader, float weights and calibration tokens as lowbit's rows. The token
+    embedding (tied head) is F16 in every other file here; auto-round's converter gives a
+    16-bit layer the file type's default type (Q8_0 / Q6_K), so its type selector is
+    wrapped to answer F16 for that one tensor (``bits: 16`` in its layer_config keeps it
+    out of tuning): equal file sizes, the same embedding bytes, Linears as auto-round makes them. auto-round converts through llama.cpp's converter and checks the
     checkpoint's tensor names, reading both from the model's folder: the loaded model is
     saved to one (safetensors) first.
     """
+    import gguf
     from auto_round import AutoRound
+    from auto_round.export.export_to_gguf.gguf_dtype import GGUFDTypeSelector
 
     from lowbit.data import calibration_batches
+
+    select = GGUFDTypeSelector.select_qtype
+
+    def embedding_f16(self, name: str, n_dims: int, fallback_index: int = 0):
+        if name.startswith(("token_embd.", "output.")):
+            return gguf.GGMLQuantizationType.F16
+        return select(self, name, n_dims, fallback_index)
+
+    GGUFDTypeSelector.select_qtype = embedding_f16
     from lowbit.models import load_model
 
     torch.set_num_threads(1)
@@ -328,7 +344,7 @@ def main(argv: list[str] | None = None) -> dict:
     folder.mkdir(parents=True, exist_ok=True)
     setup = {"model": "SmolLM2-135M-Instruct (bundled; its weights are a dequantized Q4_1 GGUF)",
              "windows": args.windows, "seqlen": args.seqlen, "calib": f"{args.nsamples} x 256 tokens",
-             "signround2_iters": args.iters, "machine": common.machine(),
+             "machine": common.machine(),
              "embedding": "F16 in every file (tied token_embd/output)"}
 
     def record(row: dict) -> None:
@@ -379,9 +395,10 @@ def main(argv: list[str] | None = None) -> dict:
             if args.peer_python is None or mix not in AUTOROUND:
                 raise SystemExit(f"autoround rows need --peer-python and a mix auto-round has ({sorted(AUTOROUND)})")
             for seed in (int(x) for x in args.seeds.split(",")):
-                out = folder / f"autoround-{seed}-{tag}.gguf"
+                out = folder / f"autoround-{args.iters}it-{seed}-{tag}.gguf"
                 info = run_autoround(args.peer_python, mix, out, args.iters, seed, args.nsamples)
-                record({"mix": mix, "method": "autoround", "seed": seed, "file": out.name,
+                method = "autoround" if args.iters else "autoround-rtn"  # iters 0: its RTN (no tuning)
+                record({"mix": mix, "method": method, "seed": seed, "file": out.name,
                         "file_bytes": out.stat().st_size, "seconds": info["seconds"], "iters": args.iters,
                         "autoround": info["autoround"], "types": gguf_types(out),
                         "ppl_llamacpp": llamacpp_ppl(out, win, args.threads)})
@@ -402,7 +419,7 @@ def main(argv: list[str] | None = None) -> dict:
             out = folder / f"lowbit-{method}-{seed}-{tag}.gguf"
             info = lowbit_file(model, lm.tokenizer, out, mix)
             row = {"mix": mix, "method": method, "seed": seed, "file": out.name, "file_bytes": out.stat().st_size,
-                   "seconds": seconds,
+                   "seconds": seconds, **({"iters": args.iters} if method == "signround2" else {}),
                    "ppl_lowbit": perplexity(model, tokens, args.seqlen, args.windows, progress=False).ppl,
                    "types": info["types"], "verified_tensors": info["verified"],
                    "not_exact": info["requantized"] + info.get("rounded_to_f16", [])}
