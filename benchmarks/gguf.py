@@ -140,6 +140,29 @@ def run_autoround(python: str, mix: str, out: Path, iters: int, seed: int, nsamp
     return info
 
 
+# lowbit's scheme for each GGUF type (the exact round trips of lowbit.export.gguf_export)
+GGUF_SCHEMES = {"Q4_0": "w4g32", "Q4_1": "w4g32a", "Q5_0": "w5g32", "Q5_1": "w5g32a", "Q8_0": "w8g32",
+                "Q2_K": "q2_k", "Q3_K": "q3_k", "Q4_K": "q4_k", "Q5_K": "q5_k", "Q6_K": "q6_k"}
+
+
+def plan_like(model, path: Path):
+    """lowbit's plan with the per-tensor GGUF types of another tool's file: the same mix, the same size.
+
+    auto-round's presets choose other types than llama.cpp for the same file-type name (e.g.
+    Q5_0 where llama.cpp falls back to Q4_0), so its files are larger; comparing at equal
+    size means quantizing to its types.
+    """
+    import gguf
+
+    from lowbit.formats.plan import Plan
+    from lowbit.models import linear_layers
+
+    types = {t.name: t.tensor_type.name for t in gguf.GGUFReader(str(path)).tensors}
+    names = list(linear_layers(model))
+    g = gguf_names(model, names)
+    return Plan({n: GGUF_SCHEMES[types[g[n]]] for n in names})
+
+
 def gguf_types(path: Path) -> dict[str, int]:
     """Tensor count per GGUF type of a file."""
     import gguf
@@ -311,6 +334,9 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--eval-missing", action="store_true",
                    help="only fill in llama.cpp perplexities of kept lowbit files whose rows lack one")
     p.add_argument("--table", action="store_true", help="print the markdown table of the results file and stop")
+    p.add_argument("--like", default=None, metavar="FILE",
+                   help="a GGUF file in --keep (e.g. auto-round's): lowbit's and the imatrix rows take its per-tensor "
+                        "types (one --mixes entry; rows recorded as MIX~FILE)")
     p.add_argument("--peer-python", default=None, help="python of a venv with auto-round 0.16 (autoround rows)")
     p.add_argument("--autoround-child", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -370,8 +396,13 @@ def main(argv: list[str] | None = None) -> dict:
         imatrix = gguf_imatrix(lm.model, calib, names)
         for row in weight_errors(lm.model, imatrix, gguf_names(lm.model, names)):
             record(row)
+    like = None if args.like is None else folder / args.like
+    if like is not None and ("," in args.mixes or not like.is_file()):
+        raise SystemExit("--like takes a GGUF file in the --keep folder and one --mixes entry")
     for mix in args.mixes.split(","):
         tag = mix.replace(":", "-")
+        if like is not None:  # rows of this mix take the other file's types
+            tag += "~" + like.stem
         ref = folder / f"llamacpp-{tag}.gguf"
         if any(m.startswith("llamacpp") for m in methods):
             t0 = time.perf_counter()
@@ -385,8 +416,8 @@ def main(argv: list[str] | None = None) -> dict:
                 imatrix = gguf_imatrix(lm.model, calib, list(linear_layers(lm.model)))
             out = folder / f"llamacpp-imatrix-{tag}.gguf"
             t0 = time.perf_counter()
-            imatrix_file(float_path, ref, out, imatrix)
-            record({"mix": mix, "method": "llamacpp-imatrix", "seed": None, "file_bytes": out.stat().st_size,
+            imatrix_file(float_path, like or ref, out, imatrix)
+            record({"mix": mix if like is None else f"{mix}~{like.stem}", "method": "llamacpp-imatrix", "seed": None, "file_bytes": out.stat().st_size,
                     "seconds": round(time.perf_counter() - t0, 1),
                     "ppl_llamacpp": llamacpp_ppl(out, win, args.threads)})
         if "rtn" in methods and imp is None:  # one importance pass serves every mix
@@ -406,7 +437,7 @@ def main(argv: list[str] | None = None) -> dict:
         runs += [("signround2", int(s)) for s in args.seeds.split(",")] if "signround2" in methods else []
         for method, seed in runs:
             model = copy.deepcopy(lm.model)
-            plan = build_plan(model, mix)
+            plan = build_plan(model, mix) if like is None else plan_like(model, like)
             t0 = time.perf_counter()
             if method == "rtn":
                 rtn_quantize(model, plan, calib, search=True, imp=imp, progress=False)
@@ -418,7 +449,8 @@ def main(argv: list[str] | None = None) -> dict:
             seconds = round(time.perf_counter() - t0, 1)
             out = folder / f"lowbit-{method}-{seed}-{tag}.gguf"
             info = lowbit_file(model, lm.tokenizer, out, mix)
-            row = {"mix": mix, "method": method, "seed": seed, "file": out.name, "file_bytes": out.stat().st_size,
+            row = {"mix": mix if like is None else f"{mix}~{like.stem}", "method": method, "seed": seed,
+                   "file": out.name, "file_bytes": out.stat().st_size,
                    "seconds": seconds, **({"iters": args.iters} if method == "signround2" else {}),
                    "ppl_lowbit": perplexity(model, tokens, args.seqlen, args.windows, progress=False).ppl,
                    "types": info["types"], "verified_tensors": info["verified"],
