@@ -12,7 +12,9 @@ benchmarks/results/gguf.json as they finish):
 - ``rtn``: lowbit's importance-weighted K-quant search (no tuning).
 - ``signround2``: lowbit SignRoundV2 through the double-quantized scales, per seed.
 - ``gptq``: lowbit GPTQ (act-order, static groups: every super-block's scales from the
-  float weights, then column-by-column rounding with error feedback under them).
+  float weights, then column-by-column rounding with error feedback under them);
+  ``gptq-noact``: columns in order, each super-block's scales chosen from the error-updated
+  weights when GPTQ reaches it.
 - ``autoround`` / ``autoround-rtn``: auto-round 0.16's GGUF export of the same file type from
   its tuned weights (``--iters``; 0 = its RTN), run in the peer's interpreter
   (``--peer-python``); q2_k is its q2_k_s (it has no plain Q2_K file type).
@@ -433,7 +435,7 @@ def main(argv: list[str] | None = None) -> dict:
                         "file_bytes": out.stat().st_size, "seconds": info["seconds"], "iters": args.iters,
                         "autoround": info["autoround"], "types": gguf_types(out),
                         "ppl_llamacpp": llamacpp_ppl(out, win, args.threads)})
-        runs = [(m, None) for m in ("rtn", "gptq") if m in methods]
+        runs = [(m, None) for m in ("rtn", "gptq", "gptq-noact") if m in methods]
         runs += [("signround2", int(s)) for s in args.seeds.split(",")] if "signround2" in methods else []
         for method, seed in runs:
             model = copy.deepcopy(lm.model)
@@ -441,8 +443,10 @@ def main(argv: list[str] | None = None) -> dict:
             t0 = time.perf_counter()
             if method == "rtn":
                 rtn_quantize(model, plan, calib, search=True, imp=imp, progress=False)
-            elif method == "gptq":
-                gptq_quantize(model, plan, GPTQSettings(), calib, progress=False)
+            elif method.startswith("gptq"):  # gptq-noact: columns in order, each super-block's scales chosen
+                settings = GPTQSettings(act_order=False, static_groups=False) if method == "gptq-noact" \
+                    else GPTQSettings()  # from the error-updated weights when GPTQ reaches it
+                gptq_quantize(model, plan, settings, calib, progress=False)
             else:
                 signround_quantize(model, plan, make_config(iters=args.iters, v2=True, seed=seed), calib,
                                    progress=False)
