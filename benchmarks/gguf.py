@@ -406,7 +406,7 @@ def main(argv: list[str] | None = None) -> dict:
         if like is not None:  # rows of this mix take the other file's types
             tag += "~" + like.stem
         ref = folder / f"llamacpp-{tag}.gguf"
-        if any(m.startswith("llamacpp") for m in methods):
+        if "llamacpp" in methods or ("llamacpp-imatrix" in methods and like is None):
             t0 = time.perf_counter()
             llamacpp_quantize(float_path, ref, mix, args.threads)
             if "llamacpp" in methods:
