@@ -297,20 +297,26 @@ def weight_errors(model, imatrix: dict[str, np.ndarray], nmap_names: dict[str, s
     return rows
 
 
+def _key(r: dict) -> tuple:
+    """A row's identity; rows older than the per-row calibration size were all 16 x 256."""
+    return r.get("mix"), r.get("method"), r.get("seed"), r.get("nsamples", 16)
+
+
 def table(data: dict) -> str:
-    """Markdown table of the perplexity rows: per mix and method, mean over seeds."""
+    """Markdown table of the perplexity rows: per mix and method (and calibration size), mean over seeds."""
     groups: dict[tuple, list[dict]] = {}
     for r in data.get("rows", []):
         if r.get("method") != "weight-error":
-            groups.setdefault((r["mix"], r["method"]), []).append(r)
+            n = r.get("nsamples", 16)
+            groups.setdefault((r["mix"], r["method"] + ("" if n == 16 else f" ({n} x 256 calib)")), []).append(r)
     rows = []
     for (mix, method), rs in sorted(groups.items()):
-        def mean(k, rs=rs):
+        def mean(k, rs=rs, digits=3):
             v = [r[k] for r in rs if r.get(k) is not None]
-            return f"{sum(v) / len(v):.3f}" + (f" ({', '.join(f'{x:.2f}' for x in v)})" if len(v) > 1 else "") \
+            return f"{sum(v) / len(v):.{digits}f}" + (f" ({', '.join(f'{x:.2f}' for x in v)})" if len(v) > 1 else "") \
                 if v else "-"
         rows.append([mix, method, len(rs), mean("ppl_llamacpp"), mean("ppl_lowbit"),
-                     f"{rs[0]['file_bytes'] / 2**20:.1f}", mean("seconds")])
+                     f"{rs[0]['file_bytes'] / 2**20:.1f}", mean("seconds", digits=0)])
     out = common.markdown_table(["mix", "method", "runs", "ppl llama.cpp (mean, runs)", "ppl lowbit", "file MiB",
                                  "seconds"], rows)
     err = [r for r in data.get("rows", []) if r.get("method") == "weight-error"]
@@ -376,7 +382,8 @@ def main(argv: list[str] | None = None) -> dict:
              "embedding": "F16 in every file (tied token_embd/output)"}
 
     def record(row: dict) -> None:
-        common.merge_row(NAME, row, ("mix", "method", "seed"), setup=setup)
+        row.setdefault("nsamples", args.nsamples)
+        common.merge_row(NAME, row, _key, setup=setup)
         print(row, flush=True)
 
     if args.eval_missing:
