@@ -390,3 +390,30 @@ def test_awq_and_rotation_on_device_match_the_cpu():
     _quantized(gpu, "w4g32", "rtn", DEVICE, **kw)
     _quantized(cpu, "w4g32", "rtn", "cpu", **kw)
     assert code_agreement(gpu, cpu) > 0.97
+
+
+@pytest.mark.parametrize("method", ["rtn", "gptq", "signround2"])
+def test_online_rotation_on_device_matches_the_cpu(method):
+    """The online Hadamard before down_proj (its pre-hook, the quantized layer's rotation) on the device."""
+    from lowbit.ptq import RotationSettings
+
+    m = tiny_model(layers=2)
+    gpu, cpu = copy.deepcopy(m), copy.deepcopy(m)
+    kw = {"rotate": RotationSettings(residual=False, online=("down_proj",))}
+    settings = {"iters": 6, "batch_size": 4} if method == "signround2" else None
+    _quantized(gpu, "w4a4-mxfp4", method, DEVICE, settings=settings, **kw)
+    _quantized(cpu, "w4a4-mxfp4", method, "cpu", settings=settings, **kw)
+    assert code_agreement(gpu, cpu) > (0.99 if method == "rtn" else 0.9)
+    ids = calib(2, 16, seed=5)
+    a, b = _logits(gpu.to(DEVICE), ids.to(DEVICE)).cpu(), _logits(cpu, ids)
+    gpu.cpu()
+    assert float((a - b).abs().max()) < 0.05 * float(b.abs().max())
+
+
+def test_gptq_on_kquants_on_device_tracks_the_cpu_run():
+    """GPTQ through llama.cpp's two-level K-quant scales on the device (KGrid): the CPU's codes up to near ties."""
+    m = tiny_model(layers=1, hidden=256, inter=512)
+    gpu, cpu = copy.deepcopy(m), copy.deepcopy(m)
+    _quantized(gpu, "q3_k", "gptq", DEVICE)
+    _quantized(cpu, "q3_k", "gptq", "cpu")
+    assert code_agreement(gpu, cpu) > 0.9
