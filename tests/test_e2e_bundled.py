@@ -18,14 +18,14 @@ def test_quantize_save_load_eval_same_perplexity(tmp_path, capsys):
 
     out = tmp_path / "q"
     code = main(["quantize", "--scheme", "w4g128", "--method", "rtn", "--out", str(out),
-                 "--windows", "4", "--nsamples", "8", "--json"])
+                 "--windows", "4", "--eval-seqlen", "256", "--nsamples", "8", "--seqlen", "256", "--json"])
     assert code == 0
     r = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert set(r) >= {"model", "scheme", "method", "seconds", "ppl_fp", "ppl_q", "bits_per_weight", "out"}
     assert r["scheme"] == "w4g128:rule=search" and r["bits_per_weight"] == pytest.approx(4.125)
     assert r["ppl_fp"] < r["ppl_q"] < 1.4 * r["ppl_fp"]
 
-    code = main(["eval", str(out), "--windows", "4", "--json"])
+    code = main(["eval", str(out), "--windows", "4", "--seqlen", "256", "--json"])
     assert code == 0
     e = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert e["ppl"] == r["ppl_q"]
