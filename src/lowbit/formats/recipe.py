@@ -1,10 +1,11 @@
 """`Recipe`: everything one Linear layer is quantized with — weight, input, rotation.
 
 A plan maps each Linear to a recipe: the weight `Scheme`, an optional `InputScheme`
-for its activations (None = the input stays in the compute dtype) and a slot for an
-online rotation applied to the input before it is quantized. The rotation is data only
-until the rotation methods exist (issue #24 fills it); a recipe that sets it is refused
-so no plan can claim a rotation nothing applies.
+for its activations (None = the input stays in the compute dtype) and a reserved slot
+for an online rotation. The online rotation is not a recipe field: it changes the float
+weight before any method runs, so it is a float pre-step (`lowbit.ptq.rotation`,
+``--rotate-online``) that each rotated layer then carries (`lowbit.nn.input_rotation`).
+A recipe that sets the slot is refused, so no plan can claim a rotation nothing applies.
 
 Text forms (``Recipe.parse``):
 
@@ -30,7 +31,7 @@ from lowbit.formats.scheme import Scheme
 @dataclass(frozen=True)
 class Recipe:
     """weight: the weight format. input: the activation format (None = not quantized).
-    rotation: an online rotation before the input quantizer (reserved; must be None)."""
+    rotation: reserved, must be None (online rotations are a float pre-step, see the module doc)."""
 
     weight: Scheme
     input: InputScheme | None = None
@@ -42,8 +43,9 @@ class Recipe:
         if self.input is not None and not isinstance(self.input, InputScheme):
             raise SchemeError(f"a recipe's input must be an InputScheme, got {type(self.input).__name__}")
         if self.rotation is not None:
-            raise SchemeError(f"rotation {self.rotation!r}: online rotations are not available yet; drop "
-                              "'rotation' from the recipe (it is reserved for the rotation methods)")
+            raise SchemeError(f"rotation {self.rotation!r}: a recipe does not carry the online rotation; drop "
+                              "'rotation' from the recipe and rotate the float model's layers instead "
+                              "(--rotate-online LAYERS, RotationSettings(online=...))")
 
     @property
     def name(self) -> str:

@@ -23,7 +23,7 @@ import math
 import torch
 from torch import nn
 
-from lowbit.errors import ConfigError
+from lowbit.errors import ConfigError, SchemeError
 from lowbit.formats.wht import factor, wht
 
 KINDS = ("hadamard",)
@@ -91,8 +91,6 @@ def refuse_online_rotations(model: nn.Module, target: str) -> None:
     """
     rotated = [n for n, m in model.named_modules() if rotation_of(m) is not None]
     if rotated:
-        from lowbit.errors import SchemeError
-
         raise SchemeError(f"{target} cannot hold an online input rotation ({len(rotated)} layer(s) rotate their "
                           f"input at run time, e.g. {rotated[0]}; their stored weights are rotated too). Keep "
                           "lowbit's native format (lowbit quantize --out, loadable by transformers through "

@@ -215,19 +215,18 @@ def online_layers(model: nn.Module, blocks: list[str], online: tuple[str, ...]) 
     """Full names of the Linears to rotate online: ``online`` names in every block, checked first."""
     out = []
     for short in online:
-        found = [f"{b}.{rel}" for b in blocks for rel, m in model.get_submodule(b).named_modules()
-                 if rel.rpartition(".")[2] == short and isinstance(m, nn.Linear)]
+        found = {f"{b}.{rel}": m for b in blocks for rel, m in model.get_submodule(b).named_modules()
+                 if rel.rpartition(".")[2] == short and isinstance(m, nn.Linear)}
         if len(found) != len(blocks):
             names = sorted({rel.rpartition(".")[2] for rel, m in model.get_submodule(blocks[0]).named_modules()
                             if isinstance(m, nn.Linear)})
             raise ConfigError(f"online rotation of {short!r}: every decoder block needs exactly one Linear of that "
                               f"name ({len(found)} found in {len(blocks)} blocks); the blocks' Linears are "
                               f"{names}")
-        for n in found:
-            width = model.get_submodule(n).in_features
-            if factor(width) is None:
-                raise ConfigError(f"online rotation of {short!r}: no Hadamard construction for its {width} inputs "
-                                  "(needs m * 2^k with a known Hadamard order m); leave it out of --rotate-online")
+        for m in found.values():
+            if factor(m.in_features) is None:
+                raise ConfigError(f"online rotation of {short!r}: no Hadamard construction for its {m.in_features} "
+                                  "inputs (needs m * 2^k with a known Hadamard order m); leave it out of --rotate-online")
         out += found
     return out
 
