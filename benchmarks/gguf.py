@@ -84,15 +84,18 @@ def autoround_child(mix: str, out_dir: Path, iters: int, seed: int, nsamples: in
     embedding (tied head) is F16 in every other file here; auto-round's converter gives a
     16-bit layer the file type's default type (Q8_0 / Q6_K), so its type selector is
     wrapped to answer F16 for that one tensor (``bits: 16`` in its layer_config keeps it
-    out of tuning): equal file sizes, the same embedding bytes, Linears as auto-round makes them. auto-round converts through llama.cpp's converter and checks the
-    checkpoint's tensor names, reading both from the model's folder: the loaded model is
-    saved to one (safetensors) first.
+    out of tuning): equal file sizes, the same embedding bytes, Linears as auto-round makes
+    them. auto-round converts through llama.cpp's converter and checks the checkpoint's
+    tensor names, reading both from the model's folder: the loaded model is saved to one
+    (safetensors) first.
     """
+    import auto_round
     import gguf
     from auto_round import AutoRound
     from auto_round.export.export_to_gguf.gguf_dtype import GGUFDTypeSelector
 
     from lowbit.data import calibration_batches
+    from lowbit.models import load_model
 
     select = GGUFDTypeSelector.select_qtype
 
@@ -102,8 +105,6 @@ def autoround_child(mix: str, out_dir: Path, iters: int, seed: int, nsamples: in
         return select(self, name, n_dims, fallback_index)
 
     GGUFDTypeSelector.select_qtype = embedding_f16
-    from lowbit.models import load_model
-
     torch.set_num_threads(1)
     lm = load_model(None)
     calib = calibration_batches(lm.tokenizer, nsamples=nsamples, seqlen=256)
@@ -117,8 +118,6 @@ def autoround_child(mix: str, out_dir: Path, iters: int, seed: int, nsamples: in
                    nsamples=len(calib), seqlen=calib.shape[1], batch_size=8, iters=iters, seed=seed, amp=False,
                    device_map="cpu", layer_config={"model.embed_tokens": {"bits": 16}, "lm_head": {"bits": 16}})
     ar.quantize_and_save(str(out_dir), format=AUTOROUND[mix])
-    import auto_round
-
     files = sorted(out_dir.rglob("*.gguf"))
     return {"file": str(files[0]), "seconds": round(time.perf_counter() - t0, 1), "autoround": auto_round.__version__}
 
@@ -410,8 +409,9 @@ def main(argv: list[str] | None = None) -> dict:
         raise SystemExit("--like takes a GGUF file in the --keep folder and one --mixes entry")
     for mix in args.mixes.split(","):
         tag = mix.replace(":", "-")
-        if like is not None:  # rows of this mix take the other file's types
-            tag += "~" + like.stem
+        label = mix  # the mix as rows name it: with --like, the other file's types
+        if like is not None:
+            tag, label = f"{tag}~{like.stem}", f"{mix}~{like.stem}"
         ref = folder / f"llamacpp-{tag}.gguf"
         if "llamacpp" in methods or ("llamacpp-imatrix" in methods and like is None):
             t0 = time.perf_counter()
@@ -426,7 +426,7 @@ def main(argv: list[str] | None = None) -> dict:
             out = folder / f"llamacpp-imatrix-{tag}.gguf"
             t0 = time.perf_counter()
             imatrix_file(float_path, like or ref, out, imatrix)
-            record({"mix": mix if like is None else f"{mix}~{like.stem}", "method": "llamacpp-imatrix", "seed": None, "file_bytes": out.stat().st_size,
+            record({"mix": label, "method": "llamacpp-imatrix", "seed": None, "file_bytes": out.stat().st_size,
                     "seconds": round(time.perf_counter() - t0, 1),
                     "ppl_llamacpp": llamacpp_ppl(out, win, args.threads)})
         if "rtn" in methods and imp is None:  # one importance pass serves every mix
@@ -460,8 +460,7 @@ def main(argv: list[str] | None = None) -> dict:
             seconds = round(time.perf_counter() - t0, 1)
             out = folder / f"lowbit-{method}-{seed}-{tag}.gguf"
             info = lowbit_file(model, lm.tokenizer, out, mix)
-            row = {"mix": mix if like is None else f"{mix}~{like.stem}", "method": method, "seed": seed,
-                   "file": out.name, "file_bytes": out.stat().st_size,
+            row = {"mix": label, "method": method, "seed": seed, "file": out.name, "file_bytes": out.stat().st_size,
                    "seconds": seconds, **({"iters": args.iters} if method == "signround2" else {}),
                    "ppl_lowbit": perplexity(model, tokens, args.seqlen, args.windows, progress=False).ppl,
                    "types": info["types"], "verified_tensors": info["verified"],
