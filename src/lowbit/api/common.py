@@ -86,20 +86,25 @@ def job_device(device: str | None) -> torch.device | None:
 
 
 def bits_summary(model: nn.Module, plan: Plan, lm_head: bool) -> dict[str, Any]:
-    """Bits per weight over every decoder Linear (and the lm_head when planned), unplanned ones at 16.
+    """Bits per weight as `lowbit.formats.bits` defines them, each figure beside its label.
 
-    A partial plan's average over its own layers alone would hide the layers left in 16 bits.
+    ``bits_per_weight`` is measured from the packed form the checkpoint stores, so `inspect`
+    of the saved checkpoint reports the same figure; unplanned decoder Linears count 16 bits
+    (a partial plan's average over its own layers alone would hide them).
     """
+    from lowbit.formats.bits import COUNTED, NOMINAL, average_bits
     from lowbit.models import linear_layers
+    from lowbit.nn import quant_layers
 
     layers = linear_layers(model, include_lm_head=lm_head)
     sizes = {n: (m.out_features, m.in_features) for n, m in layers.items()}
     sizes.update({n: _shape(model, n) for n in plan if n not in sizes})
-    total = sum(o * i for o, i in sizes.values())
-    bits = sum(plan.weight(n).bits_per_weight(c) * o * c if n in plan else 16 * o * c for n, (o, c) in sizes.items())
-    planned = {n: sizes[n] for n in plan}
-    return {"bits_per_weight": round(bits / max(total, 1), 4),
-            "bits_per_weight_planned": round(plan.average_bits(planned), 4),
+    quant = quant_layers(model)
+    dense = sum(o * i for n, (o, i) in sizes.items() if n not in plan)
+    stored = [(o * i, 8 * quant[n].qweight.storage_bytes() / (o * i)) for n, (o, i) in sizes.items() if n in plan]
+    nominal = [(o * i, plan.weight(n).bits_per_weight(i)) for n, (o, i) in sizes.items() if n in plan]
+    return {"bits_per_weight": round(average_bits(stored, dense), 4), "bits_counted": COUNTED,
+            "bits_per_weight_nominal": round(average_bits(nominal, dense), 4), "nominal_counts": NOMINAL,
             "layers_quantized": len(plan), "layers_16bit": len(sizes) - len(plan)}
 
 

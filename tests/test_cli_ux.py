@@ -1,0 +1,47 @@
+"""Issue 38, the first hour of a new user: one bits-per-weight figure, flags, output, messages."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from lowbit.cli import main
+
+
+def last_json(capsys) -> dict:
+    return json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+
+
+# --------------------------------------------------------------- bits per weight
+def test_quantize_inspect_and_export_report_one_bits_per_weight(tiny_hf_dir, tmp_path, capsys):
+    """quantize and inspect give the same stored figure for a checkpoint, padding and 16-bit Linears included."""
+    plan = tmp_path / "plan.json"
+    # 64-wide rows at group 48 store 2 groups: 96 4-bit codes + 2 fp16 scales per 64 weights = 6.5 bits
+    plan.write_text(json.dumps({"layers": {"model.layers.0.self_attn.q_proj": "w4g48"}}))
+    assert main(["quantize", str(tiny_hf_dir), "--plan", str(plan), "--no-search", "--no-eval",
+                 "--out", str(tmp_path / "q"), "--json"]) == 0
+    r = last_json(capsys)
+    total = 2 * (2 * 64 * 64 + 2 * 32 * 64 + 3 * 64 * 128)  # every decoder Linear of the 2 blocks
+    q = 64 * 64
+    assert r["bits_per_weight"] == round((6.5 * q + 16 * (total - q)) / total, 4)
+    assert r["bits_per_weight_nominal"] == round(((4 + 16 / 48) * q + 16 * (total - q)) / total, 4)
+    assert "16-bit Linears count 16" in r["bits_counted"]
+    assert main(["inspect", str(tmp_path / "q"), "--json"]) == 0
+    i = last_json(capsys)
+    assert (i["bits_per_weight"], i["bits_per_weight_nominal"]) == (r["bits_per_weight"], r["bits_per_weight_nominal"])
+    assert i["bits_counted"] == r["bits_counted"]
+
+
+def test_export_labels_the_exported_files_bits_beside_the_checkpoints(tiny_hf_dir, tmp_path, capsys):
+    assert main(["quantize", str(tiny_hf_dir), "--scheme", "w4g32", "--no-search", "--no-eval",
+                 "--out", str(tmp_path / "q"), "--json"]) == 0
+    r = last_json(capsys)
+    assert main(["export", str(tmp_path / "q"), "--to", "compressed-tensors", "--out", str(tmp_path / "ct"),
+                 "--json"]) == 0
+    e = last_json(capsys)
+    assert e["bits_per_weight_checkpoint"] == r["bits_per_weight"] == 4.5
+    assert e["bits_per_weight"] == 5.0 and e["bits_counted"].endswith("in the exported file")  # fp32 scales
+    assert main(["inspect", str(tmp_path / "ct"), "--json"]) == 0
+    assert last_json(capsys)["bits_per_weight"] == e["bits_per_weight"]
+
