@@ -45,3 +45,47 @@ def test_export_labels_the_exported_files_bits_beside_the_checkpoints(tiny_hf_di
     assert main(["inspect", str(tmp_path / "ct"), "--json"]) == 0
     assert last_json(capsys)["bits_per_weight"] == e["bits_per_weight"]
 
+
+# ------------------------------------------------------------------------ flags
+def test_no_arguments_lists_the_commands(capsys):
+    assert main([]) == 2
+    err = capsys.readouterr().err
+    for command in ("quantize", "eval", "inspect", "formats", "qat", "finetune", "export"):
+        assert f"\n    {command}" in err
+    assert "--help" in err
+
+
+def test_an_unknown_flag_names_the_subcommand_and_the_closest_flag(capsys):
+    assert main(["quantize", "--itres", "5", "--out", "x"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("lowbit quantize: error: unrecognized argument") and "(did you mean --iters?)" in err
+    assert len(err.splitlines()) == 1
+    assert main(["eval", "--windos", "3"]) == 2
+    assert "lowbit eval: error:" in (err := capsys.readouterr().err) and "--windows?" in err
+
+
+def test_schemes_are_case_insensitive_and_a_typo_gets_a_suggestion(capsys, tiny_hf_dir, tmp_path):
+    from lowbit.errors import SchemeError
+    from lowbit.formats import Recipe
+
+    assert Recipe.parse("W4G128") == Recipe.parse("w4g128")
+    assert str(Recipe.parse("W4A4-MXFP4")) == "w4a4-mxfp4"
+    with pytest.raises(SchemeError, match=r"did you mean w4a4-mxfp4\?"):
+        Recipe.parse("w4a4-mxfp")
+    with pytest.raises(SchemeError, match=r"did you mean nvfp4-46\?"):
+        Recipe.parse("nvfp4_46")
+    assert main(["quantize", str(tiny_hf_dir), "--scheme", "W4G32", "--no-search", "--no-eval",
+                 "--out", str(tmp_path / "q"), "--json"]) == 0
+    assert last_json(capsys)["scheme"] == "w4g32"
+    assert main(["quantize", str(tiny_hf_dir), "--scheme", "w4g123x", "--out", str(tmp_path / "r")]) == 2
+    assert "unknown scheme" in capsys.readouterr().err
+
+
+def test_eval_takes_eval_seqlen_like_every_command_and_keeps_the_old_name(tiny_hf_dir, tmp_path, capsys):
+    assert main(["eval", str(tiny_hf_dir), "--eval-seqlen", "64", "--windows", "2", "--json"]) == 0
+    new = last_json(capsys)
+    assert main(["eval", str(tiny_hf_dir), "--seqlen", "64", "--windows", "2", "--json"]) == 0
+    out, err = capsys.readouterr()
+    assert json.loads(out.strip().splitlines()[-1])["ppl"] == new["ppl"] and new["tokens"] == 2 * 63
+    assert "--seqlen is now --eval-seqlen" in err
+
