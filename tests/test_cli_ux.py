@@ -89,3 +89,41 @@ def test_eval_takes_eval_seqlen_like_every_command_and_keeps_the_old_name(tiny_h
     assert json.loads(out.strip().splitlines()[-1])["ppl"] == new["ppl"] and new["tokens"] == 2 * 63
     assert "--seqlen is now --eval-seqlen" in err
 
+
+# ------------------------------------------------------------------ model paths
+@pytest.fixture
+def no_network(monkeypatch):
+    """The hub unreachable at once; a download attempt (from_pretrained without local_files_only) fails the test."""
+    import urllib.error
+    import urllib.request
+
+    from transformers import AutoModelForCausalLM
+
+    def urlopen(*a, **k):
+        raise urllib.error.URLError("Name or service not known")
+
+    real = AutoModelForCausalLM.from_pretrained
+
+    def from_pretrained(*a, **k):
+        assert k.get("local_files_only"), "tried the network"
+        return real(*a, **k)
+
+    monkeypatch.setattr(urllib.request, "urlopen", urlopen)
+    monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", from_pretrained)
+
+
+def test_a_mistyped_local_path_with_a_slash_is_checked_locally_first(tmp_path, monkeypatch, no_network, capsys):
+    (tmp_path / "out").mkdir()
+    monkeypatch.chdir(tmp_path)
+    assert main(["eval", "out/q4"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "out/q4 does not exist (the folder out/ does" in err
+
+
+def test_an_offline_hub_id_fails_fast_with_the_local_options(no_network, capsys):
+    assert main(["eval", "nobody-here/no-such-model-xyz"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "hub cannot be reached (https://huggingface.co unreachable" in err
+    for option in ("local Hugging Face model folder", ".gguf file", "omit MODEL"):
+        assert option in err
+
