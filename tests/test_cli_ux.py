@@ -127,3 +127,116 @@ def test_an_offline_hub_id_fails_fast_with_the_local_options(no_network, capsys)
     for option in ("local Hugging Face model folder", ".gguf file", "omit MODEL"):
         assert option in err
 
+
+def _deep_llama(layers: int = 6):
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=layers, num_attention_heads=4,
+                      num_key_value_heads=2, vocab_size=256)
+    return LlamaForCausalLM(cfg).eval()
+
+
+# --------------------------------------------------------------------- progress
+class Bars:
+    """A stand-in for tqdm that records every bar a module draws: total, description, updates."""
+
+    made: list[Bars] = []
+
+    def __init__(self, iterable=None, total=None, desc=None, disable=False, **kw):
+        self.iterable, self.total, self.desc, self.disable = iterable, total, desc, disable
+        self.updates: list[int] = []
+        self.postfix: list[str] = []
+        Bars.made.append(self)
+
+    def __iter__(self):
+        for x in self.iterable:
+            yield x
+            self.updates.append(1)
+
+    def update(self, k=1):
+        self.updates.append(k)
+
+    def set_postfix_str(self, s):
+        self.postfix.append(s)
+
+    def set_postfix(self, *a, **k):
+        pass
+
+    def refresh(self):
+        pass
+
+    def close(self):
+        pass
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        pass
+
+
+@pytest.fixture
+def bars(monkeypatch):
+    import importlib
+
+    Bars.made = []
+    for name in ("lowbit.eval.perplexity", "lowbit.models.activations", "lowbit.ptq.sensitivity",
+                 "lowbit.models.loading"):
+        monkeypatch.setattr(importlib.import_module(name), "tqdm", Bars)
+    return Bars.made
+
+
+def test_perplexity_ticks_every_window_on_the_cpu(bars):
+    """A 4-window W4A4 evaluation was one 163 s tick."""
+    import torch
+
+    from lowbit.eval import perplexity
+
+    perplexity(_deep_llama(2), torch.randint(0, 256, (1, 5 * 32)), seqlen=32, windows=5)
+    (bar,) = bars
+    assert bar.total == 5 and bar.updates == [1] * 5 and not bar.disable
+
+
+def test_deltaloss_ticks_every_batch_of_every_scheme(bars):
+    """The mixed-precision pass had two ticks of ~130 s (one per candidate scheme)."""
+    import torch
+
+    from lowbit.ptq.sensitivity import delta_loss
+
+    model = _deep_llama(2)
+    names = [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and ".layers." in n]
+    delta_loss(model, names, ["w2g32", "w4g32"], torch.randint(0, 256, (6, 16)), batch_size=2)
+    (bar,) = bars
+    assert bar.total == 2 * 3 and bar.updates == [1] * 6 and bar.postfix == ["w2g32", "w4g32"]
+
+
+def test_rtn_search_shows_its_calibration_pass(bars):
+    """67-118 s of silence before the quantize bar: the importance pass over the calibration data."""
+    import torch
+
+    from lowbit.formats.plan import Plan
+    from lowbit.ptq.rtn import rtn_quantize
+
+    model = _deep_llama(2)
+    names = [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and ".layers." in n]
+    rtn_quantize(model, Plan.uniform(names, "w4g32"), torch.randint(0, 256, (12, 16)), search=True)
+    calib = [b for b in bars if b.desc == "calibration pass"]
+    assert len(calib) == 1 and calib[0].updates == [1, 1] and not calib[0].disable  # 12 samples, batches of 8
+
+
+def test_gguf_conversion_reports_its_stages(bars, tmp_path, monkeypatch):
+    """The first-run conversion of the bundled GGUF (~2 min) printed nothing."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from lowbit.models import loading
+
+    model = _deep_llama(1)
+    monkeypatch.setattr(loading, "open_gguf", lambda *a, **k: None)
+    monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", lambda *a, **k: model)
+    monkeypatch.setattr(AutoTokenizer, "from_pretrained", lambda *a, **k: "tok")
+    assert loading._convert_gguf(tmp_path / "m.gguf", None) == (model, "tok")
+    (bar,) = bars
+    assert "first use only" in bar.desc and bar.total == sum(loading.CONVERT_STAGES.values())
+    assert bar.updates == list(loading.CONVERT_STAGES.values()) and bar.postfix == list(loading.CONVERT_STAGES)

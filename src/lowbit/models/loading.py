@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from tqdm.auto import tqdm
 
 from lowbit.errors import CheckpointError, LowbitError, ModelError
 
@@ -325,19 +326,67 @@ def open_gguf(path: Path, error: type[LowbitError] = CheckpointError) -> Any:
     return reader
 
 
+# shares of a first-run GGUF conversion's time (the bundled model, 2 CPU cores: ~2 min): the damage
+# check and transformers' config, weights and tokenizer each parse the whole file's metadata again
+CONVERT_STAGES = {"checking the file": 15, "reading the weights": 50, "building the tokenizer": 30}
+
+
 def _convert_gguf(path: Path, dtype: torch.dtype) -> tuple[Any, Any]:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    open_gguf(path, ModelError)  # damage first: otherwise the loader's error reads like an unsupported architecture
-    try:
-        with _quiet():
-            model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=dtype)
-            tok = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
-    except (OSError, ValueError, KeyError, RuntimeError, EOFError, ImportError, struct.error) as e:
-        # struct.error / EOFError: a truncated file; ImportError: the gguf package is missing
-        raise ModelError(f"cannot load GGUF file {path}: {_first_line(e)}; transformers' GGUF loader "
-                         "supports llama, mistral, qwen2/3, gemma2/3 and a few more architectures") from None
+    with _Stages(f"converting {path.name} (first use only, cached after)", CONVERT_STAGES) as stage:
+        open_gguf(path, ModelError)  # damage first: otherwise the loader's error reads like an unsupported model
+        stage.done()
+        try:
+            with _quiet():
+                model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=dtype)
+                stage.done()
+                tok = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+                stage.done()
+        except (OSError, ValueError, KeyError, RuntimeError, EOFError, ImportError, struct.error) as e:
+            # struct.error / EOFError: a truncated file; ImportError: the gguf package is missing
+            raise ModelError(f"cannot load GGUF file {path}: {_first_line(e)}; transformers' GGUF loader "
+                             "supports llama, mistral, qwen2/3, gemma2/3 and a few more architectures") from None
     return model.eval(), tok
+
+
+class _Stages:
+    """A progress bar over the stages of one opaque job (a library call that reports nothing).
+
+    Each stage carries its expected share of the time, so the bar's ETA comes from the
+    stages actually finished; a thread redraws it every second, so elapsed time keeps moving
+    while a stage runs. Drawn on stderr, as tqdm's other bars.
+    """
+
+    def __init__(self, desc: str, shares: dict[str, int]) -> None:
+        self.desc, self.shares = desc, list(shares.items())
+        self.i = 0
+
+    def __enter__(self) -> _Stages:
+        import threading
+
+        self.bar = tqdm(total=sum(w for _, w in self.shares), desc=self.desc, unit="%", smoothing=0,
+                        bar_format="{desc}: {percentage:3.0f}% |{bar}| {elapsed}<{remaining} {postfix}")
+        self.bar.set_postfix_str(self.shares[0][0])
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._tick, daemon=True)
+        self.thread.start()
+        return self
+
+    def _tick(self) -> None:
+        while not self.stop.wait(1.0):
+            self.bar.refresh()
+
+    def done(self) -> None:
+        self.bar.update(self.shares[self.i][1])
+        self.i += 1
+        if self.i < len(self.shares):
+            self.bar.set_postfix_str(self.shares[self.i][0])
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop.set()
+        self.thread.join()
+        self.bar.close()
 
 
 def _load_hub(repo_id: str, dtype: torch.dtype) -> LoadedModel:

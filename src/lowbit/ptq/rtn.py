@@ -57,7 +57,7 @@ def rtn_quantize(model: nn.Module, plan: Plan, calib: torch.Tensor | None = None
                           + (", or search=False (--no-search) for plain round-to-nearest" if not static else ""))
     amax = None
     if kinds:
-        stats = collect(model, calib, list(plan), kinds)
+        stats = collect(model, calib, list(plan), kinds, progress=progress)
         imp = stats.result("sumsq") if "sumsq" in kinds else imp
         amax = {n: a.amax() for n, a in stats.result("absmax").items()} if static else None
     replace_linears(model, plan, imp=imp, progress=progress, amax=amax)
