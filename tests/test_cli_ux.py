@@ -128,6 +128,19 @@ def test_an_offline_hub_id_fails_fast_with_the_local_options(no_network, capsys)
         assert option in err
 
 
+# ----------------------------------------------------------------------- output
+def test_loading_a_checkpoint_prints_no_transformers_deprecation(tiny_hf_dir, tmp_path, capsys, caplog):
+    """Every export, fine-tune and checkpoint eval printed transformers' `torch_dtype` deprecation warning."""
+    from lowbit.models.native import load
+
+    assert main(["quantize", str(tiny_hf_dir), "--scheme", "w4g32", "--no-search", "--no-eval",
+                 "--out", str(tmp_path / "q"), "--json"]) == 0
+    capsys.readouterr()
+    with caplog.at_level("WARNING"):
+        load(tmp_path / "q")
+    assert "torch_dtype" not in caplog.text + capsys.readouterr().err
+
+
 def _deep_llama(layers: int = 6):
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -136,6 +149,26 @@ def _deep_llama(layers: int = 6):
     cfg = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=layers, num_attention_heads=4,
                       num_key_value_heads=2, vocab_size=256)
     return LlamaForCausalLM(cfg).eval()
+
+
+def test_inspect_summarises_by_default_and_lists_with_layers(tiny_hf_dir, tmp_path, capsys):
+    """Issue 38, point 7: inspect printed every layer (210 lines on the bundled model)."""
+    plan = tmp_path / "plan.json"
+    plan.write_text(json.dumps({"layers": {"model.layers.0.self_attn.q_proj": "w4g32",
+                                           "model.layers.1.mlp.down_proj": "w4g32",
+                                           "model.layers.1.mlp.up_proj": "w8"}}))
+    assert main(["quantize", str(tiny_hf_dir), "--plan", str(plan), "--no-search", "--no-eval",
+                 "--out", str(tmp_path / "q"), "--json"]) == 0
+    capsys.readouterr()
+    assert main(["inspect", str(tmp_path / "q")]) == 0
+    out = capsys.readouterr().out
+    table = out.split("\nformat")[0].splitlines()
+    assert table[0].split() == ["scheme", "layers", "weights", "bits/w", "stored"]
+    assert sorted(row.split()[:2] for row in table[1:]) == [["w4g32", "2"], ["w8", "1"]]
+    assert "model.layers.0.self_attn.q_proj" not in out and "{" not in out
+    assert main(["inspect", str(tmp_path / "q"), "--layers"]) == 0
+    out = capsys.readouterr().out
+    assert "model.layers.0.self_attn.q_proj" in out and "model.layers.1.mlp.up_proj" in out
 
 
 # --------------------------------------------------------------------- progress

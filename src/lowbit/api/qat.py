@@ -143,6 +143,8 @@ def _train(job: QatJob, device: Any, rank: int, world: int, target: float | None
     teacher = copy.deepcopy(lm.model) if job.kd else None
     quantizer = resolve(job.scheme, job.quantizer)
     names = to_qat(lm.model, quantizer)
+    if ev is not None:  # the quantized model before any step: what training has to improve on
+        res["ppl_before_training"] = job.evaluation.perplexity(lm.model, ev).ppl
     cb = WinQCallback(job.callback_config())
     extra = {"scheme": job.scheme, "quantizer": quantizer.name, "method": job.method, "source": lm.source,
              "winq": job.callback_config().to_dict(), "kd": job.kd, "kd_t": job.kd_temperature,
@@ -161,7 +163,10 @@ def _train(job: QatJob, device: Any, rank: int, world: int, target: float | None
                steps_to_baseline_loss=steps_to_reach(r.losses, target, job.smooth_window) if target else None,
                baseline_loss=target, smoothing=f"trailing mean, window {job.smooth_window}")
     if ev is not None:
-        res["ppl"] = job.evaluation.perplexity(lm.model, ev).ppl
+        ppl = job.evaluation.perplexity(lm.model, ev).ppl
+        for key in ("ppl_fp", "ppl_before_training"):  # the three figures side by side in the summary
+            res[key] = res.pop(key)
+        res["ppl"] = ppl
     lm.model.to("cpu")
     extras = {name: job.work / name for name in ("metrics.jsonl", "loss.png") if (job.work / name).is_file()}
     return res, lm, extras
