@@ -151,6 +151,47 @@ def _deep_llama(layers: int = 6):
     return LlamaForCausalLM(cfg).eval()
 
 
+@pytest.fixture
+def deep_model(monkeypatch):
+    from types import SimpleNamespace
+
+    model = _deep_llama()
+    monkeypatch.setattr("lowbit.models.load_model",
+                        lambda src=None, **k: SimpleNamespace(model=model, tokenizer=None, source="deep"))
+    return model
+
+
+def test_formats_samples_blocks_by_default_and_studies_all_with_full(deep_model, capsys):
+    """Issue 38, point 8: the default study is a sample of blocks over the depth; --full is every block."""
+    from lowbit.models import linear_layers
+    from lowbit.studies import block_size_study
+
+    assert main(["formats", "--schemes", "nvfp4", "--block-sizes", "16", "--json"]) == 0
+    quick = last_json(capsys)
+    assert quick["layers"].startswith("a sample: blocks 0, 2, 3, 5 of 6 (28 of 42 Linears)")
+    sampled = {n: m.weight.detach() for n, m in linear_layers(deep_model).items()
+               if n.split(".")[2] in ("0", "2", "3", "5")}
+    ref = block_size_study(sampled, ["nvfp4"], [16], progress=False)[0]
+    assert quick["rows"][0]["rel_error"] == pytest.approx(ref.rel_error, rel=1e-9)
+    assert main(["formats", "--schemes", "nvfp4", "--block-sizes", "16", "--full", "--json"]) == 0
+    full = last_json(capsys)
+    assert full["layers"] == "every decoder block (42 Linears)"
+    everything = {n: m.weight.detach() for n, m in linear_layers(deep_model).items()}
+    assert full["rows"][0]["rel_error"] == pytest.approx(
+        block_size_study(everything, ["nvfp4"], [16], progress=False)[0].rel_error, rel=1e-9)
+    assert main(["formats", "--full", "--sample", "2"]) == 2
+
+
+def test_formats_prints_its_table_and_verdicts_on_stdout_without_python_reprs(deep_model, capsys):
+    """Issue 38, point 7: the table went to stderr and the summary printed Python dicts."""
+    assert main(["formats", "--schemes", "nvfp4,nvfp4-46", "--block-sizes", "8,32"]) == 0
+    out, err = capsys.readouterr()
+    lines = out.splitlines()
+    assert lines[0].split()[:3] == ["scheme", "block", "8"] and lines[1].startswith("nvfp4 ")
+    assert any(ln.startswith("nvfp4-46: rel error") and "finer is" in ln for ln in lines)
+    assert "{" not in out and "[" not in out and "scheme" not in err
+
+
 def test_inspect_summarises_by_default_and_lists_with_layers(tiny_hf_dir, tmp_path, capsys):
     """Issue 38, point 7: inspect printed every layer (210 lines on the bundled model)."""
     plan = tmp_path / "plan.json"
