@@ -314,3 +314,17 @@ def test_gguf_conversion_reports_its_stages(bars, tmp_path, monkeypatch):
     (bar,) = bars
     assert "first use only" in bar.desc and bar.total == sum(loading.CONVERT_STAGES.values())
     assert bar.updates == list(loading.CONVERT_STAGES.values()) and bar.postfix == list(loading.CONVERT_STAGES)
+
+
+# ------------------------------------------------------------------ time spent
+def test_quantize_says_where_the_time_went(tiny_hf_dir, tmp_path, capsys):
+    """Issue 38, point 4: the demo's two perplexity passes were most of its time, and nothing said so."""
+    assert main(["quantize", str(tiny_hf_dir), "--scheme", "w4g32", "--nsamples", "4", "--seqlen", "32",
+                 "--eval-seqlen", "64", "--windows", "2", "--out", str(tmp_path / "q"), "--json"]) == 0
+    r = last_json(capsys)
+    assert list(r["time_s"]) == ["load", "data", "ppl_fp", "quantize", "ppl_q", "save"]
+    assert sum(r["time_s"].values()) <= r["seconds"] + 0.5
+    assert main(["quantize", str(tiny_hf_dir), "--scheme", "w4g32", "--no-search", "--no-eval",
+                 "--out", str(tmp_path / "q"), "--force"]) == 0
+    line = next(ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("time_s"))
+    assert "load: " in line and "quantize: " in line and "{" not in line

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
-from collections.abc import Mapping
+import time
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -64,6 +66,28 @@ class Evaluation:
         from lowbit.eval import perplexity
 
         return perplexity(model, tokens, seqlen=self.seqlen, windows=self.windows or None, progress=progress)
+
+
+class Phases:
+    """Wall seconds per phase of a job (``time_s`` in its summary): where a run's time went.
+
+    ``with phases("load"): ...`` adds that block's seconds to the phase (phases run once or
+    add up); the summary keeps the order the phases first ran in.
+    """
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+
+    @contextlib.contextmanager
+    def __call__(self, name: str) -> Iterator[None]:
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - t0
+
+    def report(self) -> dict[str, float]:
+        return {k: round(v, 1) for k, v in self.seconds.items()}
 
 
 def job_device(device: str | None) -> torch.device | None:
