@@ -37,7 +37,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help=f"study the Linears of N decoder blocks spread evenly over the depth ({SAMPLE_BLOCKS}); "
                         "0 = every block")
     p.add_argument("--full", action="store_true",
-                   help=f"every decoder block, and {40} perplexity windows with --ppl (the default study samples "
+                   help=f"every decoder block, and 40 perplexity windows with --ppl (the default study samples "
                         f"{SAMPLE_BLOCKS} blocks and {QUICK_WINDOWS} windows)")
     p.add_argument("--inputs", action="store_true",
                    help="study the Linear layers' calibration inputs (activations) instead of their weights: "
