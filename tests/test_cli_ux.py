@@ -328,3 +328,28 @@ def test_quantize_says_where_the_time_went(tiny_hf_dir, tmp_path, capsys):
                  "--out", str(tmp_path / "q"), "--force"]) == 0
     line = next(ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("time_s"))
     assert "load: " in line and "quantize: " in line and "{" not in line
+
+
+def test_a_busy_machine_gets_a_note_naming_threads_and_threads_sets_torch(tiny_hf_dir, tmp_path, capsys,
+                                                                         monkeypatch):
+    """At load ~7 on 2 cores torch's 2 threads made a scale search 13x slower than 1 thread."""
+    import os
+
+    import torch
+
+    set_to = []
+    monkeypatch.setattr(torch, "set_num_threads", set_to.append)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
+    monkeypatch.setattr(os, "cpu_count", lambda: 2)
+    monkeypatch.setattr(os, "getloadavg", lambda: (7.2, 7.0, 6.5))
+    args = ["quantize", str(tiny_hf_dir), "--scheme", "w4g32", "--no-search", "--no-eval", "--out"]
+    assert main([*args, str(tmp_path / "a")]) == 0
+    err = capsys.readouterr().err
+    assert "busy (load average 7.2 on 2 CPUs)" in err and "--threads 1" in err and set_to == []
+    assert main([*args, str(tmp_path / "b"), "--threads", "1"]) == 0
+    assert "busy" not in capsys.readouterr().err and set_to == [1]
+    assert main(["eval", "no/such/dir/x"]) == 2  # an error stays one line
+    assert len(capsys.readouterr().err.strip().splitlines()) == 1
+    monkeypatch.setattr(os, "getloadavg", lambda: (0.3, 0.2, 0.1))
+    assert main([*args, str(tmp_path / "c")]) == 0
+    assert "busy" not in capsys.readouterr().err

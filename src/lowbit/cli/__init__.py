@@ -46,6 +46,11 @@ def build_parser() -> argparse.ArgumentParser:
     sub.required = True
     for mod in COMMAND_MODULES:
         importlib.import_module(mod).register(sub)
+    for name, command in sub.choices.items():
+        if name != "inspect":  # reads headers only
+            command.add_argument("--threads", type=int, default=None, metavar="N",
+                                 help="CPU threads for torch (default: one per core; on a busy machine 1 is "
+                                      "often several times faster)")
     return p
 
 
@@ -62,7 +67,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             _unknown(parser, args, extra)
     except SystemExit as e:  # --help, --version, or a flag argparse refused (already printed)
         return e.code if isinstance(e.code, int) else 2
+    from lowbit.api.common import busy_note, set_threads
+
     try:
+        set_threads(getattr(args, "threads", None))
         result = args.func(args)
     except LowbitError as e:
         print(f"lowbit {args.command}: error: {e}", file=sys.stderr)
@@ -71,6 +79,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"lowbit {args.command}: interrupted", file=sys.stderr)
         return 130
     emit(result, getattr(args, "json", False))
+    note = busy_note(getattr(args, "threads", None)) if "threads" in args else None
+    if note is not None:  # after the result: an error stays one line, and the run's load is known by now
+        print(f"lowbit {args.command}: {note}", file=sys.stderr)
     return 0
 
 
