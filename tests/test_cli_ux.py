@@ -189,7 +189,7 @@ def test_formats_prints_its_table_and_verdicts_on_stdout_without_python_reprs(de
     lines = out.splitlines()
     assert lines[0].split()[:3] == ["scheme", "block", "8"] and lines[1].startswith("nvfp4 ")
     assert any(ln.startswith("nvfp4-46: rel error") and "finer is" in ln for ln in lines)
-    assert "{" not in out and "[" not in out and "scheme" not in err
+    assert "{" not in out and "[" not in out and "None" not in out and "scheme" not in err
 
 
 def test_inspect_summarises_by_default_and_lists_with_layers(tiny_hf_dir, tmp_path, capsys):

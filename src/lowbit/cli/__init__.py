@@ -109,7 +109,9 @@ def emit(result: dict, as_json: bool) -> None:
 
 
 def _text(v: object) -> str:
-    """A value as a person reads it: floats to 4 digits, mappings as ``k: v, ...``, lists comma-separated."""
+    """A value as a person reads it: None as -, floats to 4 digits, mappings as ``k: v, ...``, lists comma-separated."""
+    if v is None:
+        return "-"
     if isinstance(v, float):
         return f"{v:.4g}"
     if isinstance(v, dict):
