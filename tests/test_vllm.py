@@ -5,8 +5,9 @@ vLLM lives in an environment of its own (`make vllm-setup`; run these tests with
 that reason. Each export is served by vLLM in a fresh process (one engine per process),
 which returns the full log-softmax over the 256-token vocabulary at every prompt position
 (``prompt_logprobs``); lowbit's own model gives the reference. vLLM computes in bf16 (its
-INT4 CPU kernel needs it), so they agree to bf16 rounding, not bit for bit: a wrong zero
-point, scale, packing order or layout moves log-probabilities by whole units.
+INT4 CPU kernel needs it; on AMX processors it also quantizes that kernel's activations to
+int8 by default), so they agree to that rounding, not bit for bit: a wrong zero point,
+scale, packing order or layout moves log-probabilities by whole units.
 """
 
 import json
@@ -55,9 +56,9 @@ def tiny() -> LlamaForCausalLM:
 
 def served_logprobs(path, ids: list[int]) -> torch.Tensor:
     """``[len(ids) - 1, vocab]`` log-probabilities vLLM gives each next token of ``ids``."""
-    # VLLM_CPU_INT4_W4A8=0: on AMX processors vLLM's INT4 kernel would otherwise quantize activations to int8
-    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1",
-           "VLLM_CPU_INT4_W4A8": "0"}
+    # vLLM's defaults: on AMX processors its INT4 kernel quantizes activations to int8 (VLLM_CPU_INT4_W4A8=1);
+    # with 0 its W4A16 kernel died with SIGILL on these small shapes here (it serves the bundled model's)
+    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1"}
     r = subprocess.run([sys.executable, "-c", SERVE, str(path), json.dumps(ids)], capture_output=True, text=True,
                        env=env, timeout=900)
     line = [s for s in r.stdout.splitlines() if s.startswith("ROWS ")]
