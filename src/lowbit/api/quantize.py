@@ -19,6 +19,7 @@ from torch import nn
 
 from lowbit.api import outputs
 from lowbit.api.common import Calibration, Evaluation, bits_summary, job_device
+from lowbit.api.export import TARGETS as EXPORT_TARGETS
 from lowbit.errors import ConfigError
 from lowbit.formats import Recipe, Scheme, kmix
 from lowbit.formats.kquants import fit_width
@@ -32,7 +33,6 @@ __all__ = ["AWQSettings", "MixedSettings", "QuantizeJob", "RotationSettings", "b
            "method_options", "quantize"]
 
 DEFAULT_SCHEME = "w4g128"
-EXPORT_TARGETS = ("compressed-tensors", "gguf")
 
 
 def build_plan(model: nn.Module, scheme: str | Scheme | Recipe | None, plan_file: str | None = None,
