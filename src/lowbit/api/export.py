@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,11 +32,14 @@ class ExportJob:
 
 
 def export(job: ExportJob) -> dict[str, Any]:
+    from lowbit.export import limits, specs
     from lowbit.export.inspect import inspect
     from lowbit.models.native import load, read_manifest
 
     t0 = time.perf_counter()
     manifest = read_manifest(job.checkpoint)
+    # the target's limits, from the manifest alone: a plan it cannot hold is refused before any loading
+    limits.check(job.to, specs.from_manifest(manifest), _model_type(job.checkpoint), job.allow_requant)
     with outputs.claim(job.out, job.force, [job.checkpoint], file_output=job.to == "gguf") as out:
         model, tokenizer = load(job.checkpoint)
         result: dict[str, Any] = {"checkpoint": str(job.checkpoint), "to": job.to}
@@ -57,6 +61,15 @@ def export(job: ExportJob) -> dict[str, Any]:
     result |= {k: info[k] for k in ("bits_per_weight", "file_bytes", "fp16_bytes", "size_vs_fp16")}
     result["seconds"] = round(time.perf_counter() - t0, 2)
     return result
+
+
+def _model_type(checkpoint: str | Path) -> str | None:
+    """``model_type`` from the checkpoint's config.json (None when it cannot be read: loading will say why)."""
+    try:
+        kind = json.loads((Path(checkpoint) / "config.json").read_text()).get("model_type")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return kind if isinstance(kind, str) else None
 
 
 def _source_gguf(manifest: dict) -> Path | None:

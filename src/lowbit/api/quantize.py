@@ -9,6 +9,7 @@ costs a tuning run.
 from __future__ import annotations
 
 import time
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -18,6 +19,7 @@ from torch import nn
 
 from lowbit.api import outputs
 from lowbit.api.common import Calibration, Evaluation, bits_summary, job_device
+from lowbit.api.export import TARGETS as EXPORT_TARGETS
 from lowbit.errors import ConfigError
 from lowbit.formats import Recipe, Scheme, kmix
 from lowbit.formats.kquants import fit_width
@@ -81,6 +83,9 @@ class QuantizeJob:
     methods only (cache_device "cpu" keeps their cached activations in host memory).
     rotate / awq: float pre-steps before the method (True = their default settings): a
     Hadamard rotation of the residual stream, AWQ's activation-aware channel scales.
+    export_to: the export the checkpoint is for ("compressed-tensors" | "gguf"): a plan it
+    cannot hold is refused before any heavy pass. None = every export that cannot hold the
+    plan is named in a warning (and in the summary's ``not_exportable``).
     """
 
     out: str | Path
@@ -101,9 +106,12 @@ class QuantizeJob:
     awq: AWQSettings | bool | None = None
     force: bool = False
     progress: bool = True
+    export_to: str | None = None
 
     def __post_init__(self) -> None:
         spec = get(self.method)
+        if self.export_to is not None and self.export_to not in EXPORT_TARGETS:
+            raise ConfigError(f"--export-to must be one of {', '.join(EXPORT_TARGETS)}, got {self.export_to!r}")
         object.__setattr__(self, "settings", coerce_settings(self.method, self.settings))
         object.__setattr__(self, "rotate", _switch(self.rotate, RotationSettings, "rotate"))
         object.__setattr__(self, "awq", _switch(self.awq, AWQSettings, "awq"))
@@ -240,6 +248,7 @@ class _Run:
 
             check_feasible(lm.model, self.plan, job.mixed)
         self.allocation = None
+        self.not_exportable = _export_limits(job, lm.model, self.plan)
         self._check_whole_model_fits()
         self.ev = job.evaluation.tokens(lm.tokenizer) if job.evaluation is not None else None
         self.calib = job.calib.batches(lm.tokenizer) if job.needs_calib else None
@@ -301,6 +310,8 @@ class _Run:
                 r = job.evaluation.perplexity(model, self.ev, job.progress)
             result["ppl_q"], result["eval_tokens"] = r.ppl, r.tokens
         result.update(bits_summary(model, self.plan, job.lm_head))
+        if self.not_exportable:
+            result["not_exportable"] = self.not_exportable
         return result
 
     def save(self, out: Path, result: dict[str, Any]) -> None:
@@ -321,6 +332,39 @@ class _Run:
         sizes = {n: (m.out_features, m.in_features) for n, m in
                  ((n, self.lm.model.get_submodule(n)) for n in self.plan)}
         return {"plan.json": self.plan.to_json().encode(), "plan.png": plot_bits(self.plan, sizes)}
+
+
+def _export_limits(job: QuantizeJob, model: nn.Module, plan: Plan) -> dict[str, str]:
+    """Export -> why it cannot hold the plan, known before tuning; refused when the job names that export.
+
+    A mixed-precision run is judged on each of its options as a uniform plan (the knapsack
+    may pick any of them anywhere), the others on their plan. Each export that cannot hold
+    it gets a warning now rather than an error after the run.
+    """
+    from lowbit.export import limits, specs
+
+    options = [Plan({n: Recipe.parse(o) for n in plan}) for o in job.mixed.options] if job.mixed else [plan]
+    online = set(job.rotate.online) if job.rotate is not None else set()
+    rotated = frozenset(n for n in plan if n.rpartition(".")[2] in online)
+    shapes = {n: (model.get_submodule(n).out_features, model.get_submodule(n).in_features) for n in plan}
+    kind = getattr(getattr(model, "config", None), "model_type", None)
+    found: dict[str, str] = {}
+    for p in options:
+        layer_specs = specs.from_plan(p, shapes, rotated)
+        for to, why in limits.refusals(layer_specs, kind).items():
+            found.setdefault(to, why)
+        if "compressed-tensors" not in found:
+            notes = limits.vllm_notes(layer_specs)
+            if notes:
+                found["vllm"] = notes[0]
+    if job.export_to is not None:  # the one export the user named: refused if it cannot hold the plan
+        if job.export_to in found:
+            raise ConfigError(f"--export-to {job.export_to}: {found[job.export_to]}")
+        found = {k: v for k, v in found.items() if k == "vllm" and job.export_to == "compressed-tensors"}
+    for to, why in found.items():
+        what = "its compressed-tensors export would not load in vLLM" if to == "vllm" else f"--to {to} cannot hold it"
+        warnings.warn(f"this plan cannot be exported as it is: {what}: {why}", stacklevel=2)
+    return found
 
 
 def _kquant_summary(model: nn.Module, plan: Plan) -> dict[str, Any]:

@@ -46,6 +46,7 @@ from torch import nn
 
 from lowbit.errors import LowbitError, ModelError, SchemeError
 from lowbit.export.gguf_kquants import pack_kquant
+from lowbit.export.specs import LayerSpec, from_model, refuse_rotations
 from lowbit.formats import QTensor, Scheme
 from lowbit.io import atomic_file
 from lowbit.nn import quant_layers
@@ -204,7 +205,11 @@ def _rope_theta(config: Any) -> float:
 
 def arch_of(config: Any) -> Arch:
     """The llama.cpp architecture of a model config; anything else is refused, naming the supported list."""
-    kind = getattr(config, "model_type", None)
+    return arch_for(getattr(config, "model_type", None))
+
+
+def arch_for(kind: str | None) -> Arch:
+    """The llama.cpp architecture of a ``model_type``; anything else is refused, naming the supported list."""
     if kind not in ARCH_MAP:
         raise ModelError(f"GGUF export supports {', '.join(ARCHS)} models, not {kind!r}; export this model "
                          "with --to compressed-tensors, or quantize a model of a supported architecture")
@@ -311,35 +316,41 @@ class TensorPlan:
     exact: bool
 
 
-def plan_types(model: nn.Module, allow_requant: bool = False) -> dict[str, TensorPlan]:
-    """GGUF type per quantized layer; refuses inexact ones unless ``allow_requant``."""
-    out: dict[str, TensorPlan] = {}
-    bad, rounded = [], []
-    refuse_online_rotations(model, "GGUF")
-    acts = [f"{n} ({m.input_quant.scheme.name})" for n, m in quant_layers(model).items()
-            if getattr(m, "input_quant", None) is not None]
+def check_specs(specs: list[LayerSpec], allow_requant: bool = False) -> None:
+    """Refuse, before any weight is read, a plan GGUF cannot hold: rotated or quantized inputs, and (unless
+    ``allow_requant``) schemes without an exact GGUF type. Q4_1's fp16 minimum is checked on the numbers later."""
+    refuse_rotations(specs, "GGUF")
+    acts = [f"{s.name} ({s.input.name})" for s in specs if s.input is not None]
     if acts:  # --allow-requant cannot help: no GGUF type says anything about activations
         raise SchemeError(f"GGUF cannot hold activation quantization ({len(acts)} layer(s) quantize their inputs, "
                           f"e.g. {acts[0]}): llama.cpp runs the quantized weights with unquantized inputs. GGUF "
                           f"holds weight-only layers: {'; '.join(EXACT)}. Export this recipe with --to "
                           "compressed-tensors, or re-quantize weight-only")
+    bad = [f"{s.name} ({s.scheme.name}, {s.in_features} columns)" for s in specs
+           if exact_type(s.scheme, s.in_features) is None]
+    if bad and not allow_requant:
+        raise SchemeError(f"no exact GGUF type for {len(bad)} layer(s), e.g. {', '.join(bad[:3])}. GGUF types "
+                          f"lowbit maps exactly: {'; '.join(EXACT)}. Re-quantize with one of those (K-quants need "
+                          "rows that are multiples of 256: the mixes such as q4_k_m pick llama.cpp's fallback "
+                          "types themselves), or pass --allow-requant to let gguf re-quantize them (numbers change)")
+
+
+def plan_types(model: nn.Module, allow_requant: bool = False) -> dict[str, TensorPlan]:
+    """GGUF type per quantized layer; refuses inexact ones unless ``allow_requant``."""
+    out: dict[str, TensorPlan] = {}
+    rounded = []
+    refuse_online_rotations(model, "GGUF")
+    check_specs(from_model(model), allow_requant)
     for name, layer in quant_layers(model).items():
         t = exact_type(layer.scheme, layer.in_features)
         exact = t is not None and (t not in ("Q4_1", "Q5_1") or q4_1_exact(layer.qweight))
-        if t is None:
-            bad.append(f"{name} ({layer.scheme.name}, {layer.in_features} columns)")
-        elif not exact:
+        if t is not None and not exact:
             rounded.append(name)
         out[name] = TensorPlan(name, t or requant_type(layer.scheme), exact)
     if rounded and not allow_requant:
         raise SchemeError(f"{len(rounded)} asymmetric layer(s), e.g. {rounded[0]}: Q4_1/Q5_1 store the block "
                           "minimum in fp16 and -zero*scale is not an fp16 number for some groups, so the export "
                           "would change the weights; pass --allow-requant to round it, or use a symmetric scheme")
-    if bad and not allow_requant:
-        raise SchemeError(f"no exact GGUF type for {len(bad)} layer(s), e.g. {', '.join(bad[:3])}. GGUF types "
-                          f"lowbit maps exactly: {'; '.join(EXACT)}. Re-quantize with one of those (K-quants need "
-                          "rows that are multiples of 256: the mixes such as q4_k_m pick llama.cpp's fallback "
-                          "types themselves), or pass --allow-requant to let gguf re-quantize them (numbers change)")
     return out
 
 

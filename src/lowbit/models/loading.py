@@ -163,12 +163,28 @@ def _load_dir(path: Path, dtype: torch.dtype) -> LoadedModel:
                          f"checkpoint (no lowbit.json){hint}")
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from lowbit.models import compressed
+
     try:
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+        if compressed.is_compressed_tensors(_read_config(path)):  # decompressed now, in ``dtype``
+            model = compressed.load_decompressed(path, dtype)
+        else:
+            model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
         tok = AutoTokenizer.from_pretrained(path)
     except (OSError, ValueError, KeyError) as e:
         raise ModelError(f"cannot load the model folder {path}: {_first_line(e)}") from None
     return LoadedModel(model.eval(), tok, str(path), "hf_dir")
+
+
+def _read_config(path: Path) -> dict:
+    """The folder's config.json as a dict ({} when unreadable: transformers then says why)."""
+    import json
+
+    try:
+        config = json.loads((path / "config.json").read_text())
+    except (OSError, ValueError):
+        return {}
+    return config if isinstance(config, dict) else {}
 
 
 def cache_root() -> Path:

@@ -42,6 +42,7 @@ from lowbit.formats.plan import Plan
 from lowbit.io import atomic_write_bytes, atomic_write_text, sha256_file
 from lowbit.models.activations import activation_stats
 from lowbit.models.attention import tuning_attention
+from lowbit.models.fused import fused_groups, shared_amax, shared_tensor_scales
 from lowbit.models.layers import block_path, decoder_blocks
 from lowbit.models.lazy import is_lazy, load_block, materialize
 from lowbit.models.placement import check_device
@@ -78,6 +79,8 @@ class BlockJob:
     dtype: torch.dtype | None = None  # the block's activation dtype (None = ``x``'s)
     shard: Shard | None = None  # this process's part of each mini-batch under torch.distributed
     inputs: dict[str, InputQuantizer] = field(default_factory=dict)  # input quantizers of the recipe
+    # full layer name -> the weight tensor scale to quantize with (schemes that have one; fused groups share it)
+    tensor_scales: dict[str, torch.Tensor] = field(default_factory=dict)
 
     def fetch(self, cache: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
         """Rows ``idx`` of ``x`` or ``y`` on the compute device in the block's dtype (see `gather_rows`)."""
@@ -108,6 +111,12 @@ def block_layers(plan: Plan, block_name: str) -> dict[str, tuple[str, Scheme]]:
     """Plan entries inside one block: full name -> (relative name, weight scheme)."""
     pre = block_name + "."
     return {n: (n[len(pre):], r.weight) for n, r in plan.items() if n.startswith(pre)}
+
+
+def block_tensor_scales(block: nn.Module, layers: Mapping[str, tuple[str, Scheme]]) -> dict[str, torch.Tensor]:
+    """Weight tensor scales of a block's planned layers from their float weights: a fused group's parts share one."""
+    weights = {n: block.get_submodule(rel).weight for n, (rel, _) in layers.items()}
+    return shared_tensor_scales(weights, {n: s for n, (_, s) in layers.items()})
 
 
 def input_quantizers(plan: Plan, layers: Mapping[str, Any], amax: Mapping[str, torch.Tensor],
@@ -533,7 +542,8 @@ def quantize_blockwise(model: nn.Module, plan: Plan, calib: torch.Tensor, tuner:
     x, kwargs = capture_inputs(model, blocks[0], calib, device, CACHE_DTYPES[options.cache_dtype], where, shard)
     dtype = _block_dtype(blocks[0])
     wd = _workdir(workdir, {**settings, "plan": plan.to_dict(), "fp_inputs": options.fp_inputs,
-                            "chunk": options.chunk, **_cache_setting(options), **fingerprint(model, calib)}, shard)
+                            "chunk": options.chunk, **_cache_setting(options), **_fused_setting(plan),
+                            **fingerprint(model, calib)}, shard)
     offload = block_loader(model, blocks, _rank_folder(options.offload_dir, shard))
     start = _resume_point(wd, len(blocks), shard)
     x_fp, x_q = x, None
@@ -562,15 +572,16 @@ def quantize_blockwise(model: nn.Module, plan: Plan, calib: torch.Tensor, tuner:
             if y is not None:
                 map_block(block, x_fp, y, kwargs, options.chunk, device, dtype, shard)
         x_fp = None
-        amax = {n: a.amax() for n, a in reduce_across(h.result("absmax"), shard, "max").items()
-                if n in static} if static else {}
+        amax = shared_amax({n: a.amax() for n, a in reduce_across(h.result("absmax"), shard, "max").items()
+                            if n in static}) if static else {}
         inputs = input_quantizers(plan, layers, amax, device)
         if i < start:
             qts = wd.load_block(i, layers, _shapes(block, layers))  # type: ignore[union-attr]
             info: dict[str, float] = {"resumed": 1.0}
         else:
             imp = reduce_across(h.result("sumsq"), shard) if want_imp else None
-            job = BlockJob(i, block, layers, x_in, y, kwargs, imp, device, dtype, shard, inputs)
+            job = BlockJob(i, block, layers, x_in, y, kwargs, imp, device, dtype, shard, inputs,
+                           block_tensor_scales(block, layers))
             with tuning_attention(model):
                 qts, info = tuner(job)
             if wd and i in wd.damaged:
@@ -613,6 +624,13 @@ def _block_dtype(block: nn.Module) -> torch.dtype:
 def _cache_setting(options: PipelineOptions) -> dict[str, str]:
     """The cache dtype changes results, so resuming needs the same one (fp32 caches kept the old record)."""
     return {} if options.cache_dtype == "fp32" else {"cache_dtype": options.cache_dtype}
+
+
+def _fused_setting(plan: Plan) -> dict[str, int]:
+    """Fused groups now share one tensor scale: a work folder whose blocks were tuned with one per layer
+    (lowbit before the change) must not be resumed into the new numbers; plans without such groups keep theirs."""
+    scaled = [n for n, s in plan.weights().items() if s.tensor_scale]
+    return {"shared_tensor_scales": 1} if fused_groups(scaled) else {}
 
 
 def _workdir(path: str | Path | None, settings: dict[str, Any], shard: Shard) -> WorkDir | None:
@@ -692,4 +710,5 @@ def _quantize_rest(model: nn.Module, plan: Plan, names: Mapping[int, str], block
             raise ConfigError(f"{static[0]} lies outside the decoder blocks, where the block-wise pipeline cannot "
                               "calibrate static input scales; give it a dynamic input scheme (e.g. fp8, mxfp4) "
                               "or none")
-        replace_linears(model, rest)
+        weights = {n: model.get_submodule(n).weight for n in rest}
+        replace_linears(model, rest, tensor_scales=shared_tensor_scales(weights, {n: r.weight for n, r in rest.items()}))

@@ -8,7 +8,8 @@ model at once: with a device it moves there for the importance pass and the roun
 
 Recipes that quantize inputs get their input quantizers; static input scales (NVFP4's
 tensor scale, FP8 / INT8 per tensor) are calibrated in the same pass over the FP model,
-on the calibration batches only.
+on the calibration batches only. The parts of a matmul engines fuse (q/k/v, gate/up)
+share one weight tensor scale and one static input scale (`lowbit.models.fused`).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from torch import nn
 from lowbit.errors import ConfigError
 from lowbit.formats.plan import Plan
 from lowbit.models.activations import collect
+from lowbit.models.fused import shared_amax, shared_tensor_scales
 from lowbit.models.placement import on_device
 from lowbit.nn import replace_linears
 from lowbit.ptq.methods import Method, RunContext, register
@@ -59,8 +61,10 @@ def rtn_quantize(model: nn.Module, plan: Plan, calib: torch.Tensor | None = None
     if kinds:
         stats = collect(model, calib, list(plan), kinds)
         imp = stats.result("sumsq") if "sumsq" in kinds else imp
-        amax = {n: a.amax() for n, a in stats.result("absmax").items()} if static else None
-    replace_linears(model, plan, imp=imp, progress=progress, amax=amax)
+        amax = shared_amax({n: a.amax() for n, a in stats.result("absmax").items()}) if static else None
+    weights = {n: model.get_submodule(n).weight for n in plan}
+    scales = shared_tensor_scales(weights, plan.weights())
+    replace_linears(model, plan, imp=imp, progress=progress, amax=amax, tensor_scales=scales)
     return plan
 
 

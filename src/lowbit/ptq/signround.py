@@ -298,7 +298,7 @@ class SignRoundTuner:
         for name, (rel, scheme) in job.layers.items():
             lin = job.block.get_submodule(rel)
             imp = None if job.imp is None else job.imp[name]
-            r = make_rounder(lin.weight.detach(), scheme, imp, self.config.v2)
+            r = make_rounder(lin.weight.detach(), scheme, imp, self.config.v2, job.tensor_scales.get(name))
             set_module(job.block, rel, TunedLinear(lin, r, dtype, job.inputs.get(name)))
             rounders[name] = r
         return rounders
