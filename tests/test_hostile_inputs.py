@@ -358,9 +358,12 @@ def test_checkpoint_without_tokenizer(native_dir, tiny_tokenizer, tmp_path):
         require_tokenizer(tok, native_dir)
     with_tok = save(model, tiny_tokenizer, tmp_path / "with_tok")
     assert require_tokenizer(load(with_tok)[1], with_tok) is not None
-    (with_tok / "tokenizer.json").write_text("{not json")
-    with pytest.raises(CheckpointError, match="tokenizer files .* cannot be read"):
+    (with_tok / "tokenizer.json").write_text("{not json")  # its checksum is in lowbit.json now
+    with pytest.raises(CheckpointError, match="tokenizer.json does not match its checksum"):
         load(with_tok)
+    (native_dir / "tokenizer.json").write_text("{not json")  # copied into a checkpoint saved without one
+    with pytest.raises(CheckpointError, match="tokenizer files .* cannot be read"):
+        load(native_dir)
 
 
 def test_eval_of_a_checkpoint_without_tokenizer_is_one_line(native_dir, capsys):
