@@ -9,6 +9,7 @@ from typing import Any
 
 from lowbit.api import outputs
 from lowbit.errors import ConfigError
+from lowbit.io import check_free_space
 
 TARGETS = ("compressed-tensors", "gguf")
 
@@ -37,6 +38,9 @@ def export(job: ExportJob) -> dict[str, Any]:
     t0 = time.perf_counter()
     manifest = read_manifest(job.checkpoint)
     with outputs.claim(job.out, job.force, [job.checkpoint], file_output=job.to == "gguf") as out:
+        # both formats hold the same packed weights as the checkpoint, give or take the scale encoding
+        size = sum(f.stat().st_size for f in Path(job.checkpoint).iterdir() if f.is_file())
+        check_free_space(out, size + (16 << 20), f"the {job.to} export")
         model, tokenizer = load(job.checkpoint)
         result: dict[str, Any] = {"checkpoint": str(job.checkpoint), "to": job.to}
         if job.to == "compressed-tensors":
