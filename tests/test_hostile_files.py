@@ -18,16 +18,10 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import make_llama
+from test_hostile_inputs import one_error_line as one_error
 
 from lowbit.cli import main
 from lowbit.errors import CheckpointError
-
-
-def one_error(capsys, *needles: str) -> str:
-    err = capsys.readouterr().err
-    lines = [x for x in err.replace("\r", "\n").splitlines() if "error" in x.lower()]
-    assert len(lines) == 1 and all(n in lines[0] for n in needles), err
-    return lines[0]
 
 
 # ------------------------------------------------------------------ the GGUF cache

@@ -63,7 +63,8 @@ def model_dir(tmp_path_factory) -> Path:
 def one_error_line(capsys, *needles: str) -> str:
     """The CLI's stderr is exactly one ``lowbit CMD: error: ...`` line holding every needle."""
     text = capsys.readouterr().err
-    err = [ln for ln in text.splitlines() if ln.startswith("lowbit ")]  # progress bars may precede it
+    # progress bars may precede it, and warnings are lines of their own ("lowbit CMD: warning: ...")
+    err = [ln for ln in text.splitlines() if ln.startswith("lowbit ") and ": warning: " not in ln]
     assert len(err) == 1 and "error:" in err[0] and "Traceback" not in text, text
     for n in needles:
         assert n in err[0], err[0]

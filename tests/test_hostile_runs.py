@@ -16,6 +16,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+from test_hostile_inputs import one_error_line as one_error
 
 from lowbit import io
 from lowbit.cli import main
@@ -32,13 +33,6 @@ def text(tmp_path_factory) -> str:
     f = tmp_path_factory.mktemp("data") / "text.txt"
     f.write_text("\n\n".join(load_documents(None)[:120]))
     return str(f)
-
-
-def one_error(capsys, *needles: str) -> str:
-    err = capsys.readouterr().err
-    lines = [x for x in err.replace("\r", "\n").splitlines() if "error" in x.lower()]
-    assert len(lines) == 1 and all(n in lines[0] for n in needles), err
-    return lines[0]
 
 
 def last_json(capsys) -> dict:
