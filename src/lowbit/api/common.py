@@ -115,7 +115,8 @@ def checkpoint_bytes(model: nn.Module, plan: Plan | None = None, bits: float | N
 
     Quantized weights count at their bits per weight, every other tensor at its size in
     memory (float32 ones that fp16 holds exactly are stored in fp16, so this errs on the
-    large side), plus 16 MiB for config and tokenizer files. Tied tensors count once.
+    large side), plus 1 MiB for config files; tokenizer files (a few MB at most) are not
+    counted: a write that fails anyway is one clear line. Tied tensors count once.
     """
     from lowbit.models import linear_layers
 
@@ -129,7 +130,7 @@ def checkpoint_bytes(model: nn.Module, plan: Plan | None = None, bits: float | N
         if name not in packed and id(t) not in seen:
             seen.add(id(t))
             total += t.numel() * t.element_size()
-    return int(total) + (16 << 20)
+    return int(total) + (1 << 20)
 
 
 def _shape(model: nn.Module, name: str) -> tuple[int, int]:

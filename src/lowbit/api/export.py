@@ -40,7 +40,7 @@ def export(job: ExportJob) -> dict[str, Any]:
     with outputs.claim(job.out, job.force, [job.checkpoint], file_output=job.to == "gguf") as out:
         # both formats hold the same packed weights as the checkpoint, give or take the scale encoding
         size = sum(f.stat().st_size for f in Path(job.checkpoint).iterdir() if f.is_file())
-        check_free_space(out, size + (16 << 20), f"the {job.to} export")
+        check_free_space(out, size + (1 << 20), f"the {job.to} export")
         model, tokenizer = load(job.checkpoint)
         result: dict[str, Any] = {"checkpoint": str(job.checkpoint), "to": job.to}
         if job.to == "compressed-tensors":

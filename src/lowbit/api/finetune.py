@@ -228,7 +228,7 @@ class _Finetune:
         check_resume(self.train_config, (), self.identity(rows), self.job.resume)
         if out is not None and self.job.merge:  # a merged checkpoint is about the size of the quantized one
             size = sum(f.stat().st_size for f in Path(self.job.quantized_dir).iterdir() if f.is_file())
-            check_free_space(out, size + (16 << 20), "the merged checkpoint")
+            check_free_space(out, size + (1 << 20), "the merged checkpoint")
 
     def _train(self, model, tokenizer, names, rows, ev, fp, result, out) -> dict[str, Any]:  # noqa: ANN001
         from lowbit.models.activations import second_moments
