@@ -63,7 +63,8 @@ def model_dir(tmp_path_factory) -> Path:
 def one_error_line(capsys, *needles: str) -> str:
     """The CLI's stderr is exactly one ``lowbit CMD: error: ...`` line holding every needle."""
     text = capsys.readouterr().err
-    err = [ln for ln in text.splitlines() if ln.startswith("lowbit ")]  # progress bars may precede it
+    # progress bars may precede it, and warnings are lines of their own ("lowbit CMD: warning: ...")
+    err = [ln for ln in text.splitlines() if ln.startswith("lowbit ") and ": warning: " not in ln]
     assert len(err) == 1 and "error:" in err[0] and "Traceback" not in text, text
     for n in needles:
         assert n in err[0], err[0]
@@ -358,9 +359,12 @@ def test_checkpoint_without_tokenizer(native_dir, tiny_tokenizer, tmp_path):
         require_tokenizer(tok, native_dir)
     with_tok = save(model, tiny_tokenizer, tmp_path / "with_tok")
     assert require_tokenizer(load(with_tok)[1], with_tok) is not None
-    (with_tok / "tokenizer.json").write_text("{not json")
-    with pytest.raises(CheckpointError, match="tokenizer files .* cannot be read"):
+    (with_tok / "tokenizer.json").write_text("{not json")  # its checksum is in lowbit.json now
+    with pytest.raises(CheckpointError, match="tokenizer.json does not match its checksum"):
         load(with_tok)
+    (native_dir / "tokenizer.json").write_text("{not json")  # copied into a checkpoint saved without one
+    with pytest.raises(CheckpointError, match="tokenizer files .* cannot be read"):
+        load(native_dir)
 
 
 def test_eval_of_a_checkpoint_without_tokenizer_is_one_line(native_dir, capsys):

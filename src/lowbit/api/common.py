@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -66,6 +67,11 @@ class Evaluation:
         return perplexity(model, tokens, seqlen=self.seqlen, windows=self.windows or None, progress=progress)
 
 
+def work_folder(out: str | Path, workdir: str | Path | None) -> Path:
+    """Where a training job's metrics and checkpoints go: ``workdir``, or OUT.train beside --out."""
+    return Path(workdir) if workdir else Path(out).with_name(Path(out).name + ".train")
+
+
 def job_device(device: str | None) -> torch.device | None:
     """The compute device of this process: ``device`` checked; under torchrun, the rank's GPU.
 
@@ -101,6 +107,30 @@ def bits_summary(model: nn.Module, plan: Plan, lm_head: bool) -> dict[str, Any]:
     return {"bits_per_weight": round(bits / max(total, 1), 4),
             "bits_per_weight_planned": round(plan.average_bits(planned), 4),
             "layers_quantized": len(plan), "layers_16bit": len(sizes) - len(plan)}
+
+
+def checkpoint_bytes(model: nn.Module, plan: Plan | None = None, bits: float | None = None) -> int:
+    """About the size of the checkpoint of ``model`` quantized by ``plan`` (or every decoder Linear at ``bits``
+    per weight), to refuse an output its device cannot hold before any work.
+
+    Quantized weights count at their bits per weight, every other tensor at its size in
+    memory (float32 ones that fp16 holds exactly are stored in fp16, so this errs on the
+    large side), plus 1 MiB for config files; tokenizer files (a few MB at most) are not
+    counted: a write that fails anyway is one clear line. Tied tensors count once.
+    """
+    from lowbit.models import linear_layers
+
+    if plan is not None:
+        layers = {n: (model.get_submodule(n), plan.weight(n).bits_per_weight) for n in plan}
+    else:
+        layers = {n: (m, lambda _cols: bits) for n, m in linear_layers(model).items()}
+    packed = {f"{n}.weight": bpw(m.in_features) * m.in_features * m.out_features / 8 for n, (m, bpw) in layers.items()}
+    total, seen = sum(packed.values()), set()
+    for name, t in [*model.named_parameters(), *model.named_buffers()]:
+        if name not in packed and id(t) not in seen:
+            seen.add(id(t))
+            total += t.numel() * t.element_size()
+    return int(total) + (1 << 20)
 
 
 def _shape(model: nn.Module, name: str) -> tuple[int, int]:

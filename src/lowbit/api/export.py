@@ -10,6 +10,7 @@ from typing import Any
 
 from lowbit.api import outputs
 from lowbit.errors import ConfigError
+from lowbit.io import check_free_space
 
 TARGETS = ("compressed-tensors", "gguf")
 
@@ -41,6 +42,9 @@ def export(job: ExportJob) -> dict[str, Any]:
     # the target's limits, from the manifest alone: a plan it cannot hold is refused before any loading
     limits.check(job.to, specs.from_manifest(manifest), _model_type(job.checkpoint), job.allow_requant)
     with outputs.claim(job.out, job.force, [job.checkpoint], file_output=job.to == "gguf") as out:
+        # both formats hold the same packed weights as the checkpoint, give or take the scale encoding
+        size = sum(f.stat().st_size for f in Path(job.checkpoint).iterdir() if f.is_file())
+        check_free_space(out, size + (1 << 20), f"the {job.to} export")
         model, tokenizer = load(job.checkpoint)
         result: dict[str, Any] = {"checkpoint": str(job.checkpoint), "to": job.to}
         if job.to == "compressed-tensors":

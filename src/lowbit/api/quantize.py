@@ -3,7 +3,8 @@
 Everything that can be checked without the model is checked when the job is built
 (`QuantizeJob`), and everything that needs only paths before the model loads; the data
 splits are tokenized and checked before the first heavy pass, so a bad input never
-costs a tuning run.
+costs a tuning run. So are a work folder holding a run with other settings and an
+output that cannot fit its device: both are refused before the float perplexity pass.
 """
 
 from __future__ import annotations
@@ -18,12 +19,13 @@ import torch
 from torch import nn
 
 from lowbit.api import outputs
-from lowbit.api.common import Calibration, Evaluation, bits_summary, job_device
+from lowbit.api.common import Calibration, Evaluation, bits_summary, checkpoint_bytes, job_device
 from lowbit.api.export import TARGETS as EXPORT_TARGETS
 from lowbit.errors import ConfigError
 from lowbit.formats import Recipe, Scheme, kmix
 from lowbit.formats.kquants import fit_width
 from lowbit.formats.plan import Plan
+from lowbit.io import WriteError, check_free_space
 from lowbit.ptq.awq import AWQSettings
 from lowbit.ptq.methods import coerce_settings, get, make_settings
 from lowbit.ptq.mixed import MixedSettings
@@ -186,16 +188,18 @@ def quantize(job: QuantizeJob) -> dict[str, Any]:
 
     t0 = time.perf_counter()
     device = job_device(job.device)
-    for folder in (job.workdir, job.offload_dir):
+    for flag, folder in (("--workdir", job.workdir), ("--offload-dir", job.offload_dir)):
         if folder is not None:
-            outputs.check_folder(folder, job.out)
+            outputs.check_folder(folder, job.out, flag, job.inputs())
     rank, world = _join_world(job)
     if rank != 0:  # under torchrun: tunes its share of the samples; rank 0 alone writes --out
         result = _Run(job, load_model(job.model, lazy=job.loads_lazily), device).execute()
         return {**result, "rank": rank, "seconds": round(time.perf_counter() - t0, 2)}
-    with outputs.claim(job.out, job.force, job.inputs()) as out:
+    with outputs.claim(job.out, job.force, job.inputs()) as out, outputs.hold_folder(job.workdir), \
+            outputs.hold_folder(job.offload_dir, "--offload-dir"):
         lm = load_model(job.model, lazy=job.loads_lazily)
         run = _Run(job, lm, device)
+        check_free_space(out, checkpoint_bytes(lm.model, run.plan), "the quantized checkpoint")
         result = run.execute()
         run.save(out, result)
     result["out"] = str(out)
@@ -253,6 +257,20 @@ class _Run:
         self.ev = job.evaluation.tokens(lm.tokenizer) if job.evaluation is not None else None
         self.calib = job.calib.batches(lm.tokenizer) if job.needs_calib else None
         self.source_digest: str | None = None
+        self._check_resume()
+
+    def _check_resume(self) -> None:
+        """A --workdir holding a run with other settings is refused now, not after the float perplexity pass."""
+        from lowbit.ptq import RunContext, check_resume
+
+        job = self.job
+        if job.workdir is None:
+            return
+        later = (("model",) if job.rotate is not None or job.awq is not None else ()) + \
+                (("plan", "shared_tensor_scales") if job.mixed is not None else ())
+        ctx = RunContext(device=None if self.device is None else str(self.device), workdir=job.workdir,
+                         offload_dir=job.offload_dir, cache_device=job.cache_device or "device")
+        check_resume(job.method, job.settings, self.plan, self.lm.model, self.calib, ctx, later)
 
     def _check_whole_model_fits(self) -> None:
         """The whole-model passes (perplexities, RTN, DeltaLoss) must fit the device: checked before any work.
@@ -322,7 +340,14 @@ class _Run:
                 "plan": self.job.scheme if kmix.is_mix(self.job.scheme) else self.plan.describe(),
                 **{k: result[k] for k in ("ppl_fp", "ppl_q") if k in result},
                 **{k: s.to_dict() for k, s in (("rotation", self.job.rotate), ("awq", self.job.awq)) if s is not None}}
-        save(self.lm.model, self.lm.tokenizer, out, meta=meta, force=True, extra_files=self._plan_files())
+        try:
+            save(self.lm.model, self.lm.tokenizer, out, meta=meta, force=True, extra_files=self._plan_files())
+        except WriteError as e:
+            blockwise = get(self.job.method).blockwise
+            kept = (f"; the tuned blocks are kept in --workdir {self.job.workdir}: rerun the same command to resume "
+                    "from them" if self.job.workdir and blockwise else
+                    "; pass --workdir to keep the tuned blocks for a rerun" if blockwise else "")
+            raise WriteError(f"{e}{kept}") from None
 
     def _plan_files(self) -> dict[str, bytes]:
         if self.allocation is None:

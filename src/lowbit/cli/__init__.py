@@ -3,15 +3,18 @@
 Each command lives in its own module exposing ``register(subparsers)``; its ``run(args)``
 returns a dict. With ``--json`` that dict is printed as one JSON object on the last line
 of stdout (scripts rely on it); without, as aligned ``key: value`` lines. Any
-`LowbitError` becomes one line on stderr and a non-zero exit.
+`LowbitError` becomes one line on stderr and a non-zero exit, and a warning one line
+``lowbit COMMAND: warning: ...`` (no source line of lowbit's code under it).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import json
 import sys
+import warnings
 from collections.abc import Sequence
 from typing import NoReturn
 
@@ -55,7 +58,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except SystemExit as e:  # --help, --version, or a flag argparse refused (already printed)
         return e.code if isinstance(e.code, int) else 2
     try:
-        result = args.func(args)
+        with _one_line_warnings(args.command):
+            result = args.func(args)
     except LowbitError as e:
         print(f"lowbit {args.command}: error: {e}", file=sys.stderr)
         return e.exit_code
@@ -64,6 +68,20 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 130
     emit(result, getattr(args, "json", False))
     return 0
+
+
+@contextlib.contextmanager
+def _one_line_warnings(command: str):
+    """Show each warning as one stderr line naming the command, for the body."""
+    def show(message, category, filename, lineno, file=None, line=None):  # noqa: ANN001 - warnings' signature
+        print(f"lowbit {command}: warning: {message}", file=file or sys.stderr)
+
+    saved = warnings.showwarning
+    warnings.showwarning = show
+    try:
+        yield
+    finally:
+        warnings.showwarning = saved
 
 
 def emit(result: dict, as_json: bool) -> None:

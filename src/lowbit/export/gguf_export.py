@@ -446,7 +446,8 @@ def export(model: nn.Module, tokenizer: Any, out: str | Path, force: bool = Fals
     types = plan_types(model, allow_requant)
     qlayers = quant_layers(model)
     name_map = _tensor_name_map(arch, config)
-    with atomic_file(out) as tmp:
+    # asked again at the rename: a file that appeared (or was swapped in) meanwhile is replaced only if lowbit's
+    with atomic_file(out, may_replace=lambda p: force and written_by_lowbit(p)) as tmp:
         writer = gguf.GGUFWriter(str(tmp), arch.gguf)
         add_model_metadata(writer, config, name, arch, file_type)
         if source_gguf is not None:

@@ -19,7 +19,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from lowbit.errors import CheckpointError
-from lowbit.io import atomic_dir, atomic_write_text, file_inside, sha256_file
+from lowbit.io import atomic_dir, atomic_write_text, file_inside, read_json, sha256_file
 from lowbit.models.layers import weight_digest
 from lowbit.peft.apply import CLASSES, PeftConfig, adapters_of, attach, freeze_base
 
@@ -61,10 +61,7 @@ def read_adapter_manifest(path: str | Path) -> dict:
     if not f.is_file():
         raise CheckpointError(f"{path} is not a lowbit adapter folder (no {MANIFEST}); "
                               "pass a folder written by `lowbit finetune --out`")
-    try:
-        m = json.loads(f.read_bytes().decode("utf-8"))
-    except ValueError as e:  # UnicodeDecodeError included
-        raise CheckpointError(f"{f} is corrupted ({str(e)[:80]}); re-create the adapter folder") from None
+    m = read_json(f, CheckpointError, "it is corrupted — re-create the adapter folder")
     if not isinstance(m, dict) or m.get("format") != FORMAT or m.get("version") != VERSION:
         got = (m.get("format"), m.get("version")) if isinstance(m, dict) else (type(m).__name__, None)
         raise CheckpointError(f"{f}: format {got[0]!r} v{got[1]!r} is not {FORMAT} v{VERSION}")

@@ -27,8 +27,26 @@ from lowbit.ptq.rtn import RTNSettings
 from lowbit.ptq.signround import SignRoundSettings
 
 __all__ = ["AWQSettings", "GPTQSettings", "MixedSettings", "RTNSettings", "RotationSettings", "RunContext",
-           "SignRoundSettings", "make_settings", "names", "prepare_model", "quantize_model",
+           "SignRoundSettings", "check_resume", "make_settings", "names", "prepare_model", "quantize_model",
            "round_unquantized_to_half"]
+
+
+def check_resume(method: str, settings: Any, plan: Plan, model: nn.Module, calib: torch.Tensor,
+                 ctx: RunContext, later: tuple[str, ...] = ()) -> None:
+    """Refuse a work folder (``ctx.workdir``) that holds a run with other settings, before any heavy work.
+
+    Builds what the method's pipeline will record (`lowbit.ptq.pipeline.work_settings`)
+    from the model and calibration tokens as they are now. later: recorded keys that only
+    the run itself can know (``model`` after a pre-step changes the weights, ``plan`` of
+    a mixed-precision run); the pipeline compares those when it opens the folder.
+    """
+    from lowbit.ptq.pipeline import check_work_folder, work_settings
+
+    spec = get(method)
+    if ctx.workdir is None or spec.work is None or calib is None:
+        return
+    recorded, options, applied = spec.work(coerce_settings(method, settings), plan, ctx)
+    check_work_folder(ctx.workdir, work_settings(recorded, applied, options, model, calib), later)
 
 
 def prepare_model(model: nn.Module, plan: Plan, calib: torch.Tensor | None = None,

@@ -410,11 +410,21 @@ def gptq_quantize(model: nn.Module, plan: Plan, settings: GPTQSettings, calib: t
     if calib is None or calib.numel() == 0:
         raise ConfigError("GPTQ needs calibration batches (LongTensor [nsamples, seqlen])")
     check_plan(settings, plan)
-    plan = searched(plan) if settings.search else plan
-    opts = PipelineOptions(chunk=CHUNK, device=device or "cpu", offload_dir=offload_dir)
-    infos = quantize_blockwise(model, plan, calib, GPTQTuner(settings), {"method": "gptq", "config": settings.to_dict()},
-                               opts, workdir=workdir, progress=progress)
+    recorded, opts, plan = pipeline_args(settings, plan, device, offload_dir)
+    infos = quantize_blockwise(model, plan, calib, GPTQTuner(settings), recorded, opts, workdir=workdir,
+                               progress=progress)
     return plan, infos
+
+
+def pipeline_args(settings: GPTQSettings, plan: Plan, device: str | None, offload_dir: str | None
+                  ) -> tuple[dict, PipelineOptions, Plan]:
+    """What GPTQ hands the pipeline: recorded settings, options, and the plan it applies (searched rule)."""
+    opts = PipelineOptions(chunk=CHUNK, device=device or "cpu", offload_dir=offload_dir)
+    return {"method": "gptq", "config": settings.to_dict()}, opts, searched(plan) if settings.search else plan
+
+
+def _work(settings: GPTQSettings, plan: Plan, ctx: RunContext) -> tuple[dict, PipelineOptions, Plan]:
+    return pipeline_args(settings, plan, ctx.device, ctx.offload_dir)
 
 
 def _run(model: nn.Module, plan: Plan, settings: GPTQSettings, ctx: RunContext) -> Plan:
@@ -424,4 +434,4 @@ def _run(model: nn.Module, plan: Plan, settings: GPTQSettings, ctx: RunContext) 
 
 register(Method("gptq", GPTQSettings, _run, blockwise=True, needs_calib=lambda _s: True,
                 summary="GPTQ: column-by-column rounding with Hessian error feedback, block by block",
-                check_plan=check_plan))
+                check_plan=check_plan, work=_work))
