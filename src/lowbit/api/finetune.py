@@ -23,6 +23,7 @@ import torch
 
 from lowbit.api import outputs
 from lowbit.api.common import Evaluation, job_device
+from lowbit.configs import check_fields
 from lowbit.errors import ConfigError
 from lowbit.peft.apply import PeftConfig, peft_config
 from lowbit.train import TrainConfig
@@ -47,6 +48,7 @@ class TrainingData:
     calib_samples: int = 32
 
     def __post_init__(self) -> None:
+        check_fields(self, ConfigError, "training data setting")
         if self.nsamples < 1 or self.seqlen < 2 or self.calib_samples < 1:
             raise ConfigError("training data needs nsamples >= 1, seqlen >= 2 and calib_samples >= 1")
 
@@ -66,6 +68,9 @@ class FinetuneJob:
     device: str | None = None
     force: bool = False
     progress: bool = True
+
+    def __post_init__(self) -> None:
+        check_fields(self, ConfigError, "fine-tune setting")
 
     def inputs(self) -> list[Any]:
         return [self.quantized_dir, self.base_model, self.data.source, self.evaluation and self.evaluation.data]
