@@ -18,6 +18,7 @@ from torch import nn
 
 from lowbit.api import outputs
 from lowbit.api.common import Calibration, Evaluation, bits_summary, job_device
+from lowbit.configs import check_fields
 from lowbit.errors import ConfigError
 from lowbit.formats import Recipe, Scheme, kmix
 from lowbit.formats.kquants import fit_width
@@ -103,6 +104,7 @@ class QuantizeJob:
     progress: bool = True
 
     def __post_init__(self) -> None:
+        check_fields(self, ConfigError, "quantize setting")
         spec = get(self.method)
         object.__setattr__(self, "settings", coerce_settings(self.method, self.settings))
         object.__setattr__(self, "rotate", _switch(self.rotate, RotationSettings, "rotate"))
@@ -270,6 +272,7 @@ class _Run:
         from lowbit.models.lazy import is_lazy
         from lowbit.models.placement import on_device
         from lowbit.ptq import prepare_model, quantize_model
+        from lowbit.ptq.fit import fit_plan
         from lowbit.ptq.mixed import mixed_plan
 
         job, model = self.job, self.lm.model
@@ -288,10 +291,14 @@ class _Run:
         if job.mixed is not None:
             self.allocation = mixed_plan(model, self.plan, job.mixed, self.calib, self.device, job.progress)
             self.plan = self.allocation.plan
+        self.plan, fallbacks = fit_plan(model, self.plan)
+        if fallbacks:  # layers whose weights the planned scales cannot hold (warned about with the reason)
+            result["range_fallbacks"] = {n: ("16 bits" if n not in self.plan else
+                                             f"{self.plan.weight(n).scale} scales") for n in fallbacks}
         self.plan = quantize_model(model, self.plan, job.method, job.settings, calib=self.calib,
                                    device=None if self.device is None else str(self.device), workdir=job.workdir,
                                    offload_dir=job.offload_dir, progress=job.progress,
-                                   cache_device=job.cache_device or "device")
+                                   cache_device=job.cache_device or "device", fit=False)
         result["quantize_seconds"] = round(time.perf_counter() - t0, 2)
         result["scheme"] = job.scheme if kmix.is_mix(job.scheme) else self.plan.describe()
         if kmix.is_mix(job.scheme) or any(s.super_block for s in self.plan.weights().values()):

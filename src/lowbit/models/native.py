@@ -34,6 +34,7 @@ from torch import nn
 
 from lowbit.errors import CheckpointError, ConfigError, SchemeError
 from lowbit.formats import InputScheme, QTensor, Scheme
+from lowbit.formats.finite import require_finite
 from lowbit.io import atomic_dir, atomic_write_text, file_inside, sha256_file
 from lowbit.nn import QuantLinear, quant_layers, set_module
 from lowbit.nn.input_quant import InputQuantizer
@@ -44,6 +45,9 @@ VERSION = 1
 MANIFEST = "lowbit.json"
 WEIGHTS = "model.safetensors"
 _QKEYS = ("codes", "scales", "zeros", "tensor_scale", "input_amax")
+# what a writer refusing non-finite numbers tells the user (they come from training or the source, or are a bug)
+WRITE_FIX = ("nothing was written. A training run that diverged makes NaN (lower --lr); a quantizer writing "
+             "one is a lowbit bug (please report it with the command)")
 
 
 def is_checkpoint(path: str | Path) -> bool:
@@ -60,6 +64,7 @@ def save(model: nn.Module, tokenizer: Any, out: str | Path, meta: dict | None = 
     out = Path(out)
     qlayers = quant_layers(model)
     tensors, aliases = _tensors_to_save(model, qlayers)
+    require_finite(tensors.items(), f"cannot write {out}", WRITE_FIX)
     manifest = {
         "format": FORMAT, "version": VERSION,
         "layers": {n: layer_spec(m) for n, m in qlayers.items()},
