@@ -12,6 +12,7 @@ finiteness is checked once, here, for every float field of every config.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import numbers
 import os
@@ -44,15 +45,23 @@ def check_fields(obj: Any, error: type[Exception], what: str = "setting",
     ``ranged``: float fields whose range the class checks itself, with a message naming
     that range (NaN and inf included): only their kind is checked here.
     """
-    for f in dataclasses.fields(obj):
-        kinds = _kinds(f.type if isinstance(f.type, str) else getattr(f.type, "__name__", ""))
-        if not kinds:
-            continue
-        value = getattr(obj, f.name)
-        label = f"{what} {(names or {}).get(f.name, f.name)}"
-        fixed = _checked(value, kinds, label, error, finite=f.name not in ranged)
+    for name, kinds in _checked_fields(type(obj)):
+        value = getattr(obj, name)
+        label = f"{what} {(names or {}).get(name, name)}"
+        fixed = _checked(value, kinds, label, error, finite=name not in ranged)
         if fixed is not value:
-            object.__setattr__(obj, f.name, fixed)
+            object.__setattr__(obj, name, fixed)
+
+
+@functools.cache
+def _checked_fields(cls: type) -> tuple[tuple[str, tuple[str, ...]], ...]:
+    """(field, simple kinds) of every field of ``cls`` this module checks (worked out once per class)."""
+    out = []
+    for f in dataclasses.fields(cls):
+        kinds = _kinds(f.type if isinstance(f.type, str) else getattr(f.type, "__name__", ""))
+        if kinds:
+            out.append((f.name, kinds))
+    return tuple(out)
 
 
 def _kinds(annotation: str) -> tuple[str, ...]:
