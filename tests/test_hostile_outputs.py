@@ -348,13 +348,18 @@ def _layer_error(out, source, name: str) -> torch.Tensor:
     return ((q - w).norm(dim=1) / w.norm(dim=1)).float()
 
 
+def _quantize_warned(model, out, capsys, scheme: str, warning: str) -> dict:
+    """Quantize ``model`` with ``scheme`` (RTN, no eval), expecting the warning; returns the JSON summary."""
+    with pytest.warns(UserWarning, match=warning):
+        assert main(["quantize", str(model), "--scheme", scheme, "--no-search", "--no-eval", "--out", str(out),
+                     "--json"]) == 0
+    return last_json(capsys)
+
+
 @pytest.mark.parametrize("scheme", ["w4g32", "w2g64", "w4g32a"])
 def test_an_outlier_row_gets_fp32_scales_not_nan(outlier_dir, tmp_path, capsys, scheme):
     out = tmp_path / "q"
-    with pytest.warns(UserWarning, match="need group scales up to .* beyond the 65504 that fp16 holds"):
-        assert main(["quantize", str(outlier_dir), "--scheme", scheme, "--no-search", "--no-eval", "--out", str(out),
-                     "--json"]) == 0
-    r = last_json(capsys)
+    r = _quantize_warned(outlier_dir, out, capsys, scheme, "need group scales up to .* beyond the 65504 that fp16 holds")
     assert r["range_fallbacks"] == {"model.layers.0.mlp.up_proj": "fp32 scales"}
     assert f"{scheme}:scale=fp32" in r["scheme"] and r["layers_16bit"] == 0
     assert _all_finite(out) == []
@@ -367,10 +372,7 @@ def test_an_outlier_row_gets_fp32_scales_not_nan(outlier_dir, tmp_path, capsys, 
 def test_nvfp4_keeps_a_layer_it_cannot_hold_in_16_bits(outlier_dir, tmp_path, capsys, scheme):
     """Next to a 1.5e6 outlier, E4M3 block scales under the tensor scale round every other row to zero."""
     out = tmp_path / "q"
-    with pytest.warns(UserWarning, match="rows would get only zero e4m3 block scales"):
-        assert main(["quantize", str(outlier_dir), "--scheme", scheme, "--no-search", "--no-eval", "--out", str(out),
-                     "--json"]) == 0
-    r = last_json(capsys)
+    r = _quantize_warned(outlier_dir, out, capsys, scheme, "rows would get only zero e4m3 block scales")
     assert r["range_fallbacks"] == {"model.layers.0.mlp.up_proj": "16 bits"} and r["layers_16bit"] == 1
     assert r["layers_quantized"] == 13 and _all_finite(out) == []
     assert float(_layer_error(out, outlier_dir, "model.layers.0.mlp.up_proj").max()) == 0.0  # float, untouched
