@@ -32,3 +32,7 @@ class CheckpointError(LowbitError):
 
 class ConfigError(LowbitError, ValueError):
     """A configuration value out of range, or a resume with different settings."""
+
+
+class NonFiniteError(LowbitError):
+    """A tensor lowbit was about to write (or a weight it was asked to quantize) holds NaN or inf."""

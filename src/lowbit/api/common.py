@@ -11,6 +11,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from lowbit.configs import check_fields
 from lowbit.errors import ConfigError
 from lowbit.formats.plan import Plan
 
@@ -29,6 +30,7 @@ class Calibration:
     seed: int = 0
 
     def __post_init__(self) -> None:
+        check_fields(self, ConfigError, "calibration setting")
         if self.nsamples < 1 or self.seqlen < 2:
             raise ConfigError(f"calibration needs nsamples >= 1 and seqlen >= 2, got {self.nsamples} x {self.seqlen}")
 
@@ -47,6 +49,7 @@ class Evaluation:
     windows: int = 40
 
     def __post_init__(self) -> None:
+        check_fields(self, ConfigError, "evaluation setting")
         if self.seqlen < 2:
             raise ConfigError(f"the evaluation window must be at least 2 tokens, got {self.seqlen}")
         if self.windows < 0:

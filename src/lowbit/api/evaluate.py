@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from lowbit.api.common import Evaluation, job_device
+from lowbit.configs import check_fields
 from lowbit.errors import ConfigError
 
 
@@ -27,6 +28,7 @@ class EvalJob:
     trust_task_code: bool = False
 
     def __post_init__(self) -> None:
+        check_fields(self, ConfigError, "eval setting")
         object.__setattr__(self, "tasks", tuple(self.tasks))
         if self.limit is not None and not self.tasks:
             raise ConfigError("--limit applies to zero-shot tasks; pass --tasks too (or drop --limit)")

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from lowbit.api import outputs
+from lowbit.configs import check_fields
 from lowbit.errors import ConfigError
 from lowbit.io import check_free_space
 
@@ -26,6 +27,7 @@ class ExportJob:
     allow_requant: bool = False
 
     def __post_init__(self) -> None:
+        check_fields(self, ConfigError, "export setting")
         if self.to not in TARGETS:
             raise ConfigError(f"unknown export target {self.to!r}; choose one of {TARGETS}")
         if self.allow_requant and self.to != "gguf":

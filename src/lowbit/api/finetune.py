@@ -32,6 +32,7 @@ import torch
 
 from lowbit.api import outputs
 from lowbit.api.common import Evaluation, job_device, work_folder
+from lowbit.configs import check_fields
 from lowbit.errors import ConfigError
 from lowbit.io import WriteError, check_free_space
 from lowbit.peft.apply import PeftConfig, peft_config
@@ -58,6 +59,7 @@ class TrainingData:
     calib_samples: int = 32
 
     def __post_init__(self) -> None:
+        check_fields(self, ConfigError, "training data setting")
         if self.nsamples < 1 or self.seqlen < 2 or self.calib_samples < 1:
             raise ConfigError("training data needs nsamples >= 1, seqlen >= 2 and calib_samples >= 1")
 
@@ -83,6 +85,9 @@ class FinetuneJob:
     progress: bool = True
     workdir: str | None = None
     resume: bool = True
+
+    def __post_init__(self) -> None:
+        check_fields(self, ConfigError, "fine-tune setting")
 
     def inputs(self) -> list[Any]:
         return [self.quantized_dir, self.base_model, self.data.source, self.evaluation and self.evaluation.data]

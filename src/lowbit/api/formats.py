@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from lowbit.api.common import Calibration, Evaluation, job_device
+from lowbit.configs import check_fields
 from lowbit.errors import ConfigError
 from lowbit.formats import InputScheme, Scheme
 from lowbit.studies import DEFAULT_BLOCKS, DEFAULT_INPUT_SCHEMES, DEFAULT_SCHEMES
@@ -43,6 +44,7 @@ class FormatsJob:
     calib: Calibration = field(default_factory=lambda: Calibration(nsamples=8))
 
     def __post_init__(self) -> None:
+        check_fields(self, ConfigError, "formats setting")
         object.__setattr__(self, "schemes", tuple(self.schemes))
         object.__setattr__(self, "blocks", tuple(sorted(set(self.blocks))))
         if not self.schemes:

@@ -12,6 +12,7 @@ evaluates and saves.
 from __future__ import annotations
 
 import copy
+import math
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -19,6 +20,7 @@ from typing import Any
 
 from lowbit.api import outputs
 from lowbit.api.common import Evaluation, checkpoint_bytes, job_device, work_folder
+from lowbit.configs import check_fields
 from lowbit.errors import ConfigError
 from lowbit.io import WriteError, check_free_space
 from lowbit.qat.quantizers import resolve
@@ -58,6 +60,7 @@ class QatJob:
     force: bool = False
 
     def __post_init__(self) -> None:
+        check_fields(self, ConfigError, "QAT setting")
         if self.method not in METHODS:
             raise ConfigError(f"unknown QAT method {self.method!r}; choose one of {METHODS}")
         if self.seqlen < 2:
@@ -66,6 +69,7 @@ class QatJob:
             raise ConfigError(f"--kd-temperature must be > 0, got {self.kd_temperature}")
         if self.smooth_window < 1:
             raise ConfigError(f"--smooth must be >= 1 step, got {self.smooth_window}")
+        _check_baseline(self.baseline)
         resolve(self.scheme, self.quantizer)  # refuse an inexpressible scheme now
         self.callback_config().reinit_steps(self.train.steps)  # a period longer than the run is an error
 
@@ -77,20 +81,41 @@ class QatJob:
         return work_folder(self.out, self.workdir)
 
 
-def baseline_target(baseline: str | float | None, window: int) -> float | None:
-    """Final smoothed loss of a baseline run: a number, or the metrics.jsonl of that run."""
+def _check_baseline(baseline: str | float | None) -> None:
+    """A numeric --baseline must be a finite positive loss (a path is read later, by `baseline_target`)."""
+    value = _as_number(baseline)
+    if value is not None and not (math.isfinite(value) and value > 0):
+        raise ConfigError(f"--baseline {baseline} is not a loss to reach; give a finite positive number or the "
+                          "metrics.jsonl (or run folder) of a baseline run")
+
+
+def _as_number(baseline: str | float | None) -> float | None:
     if baseline is None:
         return None
     try:
         return float(baseline)
     except ValueError:
-        pass
+        return None
+
+
+def baseline_target(baseline: str | float | None, window: int) -> float | None:
+    """Final smoothed loss of a baseline run: a number, or the metrics.jsonl of that run."""
+    if baseline is None:
+        return None
+    value = _as_number(baseline)
+    if value is not None:
+        _check_baseline(value)
+        return value
     from lowbit.train.metrics import read_losses
 
     losses = read_losses(baseline)
     if not losses:
         raise ConfigError(f"--baseline {baseline} holds no training losses")
-    return smooth(losses, window)[-1]
+    target = smooth(losses, window)[-1]
+    if not math.isfinite(target):
+        raise ConfigError(f"--baseline {baseline}: that run's final smoothed loss is {target} (it diverged), so "
+                          "there is no loss to reach; give a run that converged, or a number")
+    return target
 
 
 def qat(job: QatJob) -> dict[str, Any]:

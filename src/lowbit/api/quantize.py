@@ -21,6 +21,7 @@ from torch import nn
 from lowbit.api import outputs
 from lowbit.api.common import Calibration, Evaluation, bits_summary, checkpoint_bytes, job_device
 from lowbit.api.export import TARGETS as EXPORT_TARGETS
+from lowbit.configs import check_fields
 from lowbit.errors import ConfigError
 from lowbit.formats import Recipe, Scheme, kmix
 from lowbit.formats.kquants import fit_width
@@ -111,6 +112,7 @@ class QuantizeJob:
     export_to: str | None = None
 
     def __post_init__(self) -> None:
+        check_fields(self, ConfigError, "quantize setting")
         spec = get(self.method)
         if self.export_to is not None and self.export_to not in EXPORT_TARGETS:
             raise ConfigError(f"--export-to must be one of {', '.join(EXPORT_TARGETS)}, got {self.export_to!r}")
@@ -297,6 +299,7 @@ class _Run:
         from lowbit.models.lazy import is_lazy
         from lowbit.models.placement import on_device
         from lowbit.ptq import prepare_model, quantize_model
+        from lowbit.ptq.fit import fit_plan
         from lowbit.ptq.mixed import mixed_plan
 
         job, model = self.job, self.lm.model
@@ -315,10 +318,14 @@ class _Run:
         if job.mixed is not None:
             self.allocation = mixed_plan(model, self.plan, job.mixed, self.calib, self.device, job.progress)
             self.plan = self.allocation.plan
+        self.plan, fallbacks = fit_plan(model, self.plan)
+        if fallbacks:  # layers whose weights the planned scales cannot hold (warned about with the reason)
+            result["range_fallbacks"] = {n: ("16 bits" if n not in self.plan else
+                                             f"{self.plan.weight(n).scale} scales") for n in fallbacks}
         self.plan = quantize_model(model, self.plan, job.method, job.settings, calib=self.calib,
                                    device=None if self.device is None else str(self.device), workdir=job.workdir,
                                    offload_dir=job.offload_dir, progress=job.progress,
-                                   cache_device=job.cache_device or "device")
+                                   cache_device=job.cache_device or "device", fit=False)
         result["quantize_seconds"] = round(time.perf_counter() - t0, 2)
         result["scheme"] = job.scheme if kmix.is_mix(job.scheme) else self.plan.describe()
         if kmix.is_mix(job.scheme) or any(s.super_block for s in self.plan.weights().values()):

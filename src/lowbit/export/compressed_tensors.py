@@ -56,10 +56,12 @@ from torch import nn
 from lowbit.errors import SchemeError
 from lowbit.export.specs import LayerSpec, from_model, refuse_rotations
 from lowbit.formats import InputScheme, QTensor, Scheme
+from lowbit.formats.finite import require_finite
 from lowbit.formats.inputs import encode_scale
 from lowbit.io import atomic_dir
 from lowbit.models.compressed import load_decompressed, require_compressed_tensors
 from lowbit.models.fused import fused_groups
+from lowbit.models.native import WRITE_FIX
 from lowbit.nn import QuantLinear, quant_layers
 from lowbit.nn.input_rotation import refuse_online_rotations
 
@@ -318,6 +320,7 @@ def export(model: nn.Module, tokenizer: Any, out: str | Path, force: bool = Fals
     targets = {n: layer_target(m, n) for n, m in qlayers.items()}
     tensors = _state_tensors(model, qlayers, targets)
     check_fused_scales(tensors, list(qlayers))
+    require_finite(tensors.items(), f"cannot export {out}", WRITE_FIX)
     ignore = [n for n, m in model.named_modules() if isinstance(m, nn.Linear) and n not in qlayers]
     qconfig = build_config(targets, ignore)
     config = model.config

@@ -48,6 +48,7 @@ from lowbit.errors import LowbitError, ModelError, SchemeError
 from lowbit.export.gguf_kquants import pack_kquant
 from lowbit.export.specs import LayerSpec, from_model, refuse_rotations
 from lowbit.formats import QTensor, Scheme
+from lowbit.formats.finite import require_finite
 from lowbit.io import atomic_file
 from lowbit.nn import quant_layers
 from lowbit.nn.input_rotation import refuse_online_rotations
@@ -95,6 +96,8 @@ def exact_type(scheme: Scheme, in_features: int) -> str | None:
     if scheme.super_block:
         return f"Q{scheme.bits}_K" if in_features % 256 == 0 else None
     if in_features % 32 or scheme.group_for(in_features) != 32:
+        return None
+    if scheme.elem == "int" and scheme.scale != "fp16":  # the legacy types store fp16 scales (fp32: a wide layer)
         return None
     if scheme.elem == "int" and scheme.bits in (4, 5):
         return f"Q{scheme.bits}_0" if scheme.sym else f"Q{scheme.bits}_1"
@@ -165,7 +168,8 @@ def pack_blocks(q: QTensor, qtype: str, where: str = "layer") -> np.ndarray:
 def requantize(w: torch.Tensor, qtype: str) -> np.ndarray:
     """The gguf package's own quantizer on lowbit's dequantized weight (``allow_requant`` only)."""
     gguf = _gguf()
-    return gguf.quants.quantize(w.float().numpy(), gguf.GGMLQuantizationType[qtype])
+    with np.errstate(over="ignore", invalid="ignore"):  # a scale fp16 cannot hold: `written_values` names it
+        return gguf.quants.quantize(w.float().numpy(), gguf.GGMLQuantizationType[qtype])
 
 
 # ------------------------------------------------------------- permutation
@@ -368,13 +372,28 @@ def verify_blocks(raw: np.ndarray, qtype: str, want: torch.Tensor, where: str) -
     Exactly = every float32 value equal (the K-quants agree to the bit; MXFP4's negative-zero
     code dequantizes to -0.0 in lowbit and +0.0 in gguf-py, the same number).
     """
-    gguf = _gguf()
-    got = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType[qtype]).reshape(want.shape)
+    got = written_values(raw, qtype, tuple(want.shape), where)
     w = want.detach().float().contiguous().numpy()
     if not np.array_equal(got, w):
         bad = int((got != w).sum())
         raise LowbitError(f"{where}: the {qtype} blocks lowbit packed dequantize differently from its own weights "
                           f"at {bad} of {w.size} values; nothing was written (this is a lowbit bug: please report)")
+
+
+def written_values(raw: np.ndarray, qtype: str, shape: tuple[int, ...], where: str) -> np.ndarray:
+    """What llama.cpp will read from ``raw`` (gguf-py's dequantization), refused if any value is not finite.
+
+    GGUF block types store fp16 scales: a weight needing a larger scale (fp32-scaled layers
+    re-quantized with --allow-requant) would become inf there, so it is caught here,
+    before the file is renamed into place.
+    """
+    gguf = _gguf()
+    with np.errstate(over="ignore", invalid="ignore"):
+        got = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType[qtype]).reshape(shape)
+    require_finite([(where, got)], "GGUF export", f"nothing was written: {qtype} stores fp16 block scales, which "
+                   "cannot hold this layer's weights; export it with --to compressed-tensors, or keep the layer in "
+                   "16 bits with a plan")
+    return got
 
 
 def _layer_array(layer: Any, name: str, plan: TensorPlan, config: Any, arch: Arch) -> tuple[np.ndarray, str]:
@@ -390,9 +409,13 @@ def _layer_array(layer: Any, name: str, plan: TensorPlan, config: Any, arch: Arc
     if exact_type(q.scheme, q.shape[1]) == plan.qtype:  # Q4_1 / Q5_1 with a rounded fp16 min (allow_requant)
         if rows is not None:
             q = permute_qtensor(q, rows)
-        return pack_blocks(q, plan.qtype, name), plan.qtype
+        raw = pack_blocks(q, plan.qtype, name)
+        written_values(raw, plan.qtype, q.shape, name)
+        return raw, plan.qtype
     w = q.dequantize()
-    return requantize(w if rows is None else w[rows], plan.qtype), plan.qtype
+    raw = requantize(w if rows is None else w[rows], plan.qtype)
+    written_values(raw, plan.qtype, tuple(w.shape), name)
+    return raw, plan.qtype
 
 
 def dense_blocks(t: torch.Tensor, allow_f16: bool = False) -> tuple[np.ndarray, str]:
@@ -485,6 +508,9 @@ def _add_tensors(writer: Any, model: nn.Module, qlayers: dict, types: dict[str, 
             continue
         seen.add(ident)
         arr, kind = _dense_tensor(key, t, model.config, arch, allow_f16)
+        require_finite([(key, t), (key, arr)], "GGUF export", "nothing was written: "
+                       + ("F16 cannot hold this tensor's values; drop --allow-requant" if kind.endswith("(rounded)")
+                          else "the checkpoint's weights are not finite; re-create it"))
         if kind.endswith("(rounded)"):
             rounded.append(key)
             kind = "F16"

@@ -26,7 +26,6 @@ import contextlib
 import hashlib
 import io
 import json
-import logging
 import shutil
 import struct
 import warnings
@@ -94,7 +93,17 @@ def load_model(source: str | Path | None = None, dtype: torch.dtype = torch.floa
     lazy: leave the decoder blocks in the checkpoint's safetensors files (see
     ``lowbit.models.lazy``) so block-wise PTQ never holds the whole float model; a GGUF
     source is converted to the float cache folder first and read lazily from there.
+    A float source whose weights hold NaN or inf is refused, naming the tensor.
     """
+    lm = _load(source, dtype, lazy)
+    if lm.kind != "lowbit":  # a lowbit checkpoint was checked for finite numbers when written, and checksummed
+        from lowbit.models.finite import refuse_nonfinite
+
+        refuse_nonfinite(lm.model, lm.source)
+    return lm
+
+
+def _load(source: str | Path | None, dtype: torch.dtype, lazy: bool) -> LoadedModel:
     if lazy:
         return _load_lazy(source, dtype)
     if source is None:
@@ -126,6 +135,9 @@ def _load_lazy(source: str | Path | None, dtype: torch.dtype) -> LoadedModel:
         gguf = bundled_gguf() if path is None else path
         folder, kind, name = _gguf_cache_folder(gguf, dtype), ("bundled" if path is None else "gguf"), text
     elif path.is_dir() and (path / "config.json").is_file():
+        from lowbit.models.hf_folder import check_folder
+
+        check_folder(path)
         folder, kind, name = path, "hf_dir", text
     elif path.exists() or _looks_like_path(text):
         return load_model(source, dtype)  # a lowbit checkpoint (already small) or a clear error
@@ -177,15 +189,23 @@ def _load_dir(path: Path, dtype: torch.dtype) -> LoadedModel:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from lowbit.models import compressed
+    from lowbit.models.hf_folder import check_folder, check_loaded, quiet
 
+    packed = compressed.is_compressed_tensors(_read_config(path))
+    # config.json against the weight headers, before anything is built (a compressed-tensors folder stores
+    # packed codes under other names and dtypes, so only its headers, config and blocks are checked)
+    check_folder(path, skeleton=not packed)
     try:
-        if compressed.is_compressed_tensors(_read_config(path)):  # decompressed now, in ``dtype``
-            model = compressed.load_decompressed(path, dtype)
-        else:
-            model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+        with quiet():
+            if packed:  # decompressed now, in ``dtype``
+                model, info = compressed.load_decompressed(path, dtype), {}
+            else:
+                model, info = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, use_safetensors=True,
+                                                                   output_loading_info=True)
         tok = AutoTokenizer.from_pretrained(path)
-    except (OSError, ValueError, KeyError) as e:
+    except (OSError, ValueError, KeyError, RuntimeError, TypeError) as e:
         raise ModelError(f"cannot load the model folder {path}: {_first_line(e)}") from None
+    check_loaded(path, info)
     return LoadedModel(model.eval(), tok, str(path), "hf_dir")
 
 
@@ -369,8 +389,8 @@ def _convert_gguf(path: Path, dtype: torch.dtype) -> tuple[Any, Any]:
 def _load_hub(repo_id: str, dtype: torch.dtype) -> LoadedModel:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    try:
-        model = AutoModelForCausalLM.from_pretrained(repo_id, dtype=dtype)
+    try:  # safetensors only: lowbit reads no pickle (pytorch_model.bin)
+        model = AutoModelForCausalLM.from_pretrained(repo_id, dtype=dtype, use_safetensors=True)
         tok = AutoTokenizer.from_pretrained(repo_id)
     except (OSError, ValueError) as e:
         raise ModelError(f"cannot load {repo_id!r} from the Hugging Face hub (offline, or no such model: "
@@ -386,11 +406,7 @@ def _first_line(e: BaseException) -> str:
 @contextlib.contextmanager
 def _quiet():
     """transformers prints a progress bar per tensor when dequantizing GGUF; keep stderr clean."""
-    logger = logging.getLogger("transformers")
-    level = logger.level
-    logger.setLevel(logging.ERROR)
-    try:
-        with contextlib.redirect_stderr(io.StringIO()):
-            yield
-    finally:
-        logger.setLevel(level)
+    from lowbit.models.hf_folder import quiet
+
+    with quiet(), contextlib.redirect_stderr(io.StringIO()):
+        yield

@@ -43,6 +43,7 @@ from torch import nn
 
 from lowbit.errors import CheckpointError, ConfigError, SchemeError
 from lowbit.formats import InputScheme, QTensor, Scheme
+from lowbit.formats.finite import require_finite
 from lowbit.io import atomic_dir, atomic_write_text, file_inside, read_json, sha256_file
 from lowbit.nn import QuantLinear, quant_layers, set_module
 from lowbit.nn.input_quant import InputQuantizer
@@ -59,6 +60,9 @@ _CONFIGS = ("config.json", "generation_config.json")
 _TOKENIZER_NAMES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
                     "tokenizer.model", "vocab.json", "vocab.txt", "merges.txt", "spiece.model",
                     "chat_template.jinja", "chat_template.json")
+# what a writer refusing non-finite numbers tells the user (they come from training or the source, or are a bug)
+WRITE_FIX = ("nothing was written. A training run that diverged makes NaN (lower --lr); a quantizer writing "
+             "one is a lowbit bug (please report it with the command)")
 
 
 def is_checkpoint(path: str | Path) -> bool:
@@ -75,6 +79,7 @@ def save(model: nn.Module, tokenizer: Any, out: str | Path, meta: dict | None = 
     out = Path(out)
     qlayers = quant_layers(model)
     tensors, aliases = _tensors_to_save(model, qlayers)
+    require_finite(tensors.items(), f"cannot write {out}", WRITE_FIX)
     manifest = {
         "format": FORMAT, "version": VERSION,
         "layers": {n: layer_spec(m) for n, m in qlayers.items()},

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
+from lowbit.configs import check_fields
 from lowbit.errors import ConfigError
 from lowbit.formats import Scheme, quantize
 from lowbit.models.fused import own_tensor_scale, shared_encodes
@@ -55,6 +56,7 @@ class PeftConfig:
     seed: int = 0
 
     def __post_init__(self) -> None:
+        check_fields(self, ConfigError, "adapter setting")
         if self.adapter not in KINDS:
             raise ConfigError(f"unknown adapter {self.adapter!r}; choose one of {', '.join(KINDS)}")
         if self.rank < 1:

@@ -19,6 +19,7 @@ from lowbit.formats.plan import Plan
 from lowbit.models.lazy import materialize
 from lowbit.ptq import gptq, rtn, signround  # noqa: F401  (register gptq, rtn, signround, signround2)
 from lowbit.ptq.awq import AWQSettings, awq_scale
+from lowbit.ptq.fit import fit_plan
 from lowbit.ptq.gptq import GPTQSettings
 from lowbit.ptq.methods import RunContext, coerce_settings, get, make_settings, names
 from lowbit.ptq.mixed import MixedSettings, mixed_plan
@@ -72,7 +73,8 @@ def quantize_model(model: nn.Module, plan: Plan, method: str = "rtn", settings: 
                    calib: torch.Tensor | None = None, mixed: MixedSettings | None = None,
                    rotate: RotationSettings | None = None, awq: AWQSettings | None = None,
                    device: str | None = None, workdir: str | None = None, offload_dir: str | None = None,
-                   progress: bool = True, keep16: bool = True, cache_device: str = "device") -> Plan:
+                   progress: bool = True, keep16: bool = True, cache_device: str = "device",
+                   fit: bool = True) -> Plan:
     """Quantize ``model`` in place with ``method``; returns the applied plan.
 
     settings: the method's settings dataclass, a mapping of its fields (checked strictly),
@@ -82,6 +84,9 @@ def quantize_model(model: nn.Module, plan: Plan, method: str = "rtn", settings: 
     keep16: round the embeddings and an unquantized lm_head to fp16 values, so the
     checkpoint stores them in 16 bits exactly (the numbers evaluated are the numbers saved).
     cache_device: block-wise methods' activation caches on the compute "device" or the "cpu".
+    fit: first give each layer the scales its weights need (`lowbit.ptq.fit`: fp32 scales where
+    fp16 would overflow, 16 bits where the format cannot hold the layer), with a warning each;
+    False = the caller did so already (``lowbit.api`` does, to report the changes).
     """
     spec = get(method)
     settings = coerce_settings(method, settings)
@@ -92,6 +97,8 @@ def quantize_model(model: nn.Module, plan: Plan, method: str = "rtn", settings: 
         materialize(model)  # a lazily loaded model, for passes that need all of it at once
     if mixed is not None:
         plan = mixed_plan(model, plan, mixed, calib, device=device, progress=progress).plan
+    if fit:
+        plan = fit_plan(model, plan)[0]
     ctx = RunContext(calib=calib, device=device, workdir=workdir, offload_dir=offload_dir, progress=progress,
                      cache_device=cache_device)
     plan = spec.run(model, plan, settings, ctx)
@@ -101,9 +108,13 @@ def quantize_model(model: nn.Module, plan: Plan, method: str = "rtn", settings: 
 
 
 def round_unquantized_to_half(model: nn.Module) -> None:
-    """Embedding tables and a plain-Linear lm_head take fp16 values (dtype unchanged)."""
+    """Embedding tables and a plain-Linear lm_head take fp16 values (dtype unchanged).
+
+    A table with values beyond fp16's range keeps its float32 values (fp16 would make them inf).
+    """
     heads = [model.get_output_embeddings()] if hasattr(model, "get_output_embeddings") else []
     for mod in [m for m in model.modules() if isinstance(m, nn.Embedding)] + heads:
-        if isinstance(mod, (nn.Embedding, nn.Linear)) and mod.weight.dtype == torch.float32:
+        if (isinstance(mod, (nn.Embedding, nn.Linear)) and mod.weight.dtype == torch.float32 and mod.weight.numel()
+                and bool(mod.weight.detach().abs().amax() <= torch.finfo(torch.float16).max)):
             with torch.no_grad():
                 mod.weight.copy_(mod.weight.half().float())

@@ -40,6 +40,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from lowbit.configs import check_fields
 from lowbit.errors import ConfigError
 from lowbit.formats import QTensor, Scheme
 from lowbit.formats.groups import to_groups
@@ -79,6 +80,7 @@ class GPTQSettings:
     search: bool = True
 
     def __post_init__(self) -> None:
+        check_fields(self, ConfigError, "GPTQ setting")
         if not 0 <= self.damp <= 1:
             raise ConfigError(f"damp must be in [0, 1] (a fraction of the Hessian's mean diagonal), got {self.damp}")
         if self.lazy_batch < 1:

@@ -37,8 +37,10 @@ from safetensors.torch import load_file, save
 from torch import nn
 from tqdm.auto import tqdm
 
+from lowbit.configs import check_fields
 from lowbit.errors import CheckpointError, ConfigError
 from lowbit.formats import QTensor, Scheme
+from lowbit.formats.finite import require_finite
 from lowbit.formats.plan import Plan
 from lowbit.io import atomic_write_bytes, atomic_write_text, read_json
 from lowbit.models.activations import activation_stats
@@ -427,6 +429,8 @@ class WorkDir:
 
     def save_block(self, i: int, qts: Mapping[str, QTensor]) -> None:
         tensors = {f"{n}::{k}": v.detach().cpu().contiguous() for n, q in qts.items() for k, v in q.pack().items()}
+        require_finite(tensors.items(), f"block {i}'s result", "nothing was written: a quantizer made NaN or inf "
+                       "from finite weights, which is a lowbit bug (please report it with the command)")
         data = save(tensors)
         atomic_write_bytes(self.block_file(i), data)
         atomic_write_text(self.sidecar(i), json.dumps({"sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data)}))
@@ -544,6 +548,7 @@ class PipelineOptions:
     cache_device: str = "device"
 
     def __post_init__(self) -> None:
+        check_fields(self, ConfigError, "pipeline option")
         if self.cache_dtype not in CACHE_DTYPES:
             raise ConfigError(f"cache dtype must be one of {sorted(CACHE_DTYPES)}, got {self.cache_dtype!r}")
         if self.cache_device not in CACHE_DEVICES:

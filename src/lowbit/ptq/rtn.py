@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from lowbit.configs import check_fields
 from lowbit.errors import ConfigError
 from lowbit.formats.plan import Plan
 from lowbit.models.activations import collect
@@ -34,6 +35,9 @@ class RTNSettings:
     """search: pick each group's scale by the importance-weighted search (needs calibration data)."""
 
     search: bool = True
+
+    def __post_init__(self) -> None:
+        check_fields(self, ConfigError, "RTN setting")
 
 
 def searched(plan: Plan) -> Plan:

@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from lowbit.configs import check_fields
 from lowbit.errors import ConfigError
 from lowbit.formats import QTensor
 from lowbit.formats.plan import Plan
@@ -95,6 +96,7 @@ class SignRoundSettings:
     compile: bool = False
 
     def __post_init__(self) -> None:
+        check_fields(self, ConfigError, "SignRound setting")
         if self.tune_dtype not in TUNE_DTYPES:
             raise ConfigError(f"tune_dtype must be one of {sorted(TUNE_DTYPES)}, got {self.tune_dtype!r}")
         if self.cache_dtype != "auto" and self.cache_dtype not in CACHE_DTYPES:

@@ -31,6 +31,7 @@ from safetensors.torch import save as st_save
 from torch import nn
 
 from lowbit.errors import CheckpointError, ConfigError
+from lowbit.formats.finite import require_finite
 from lowbit.io import atomic_write_bytes, atomic_write_text, file_inside, read_json, sha256_file
 
 FORMAT = "lowbit-train-checkpoint"
@@ -117,6 +118,9 @@ def save_checkpoint(folder: Path, *, model: nn.Module, optimizer: torch.optim.Op
                 "evals": list(evals), "fingerprint": fingerprint, "settings": _jsonable(settings),
                 "params": encode(trainable_state(model), "params", tensors), "optimizer": encode(optimizer.state_dict(), "optimizer", tensors),
                 "rng": encode(rng_state(), "rng", tensors)}
+    require_finite(tensors.items(), f"training checkpoint of step {step} in {folder}",
+                   "the training diverged: lower --lr (or raise --warmup, or clip gradients); the previous "
+                   "checkpoint is kept")
     data = st_save(tensors)
     name = f"tensors-{step:08d}.safetensors"
     atomic_write_bytes(folder / name, data)
