@@ -72,16 +72,20 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 @contextlib.contextmanager
 def _one_line_warnings(command: str):
-    """Show each warning as one stderr line naming the command, for the body."""
-    def show(message, category, filename, lineno, file=None, line=None):  # noqa: ANN001 - warnings' signature
-        print(f"lowbit {command}: warning: {message}", file=file or sys.stderr)
+    """Show each warning as one stderr line naming the command, for the body.
 
-    saved = warnings.showwarning
-    warnings.showwarning = show
+    Only the text is changed (``formatwarning``), not where warnings go, so a caller that
+    records them (``warnings.catch_warnings(record=True)``, pytest) still receives them.
+    """
+    def fmt(message, category, filename, lineno, line=None):  # noqa: ANN001 - warnings' signature
+        return f"lowbit {command}: warning: {message}\n"
+
+    saved = warnings.formatwarning
+    warnings.formatwarning = fmt
     try:
         yield
     finally:
-        warnings.showwarning = saved
+        warnings.formatwarning = saved
 
 
 def emit(result: dict, as_json: bool) -> None:
