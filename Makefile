@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 # extras bench-setup installs; llamacpp compiles llama.cpp (minutes): BENCH_EXTRAS=dev,bench leaves it out
 BENCH_EXTRAS ?= dev,bench,llamacpp
 
-.PHONY: setup bench-setup demo test lint bench clean
+.PHONY: setup bench-setup vllm-setup demo test lint bench clean
 
 $(BIN)/lowbit: pyproject.toml scripts/setup.sh
 	PYTHON=$(PY) VENV=$(VENV) bash scripts/setup.sh
@@ -23,6 +23,13 @@ bench-setup: setup
 	$(BIN)/pip install -q setuptools wheel
 	SKIP_CUDA_BUILD=1 $(BIN)/pip install -q --no-build-isolation "fouroversix>=1.0"
 	$(BIN)/pip install -q -e ".[$(BENCH_EXTRAS)]"
+
+# vLLM's CPU build in its own environment (.venv-vllm: it pins transformers<5.20, and its torchvision /
+# torchaudio / torchcodec wheels do not load with the CPU torch, so they are left out; see the script),
+# with lowbit installed beside it: benchmarks/engines.py and tests/test_vllm.py run there.
+VLLM_VENV ?= .venv-vllm
+vllm-setup:
+	PYTHON=$(PY) VLLM_VENV=$(VLLM_VENV) bash scripts/vllm_setup.sh
 
 # Quantize the bundled SmolLM2-135M to w4g128 (importance-searched RTN), evaluate FP vs
 # quantized perplexity on 10 windows of 512 tokens (the README's tables use 40: two passes

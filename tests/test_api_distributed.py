@@ -105,7 +105,7 @@ def test_two_processes_run_the_job_as_one(tiny_dir, tmp_path, kind):
     r1 = json.loads((tmp_path / "two.rank1.json").read_text())
     assert r0["world"] == 2 and "out" in r0 and "out" not in r1
     assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("two")) == [
-        "two", "two.rank0.json", "two.rank1.json"] + (["two.train"] if kind == "qat" else [])
+        "two", "two.rank0.json", "two.rank1.json"] + (["two.train"] if kind in ("qat", "finetune") else [])
     if kind == "qat":
         assert r0["final_loss"] == pytest.approx(single["final_loss"], rel=1e-4)
     elif kind == "finetune":

@@ -168,3 +168,16 @@ def test_gptq_with_rotation_and_awq_round_trips_and_offloads(tmp_path, capsys, t
     meta = json.loads((tmp_path / "q_mem" / "lowbit.json").read_text())["meta"]
     assert meta["rotation"] == {"kind": "random", "seed": 0, "keep": 0, "residual": True, "online": []}
     assert meta["awq"]["grid"] == 20
+
+
+def test_cli_warnings_are_one_line_naming_the_command():
+    """The CLI changes only the text of warnings, so callers that record them still get them."""
+    import warnings
+
+    from lowbit.cli import _one_line_warnings
+
+    with _one_line_warnings("quantize"):
+        text = warnings.formatwarning("kept notes.txt", UserWarning, "src/lowbit/io.py", 12)
+        with pytest.warns(UserWarning, match="kept"):
+            warnings.warn("kept notes.txt", stacklevel=1)
+    assert text == "lowbit quantize: warning: kept notes.txt\n"

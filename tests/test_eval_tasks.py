@@ -82,7 +82,11 @@ def test_a_yaml_that_is_not_a_task_config(tmp_path):
 def test_function_tags_are_not_run_while_checking(tmp_path):
     f = write_task(tmp_path)
     f.write_text(f.read_text() + "process_docs: !function utils.process_docs\n")
-    assert parse_tasks([str(f)]).specs == [str(f.resolve())]
+    (tmp_path / "utils.py").write_text(f"open({str(tmp_path / 'ran')!r}, 'w')\n")
+    with pytest.raises(ConfigError, match=r"runs Python \(!function utils.process_docs at line \d+\).*--trust-task-code"):
+        parse_tasks([str(f)])
+    assert parse_tasks([str(f)], trust_code=True).specs == [str(f.resolve())]
+    assert not (tmp_path / "ran").exists()
 
 
 def test_only_download_failures_blame_offline_data():

@@ -9,12 +9,12 @@ from ptq_helpers import calib, tiny_model, uniform
 from lowbit.errors import ConfigError
 from lowbit.formats import Scheme, quantize
 from lowbit.formats.plan import Plan
+from lowbit.models.fused import own_tensor_scale
 from lowbit.nn import quant_layers
 from lowbit.ptq import quantize_model
 from lowbit.ptq.gptq import (
     GPTQSettings,
     GPTQTuner,
-    _tensor_encode,
     check_plan,
     gptq_layers,
     gptq_matrix,
@@ -99,7 +99,7 @@ def test_every_scheme_beats_rtn_and_its_codes_hold_the_values(scheme, act_order)
     h = correlated(n=128)
     w = torch.randn(32, 128, generator=torch.Generator().manual_seed(3))
     settings = GPTQSettings(act_order=act_order, search=False)
-    enc = _tensor_encode(w, s)  # NVFP4's per-tensor scale, one per row here
+    enc = own_tensor_scale(w, s)  # NVFP4's per-tensor scale, one per row here
     deq, *_ = gptq_matrix(w, h, s, settings, None if enc is None else enc.expand(w.shape[0]))
     out, info = gptq_layers({"a": (w, s)}, h, settings)
     assert torch.equal(out["a"].dequantize(), deq)  # the stored codes are exactly the values GPTQ used
@@ -241,9 +241,9 @@ def test_hessian_comes_from_the_inputs_a_recipe_quantizes(monkeypatch):
     seen = {}
     real = gptq_mod.gptq_layers
 
-    def spy(weights, h, settings):
+    def spy(weights, h, settings, tensor_scales=None):
         seen[tuple(weights)] = h.clone()
-        return real(weights, h, settings)
+        return real(weights, h, settings, tensor_scales)
 
     monkeypatch.setattr(gptq_mod, "gptq_layers", spy)
     job = BlockJob(0, block, layers, x, block(x, **kw)[0], kw, None, inputs={name: iq})

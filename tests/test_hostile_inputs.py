@@ -63,7 +63,8 @@ def model_dir(tmp_path_factory) -> Path:
 def one_error_line(capsys, *needles: str) -> str:
     """The CLI's stderr is exactly one ``lowbit CMD: error: ...`` line holding every needle."""
     text = capsys.readouterr().err
-    err = [ln for ln in text.splitlines() if ln.startswith("lowbit ")]  # progress bars may precede it
+    # progress bars may precede it, and warnings are lines of their own ("lowbit CMD: warning: ...")
+    err = [ln for ln in text.splitlines() if ln.startswith("lowbit ") and ": warning: " not in ln]
     assert len(err) == 1 and "error:" in err[0] and "Traceback" not in text, text
     for n in needles:
         assert n in err[0], err[0]
@@ -358,9 +359,12 @@ def test_checkpoint_without_tokenizer(native_dir, tiny_tokenizer, tmp_path):
         require_tokenizer(tok, native_dir)
     with_tok = save(model, tiny_tokenizer, tmp_path / "with_tok")
     assert require_tokenizer(load(with_tok)[1], with_tok) is not None
-    (with_tok / "tokenizer.json").write_text("{not json")
-    with pytest.raises(CheckpointError, match="tokenizer files .* cannot be read"):
+    (with_tok / "tokenizer.json").write_text("{not json")  # its checksum is in lowbit.json now
+    with pytest.raises(CheckpointError, match="tokenizer.json does not match its checksum"):
         load(with_tok)
+    (native_dir / "tokenizer.json").write_text("{not json")  # copied into a checkpoint saved without one
+    with pytest.raises(CheckpointError, match="tokenizer files .* cannot be read"):
+        load(native_dir)
 
 
 def test_eval_of_a_checkpoint_without_tokenizer_is_one_line(native_dir, capsys):
@@ -563,3 +567,250 @@ def test_pickles_in_a_ptq_work_folder_never_run(tmp_path):
     with pytest.raises(CheckpointError, match="run.json"):
         run(tmp_path / "w")
     assert not marker.exists()
+
+
+# ------------------------------------------------------------------ numbers out of range (issue 31)
+def hf_copy(src: Path, tmp_path: Path, name: str = "m") -> Path:
+    import shutil
+
+    dst = tmp_path / name
+    shutil.copytree(src, dst)
+    return dst
+
+
+def edit_config(folder: Path, **changes) -> None:
+    c = json.loads((folder / "config.json").read_text())
+    c.update(changes)
+    (folder / "config.json").write_text(json.dumps(c))
+
+
+QUICK = ["--method", "rtn", "--no-search", "--no-eval"]
+
+
+def refused(capsys, tmp_path: Path, argv: list[str], *needles: str) -> str:
+    """``main(argv)`` exits 2 with one error line holding the needles, and ``tmp_path/out`` was not written."""
+    assert main([*argv, "--out", str(tmp_path / "out")]) == 2
+    line = one_error_line(capsys, *needles)
+    assert not (tmp_path / "out").exists()
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".out")]  # no temporaries, no lock
+    return line
+
+
+@pytest.mark.parametrize("scheme", ["nvfp4:smax=inf", "nvfp4:smax=1e38", "nvfp4:smax=1e-42", "nvfp4:smax=nan",
+                                    "nvfp4-46:smax=449", "nvfp4:smax=0@nvfp4", "nvfp4@nvfp4:smax=inf"])
+def test_tensor_scale_smax_outside_e4m3_is_refused_naming_the_range(tiny_hf_dir, tmp_path, capsys, scheme):
+    line = refused(capsys, tmp_path, ["quantize", str(tiny_hf_dir), "--scheme", scheme, *QUICK])
+    assert "[0.015625, 448]" in line and "e4m3" in line
+
+
+def test_smax_range_follows_the_block_scale_format():
+    from lowbit.errors import SchemeError
+    from lowbit.formats import InputScheme, Scheme
+
+    assert Scheme.parse("nvfp4-ue5m3:tensor=1,smax=1e5").tensor_max == 1e5  # UE5M3 reaches 114688
+    with pytest.raises(SchemeError, match=r"\[6.10352e-05, 114688\] for ue5m3"):
+        Scheme.parse("nvfp4-ue5m3:tensor=1,smax=2e5")
+    with pytest.raises(SchemeError, match="has none; drop smax"):  # nothing to apply it to: an error, not ignored
+        Scheme.parse("w4g128:smax=3")
+    with pytest.raises(SchemeError, match="has none; drop smax"):
+        InputScheme.parse("mxfp4:smax=3")
+    assert Scheme.parse("nvfp4:smax=0.015625").tensor_max == 2.0**-6  # the ends are included
+
+
+@pytest.mark.parametrize("entry, needle", [
+    ({"tensor_max": float("inf")}, "[0.015625, 448]"),
+    ({"tensor_max": 1e-42}, "[0.015625, 448]"),
+    ({"group_size": 32.5}, "group_size (block) must be a whole number, got 32.5"),
+    ({"bits": 4.5}, "bits must be a whole number, got 4.5"),
+    ({"sym": "no"}, "sym must be true or false, got 'no'"),
+    ({"guard": 1}, "guard must be true or false"),
+    ({"rule": None}, "rule is required"),
+])
+def test_plan_fields_of_the_wrong_kind_or_range_are_one_line(tiny_hf_dir, tmp_path, capsys, entry, needle):
+    from lowbit.formats import Scheme
+
+    base = Scheme.parse("nvfp4" if "tensor_max" in entry else "w4g32").to_dict()
+    plan = tmp_path / "plan.json"
+    plan.write_text(json.dumps({"layers": {"model.layers.0.mlp.up_proj": {**base, **entry}}}))  # inf -> Infinity
+    refused(capsys, tmp_path, ["quantize", str(tiny_hf_dir), "--plan", str(plan), *QUICK],
+            "model.layers.0.mlp.up_proj", needle)
+
+
+def test_whole_number_floats_in_plans_become_ints(tmp_path):
+    from lowbit.formats import Scheme
+    from lowbit.formats.plan import Plan
+
+    f = tmp_path / "plan.json"
+    f.write_text(json.dumps({"layers": {"a": {**Scheme.parse("w4g32").to_dict(), "group_size": 32.0, "bits": 4.0}}}))
+    s = Plan.load(f).weight("a")
+    assert s == Scheme.parse("w4g32") and isinstance(s.group_size, int) and s.name == "w4g32"
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["qat", "MODEL", "--scheme", "w2", "--steps", "4", "--no-eval", "--lr", "inf"], "lr must be a finite number"),
+    (["qat", "MODEL", "--scheme", "w2", "--steps", "4", "--no-eval", "--lr", "nan"], "lr must be"),
+    (["qat", "MODEL", "--scheme", "w2", "--steps", "4", "--no-eval", "--min-lr", "inf"], "min_lr must be a finite"),
+    (["qat", "MODEL", "--scheme", "w2", "--steps", "4", "--no-eval", "--grad-clip", "inf"], "grad_clip must be a"),
+    (["qat", "MODEL", "--scheme", "w2", "--steps", "4", "--no-eval", "--baseline", "nan"], "--baseline nan is not a"),
+    (["qat", "MODEL", "--scheme", "w2", "--steps", "4", "--no-eval", "--baseline=-inf"], "finite positive"),
+    (["qat", "MODEL", "--scheme", "w2", "--steps", "4", "--no-eval", "--kd", "--kd-temperature", "inf"],
+     "kd_temperature must be a finite number"),
+    (["quantize", "MODEL", "--avg-bits", "inf", "--options", "w2g64,w4g32", "--no-eval"], "--avg-bits must be a finite"),
+    (["quantize", "MODEL", "--scheme", "w4g32", "--method", "gptq", "--damp", "nan", "--no-eval"], "damp must be a"),
+    (["quantize", "MODEL", "--avg-bits", "nan", "--options", "w2g64,w4g32", "--no-eval"], "--avg-bits must be a finite"),
+])
+def test_non_finite_flags_are_refused_before_loading(tiny_hf_dir, tmp_path, capsys, argv, needle):
+    refused(capsys, tmp_path, [a if a != "MODEL" else str(tiny_hf_dir) for a in argv], needle)
+
+
+@pytest.mark.parametrize("flags, needle", [
+    (["--adapter", "qwha", "--scale", "nan"], "scale must be a finite number"),
+    (["--adapter", "lora", "--lr", "inf"], "lr must be a finite number"),
+    (["--adapter", "fourierft", "--lr", "nan"], "lr must be a finite number"),
+])
+def test_non_finite_finetune_flags_are_refused(native_dir, tmp_path, capsys, flags, needle):
+    refused(capsys, tmp_path, ["finetune", str(native_dir), *flags, "--steps", "1", "--no-eval"], needle)
+
+
+def test_every_job_refuses_a_non_finite_float_field():
+    """The one field check (`lowbit.configs.check_fields`) runs in every config and job the API builds."""
+    import dataclasses
+
+    from lowbit.api import Calibration, Evaluation, QatJob, QuantizeJob
+    from lowbit.configs import check_fields
+    from lowbit.errors import ConfigError, SchemeError
+    from lowbit.peft import PeftConfig
+    from lowbit.ptq import AWQSettings, GPTQSettings, MixedSettings, SignRoundSettings
+
+    nan = float("nan")
+    builds = [lambda: TrainConfig(steps=4, lr=nan), lambda: TrainConfig(steps=4, betas=(0.9, float("inf"))),
+              lambda: PeftConfig(damp=nan), lambda: GPTQSettings(damp=float("inf")),
+              lambda: SignRoundSettings(filter_frac=nan), lambda: MixedSettings(avg_bits=float("inf"), options="w4g32"),
+              lambda: AWQSettings(grid=2.5), lambda: Calibration(nsamples=4.5), lambda: Evaluation(windows="2"),
+              lambda: QatJob(out="o", scheme="w2", train=TrainConfig(steps=4), kd_temperature=nan),
+              lambda: QuantizeJob(out="o", force="yes")]
+    for build in builds:
+        with pytest.raises((ConfigError, SchemeError)):
+            build()
+    from lowbit.formats import InputScheme, Scheme
+
+    for cls in (Scheme, InputScheme):  # every float field of the schemes is covered by a check
+        floats = [f.name for f in dataclasses.fields(cls) if f.type == "float"]
+        for name in floats:
+            with pytest.raises(SchemeError):
+                cls(**{name: nan})
+    assert check_fields.__doc__  # one helper, documented
+
+
+# ------------------------------------------------------------------ model folders (issue 31)
+def test_a_million_blocks_in_config_json_are_refused_not_built(tiny_hf_dir, tmp_path):
+    """In its own process with a time limit: before the check, memory grew without end (no message at all)."""
+    import subprocess
+    import sys
+
+    model = hf_copy(tiny_hf_dir, tmp_path)
+    edit_config(model, num_hidden_layers=10**6)
+    r = subprocess.run([sys.executable, "-m", "lowbit", "quantize", str(model), "--scheme", "w4g32", *QUICK,
+                        "--out", str(tmp_path / "out")], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    assert "num_hidden_layers = 1000000, but the weights hold blocks 0..1" in r.stderr
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("changes, needle", [
+    ({"num_hidden_layers": 3}, "num_hidden_layers = 3, but the weights hold blocks 0..1"),
+    ({"hidden_size": 0}, "hidden_size must be a positive whole number, got 0"),
+    ({"vocab_size": 1e10}, "vocab_size must be a positive whole number"),
+    ({"vocab_size": 10**10}, "model.embed_tokens.weight [10000000000, 64], but model.safetensors stores [512, 64]"),
+    ({"intermediate_size": 96}, "does not match the weights"),
+    ({"num_attention_heads": 0}, "num_attention_heads must be a positive whole number"),
+    ({"num_attention_heads": 3}, "cannot read"),
+])
+def test_config_that_disagrees_with_the_weights_is_one_line(tiny_hf_dir, tmp_path, capsys, changes, needle):
+    model = hf_copy(tiny_hf_dir, tmp_path)
+    edit_config(model, **changes)
+    refused(capsys, tmp_path, ["quantize", str(model), "--scheme", "w4g32", *QUICK], needle)
+
+
+def test_missing_weights_that_transformers_would_initialize_are_refused(tiny_hf_dir, tmp_path, capsys):
+    from safetensors.torch import load_file, save_file
+
+    model = hf_copy(tiny_hf_dir, tmp_path)
+    w = load_file(model / "model.safetensors")
+    del w["model.layers.1.post_attention_layernorm.weight"]
+    save_file(w, model / "model.safetensors", metadata={"format": "pt"})
+    refused(capsys, tmp_path, ["quantize", str(model), "--scheme", "w4g32", *QUICK],
+            "lack model.layers.1.post_attention_layernorm.weight", "would be random")
+
+
+def _header(path: Path) -> tuple[dict, bytes]:
+    import struct
+
+    data = path.read_bytes()
+    n = struct.unpack("<Q", data[:8])[0]
+    return json.loads(data[8:8 + n]), data[8 + n:]
+
+
+def _with_header(path: Path, header: dict, body: bytes) -> None:
+    import struct
+
+    h = json.dumps(header).encode()
+    h += b" " * (-len(h) % 8)
+    path.write_bytes(struct.pack("<Q", len(h)) + h + body)
+
+
+def _lying_header(path: Path) -> None:
+    header, body = _header(path)
+    header["model.norm.weight"]["shape"] = [65536, 65536]
+    _with_header(path, header, body)
+
+
+@pytest.mark.parametrize("damage, needle", [
+    (lambda f, m: f.write_bytes(evil_pickle(m)), "is not a readable safetensors file (Error while deserializing"),
+    (lambda f, m: f.write_bytes(f.read_bytes()[:-1000]), "truncated, damaged or another format"),
+    (lambda f, m: _lying_header(f), "is not a readable safetensors file"),
+    (lambda f, m: f.write_bytes(b""), "is not a readable safetensors file"),
+])
+def test_damaged_weight_files_are_one_line(tiny_hf_dir, tmp_path, capsys, damage, needle):
+    model = hf_copy(tiny_hf_dir, tmp_path)
+    marker = tmp_path / "pwned"
+    damage(model / "model.safetensors", marker)
+    refused(capsys, tmp_path, ["quantize", str(model), "--scheme", "w4g32", *QUICK], needle)
+    assert not marker.exists()
+
+
+def test_pickle_only_weights_are_refused_and_never_unpickled(tiny_hf_dir, tmp_path, capsys):
+    model = hf_copy(tiny_hf_dir, tmp_path)
+    marker = tmp_path / "pwned"
+    (model / "model.safetensors").unlink()
+    (model / "pytorch_model.bin").write_bytes(evil_pickle(marker))
+    refused(capsys, tmp_path, ["quantize", str(model), "--scheme", "w4g32", *QUICK],
+            "pytorch_model.bin", "lowbit reads no pickle", "safetensors")
+    assert not marker.exists()
+
+
+def test_integer_weights_are_refused_by_name(tiny_hf_dir, tmp_path, capsys):
+    """transformers would cast int32 weights to float without a word (an x1000 copy became 1000x weights)."""
+    from safetensors.torch import load_file, save_file
+
+    model = hf_copy(tiny_hf_dir, tmp_path)
+    w = load_file(model / "model.safetensors")
+    w["model.layers.0.mlp.up_proj.weight"] = (w["model.layers.0.mlp.up_proj.weight"] * 1000).to(torch.int32)
+    save_file(w, model / "model.safetensors", metadata={"format": "pt"})
+    refused(capsys, tmp_path, ["quantize", str(model), "--scheme", "w4g32", *QUICK],
+            "model.layers.0.mlp.up_proj.weight is stored as I32", "F32, F16 or BF16")
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf")])
+def test_non_finite_source_weights_are_refused_by_name(tiny_hf_dir, tmp_path, capsys, value):
+    from safetensors.torch import load_file, save_file
+
+    model = hf_copy(tiny_hf_dir, tmp_path)
+    w = load_file(model / "model.safetensors")
+    w["model.layers.1.mlp.down_proj.weight"][3, 5] = value
+    save_file(w, model / "model.safetensors", metadata={"format": "pt"})
+    refused(capsys, tmp_path, ["quantize", str(model), "--scheme", "w4g32", *QUICK],
+            "model.layers.1.mlp.down_proj.weight holds 1 NaN/inf value")
+    refused(capsys, tmp_path, ["quantize", str(model), "--scheme", "w4g32", "--method", "signround2", "--iters", "1",
+                               "--no-eval", "--offload-dir", str(tmp_path / "off")],
+            "model.layers.1.mlp.down_proj.weight holds 1 NaN/inf value")  # lazily loaded: read tensor by tensor

@@ -309,3 +309,188 @@ def test_finetune_refuses_flags_its_adapter_cannot_honour(quantized, tmp_path, c
     assert main(["finetune", str(q), "--steps", "1", *args, "--out", str(tmp_path / "a")]) != 0
     one_error(capsys, needle)
     assert not (tmp_path / "a").exists()
+
+
+# ------------------------------------------------- nothing non-finite is written (issue 31)
+def _all_finite(folder) -> list[str]:
+    """Names of the non-finite tensors in every safetensors file under ``folder``."""
+    from safetensors.torch import load_file
+
+    from lowbit.formats.finite import nonfinite
+
+    return [n for f in sorted(folder.glob("*.safetensors")) for n, _ in nonfinite(load_file(f).items())]
+
+
+@pytest.fixture
+def outlier_dir(tiny_hf_dir, tmp_path):
+    """The tiny model with one row of up_proj scaled by 3e7 (|w| ~ 1.5e6, finite): fp16 group scales overflow."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    d = tmp_path / "outlier"
+    shutil.copytree(tiny_hf_dir, d)
+    w = load_file(d / "model.safetensors")
+    w["model.layers.0.mlp.up_proj.weight"][3] *= 3e7
+    save_file(w, d / "model.safetensors", metadata={"format": "pt"})
+    return d
+
+
+def _layer_error(out, source, name: str) -> torch.Tensor:
+    """Relative error per row of layer ``name`` of checkpoint ``out`` against the float ``source``."""
+    from safetensors.torch import load_file
+
+    from lowbit.models.native import load
+
+    model, _ = load(out)
+    q = model.get_submodule(name).weight.detach()
+    w = load_file(source / "model.safetensors")[f"{name}.weight"]
+    return ((q - w).norm(dim=1) / w.norm(dim=1)).float()
+
+
+def _quantize_warned(model, out, capsys, scheme: str, warning: str) -> dict:
+    """Quantize ``model`` with ``scheme`` (RTN, no eval), expecting the warning; returns the JSON summary."""
+    with pytest.warns(UserWarning, match=warning):
+        assert main(["quantize", str(model), "--scheme", scheme, "--no-search", "--no-eval", "--out", str(out),
+                     "--json"]) == 0
+    return last_json(capsys)
+
+
+@pytest.mark.parametrize("scheme", ["w4g32", "w2g64", "w4g32a"])
+def test_an_outlier_row_gets_fp32_scales_not_nan(outlier_dir, tmp_path, capsys, scheme):
+    out = tmp_path / "q"
+    r = _quantize_warned(outlier_dir, out, capsys, scheme, "need group scales up to .* beyond the 65504 that fp16 holds")
+    assert r["range_fallbacks"] == {"model.layers.0.mlp.up_proj": "fp32 scales"}
+    assert f"{scheme}:scale=fp32" in r["scheme"] and r["layers_16bit"] == 0
+    assert _all_finite(out) == []
+    err = _layer_error(out, outlier_dir, "model.layers.0.mlp.up_proj")
+    bound = {"w2g64": 0.7, "w4g32": 0.2, "w4g32a": 0.2}[scheme]
+    assert bool(torch.isfinite(err).all()) and float(err.max()) < bound  # the outlier row too: fp32 holds it
+
+
+@pytest.mark.parametrize("scheme", ["nvfp4", "nvfp4-46"])
+def test_nvfp4_keeps_a_layer_it_cannot_hold_in_16_bits(outlier_dir, tmp_path, capsys, scheme):
+    """Next to a 1.5e6 outlier, E4M3 block scales under the tensor scale round every other row to zero."""
+    out = tmp_path / "q"
+    r = _quantize_warned(outlier_dir, out, capsys, scheme, "rows would get only zero e4m3 block scales")
+    assert r["range_fallbacks"] == {"model.layers.0.mlp.up_proj": "16 bits"} and r["layers_16bit"] == 1
+    assert r["layers_quantized"] == 13 and _all_finite(out) == []
+    assert float(_layer_error(out, outlier_dir, "model.layers.0.mlp.up_proj").max()) == 0.0  # float, untouched
+    manifest = json.loads((out / "lowbit.json").read_text())
+    assert "model.layers.0.mlp.up_proj" not in manifest["layers"] and "model.layers.1.mlp.up_proj" in manifest["layers"]
+
+
+def test_range_fit_decides_from_the_weights():
+    from lowbit.formats import Scheme, quantize
+    from lowbit.formats.ranges import fit
+
+    torch.manual_seed(0)
+    w = torch.randn(64, 256) * 0.02
+    for name in ("w4g32", "nvfp4", "nvfp4-46", "nvfp4-ue5m3", "mxfp4", "q4_k", "fp8"):
+        assert fit(w, Scheme.parse(name)).reason is None  # ordinary weights: as planned
+    big = w.clone()
+    big[0, 0] = 5.3e5  # 5.3e5 / 8 > 65504
+    assert fit(big, Scheme.parse("w4g32")).scheme == Scheme.parse("w4g32:scale=fp32")
+    assert fit(big, Scheme.parse("w8")).reason is None  # 8 bits: 5.3e5 / 128 fits fp16
+    assert fit(big, Scheme.parse("nvfp4")).scheme is None  # every other row's blocks underflow
+    assert fit(big * 100, Scheme.parse("nvfp4-ue5m3")).scheme is None  # 5.3e7 / 6 > UE5M3's 114688
+    assert fit(big * 1000, Scheme.parse("q4_k")).scheme is None  # beyond the fp16 super-block scales
+    tiny_row = w.clone()
+    tiny_row[5] *= 1e-9  # a row that is itself negligible dies, and that is no reason to keep 16 bits
+    tiny_row[0, 0] = 1.0
+    assert fit(tiny_row, Scheme.parse("nvfp4")).reason is None
+    for s in ("w4g32", "w4g32a", "w2g64", "q4_k", "nvfp4-ue5m3"):  # the scale casts saturate: never inf
+        q = quantize(big * 100, Scheme.parse(s))
+        assert all(bool(torch.isfinite(t).all()) for t in (q.scales, q.dequantize()) if t is not None), s
+
+
+def test_gguf_refuses_a_layer_whose_scales_need_fp32(outlier_dir, tmp_path, capsys):
+    pytest.importorskip("gguf")
+    q = tmp_path / "q"
+    with pytest.warns(UserWarning):
+        assert main(["quantize", str(outlier_dir), "--scheme", "w4g32", "--no-search", "--no-eval", "--out", str(q)]) == 0
+    capsys.readouterr()
+    assert main(["export", str(q), "--to", "gguf", "--out", str(tmp_path / "m.gguf")]) == 2
+    one_error(capsys, "model.layers.0.mlp.up_proj (w4g32:scale=fp32")
+    assert main(["export", str(q), "--to", "gguf", "--allow-requant", "--out", str(tmp_path / "m.gguf")]) == 2
+    one_error(capsys, "Q4_0 stores fp16 block scales, which cannot hold this layer's weights")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["outlier", "q"]  # nothing written, no temporaries
+    assert main(["export", str(q), "--to", "compressed-tensors", "--out", str(tmp_path / "ct")]) == 0
+    assert _all_finite(tmp_path / "ct") == []
+
+
+def _quantized_with_nan(where: str):
+    """A tiny quantized Llama with one NaN, in a norm weight or in a quantized layer's scales."""
+    from conftest import make_llama
+
+    from lowbit.formats.plan import Plan
+    from lowbit.nn import replace_linears
+
+    model = make_llama(128, layers=1)
+    names = [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and ".layers." in n]
+    replace_linears(model, Plan.uniform(names, "w4g32"))
+    with torch.no_grad():
+        if where == "norm":
+            model.model.norm.weight[0] = float("nan")
+        else:
+            model.model.layers[0].mlp.up_proj.scales[0, 0] = float("inf")
+    return model
+
+
+@pytest.mark.parametrize("where", ["norm", "scales"])
+@pytest.mark.parametrize("writer", ["native", "compressed-tensors", "gguf"])
+def test_writers_refuse_non_finite_tensors_and_write_nothing(tmp_path, writer, where):
+    from lowbit.errors import NonFiniteError
+
+    model = _quantized_with_nan(where)
+    out = tmp_path / ("m.gguf" if writer == "gguf" else "m")
+    if writer == "native":
+        from lowbit.models.native import save as write
+    elif writer == "compressed-tensors":
+        pytest.importorskip("compressed_tensors")
+        from lowbit.export.compressed_tensors import export as write
+    else:
+        pytest.importorskip("gguf")
+        from lowbit.export.gguf_export import export as write
+    with pytest.raises(NonFiniteError, match="model.norm.weight" if where == "norm" else "up_proj"):
+        write(model, None, out)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_adapters_and_training_checkpoints_refuse_non_finite_tensors(tmp_path):
+    from conftest import make_llama
+
+    from lowbit.errors import NonFiniteError
+    from lowbit.peft import PeftConfig, apply_adapters, save_adapters
+    from lowbit.train.checkpoint import save_checkpoint
+
+    model = _quantized_with_nan("none")
+    cfg = PeftConfig("lora", rank=2)
+    apply_adapters(model, cfg)
+    with torch.no_grad():
+        next(p for p in model.parameters() if p.requires_grad).fill_(float("nan"))
+    with pytest.raises(NonFiniteError, match="the training diverged"):
+        save_adapters(model, tmp_path / "ad", cfg)
+    assert list(tmp_path.iterdir()) == []
+    fp = make_llama(64, layers=1)
+    opt = torch.optim.AdamW(fp.parameters())
+    folder = tmp_path / "ck"
+    folder.mkdir()
+    save_checkpoint(folder, model=fp, optimizer=opt, step=1, losses=[1.0], evals=[], fingerprint="f", settings={})
+    before = sorted(p.name for p in folder.iterdir())
+    with torch.no_grad():
+        fp.model.norm.weight[0] = float("nan")
+    with pytest.raises(NonFiniteError, match="training checkpoint of step 2.*previous checkpoint is kept"):
+        save_checkpoint(folder, model=fp, optimizer=opt, step=2, losses=[1.0, 2.0], evals=[], fingerprint="f",
+                        settings={})
+    assert sorted(p.name for p in folder.iterdir()) == before
+
+
+def test_a_diverging_qat_run_writes_no_nan_checkpoint(tiny_hf_dir, tmp_path, capsys):
+    """--lr 1e30 is finite, so it is accepted; the NaN it makes is refused where it would be written."""
+    work = tmp_path / "w"
+    assert main(["qat", str(tiny_hf_dir), "--scheme", "w2", "--steps", "3", "--batch-size", "2", "--seqlen", "32",
+                 "--no-eval", "--lr", "1e30", "--checkpoint-every", "1", "--workdir", str(work),
+                 "--out", str(tmp_path / "o")]) == 2
+    one_error(capsys, "the training diverged: lower --lr")
+    assert not (tmp_path / "o").exists() and _all_finite(work / "checkpoint") == []

@@ -34,6 +34,10 @@ class ConfigError(LowbitError, ValueError):
     """A configuration value out of range, or a resume with different settings."""
 
 
+class NonFiniteError(LowbitError):
+    """A tensor lowbit was about to write (or a weight it was asked to quantize) holds NaN or inf."""
+
+
 def did_you_mean(word: str, choices: object) -> str:
     """`` (did you mean X?)`` for the closest of ``choices`` to a mistyped ``word``, else ``""``.
 

@@ -7,11 +7,13 @@ import os
 import time
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
+from lowbit.configs import check_fields
 from lowbit.errors import ConfigError
 from lowbit.formats.plan import Plan
 
@@ -30,6 +32,7 @@ class Calibration:
     seed: int = 0
 
     def __post_init__(self) -> None:
+        check_fields(self, ConfigError, "calibration setting")
         if self.nsamples < 1 or self.seqlen < 2:
             raise ConfigError(f"calibration needs nsamples >= 1 and seqlen >= 2, got {self.nsamples} x {self.seqlen}")
 
@@ -48,6 +51,7 @@ class Evaluation:
     windows: int = 40
 
     def __post_init__(self) -> None:
+        check_fields(self, ConfigError, "evaluation setting")
         if self.seqlen < 2:
             raise ConfigError(f"the evaluation window must be at least 2 tokens, got {self.seqlen}")
         if self.windows < 0:
@@ -66,6 +70,11 @@ class Evaluation:
         from lowbit.eval import perplexity
 
         return perplexity(model, tokens, seqlen=self.seqlen, windows=self.windows or None, progress=progress)
+
+
+def work_folder(out: str | Path, workdir: str | Path | None) -> Path:
+    """Where a training job's metrics and checkpoints go: ``workdir``, or OUT.train beside --out."""
+    return Path(workdir) if workdir else Path(out).with_name(Path(out).name + ".train")
 
 
 class Phases:
@@ -153,6 +162,30 @@ def bits_summary(model: nn.Module, plan: Plan, lm_head: bool) -> dict[str, Any]:
     return {"bits_per_weight": round(average_bits(stored, dense), 4), "bits_counted": COUNTED,
             "bits_per_weight_nominal": round(average_bits(nominal, dense), 4), "nominal_counts": NOMINAL,
             "layers_quantized": len(plan), "layers_16bit": len(sizes) - len(plan)}
+
+
+def checkpoint_bytes(model: nn.Module, plan: Plan | None = None, bits: float | None = None) -> int:
+    """About the size of the checkpoint of ``model`` quantized by ``plan`` (or every decoder Linear at ``bits``
+    per weight), to refuse an output its device cannot hold before any work.
+
+    Quantized weights count at their bits per weight, every other tensor at its size in
+    memory (float32 ones that fp16 holds exactly are stored in fp16, so this errs on the
+    large side), plus 1 MiB for config files; tokenizer files (a few MB at most) are not
+    counted: a write that fails anyway is one clear line. Tied tensors count once.
+    """
+    from lowbit.models import linear_layers
+
+    if plan is not None:
+        layers = {n: (model.get_submodule(n), plan.weight(n).bits_per_weight) for n in plan}
+    else:
+        layers = {n: (m, lambda _cols: bits) for n, m in linear_layers(model).items()}
+    packed = {f"{n}.weight": bpw(m.in_features) * m.in_features * m.out_features / 8 for n, (m, bpw) in layers.items()}
+    total, seen = sum(packed.values()), set()
+    for name, t in [*model.named_parameters(), *model.named_buffers()]:
+        if name not in packed and id(t) not in seen:
+            seen.add(id(t))
+            total += t.numel() * t.element_size()
+    return int(total) + (1 << 20)
 
 
 def _shape(model: nn.Module, name: str) -> tuple[int, int]:

@@ -7,12 +7,17 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from lowbit.api.common import Evaluation, job_device
+from lowbit.configs import check_fields
 from lowbit.errors import ConfigError
 
 
 @dataclass(frozen=True)
 class EvalJob:
-    """model: any source `load_model` accepts. tasks: lm-eval task names, YAML files or task folders."""
+    """model: any source `load_model` accepts. tasks: lm-eval task names, YAML files or task folders.
+
+    trust_task_code: let task files run Python (lm-eval's ``!function``, unsandboxed
+    templates); without it such a task file is refused before the model loads.
+    """
 
     model: str | None = None
     evaluation: Evaluation = field(default_factory=Evaluation)
@@ -20,11 +25,15 @@ class EvalJob:
     limit: int | None = None
     device: str | None = None
     progress: bool = True
+    trust_task_code: bool = False
 
     def __post_init__(self) -> None:
+        check_fields(self, ConfigError, "eval setting")
         object.__setattr__(self, "tasks", tuple(self.tasks))
         if self.limit is not None and not self.tasks:
             raise ConfigError("--limit applies to zero-shot tasks; pass --tasks too (or drop --limit)")
+        if self.trust_task_code and not self.tasks:
+            raise ConfigError("--trust-task-code applies to zero-shot task files; pass --tasks too (or drop it)")
         if self.limit is not None and self.limit < 1:
             raise ConfigError(f"--limit must be a positive number of examples per task, got {self.limit}")
 
@@ -35,6 +44,10 @@ def evaluate(job: EvalJob) -> dict[str, Any]:
 
     t0 = time.perf_counter()
     device = job_device(job.device)
+    if job.tasks:  # task files are checked (syntax, code) before the model loads
+        from lowbit.eval.tasks import parse_tasks
+
+        parse_tasks(list(job.tasks), job.trust_task_code)
     lm = load_model(job.model)
     tokens = job.evaluation.tokens(lm.tokenizer)
     with on_device(lm.model, device):
@@ -43,6 +56,7 @@ def evaluate(job: EvalJob) -> dict[str, Any]:
         if job.tasks:
             from lowbit.eval import zero_shot
 
-            result["tasks"] = zero_shot(lm.model, lm.tokenizer, list(job.tasks), limit=job.limit)
+            result["tasks"] = zero_shot(lm.model, lm.tokenizer, list(job.tasks), limit=job.limit,
+                                        trust_code=job.trust_task_code)
     result["seconds"] = round(time.perf_counter() - t0, 2)
     return result

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import json
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from lowbit.api import outputs
+from lowbit.configs import check_fields
 from lowbit.errors import ConfigError
+from lowbit.io import check_free_space
 
 TARGETS = ("compressed-tensors", "gguf")
 
@@ -24,6 +27,7 @@ class ExportJob:
     allow_requant: bool = False
 
     def __post_init__(self) -> None:
+        check_fields(self, ConfigError, "export setting")
         if self.to not in TARGETS:
             raise ConfigError(f"unknown export target {self.to!r}; choose one of {TARGETS}")
         if self.allow_requant and self.to != "gguf":
@@ -31,12 +35,18 @@ class ExportJob:
 
 
 def export(job: ExportJob) -> dict[str, Any]:
+    from lowbit.export import limits, specs
     from lowbit.export.inspect import inspect
     from lowbit.models.native import load, read_manifest
 
     t0 = time.perf_counter()
     manifest = read_manifest(job.checkpoint)
+    # the target's limits, from the manifest alone: a plan it cannot hold is refused before any loading
+    limits.check(job.to, specs.from_manifest(manifest), _model_type(job.checkpoint), job.allow_requant)
     with outputs.claim(job.out, job.force, [job.checkpoint], file_output=job.to == "gguf") as out:
+        # both formats hold the same packed weights as the checkpoint, give or take the scale encoding
+        size = sum(f.stat().st_size for f in Path(job.checkpoint).iterdir() if f.is_file())
+        check_free_space(out, size + (1 << 20), f"the {job.to} export")
         model, tokenizer = load(job.checkpoint)
         result: dict[str, Any] = {"checkpoint": str(job.checkpoint), "to": job.to}
         if job.to == "compressed-tensors":
@@ -62,6 +72,15 @@ def export(job: ExportJob) -> dict[str, Any]:
     result |= {k: info[k] for k in ("file_bytes", "fp16_bytes", "size_vs_fp16")}
     result["seconds"] = round(time.perf_counter() - t0, 2)
     return result
+
+
+def _model_type(checkpoint: str | Path) -> str | None:
+    """``model_type`` from the checkpoint's config.json (None when it cannot be read: loading will say why)."""
+    try:
+        kind = json.loads((Path(checkpoint) / "config.json").read_text()).get("model_type")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return kind if isinstance(kind, str) else None
 
 
 def _checkpoint_bits(folder: str | Path) -> float:

@@ -9,25 +9,37 @@ evaluate; save the adapter alone (with the base fingerprint) or, with ``merge``,
 re-quantized native checkpoint. Under ``torchrun`` every rank trains its share of each
 global batch (DDP, or FSDP2 on GPUs) on its own GPU (the model is placed there before the
 loop wraps it); rank 0 alone evaluates and writes --out.
+
+Training metrics and checkpoints live in a work folder (``--workdir``, default
+OUT.train, locked while the job runs), as for QAT: with ``checkpoint_every`` a killed
+run resumes from its last checkpoint and ends byte-identical to an uninterrupted one
+(adapter inits are deterministic; the checkpoint holds the trained values, AdamW's
+moments and the RNG). The checkpoint's fingerprint covers the training settings, the
+adapter recipe, the quantized checkpoint's weights digest and the training rows, and it
+is checked right after the rows are built, before the heavy passes.
 """
 
 from __future__ import annotations
 
+import hashlib
 import time
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from lowbit.api import outputs
-from lowbit.api.common import Evaluation, job_device
+from lowbit.api.common import Evaluation, job_device, work_folder
+from lowbit.configs import check_fields
 from lowbit.errors import ConfigError
+from lowbit.io import WriteError, check_free_space
 from lowbit.peft.apply import PeftConfig, peft_config
 from lowbit.train import TrainConfig
 
-__all__ = ["DEFAULT_LR", "FinetuneJob", "PeftConfig", "TrainConfig", "TrainingData", "finetune", "peft_config"]
+__all__ = ["DEFAULT_LR", "FinetuneJob", "PeftConfig", "TrainConfig", "TrainingData", "finetune", "peft_config",
+           "work_folder"]
 
 DEFAULT_LR = {"qwha": 2e-4, "lora": 2e-4, "loftq": 2e-4, "fourierft": 1e-3}
 
@@ -47,13 +59,18 @@ class TrainingData:
     calib_samples: int = 32
 
     def __post_init__(self) -> None:
+        check_fields(self, ConfigError, "training data setting")
         if self.nsamples < 1 or self.seqlen < 2 or self.calib_samples < 1:
             raise ConfigError("training data needs nsamples >= 1, seqlen >= 2 and calib_samples >= 1")
 
 
 @dataclass(frozen=True)
 class FinetuneJob:
-    """Adapters on ``quantized_dir``; ``base_model`` = the float model it came from (default: as recorded)."""
+    """Adapters on ``quantized_dir``; ``base_model`` = the float model it came from (default: as recorded).
+
+    workdir: metrics and training checkpoints (default OUT.train); ``train.checkpoint_every``
+    sets how often a checkpoint is written; resume: continue from the one found there.
+    """
 
     quantized_dir: str | Path
     out: str | Path
@@ -66,9 +83,18 @@ class FinetuneJob:
     device: str | None = None
     force: bool = False
     progress: bool = True
+    workdir: str | None = None
+    resume: bool = True
+
+    def __post_init__(self) -> None:
+        check_fields(self, ConfigError, "fine-tune setting")
 
     def inputs(self) -> list[Any]:
         return [self.quantized_dir, self.base_model, self.data.source, self.evaluation and self.evaluation.data]
+
+    @property
+    def work(self) -> Path:
+        return work_folder(self.out, self.workdir)
 
 
 def training_rows(tokenizer: Any, data: TrainingData) -> torch.Tensor:
@@ -148,13 +174,14 @@ def finetune(job: FinetuneJob) -> dict[str, Any]:
         raise ConfigError(f"--base-model applies to --adapter {' | '.join(NEEDS_ERROR)} (their init needs the "
                           f"float weights); --adapter {job.peft.adapter} starts from zero")
     device = job_device(job.device)
+    outputs.check_folder(job.work, job.out, "--workdir", job.inputs())
     from lowbit.train.distributed import init_from_env
 
     rank, world = init_from_env()
     if rank != 0:  # trains its share; rank 0 evaluates and saves
         result = _Finetune(job, manifest, device, rank).run(None, load)
     else:
-        with outputs.claim(job.out, job.force, job.inputs()) as out:
+        with outputs.claim(job.out, job.force, job.inputs()) as out, outputs.hold_folder(job.work):
             result = _Finetune(job, manifest, device, rank).run(out, load)
     result["world"] = world
     result["seconds"] = round(time.perf_counter() - t0, 2)
@@ -175,6 +202,7 @@ class _Finetune:
         names = list(self.manifest["layers"])
         rows = training_rows(tokenizer, job.data)
         ev = job.evaluation.tokens(tokenizer) if job.evaluation is not None and self.rank == 0 else None
+        self._check_before_work(rows, out)
         result: dict[str, Any] = {"base": str(job.quantized_dir), "adapter": job.peft.adapter, "rank": job.peft.rank,
                                   "train_rows": len(rows)}
         fp = None
@@ -184,6 +212,28 @@ class _Finetune:
         if self.device is not None:
             model.to(self.device)
         return self._train(model, tokenizer, names, rows, ev, fp, result, out)
+
+    @property
+    def train_config(self) -> Any:
+        return replace(self.job.train, out_dir=str(self.job.work))
+
+    def identity(self, rows: torch.Tensor) -> dict[str, Any]:
+        """What besides the training settings a resumed fine-tune must share with its checkpoint."""
+        job, meta = self.job, self.manifest.get("meta", {})
+        return {"peft": job.peft.to_dict(), "base_weights": self.manifest.get("files", {}).get("model.safetensors"),
+                "base_model": job.base_model, "source_digest": meta.get("source_digest"),
+                "rows": hashlib.sha256(rows.cpu().to(torch.int64).numpy().tobytes()).hexdigest()[:32],
+                "calib_samples": job.data.calib_samples}
+
+    def _check_before_work(self, rows: torch.Tensor, out: Path | None) -> None:
+        """A checkpoint written with other settings (or damaged), or an output too big for its device,
+        is refused before the base model loads and before any perplexity pass."""
+        from lowbit.train import check_resume
+
+        check_resume(self.train_config, (), self.identity(rows), self.job.resume)
+        if out is not None and self.job.merge:  # a merged checkpoint is about the size of the quantized one
+            size = sum(f.stat().st_size for f in Path(self.job.quantized_dir).iterdir() if f.is_file())
+            check_free_space(out, size + (1 << 20), "the merged checkpoint")
 
     def _train(self, model, tokenizer, names, rows, ev, fp, result, out) -> dict[str, Any]:  # noqa: ANN001
         from lowbit.models.activations import second_moments
@@ -207,9 +257,11 @@ class _Finetune:
         result["trainable_params"] = count_trainable(model)
         if ppl:
             result["ppl_init"] = ppl()
-        train_result, timer = train_adapters(model, rows, job.train)
+        train_result, timer = train_adapters(model, rows, self.train_config, extra=self.identity(rows),
+                                             resume=job.resume)
         result.update(steps=train_result.steps, loss_first=train_result.losses[0],
-                      loss_last=train_result.final_loss, step_seconds=round(timer.median(), 4))
+                      loss_last=train_result.final_loss, step_seconds=round(timer.median(), 4),
+                      resumed_from=train_result.resumed_from, workdir=str(job.work))
         if ppl:
             result["ppl_final"] = ppl()
         model.to("cpu")
@@ -217,13 +269,18 @@ class _Finetune:
             return result
         meta = {"base": str(job.quantized_dir), "train": job.train.to_dict(),
                 **{k: v for k, v in result.items() if k.startswith("ppl")}}
-        if job.merge:
-            from lowbit.models.native import save
+        try:
+            if job.merge:
+                from lowbit.models.native import save
 
-            errs = merge_and_requantize(model)
-            result["merge_rel_error_max"] = max(errs.values())
-            save(model, tokenizer, out, meta={**self.manifest.get("meta", {}), "finetune": meta}, force=True)
-        else:
-            save_adapters(model, out, job.peft, meta=meta, force=True)
+                errs = merge_and_requantize(model)
+                result["merge_rel_error_max"] = max(errs.values())
+                save(model, tokenizer, out, meta={**self.manifest.get("meta", {}), "finetune": meta}, force=True)
+            else:
+                save_adapters(model, out, job.peft, meta=meta, force=True)
+        except WriteError as e:
+            kept = (f"; --workdir {job.work} keeps the last checkpoint: rerun the same command to resume from it"
+                    if job.train.checkpoint_every else "")
+            raise WriteError(f"{e}{kept}") from None
         result["out"] = str(out)
         return result

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from lowbit.api.common import Calibration, Evaluation, job_device
+from lowbit.configs import check_fields
 from lowbit.errors import ConfigError
 from lowbit.formats import InputScheme, Scheme
 from lowbit.studies import DEFAULT_BLOCKS, DEFAULT_INPUT_SCHEMES, DEFAULT_SCHEMES
@@ -53,6 +54,7 @@ class FormatsJob:
     sample_blocks: int = SAMPLE_BLOCKS
 
     def __post_init__(self) -> None:
+        check_fields(self, ConfigError, "formats setting")
         if self.sample_blocks < 0:
             raise ConfigError(f"--sample must be >= 0 decoder blocks (0 = all), got {self.sample_blocks}")
         object.__setattr__(self, "schemes", tuple(self.schemes))

@@ -10,6 +10,10 @@ Rules, the same for every command:
 - the place must be writable: no file where a parent folder should be, no read-only folder.
 - while a job runs it holds a lock on its output: a second run writing the same output
   is refused at once, and temporaries that killed runs left beside it are removed.
+- the name must leave room for lowbit's temporary name on its file system, checked
+  before any work (a 240-character name otherwise failed after the whole run).
+- side folders (``--workdir``, ``--offload-dir``) follow the same rules where they apply:
+  never an input, a writable place, locked while a job uses them (`hold_folder`).
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ import os
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
-from lowbit.io import OutputError, foreign_files, output_lock, remove_stale_partials
+from lowbit.io import OutputError, check_name_length, foreign_files, output_lock, remove_stale_partials
 
 
 def resolve(path: str | Path) -> Path:
@@ -33,6 +37,7 @@ def check_output(out: str | Path, force: bool, inputs: Iterable[str | Path | Non
     target = resolve(out)
     _check_not_an_input(target, inputs)
     _check_writable_place(target)
+    check_name_length(target)
     if target.exists() or target.is_symlink():
         if not force:
             raise OutputError(f"{out} already exists; choose another --out or pass --force to replace it")
@@ -42,28 +47,45 @@ def check_output(out: str | Path, force: bool, inputs: Iterable[str | Path | Non
     return target
 
 
-def check_folder(folder: str | Path, out: str | Path, what: str = "--workdir") -> Path:
-    """A side folder of a job (work or offload folder): creatable here, and not inside ``--out``."""
+def check_folder(folder: str | Path, out: str | Path, what: str = "--workdir",
+                 inputs: Iterable[str | Path | None] = ()) -> Path:
+    """A side folder of a job (work or offload folder): creatable here, not inside ``--out``, not an input."""
     path, target = resolve(folder), resolve(out)
     if path == target or path.is_relative_to(target) or target.is_relative_to(path):
         raise OutputError(f"{what} {path} overlaps --out {target}; --out is replaced when the job ends, "
                           "so keep the two apart")
+    _check_not_an_input(path, inputs, what)
     if path.exists() and not path.is_dir():
         raise OutputError(f"{what} {path} is a file; give a folder")
-    _check_writable_place(path / "x")
+    _check_writable_place(path / "x", what)
+    check_name_length(path, what)
     return path
 
 
-def _check_not_an_input(target: Path, inputs: Iterable[str | Path | None]) -> None:
+@contextlib.contextmanager
+def hold_folder(folder: str | Path | None, what: str = "--workdir") -> Iterator[None]:
+    """Lock a side folder for the body: two runs sharing one work folder would interleave its files."""
+    if folder is None:
+        yield
+        return
+    path = resolve(folder)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with output_lock(path, what):
+        yield
+
+
+def _check_not_an_input(target: Path, inputs: Iterable[str | Path | None], what: str = "--out") -> None:
     for item in inputs:
         if item is None or not Path(item).expanduser().exists():
             continue
         src = resolve(item)
         if target == src or src.is_relative_to(target) or target.is_relative_to(src):
-            raise OutputError(f"--out {target} would overwrite the input {src}; write the result somewhere else")
+            where = "would overwrite the input" if what == "--out" else "overlaps the input"
+            raise OutputError(f"{what} {target} {where} {src}; "
+                              f"{'write the result' if what == '--out' else 'give a folder'} somewhere else")
 
 
-def _check_writable_place(target: Path) -> None:
+def _check_writable_place(target: Path, what: str = "--out") -> None:
     parent = target.parent
     while not parent.exists():
         if parent.is_symlink():
@@ -72,7 +94,7 @@ def _check_writable_place(target: Path) -> None:
     if not parent.is_dir():
         raise OutputError(f"cannot create {target}: {parent} is a file, not a folder")
     if not os.access(parent, os.W_OK | os.X_OK):
-        raise OutputError(f"cannot write to {parent} (permission denied); choose another --out")
+        raise OutputError(f"cannot write to {parent} (permission denied); choose another {what}")
 
 
 def _check_replaceable(target: Path, file_output: bool) -> None:

@@ -12,14 +12,17 @@ evaluates and saves.
 from __future__ import annotations
 
 import copy
+import math
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from lowbit.api import outputs
-from lowbit.api.common import Evaluation, job_device
+from lowbit.api.common import Evaluation, checkpoint_bytes, job_device, work_folder
+from lowbit.configs import check_fields
 from lowbit.errors import ConfigError
+from lowbit.io import WriteError, check_free_space
 from lowbit.qat.quantizers import resolve
 from lowbit.qat.winq import STE, WinQConfig
 from lowbit.train import TrainConfig, smooth
@@ -57,6 +60,7 @@ class QatJob:
     force: bool = False
 
     def __post_init__(self) -> None:
+        check_fields(self, ConfigError, "QAT setting")
         if self.method not in METHODS:
             raise ConfigError(f"unknown QAT method {self.method!r}; choose one of {METHODS}")
         if self.seqlen < 2:
@@ -65,6 +69,7 @@ class QatJob:
             raise ConfigError(f"--kd-temperature must be > 0, got {self.kd_temperature}")
         if self.smooth_window < 1:
             raise ConfigError(f"--smooth must be >= 1 step, got {self.smooth_window}")
+        _check_baseline(self.baseline)
         resolve(self.scheme, self.quantizer)  # refuse an inexpressible scheme now
         self.callback_config().reinit_steps(self.train.steps)  # a period longer than the run is an error
 
@@ -76,25 +81,41 @@ class QatJob:
         return work_folder(self.out, self.workdir)
 
 
-def work_folder(out: str | Path, workdir: str | Path | None) -> Path:
-    """Where training metrics and checkpoints go: ``workdir``, or OUT.train beside --out."""
-    return Path(workdir) if workdir else Path(out).with_name(Path(out).name + ".train")
+def _check_baseline(baseline: str | float | None) -> None:
+    """A numeric --baseline must be a finite positive loss (a path is read later, by `baseline_target`)."""
+    value = _as_number(baseline)
+    if value is not None and not (math.isfinite(value) and value > 0):
+        raise ConfigError(f"--baseline {baseline} is not a loss to reach; give a finite positive number or the "
+                          "metrics.jsonl (or run folder) of a baseline run")
+
+
+def _as_number(baseline: str | float | None) -> float | None:
+    if baseline is None:
+        return None
+    try:
+        return float(baseline)
+    except ValueError:
+        return None
 
 
 def baseline_target(baseline: str | float | None, window: int) -> float | None:
     """Final smoothed loss of a baseline run: a number, or the metrics.jsonl of that run."""
     if baseline is None:
         return None
-    try:
-        return float(baseline)
-    except ValueError:
-        pass
+    value = _as_number(baseline)
+    if value is not None:
+        _check_baseline(value)
+        return value
     from lowbit.train.metrics import read_losses
 
     losses = read_losses(baseline)
     if not losses:
         raise ConfigError(f"--baseline {baseline} holds no training losses")
-    return smooth(losses, window)[-1]
+    target = smooth(losses, window)[-1]
+    if not math.isfinite(target):
+        raise ConfigError(f"--baseline {baseline}: that run's final smoothed loss is {target} (it diverged), so "
+                          "there is no loss to reach; give a run that converged, or a number")
+    return target
 
 
 def qat(job: QatJob) -> dict[str, Any]:
@@ -103,30 +124,41 @@ def qat(job: QatJob) -> dict[str, Any]:
     t0 = time.perf_counter()
     target = baseline_target(job.baseline, job.smooth_window)
     device = job_device(job.device)
-    outputs.check_folder(job.work, job.out, "--workdir")
+    inputs = [job.model, job.data, job.evaluation and job.evaluation.data]
+    outputs.check_folder(job.work, job.out, "--workdir", inputs)
     rank, world = init_from_env()  # under torchrun: one process per rank, rank 0 evaluates and saves
     if rank != 0:
         return _train(job, device, rank, world, target)[0]
-    with outputs.claim(job.out, job.force, [job.model, job.data, job.evaluation and job.evaluation.data]) as out:
-        res, lm, extras = _train(job, device, rank, world, target)
+    with outputs.claim(job.out, job.force, inputs) as out, outputs.hold_folder(job.work):
+        res, lm, extras = _train(job, device, rank, world, target, out)
         from lowbit.models.native import save
 
         meta = {"source": lm.source, "method": f"qat-{job.method}", "plan": job.scheme,
                 "quantizer": res["quantizer"], "steps": res["steps"],
                 **{k: res[k] for k in ("ppl_fp", "ppl") if k in res}}
-        save(lm.model, lm.tokenizer, out, meta=meta, force=True, extra_files=extras)
+        try:
+            save(lm.model, lm.tokenizer, out, meta=meta, force=True, extra_files=extras)
+        except WriteError as e:
+            kept = (f"; --workdir {job.work} keeps the last checkpoint: rerun the same command to resume from it"
+                    if job.train.checkpoint_every else "")
+            raise WriteError(f"{e}{kept}") from None
     res["out"], res["workdir"] = str(out), str(job.work)
     res["seconds"] = round(time.perf_counter() - t0, 2)
     return res
 
 
-def _train(job: QatJob, device: Any, rank: int, world: int, target: float | None) -> tuple[dict, Any, dict]:
-    """Load, convert, train and (rank 0) evaluate; returns the summary, the model and files to keep."""
+def _train(job: QatJob, device: Any, rank: int, world: int, target: float | None,
+           out: Path | None = None) -> tuple[dict, Any, dict]:
+    """Load, convert, train and (rank 0) evaluate; returns the summary, the model and files to keep.
+
+    Everything cheap is checked before the first heavy pass: the data, the output's
+    free space (rank 0, ``out``) and a checkpoint to resume from (other settings, damage).
+    """
     from lowbit.data.batches import training_windows
     from lowbit.models import load_model
     from lowbit.qat.convert import to_qat, to_quant_linear
     from lowbit.qat.winq import WinQCallback
-    from lowbit.train import steps_to_reach, train
+    from lowbit.train import check_resume, steps_to_reach, train
     from lowbit.train.loop import causal_lm_loss, kd_loss
 
     lm = load_model(job.model)
@@ -135,22 +167,25 @@ def _train(job: QatJob, device: Any, rank: int, world: int, target: float | None
                           "start QAT from the full-precision model for --kd, or drop --kd")
     rows = training_windows(lm.tokenizer, job.data, job.seqlen, "calib")
     ev = job.evaluation.tokens(lm.tokenizer) if job.evaluation is not None and rank == 0 else None
+    quantizer = resolve(job.scheme, job.quantizer)
+    cb = WinQCallback(job.callback_config())
+    extra = {"scheme": job.scheme, "quantizer": quantizer.name, "method": job.method, "source": lm.source,
+             "winq": job.callback_config().to_dict(), "kd": job.kd, "kd_t": job.kd_temperature,
+             "seqlen": job.seqlen, "data": job.data}
+    cfg = replace(job.train, out_dir=str(job.work))
+    check_resume(cfg, [cb], extra, job.resume)
+    if out is not None:  # every decoder Linear packed at about its bits, plus scales
+        check_free_space(out, checkpoint_bytes(lm.model, bits=quantizer.bits + 1), "the QAT checkpoint")
     if device is not None:
         lm.model.to(device)
     res: dict[str, Any] = {"model": lm.source, "scheme": job.scheme, "method": job.method, "world": world}
     if ev is not None:
         res["ppl_fp"] = job.evaluation.perplexity(lm.model, ev).ppl
     teacher = copy.deepcopy(lm.model) if job.kd else None
-    quantizer = resolve(job.scheme, job.quantizer)
     names = to_qat(lm.model, quantizer)
     if ev is not None:  # the quantized model before any step: what training has to improve on
         res["ppl_before_training"] = job.evaluation.perplexity(lm.model, ev).ppl
-    cb = WinQCallback(job.callback_config())
-    extra = {"scheme": job.scheme, "quantizer": quantizer.name, "method": job.method, "source": lm.source,
-             "winq": job.callback_config().to_dict(), "kd": job.kd, "kd_t": job.kd_temperature,
-             "seqlen": job.seqlen, "data": job.data}
     loss_fn = kd_loss(teacher, job.kd_temperature) if teacher is not None else causal_lm_loss
-    cfg = replace(job.train, out_dir=str(job.work))
     r = train(lm.model, rows, cfg, callbacks=[cb], loss_fn=loss_fn, resume=job.resume, extra=extra)
     if rank != 0:
         return {"rank": rank, "steps": r.steps, "final_loss": r.final_loss}, lm, {}

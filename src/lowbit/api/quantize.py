@@ -3,12 +3,14 @@
 Everything that can be checked without the model is checked when the job is built
 (`QuantizeJob`), and everything that needs only paths before the model loads; the data
 splits are tokenized and checked before the first heavy pass, so a bad input never
-costs a tuning run.
+costs a tuning run. So are a work folder holding a run with other settings and an
+output that cannot fit its device: both are refused before the float perplexity pass.
 """
 
 from __future__ import annotations
 
 import time
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -17,11 +19,14 @@ import torch
 from torch import nn
 
 from lowbit.api import outputs
-from lowbit.api.common import Calibration, Evaluation, Phases, bits_summary, job_device
+from lowbit.api.common import Calibration, Evaluation, Phases, bits_summary, checkpoint_bytes, job_device
+from lowbit.api.export import TARGETS as EXPORT_TARGETS
+from lowbit.configs import check_fields
 from lowbit.errors import ConfigError
 from lowbit.formats import Recipe, Scheme, kmix
 from lowbit.formats.kquants import fit_width
 from lowbit.formats.plan import Plan
+from lowbit.io import WriteError, check_free_space
 from lowbit.ptq.awq import AWQSettings
 from lowbit.ptq.methods import coerce_settings, get, make_settings
 from lowbit.ptq.mixed import MixedSettings
@@ -81,6 +86,9 @@ class QuantizeJob:
     methods only (cache_device "cpu" keeps their cached activations in host memory).
     rotate / awq: float pre-steps before the method (True = their default settings): a
     Hadamard rotation of the residual stream, AWQ's activation-aware channel scales.
+    export_to: the export the checkpoint is for ("compressed-tensors" | "gguf"): a plan it
+    cannot hold is refused before any heavy pass. None = every export that cannot hold the
+    plan is named in a warning (and in the summary's ``not_exportable``).
     """
 
     out: str | Path
@@ -101,9 +109,13 @@ class QuantizeJob:
     awq: AWQSettings | bool | None = None
     force: bool = False
     progress: bool = True
+    export_to: str | None = None
 
     def __post_init__(self) -> None:
+        check_fields(self, ConfigError, "quantize setting")
         spec = get(self.method)
+        if self.export_to is not None and self.export_to not in EXPORT_TARGETS:
+            raise ConfigError(f"--export-to must be one of {', '.join(EXPORT_TARGETS)}, got {self.export_to!r}")
         object.__setattr__(self, "settings", coerce_settings(self.method, self.settings))
         object.__setattr__(self, "rotate", _switch(self.rotate, RotationSettings, "rotate"))
         object.__setattr__(self, "awq", _switch(self.awq, AWQSettings, "awq"))
@@ -178,9 +190,9 @@ def quantize(job: QuantizeJob) -> dict[str, Any]:
 
     t0 = time.perf_counter()
     device = job_device(job.device)
-    for folder in (job.workdir, job.offload_dir):
+    for flag, folder in (("--workdir", job.workdir), ("--offload-dir", job.offload_dir)):
         if folder is not None:
-            outputs.check_folder(folder, job.out)
+            outputs.check_folder(folder, job.out, flag, job.inputs())
     rank, world = _join_world(job)
     phases = Phases()
     if rank != 0:  # under torchrun: tunes its share of the samples; rank 0 alone writes --out
@@ -188,10 +200,12 @@ def quantize(job: QuantizeJob) -> dict[str, Any]:
             lm = load_model(job.model, lazy=job.loads_lazily)
         result = _Run(job, lm, device, phases).execute()
         return {**result, "rank": rank, "seconds": round(time.perf_counter() - t0, 2)}
-    with outputs.claim(job.out, job.force, job.inputs()) as out:
+    with outputs.claim(job.out, job.force, job.inputs()) as out, outputs.hold_folder(job.workdir), \
+            outputs.hold_folder(job.offload_dir, "--offload-dir"):
         with phases("load"):
             lm = load_model(job.model, lazy=job.loads_lazily)
         run = _Run(job, lm, device, phases)
+        check_free_space(out, checkpoint_bytes(lm.model, run.plan), "the quantized checkpoint")
         result = run.execute()
         with phases("save"):
             run.save(out, result)
@@ -247,11 +261,26 @@ class _Run:
 
             check_feasible(lm.model, self.plan, job.mixed)
         self.allocation = None
+        self.not_exportable = _export_limits(job, lm.model, self.plan)
         self._check_whole_model_fits()
         with self.phases("data"):
             self.ev = job.evaluation.tokens(lm.tokenizer) if job.evaluation is not None else None
             self.calib = job.calib.batches(lm.tokenizer) if job.needs_calib else None
         self.source_digest: str | None = None
+        self._check_resume()
+
+    def _check_resume(self) -> None:
+        """A --workdir holding a run with other settings is refused now, not after the float perplexity pass."""
+        from lowbit.ptq import RunContext, check_resume
+
+        job = self.job
+        if job.workdir is None:
+            return
+        later = (("model",) if job.rotate is not None or job.awq is not None else ()) + \
+                (("plan", "shared_tensor_scales") if job.mixed is not None else ())
+        ctx = RunContext(device=None if self.device is None else str(self.device), workdir=job.workdir,
+                         offload_dir=job.offload_dir, cache_device=job.cache_device or "device")
+        check_resume(job.method, job.settings, self.plan, self.lm.model, self.calib, ctx, later)
 
     def _check_whole_model_fits(self) -> None:
         """The whole-model passes (perplexities, RTN, DeltaLoss) must fit the device: checked before any work.
@@ -278,6 +307,7 @@ class _Run:
         from lowbit.models.lazy import is_lazy
         from lowbit.models.placement import on_device
         from lowbit.ptq import prepare_model, quantize_model
+        from lowbit.ptq.fit import fit_plan
         from lowbit.ptq.mixed import mixed_plan
 
         job, model = self.job, self.lm.model
@@ -299,10 +329,14 @@ class _Run:
                 self.allocation = mixed_plan(model, self.plan, job.mixed, self.calib, self.device, job.progress)
             self.plan = self.allocation.plan
         with self.phases("quantize"):
+            self.plan, fallbacks = fit_plan(model, self.plan)
+            if fallbacks:  # layers whose weights the planned scales cannot hold (warned about with the reason)
+                result["range_fallbacks"] = {n: ("16 bits" if n not in self.plan else
+                                                 f"{self.plan.weight(n).scale} scales") for n in fallbacks}
             self.plan = quantize_model(model, self.plan, job.method, job.settings, calib=self.calib,
                                        device=None if self.device is None else str(self.device),
                                        workdir=job.workdir, offload_dir=job.offload_dir, progress=job.progress,
-                                       cache_device=job.cache_device or "device")
+                                       cache_device=job.cache_device or "device", fit=False)
         result["quantize_seconds"] = round(time.perf_counter() - t0, 2)
         result["scheme"] = job.scheme if kmix.is_mix(job.scheme) else self.plan.describe()
         if kmix.is_mix(job.scheme) or any(s.super_block for s in self.plan.weights().values()):
@@ -312,6 +346,8 @@ class _Run:
                 r = job.evaluation.perplexity(model, self.ev, job.progress)
             result["ppl_q"], result["eval_tokens"] = r.ppl, r.tokens
         result.update(bits_summary(model, self.plan, job.lm_head))
+        if self.not_exportable:
+            result["not_exportable"] = self.not_exportable
         return result
 
     def save(self, out: Path, result: dict[str, Any]) -> None:
@@ -322,7 +358,14 @@ class _Run:
                 "plan": self.job.scheme if kmix.is_mix(self.job.scheme) else self.plan.describe(),
                 **{k: result[k] for k in ("ppl_fp", "ppl_q") if k in result},
                 **{k: s.to_dict() for k, s in (("rotation", self.job.rotate), ("awq", self.job.awq)) if s is not None}}
-        save(self.lm.model, self.lm.tokenizer, out, meta=meta, force=True, extra_files=self._plan_files())
+        try:
+            save(self.lm.model, self.lm.tokenizer, out, meta=meta, force=True, extra_files=self._plan_files())
+        except WriteError as e:
+            blockwise = get(self.job.method).blockwise
+            kept = (f"; the tuned blocks are kept in --workdir {self.job.workdir}: rerun the same command to resume "
+                    "from them" if self.job.workdir and blockwise else
+                    "; pass --workdir to keep the tuned blocks for a rerun" if blockwise else "")
+            raise WriteError(f"{e}{kept}") from None
 
     def _plan_files(self) -> dict[str, bytes]:
         if self.allocation is None:
@@ -332,6 +375,39 @@ class _Run:
         sizes = {n: (m.out_features, m.in_features) for n, m in
                  ((n, self.lm.model.get_submodule(n)) for n in self.plan)}
         return {"plan.json": self.plan.to_json().encode(), "plan.png": plot_bits(self.plan, sizes)}
+
+
+def _export_limits(job: QuantizeJob, model: nn.Module, plan: Plan) -> dict[str, str]:
+    """Export -> why it cannot hold the plan, known before tuning; refused when the job names that export.
+
+    A mixed-precision run is judged on each of its options as a uniform plan (the knapsack
+    may pick any of them anywhere), the others on their plan. Each export that cannot hold
+    it gets a warning now rather than an error after the run.
+    """
+    from lowbit.export import limits, specs
+
+    options = [Plan({n: Recipe.parse(o) for n in plan}) for o in job.mixed.options] if job.mixed else [plan]
+    online = set(job.rotate.online) if job.rotate is not None else set()
+    rotated = frozenset(n for n in plan if n.rpartition(".")[2] in online)
+    shapes = {n: (model.get_submodule(n).out_features, model.get_submodule(n).in_features) for n in plan}
+    kind = getattr(getattr(model, "config", None), "model_type", None)
+    found: dict[str, str] = {}
+    for p in options:
+        layer_specs = specs.from_plan(p, shapes, rotated)
+        for to, why in limits.refusals(layer_specs, kind).items():
+            found.setdefault(to, why)
+        if "compressed-tensors" not in found:
+            notes = limits.vllm_notes(layer_specs)
+            if notes:
+                found["vllm"] = notes[0]
+    if job.export_to is not None:  # the one export the user named: refused if it cannot hold the plan
+        if job.export_to in found:
+            raise ConfigError(f"--export-to {job.export_to}: {found[job.export_to]}")
+        found = {k: v for k, v in found.items() if k == "vllm" and job.export_to == "compressed-tensors"}
+    for to, why in found.items():
+        what = "its compressed-tensors export would not load in vLLM" if to == "vllm" else f"--to {to} cannot hold it"
+        warnings.warn(f"this plan cannot be exported as it is: {what}: {why}", stacklevel=2)
+    return found
 
 
 def _kquant_summary(model: nn.Module, plan: Plan) -> dict[str, Any]:

@@ -3,15 +3,18 @@
 Each command lives in its own module exposing ``register(subparsers)``; its ``run(args)``
 returns a dict. With ``--json`` that dict is printed as one JSON object on the last line
 of stdout (scripts rely on it); without, as aligned ``key: value`` lines. Any
-`LowbitError` becomes one line on stderr and a non-zero exit.
+`LowbitError` becomes one line on stderr and a non-zero exit, and a warning one line
+``lowbit COMMAND: warning: ...`` (no source line of lowbit's code under it).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import json
 import sys
+import warnings
 from collections.abc import Sequence
 from typing import NoReturn
 
@@ -71,7 +74,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     try:
         set_threads(getattr(args, "threads", None))
-        result = args.func(args)
+        with _one_line_warnings(args.command):
+            result = args.func(args)
     except LowbitError as e:
         print(f"lowbit {args.command}: error: {e}", file=sys.stderr)
         return e.exit_code
@@ -97,6 +101,24 @@ def _unknown(parser: argparse.ArgumentParser, args: argparse.Namespace, extra: l
 def _subparser(parser: argparse.ArgumentParser, command: str) -> argparse.ArgumentParser:
     action = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
     return action.choices[command]
+
+
+@contextlib.contextmanager
+def _one_line_warnings(command: str):
+    """Show each warning as one stderr line naming the command, for the body.
+
+    Only the text is changed (``formatwarning``), not where warnings go, so a caller that
+    records them (``warnings.catch_warnings(record=True)``, pytest) still receives them.
+    """
+    def fmt(message, category, filename, lineno, line=None):  # noqa: ANN001 - warnings' signature
+        return f"lowbit {command}: warning: {message}\n"
+
+    saved = warnings.formatwarning
+    warnings.formatwarning = fmt
+    try:
+        yield
+    finally:
+        warnings.formatwarning = saved
 
 
 def emit(result: dict, as_json: bool) -> None:

@@ -23,7 +23,11 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="windows from the start (40); 0 = the whole text")
     p.add_argument("--tasks", default=None,
                    help="comma-separated lm-eval tasks: registered names, task YAML files or task folders "
-                        "(needs lm-eval; task data must be local)")
+                        "(needs lm-eval; task data must be local). A task file that runs Python (!function) is "
+                        "refused, and templates render sandboxed, unless --trust-task-code")
+    p.add_argument("--trust-task-code", action="store_true",
+                   help="with --tasks: let task files run their Python (lm-eval's !function, unsandboxed "
+                        "templates); read that code first")
     p.add_argument("--limit", type=common.positive("--limit"), default=UNSET,
                    help="with --tasks: examples per task")
     common.add_device(p, "the evaluation")
@@ -36,5 +40,6 @@ def run(args: argparse.Namespace) -> dict:
 
     tasks = tuple(t.strip() for t in args.tasks.split(",") if t.strip()) if args.tasks else ()
     job = api.EvalJob(model=args.model, evaluation=api.Evaluation(args.data, args.eval_seqlen, args.windows),
-                      tasks=tasks, limit=vars(args).get("limit"), device=args.device, progress=not args.json)
+                      tasks=tasks, limit=vars(args).get("limit"), device=args.device, progress=not args.json,
+                      trust_task_code=args.trust_task_code)
     return api.evaluate(job)

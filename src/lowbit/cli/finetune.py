@@ -41,6 +41,10 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="merge the adapters and re-quantize: --out becomes a plain lowbit checkpoint")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--parallel", default="ddp", help="under torchrun: ddp (replicas) | fsdp (sharded, GPUs)")
+    p.add_argument("--checkpoint-every", type=common.nonnegative("--checkpoint-every"), default=0,
+                   help="checkpoint period in steps (0 = none); a killed run resumes from the last one")
+    p.add_argument("--workdir", default=None, help="metrics/checkpoints folder (default OUT.train)")
+    p.add_argument("--no-resume", action="store_true", help="ignore a checkpoint in the work folder")
     common.add_device(p, "initialisation, training and evaluation")
     common.add_data(p)
     p.add_argument("--eval-data", default=None, help="text for perplexity (default: the bundled corpus' eval split)")
@@ -51,17 +55,25 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def build_job(args: argparse.Namespace):
-    from lowbit.api.finetune import DEFAULT_LR, FinetuneJob, TrainConfig, TrainingData, peft_config
+    from lowbit.api.finetune import (
+        DEFAULT_LR,
+        FinetuneJob,
+        TrainConfig,
+        TrainingData,
+        peft_config,
+        work_folder,
+    )
 
     cfg = peft_config(args.adapter, rank=args.rank, seed=args.seed, **common.given(args, *ADAPTER_FLAGS))
     warmup = args.warmup if args.warmup is not None else int(0.06 * args.steps)
     train = TrainConfig(steps=args.steps, batch_size=args.batch_size, grad_accum=args.grad_accum,
                         lr=args.lr or DEFAULT_LR[cfg.adapter], warmup=warmup, seed=args.seed, progress=not args.json,
-                        parallel=args.parallel)
+                        parallel=args.parallel, checkpoint_every=args.checkpoint_every,
+                        out_dir=str(work_folder(args.out, args.workdir)))
     data = TrainingData(args.data, nsamples=args.nsamples, seqlen=args.seqlen, seed=args.seed)
     return FinetuneJob(args.quantized_dir, args.out, cfg, train, data=data, base_model=args.base_model,
                        evaluation=common.evaluation(args, args.eval_data), merge=args.merge, device=args.device,
-                       force=args.force, progress=not args.json)
+                       force=args.force, progress=not args.json, workdir=args.workdir, resume=not args.no_resume)
 
 
 def run(args: argparse.Namespace) -> dict:

@@ -17,17 +17,30 @@ guarantees that no document is ever in both splits.
   (``validation``, else ``test``) already separates the data, so ``train`` is the
   calibration split and the held-out one the evaluation split, whole; any other
   DatasetDict is split by row parity over ``train`` (else its first split).
+
+Limits, stated so that no input can make a read unbounded: a source file must be a
+regular file (a FIFO or a device such as ``/dev/zero`` is refused by name, never opened
+for reading) of at most `MAX_SOURCE_BYTES`, and one document (a .jsonl line, a .txt
+paragraph, a dataset row) at most `MAX_RECORD_CHARS`; a saved dataset is read row by row
+and stops at the same total. Reading stops as soon as a limit is passed, and binary
+content is refused from the first 8 KiB, before the rest is read.
 """
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
 from lowbit.errors import DataError
+from lowbit.io import open_regular, parse_json
 
 SPLITS = ("calib", "eval")
+# The whole text of a split is tokenized in one call (about 10-20x its size in memory), and
+# even a long training run needs far less: 256 MiB is about 60M tokens.
+MAX_SOURCE_BYTES = 256 << 20
+MAX_RECORD_CHARS = 16 << 20  # one document: a .jsonl line, a .txt paragraph, a dataset row
+_SOURCE_FIX = ("pass a regular UTF-8 .txt or .jsonl file, a saved HF dataset folder, or omit --data for the "
+               "bundled corpus")
 
 
 def bundled_documents() -> list[str]:
@@ -90,18 +103,35 @@ def split_texts(source: str | Path | None, split: str, tokenizer: Any = None) ->
 
 
 def _read_text(path: Path) -> str:
-    raw = path.read_bytes()
-    if b"\x00" in raw[:8192]:
-        raise DataError(f"{path} looks binary, not text; pass a UTF-8 .txt or .jsonl file")
+    """A text source's contents: a regular file, binary refused from its first 8 KiB, at most `MAX_SOURCE_BYTES`."""
+    with open_regular(path, DataError, _SOURCE_FIX) as f:
+        head = f.read(8192)
+        if b"\x00" in head:
+            raise DataError(f"{path} looks binary, not text; pass a UTF-8 .txt or .jsonl file")
+        raw = head + f.read(MAX_SOURCE_BYTES + 1 - len(head))
+    if len(raw) > MAX_SOURCE_BYTES:
+        raise DataError(f"{path} is larger than {MAX_SOURCE_BYTES >> 20} MiB, the most lowbit reads from a --data "
+                        "file (its whole text is tokenized at once); pass a sample of it — calibration needs only "
+                        "nsamples x seqlen tokens")
     try:
         return raw.decode("utf-8")
     except UnicodeDecodeError as e:
         raise DataError(f"{path} is not UTF-8 text ({e.reason} at byte {e.start}); convert it to UTF-8") from None
 
 
+def check_record(text: str, where: str) -> str:
+    """``text`` if it is within `MAX_RECORD_CHARS`, else one `DataError` naming the record and the limit."""
+    if len(text) > MAX_RECORD_CHARS:
+        raise DataError(f"{where} is a record of {len(text) / (1 << 20):.0f} MiB, over the limit of "
+                        f"{MAX_RECORD_CHARS >> 20} MiB per record (a .jsonl line, a .txt paragraph, a dataset row); "
+                        "split it into smaller records")
+    return text
+
+
 def _txt_documents(path: Path) -> list[str]:
     text = _read_text(path).replace("\r\n", "\n")
-    return [p.strip() for p in text.split("\n\n") if p.strip()]
+    return [check_record(p.strip(), f"{path}, paragraph {k + 1}") for k, p in enumerate(text.split("\n\n"))
+            if p.strip()]
 
 
 def jsonl_records(path: str | Path, split: str | None = None) -> list[tuple[int, dict]]:
@@ -115,17 +145,15 @@ def jsonl_records(path: str | Path, split: str | None = None) -> list[tuple[int,
     if split is not None and split not in SPLITS:
         raise DataError(f"unknown split {split!r}; use one of {SPLITS}")
     path = Path(path)
-    if not path.is_file():
+    if not path.exists():
         raise DataError(f"{path} does not exist; pass a .jsonl file with one JSON record per line")
     lines = [(i, line) for i, line in enumerate(_read_text(path).splitlines(), 1) if line.strip()]
     if split is not None:
         lines = lines[0::2] if split == "calib" else lines[1::2]
     out = []
     for i, line in lines:
-        try:
-            row = json.loads(line)
-        except ValueError as e:
-            raise DataError(f"{path}:{i} is not valid JSON ({e}); each line must be one JSON object") from None
+        row = parse_json(check_record(line, f"{path}:{i}"), f"{path}:{i}", DataError,
+                         "each line must be one JSON object")
         if not isinstance(row, dict):
             raise DataError(f"{path}:{i} is a JSON {type(row).__name__}, not an object; each line must be one "
                             "JSON object such as {\"text\": \"...\"}")
@@ -225,7 +253,16 @@ def _dataset_documents(path: Path, tokenizer: Any) -> list[str]:
 
 
 def _rows_text(ds: Any, tokenizer: Any, where: str) -> list[str]:
-    return [row_text(r, tokenizer, f"{where} row {i}") for i, r in enumerate(ds)]
+    """Each row's text, read row by row and stopped at the limits of a file source."""
+    out, total = [], 0
+    for i, r in enumerate(ds):
+        text = check_record(row_text(r, tokenizer, f"{where} row {i}"), f"{where} row {i}")
+        total += len(text)
+        if total > MAX_SOURCE_BYTES:
+            raise DataError(f"{where} holds more than {MAX_SOURCE_BYTES >> 20} MiB of text, the most lowbit reads "
+                            "from one --data source; save a sample of it (dataset.select(range(n)).save_to_disk)")
+        out.append(text)
+    return out
 
 
 def _first_line(e: BaseException) -> str:

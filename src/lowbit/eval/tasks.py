@@ -12,13 +12,23 @@
 
 Each kind of failure gets its own message: a YAML syntax error names the file and line,
 an unknown name lists close matches, and only a real dataset download failure says the
-data must be available offline. Task YAMLs may run Python (``!function``): like any
-lm-eval task, run only task files you trust.
+data must be available offline.
+
+Task files are data unless the user says otherwise. lm-eval runs Python from a task
+YAML in two ways: a ``!function`` tag imports a module beside it, and its Jinja
+templates (``doc_to_text``...) render in an unsandboxed environment that can reach
+Python's internals. So unless ``trust_code`` (``--trust-task-code``) is given, every
+task YAML — and every file it ``include``\ s — is scanned and one with ``!function`` is
+refused, and templates render in jinja2's sandbox. Registered task names are lm-eval's
+own installed tasks and run as lm-eval runs them.
 """
 
 from __future__ import annotations
 
+import contextlib
 import difflib
+import functools
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -41,28 +51,37 @@ class TaskSpecs:
     names: list[str] = field(default_factory=list)  # registered names still to check against the index
 
 
+TRUST_HINT = ("lowbit runs code from task files only with --trust-task-code: read the Python it names first, "
+              "then pass --trust-task-code (or use a task without it)")
+
+
 def zero_shot(model: Any, tokenizer: Any, tasks: list[str], limit: int | None = None,
-              batch_size: int = 8) -> dict:
-    """Accuracy-style metrics per task (see module docstring for what ``tasks`` may hold)."""
+              batch_size: int = 8, trust_code: bool = False) -> dict:
+    """Accuracy-style metrics per task (see module docstring for what ``tasks`` may hold).
+
+    trust_code: allow ``!function`` in task files and render their templates unsandboxed.
+    """
     try:
         import lm_eval
         from lm_eval.models.huggingface import HFLM
     except ModuleNotFoundError:
         raise LowbitError("zero-shot tasks need lm-eval: pip install 'lowbit[eval]'") from None
-    parsed = parse_tasks(tasks)
+    parsed = parse_tasks(tasks, trust_code)
     manager = task_manager(parsed)
     specs = resolve(parsed, manager)
     lm = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=batch_size)
     try:
-        out = lm_eval.simple_evaluate(model=lm, tasks=specs, task_manager=manager, limit=limit)
+        with contextlib.nullcontext() if trust_code else sandboxed_templates():
+            out = lm_eval.simple_evaluate(model=lm, tasks=specs, task_manager=manager, limit=limit)
     except Exception as e:  # noqa: BLE001 - lm-eval and datasets raise many types; classified below
         raise explain_failure(e, specs) from None
     return {task: {k: v for k, v in res.items() if isinstance(v, (int, float))}
             for task, res in out["results"].items()}
 
 
-def parse_tasks(tasks: list[str]) -> TaskSpecs:
-    """Sort ``--tasks`` entries into YAML files, folders and names; broken YAML is refused here."""
+def parse_tasks(tasks: list[str], trust_code: bool = False) -> TaskSpecs:
+    """Sort ``--tasks`` entries into YAML files, folders and names; broken YAML, and (unless
+    ``trust_code``) task files that would run Python, are refused here, before any model loads."""
     parsed = TaskSpecs()
     for raw in tasks:
         entry = raw.strip()
@@ -71,12 +90,12 @@ def parse_tasks(tasks: list[str]) -> TaskSpecs:
         path = Path(entry).expanduser()
         if path.is_dir():
             for f in _yaml_files(path):
-                check_yaml(f)
+                check_yaml(f, trust_code)
             parsed.folders.append(path.resolve())
         elif path.is_file():
             if path.suffix.lower() not in _YAML_SUFFIXES:
                 raise ConfigError(f"task file {path} is not a .yaml/.yml lm-eval task config")
-            check_yaml(path)
+            check_yaml(path, trust_code)
             parsed.specs.append(str(path.resolve()))
         elif path.suffix.lower() in _YAML_SUFFIXES or "/" in entry or "\\" in entry:
             raise ConfigError(f"task file or folder {entry} does not exist; pass an existing task YAML, a folder of "
@@ -88,18 +107,31 @@ def parse_tasks(tasks: list[str]) -> TaskSpecs:
     return parsed
 
 
-def check_yaml(path: Path) -> None:
+def check_yaml(path: Path, trust_code: bool = False) -> None:
     """Parse a task YAML so a syntax error is reported as one, with its line.
 
     lm-eval's index skips files it cannot parse, which would turn a typo into an
-    "unknown task"; lm-eval's own tags (``!function``) are accepted without running them.
+    "unknown task". Tags (``!function``) are recorded, never run: without ``trust_code``
+    a file that has one, or includes one that has, is refused.
     """
+    cfg = _load_yaml(path, trust_code, seen=set())
+    if not isinstance(cfg, dict) or not ({"task", "group", "tag", "include"} & set(cfg)):
+        raise ConfigError(f"task file {path} is not an lm-eval task config (it needs a 'task' or 'group' key)")
+
+
+def _load_yaml(path: Path, trust_code: bool, seen: set[Path]) -> Any:
+    """One task YAML parsed with its tags recorded; its ``include`` files are scanned too (as lm-eval loads them)."""
     import yaml
+
+    tags: list[tuple[str, str, int]] = []
 
     class _Loader(yaml.SafeLoader):
         pass
 
-    _Loader.add_multi_constructor("!", lambda loader, suffix, node: None)
+    def record(loader: Any, suffix: str, node: Any) -> None:
+        tags.append((node.tag, str(getattr(node, "value", ""))[:80], node.start_mark.line + 1))
+
+    _Loader.add_multi_constructor("!", record)
     try:
         cfg = yaml.load(path.read_text(encoding="utf-8"), Loader=_Loader)
     except yaml.YAMLError as e:
@@ -109,8 +141,66 @@ def check_yaml(path: Path) -> None:
         raise ConfigError(f"task file {path} has a YAML syntax error{where}: {what}; fix the file") from None
     except (OSError, UnicodeDecodeError) as e:
         raise ConfigError(f"cannot read task file {path} ({e})") from None
-    if not isinstance(cfg, dict) or not ({"task", "group", "tag", "include"} & set(cfg)):
-        raise ConfigError(f"task file {path} is not an lm-eval task config (it needs a 'task' or 'group' key)")
+    if tags and not trust_code:
+        tag, value, line = tags[0]
+        raise ConfigError(f"task file {path} runs Python ({tag} {value} at line {line}); {TRUST_HINT}")
+    seen.add(path.resolve())
+    for inc in _includes(cfg, path):
+        if inc.resolve() not in seen:
+            if not inc.is_file():
+                raise ConfigError(f"task file {path} includes {inc}, which does not exist; fix the include")
+            _load_yaml(inc, trust_code, seen)
+    return cfg
+
+
+def _includes(cfg: Any, path: Path) -> list[Path]:
+    """The files a task YAML's ``include`` names, resolved as lm-eval resolves them (as given, else beside it)."""
+    names = cfg.get("include") if isinstance(cfg, dict) else None
+    names = [names] if isinstance(names, str) else names if isinstance(names, list) else []
+    out = []
+    for name in names:
+        if isinstance(name, str):
+            p = Path(name)
+            out.append(p if p.is_file() else path.parent / name)
+    return out
+
+
+@contextlib.contextmanager
+def sandboxed_templates() -> Iterator[None]:
+    """Render lm-eval's Jinja templates in jinja2's sandbox for the body.
+
+    lm-eval renders ``doc_to_text`` and the other templates with a plain Jinja
+    environment, where ``{{ cycler.__init__.__globals__.os }}`` reaches the os module.
+    The sandbox refuses such attribute access while ordinary templates render the
+    same. Every lm-eval module that bound lm-eval's ``apply_template`` gets the
+    sandboxed one until the body ends.
+    """
+    import sys
+
+    import lm_eval.utils as lm_utils
+    from jinja2 import BaseLoader, StrictUndefined
+    from jinja2.sandbox import SandboxedEnvironment
+
+    original = lm_utils.apply_template
+    env = SandboxedEnvironment(loader=BaseLoader(), undefined=StrictUndefined, keep_trailing_newline=True)
+    plain = getattr(lm_utils, "env", None) or getattr(original, "_env", None)
+    env.filters.update(getattr(plain, "filters", {}))
+    if "regex_replace" not in env.filters and hasattr(lm_utils, "regex_replace"):
+        env.filters["regex_replace"] = lm_utils.regex_replace
+    compile_ = functools.lru_cache(maxsize=256)(env.from_string)
+
+    def apply_template(template: str, doc: dict) -> str:
+        return compile_(template).render(**doc)
+
+    bound = [(m, name) for m in list(sys.modules.values()) if getattr(m, "__name__", "").startswith("lm_eval")
+             for name, v in list(vars(m).items()) if v is original]
+    for m, name in bound:
+        setattr(m, name, apply_template)
+    try:
+        yield
+    finally:
+        for m, name in bound:
+            setattr(m, name, original)
 
 
 def _yaml_files(folder: Path) -> list[Path]:
@@ -161,6 +251,9 @@ def folder_tasks(manager: Any, folder: Path) -> list[str]:
 def explain_failure(e: BaseException, specs: list[str]) -> LowbitError:
     """One clear error for an lm-eval failure; "offline" only when a download really failed."""
     first = _first_line(e)
+    if _in_chain(e, {"SecurityError"}):
+        return ConfigError(f"a template of {specs} tries to reach Python's internals ({first}); lowbit renders task "
+                           f"templates in a sandbox. {TRUST_HINT}")
     if _is_download_error(e):
         return DataError(f"lm-eval could not get the dataset of {specs} ({first}); with no network, a task's data "
                          "must already be in the Hugging Face datasets cache, or be a local file (a task YAML with "
@@ -172,11 +265,16 @@ def explain_failure(e: BaseException, specs: list[str]) -> LowbitError:
 
 
 def _is_download_error(e: BaseException) -> bool:
+    return _in_chain(e, _DOWNLOAD_ERRORS)
+
+
+def _in_chain(e: BaseException, names: set[str]) -> bool:
+    """Whether an exception of a class named in ``names`` is anywhere in ``e``'s cause chain."""
     seen: set[int] = set()
     cur: BaseException | None = e
     while cur is not None and id(cur) not in seen:
         seen.add(id(cur))
-        if any(c.__name__ in _DOWNLOAD_ERRORS for c in type(cur).__mro__):
+        if any(c.__name__ in names for c in type(cur).__mro__):
             return True
         cur = cur.__cause__ or cur.__context__
     return False

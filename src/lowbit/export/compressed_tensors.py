@@ -44,6 +44,7 @@ weights an engine decompresses are the ones lowbit evaluated:
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -52,12 +53,19 @@ import torch
 from safetensors.torch import save_file
 from torch import nn
 
-from lowbit.errors import LowbitError, SchemeError
+from lowbit.errors import SchemeError
+from lowbit.export.specs import LayerSpec, from_model, refuse_rotations
 from lowbit.formats import InputScheme, QTensor, Scheme
+from lowbit.formats.finite import require_finite
 from lowbit.formats.inputs import encode_scale
 from lowbit.io import atomic_dir
+from lowbit.models.compressed import load_decompressed, require_compressed_tensors
+from lowbit.models.fused import fused_groups
+from lowbit.models.native import WRITE_FIX
 from lowbit.nn import QuantLinear, quant_layers
 from lowbit.nn.input_rotation import refuse_online_rotations
+
+__all__ = ["export", "load_decompressed", "target_for"]
 
 WEIGHTS = "model.safetensors"
 PACK = "pack-quantized"
@@ -71,17 +79,15 @@ HOLDS = ("INT 2..8 bit, symmetric (full-range or classic) or asymmetric, per gro
          "any rule incl. 4-over-6) -> nvfp4-pack-quantized; MXFP4 (E2M1, block 32, E8M0 scales) -> "
          "mxfp4-pack-quantized; FP8 per row (fp8) -> float-quantized; MXFP8 (E4M3, block 32, E8M0) -> "
          "mxfp8-quantized")
+# where vLLM refuses a group that does not divide the row (raised for tensor_parallel_size 1 too)
+VLLM_WHOLE_GROUPS = "vllm/distributed/utils.py, verify_group_size_divides_partition, from CompressedTensorsWNA16"
 INPUT_HOLDS = ("int8 / fp8 per token (dynamic), int8-static / fp8-static per tensor, mxfp4 / mxfp8 with "
                "round=even (the E8M0 rule compressed-tensors computes), nvfp4 with abs-max E4M3 block scales "
                "and its static tensor scale (no guard, no 4-over-6 / span: engines compute abs-max scales)")
 
 
 def _ct():
-    try:
-        import compressed_tensors  # noqa: F401
-    except ImportError:
-        raise LowbitError("compressed-tensors export needs the `compressed-tensors` package; "
-                          "`pip install compressed-tensors` (or lowbit[export])") from None
+    require_compressed_tensors()
     from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
     from compressed_tensors.quantization import QuantizationArgs, QuantizationConfig, QuantizationScheme
 
@@ -105,8 +111,11 @@ def target_for(scheme: Scheme, in_features: int, where: str = "layer") -> Target
                           f"or re-quantize with one of: {HOLDS}")
     g = scheme.group_for(in_features)
     if in_features % g:
-        raise SchemeError(f"{where}: group {g} does not divide {in_features} columns; compressed-tensors "
-                          f"needs whole groups. It holds: {HOLDS}")
+        raise SchemeError(f"{where}: group {g} does not divide its {in_features} columns, and vLLM, the engine "
+                          f"compressed-tensors files are for, refuses a partial last group ({VLLM_WHOLE_GROUPS}); "
+                          f"re-quantize with a group that divides "
+                          f"every row (here {dividing_group(g, in_features)}, e.g. "
+                          f"{scheme.replace(group_size=dividing_group(g, in_features)).name})")
     if scheme.elem == "int":
         strategy = "channel" if scheme.group_size == -1 else "group"
         return Target(PACK, {"num_bits": scheme.bits, "type": "int", "symmetric": scheme.sym,
@@ -124,6 +133,13 @@ def target_for(scheme: Scheme, in_features: int, where: str = "layer") -> Target
                               "group_size": 32, "scale_dtype": torch.uint8})
     raise SchemeError(f"{where}: scheme {scheme.name} has no compressed-tensors format. It holds: {HOLDS}. "
                       "Re-quantize with one of those (e.g. w4g128, w8, nvfp4, nvfp4-46)")
+
+
+def dividing_group(g: int, cols: int) -> int:
+    """The largest power-of-two group no wider than ``g`` that divides ``cols`` (the nearest exportable one)."""
+    while g > 1 and (cols % g or g & (g - 1)):
+        g -= 1
+    return g
 
 
 def input_args(inp: InputScheme, where: str = "layer") -> dict[str, Any]:
@@ -145,16 +161,51 @@ def input_args(inp: InputScheme, where: str = "layer") -> dict[str, Any]:
                       "mxfp4@mxfp4:round=even), or export a weight-only recipe")
 
 
-def layer_target(layer: QuantLinear, where: str = "layer") -> Target:
-    """The weight target of a layer, with its input args (and the int8 layout W8A8 kernels read)."""
-    t = target_for(layer.scheme, layer.in_features, where)
-    iq = layer.input_quant
-    if iq is None:
+def recipe_target(scheme: Scheme, inp: InputScheme | None, in_features: int, where: str = "layer") -> Target:
+    """The weight target of a recipe, with its input args (and the int8 layout W8A8 kernels read)."""
+    t = target_for(scheme, in_features, where)
+    if inp is None:
         return t
     fmt = t.format
-    if fmt == PACK and layer.scheme.bits == 8 and layer.scheme.group_size == -1 and layer.scheme.sym:
+    if fmt == PACK and scheme.bits == 8 and scheme.group_size == -1 and scheme.sym:
         fmt = INT8
-    return Target(fmt, t.args, input_args(iq.scheme, where))
+    return Target(fmt, t.args, input_args(inp, where))
+
+
+def layer_target(layer: QuantLinear, where: str = "layer") -> Target:
+    return recipe_target(layer.scheme, None if layer.input_quant is None else layer.input_quant.scheme,
+                         layer.in_features, where)
+
+
+def check_specs(specs: list[LayerSpec]) -> None:
+    """Refuse, before any weight is read, a plan compressed-tensors cannot hold: how many layers, the first reason."""
+    refuse_rotations(specs, "compressed-tensors")
+    bad = []
+    for sp in specs:
+        try:
+            recipe_target(sp.scheme, sp.input, sp.in_features, sp.name)
+        except SchemeError as e:
+            bad.append(str(e))
+    if len(bad) == 1:
+        raise SchemeError(bad[0])
+    if bad:
+        raise SchemeError(f"compressed-tensors cannot hold {len(bad)} of the {len(specs)} quantized layers; the "
+                          f"first: {bad[0]}")
+
+
+def vllm_fused_notes(specs: list[LayerSpec]) -> list[str]:
+    """Fused matmuls (q/k/v, gate/up) whose parts have different recipes: vLLM loads one scheme per fused
+    layer (the first part's), so such a file loads in transformers but not in vLLM."""
+    by_name = {s.name: s for s in specs}
+    notes = []
+    for group in fused_groups(by_name):
+        kinds = {(by_name[n].scheme, by_name[n].input) for n in group}
+        if len(kinds) > 1:
+            notes.append(f"{', '.join(group)} have different recipes ("
+                         f"{', '.join(by_name[n].scheme.name for n in group)}); vLLM runs them as one matmul with "
+                         f"one scheme and cannot load this file (transformers can); give them one recipe "
+                         f"(mixed precision: --tie-qkv ties q/k/v)")
+    return notes
 
 
 def input_tensors(layer: QuantLinear) -> dict[str, torch.Tensor]:
@@ -262,8 +313,14 @@ def export(model: nn.Module, tokenizer: Any, out: str | Path, force: bool = Fals
     if not qlayers:
         raise SchemeError("the model has no quantized layers; export a checkpoint made by `lowbit quantize`")
     refuse_online_rotations(model, "compressed-tensors")
+    specs = from_model(model)
+    check_specs(specs)
+    for note in vllm_fused_notes(specs):
+        warnings.warn(note, stacklevel=2)
     targets = {n: layer_target(m, n) for n, m in qlayers.items()}
     tensors = _state_tensors(model, qlayers, targets)
+    check_fused_scales(tensors, list(qlayers))
+    require_finite(tensors.items(), f"cannot export {out}", WRITE_FIX)
     ignore = [n for n, m in model.named_modules() if isinstance(m, nn.Linear) and n not in qlayers]
     qconfig = build_config(targets, ignore)
     config = model.config
@@ -277,6 +334,24 @@ def export(model: nn.Module, tokenizer: Any, out: str | Path, force: bool = Fals
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
     return Path(out)
+
+
+def check_fused_scales(tensors: dict[str, torch.Tensor], names: list[str]) -> None:
+    """Refuse to write fused parts (q/k/v, gate/up) whose NVFP4 global scales differ.
+
+    vLLM keeps one global scale per fused layer, the largest stored (its compressed-tensors
+    NVFP4 scheme, ``process_weights_after_loading``, every kernel): parts made with their own
+    would be served off by the ratio, with only a warning in vLLM's log. lowbit quantizes the
+    parts with a shared scale (`lowbit.models.fused`); a checkpoint made before that is refused.
+    """
+    for group in fused_groups(names):
+        for key in ("weight_global_scale", "input_global_scale"):
+            vals = [tensors.get(f"{n}.{key}") for n in group]
+            if all(v is not None for v in vals) and not all(torch.equal(v, vals[0]) for v in vals):
+                raise SchemeError(f"{', '.join(group)} have different NVFP4 {key}s "
+                                  f"({', '.join(f'{float(v):.6g}' for v in vals)}), but vLLM runs them as one matmul "
+                                  "with one global scale (the largest) and would serve wrong weights; re-quantize "
+                                  "with this lowbit, which gives the parts of a fused matmul one shared scale")
 
 
 def _state_tensors(model: nn.Module, qlayers: dict, targets: dict[str, Target]) -> dict[str, torch.Tensor]:
@@ -303,34 +378,3 @@ def _narrow(t: torch.Tensor) -> torch.Tensor:
         if torch.equal(half.float(), t):
             return half.contiguous()
     return t.contiguous()
-
-
-def load_decompressed(path: str | Path, dtype: torch.dtype = torch.float32) -> nn.Module:
-    """Load a compressed-tensors folder with transformers and decompress every layer on CPU.
-
-    transformers' own ``dequantize=True`` path decompresses all dense layers with one
-    config group's scheme, so a mixed plan would fail there; loading compressed and
-    calling compressed-tensors' ``decompress_module`` per layer uses each layer's scheme.
-    Layers with ``input_activations`` keep compressed-tensors' forward, which quantizes
-    their inputs as the config says (its CPU reference of what an engine computes).
-    """
-    _ct()
-    from compressed_tensors.compressors.base import decompress_module
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
-    for module in model.modules():
-        weight = getattr(module, "weight", None)
-        stored = hasattr(module, "weight_packed") or (
-            weight is not None and weight.dtype in (torch.int8, torch.float8_e4m3fn))
-        scheme = getattr(module, "quantization_scheme", None)
-        if scheme is not None and stored:
-            # a layer with input_activations keeps compressed-tensors' quantized forward (its
-            # inputs are fake-quantized at run time); weight-only layers become plain Linears
-            decompress_module(module, leave_decompressed=scheme.input_activations is not None)
-    hook = getattr(model, "ct_decompress_hook", None)
-    if hook is not None:  # decompressed above, layer by layer: a second pass on first forward would fail
-        hook.remove()
-    for p in model.parameters():
-        p.data = p.data.to(dtype) if p.is_floating_point() else p.data
-    return model.eval()

@@ -46,7 +46,9 @@ from torch import nn
 
 from lowbit.errors import LowbitError, ModelError, SchemeError
 from lowbit.export.gguf_kquants import pack_kquant
+from lowbit.export.specs import LayerSpec, from_model, refuse_rotations
 from lowbit.formats import QTensor, Scheme
+from lowbit.formats.finite import require_finite
 from lowbit.io import atomic_file
 from lowbit.nn import quant_layers
 from lowbit.nn.input_rotation import refuse_online_rotations
@@ -94,6 +96,8 @@ def exact_type(scheme: Scheme, in_features: int) -> str | None:
     if scheme.super_block:
         return f"Q{scheme.bits}_K" if in_features % 256 == 0 else None
     if in_features % 32 or scheme.group_for(in_features) != 32:
+        return None
+    if scheme.elem == "int" and scheme.scale != "fp16":  # the legacy types store fp16 scales (fp32: a wide layer)
         return None
     if scheme.elem == "int" and scheme.bits in (4, 5):
         return f"Q{scheme.bits}_0" if scheme.sym else f"Q{scheme.bits}_1"
@@ -164,7 +168,8 @@ def pack_blocks(q: QTensor, qtype: str, where: str = "layer") -> np.ndarray:
 def requantize(w: torch.Tensor, qtype: str) -> np.ndarray:
     """The gguf package's own quantizer on lowbit's dequantized weight (``allow_requant`` only)."""
     gguf = _gguf()
-    return gguf.quants.quantize(w.float().numpy(), gguf.GGMLQuantizationType[qtype])
+    with np.errstate(over="ignore", invalid="ignore"):  # a scale fp16 cannot hold: `written_values` names it
+        return gguf.quants.quantize(w.float().numpy(), gguf.GGMLQuantizationType[qtype])
 
 
 # ------------------------------------------------------------- permutation
@@ -204,7 +209,11 @@ def _rope_theta(config: Any) -> float:
 
 def arch_of(config: Any) -> Arch:
     """The llama.cpp architecture of a model config; anything else is refused, naming the supported list."""
-    kind = getattr(config, "model_type", None)
+    return arch_for(getattr(config, "model_type", None))
+
+
+def arch_for(kind: str | None) -> Arch:
+    """The llama.cpp architecture of a ``model_type``; anything else is refused, naming the supported list."""
     if kind not in ARCH_MAP:
         raise ModelError(f"GGUF export supports {', '.join(ARCHS)} models, not {kind!r}; export this model "
                          "with --to compressed-tensors, or quantize a model of a supported architecture")
@@ -311,35 +320,41 @@ class TensorPlan:
     exact: bool
 
 
-def plan_types(model: nn.Module, allow_requant: bool = False) -> dict[str, TensorPlan]:
-    """GGUF type per quantized layer; refuses inexact ones unless ``allow_requant``."""
-    out: dict[str, TensorPlan] = {}
-    bad, rounded = [], []
-    refuse_online_rotations(model, "GGUF")
-    acts = [f"{n} ({m.input_quant.scheme.name})" for n, m in quant_layers(model).items()
-            if getattr(m, "input_quant", None) is not None]
+def check_specs(specs: list[LayerSpec], allow_requant: bool = False) -> None:
+    """Refuse, before any weight is read, a plan GGUF cannot hold: rotated or quantized inputs, and (unless
+    ``allow_requant``) schemes without an exact GGUF type. Q4_1's fp16 minimum is checked on the numbers later."""
+    refuse_rotations(specs, "GGUF")
+    acts = [f"{s.name} ({s.input.name})" for s in specs if s.input is not None]
     if acts:  # --allow-requant cannot help: no GGUF type says anything about activations
         raise SchemeError(f"GGUF cannot hold activation quantization ({len(acts)} layer(s) quantize their inputs, "
                           f"e.g. {acts[0]}): llama.cpp runs the quantized weights with unquantized inputs. GGUF "
                           f"holds weight-only layers: {'; '.join(EXACT)}. Export this recipe with --to "
                           "compressed-tensors, or re-quantize weight-only")
+    bad = [f"{s.name} ({s.scheme.name}, {s.in_features} columns)" for s in specs
+           if exact_type(s.scheme, s.in_features) is None]
+    if bad and not allow_requant:
+        raise SchemeError(f"no exact GGUF type for {len(bad)} layer(s), e.g. {', '.join(bad[:3])}. GGUF types "
+                          f"lowbit maps exactly: {'; '.join(EXACT)}. Re-quantize with one of those (K-quants need "
+                          "rows that are multiples of 256: the mixes such as q4_k_m pick llama.cpp's fallback "
+                          "types themselves), or pass --allow-requant to let gguf re-quantize them (numbers change)")
+
+
+def plan_types(model: nn.Module, allow_requant: bool = False) -> dict[str, TensorPlan]:
+    """GGUF type per quantized layer; refuses inexact ones unless ``allow_requant``."""
+    out: dict[str, TensorPlan] = {}
+    rounded = []
+    refuse_online_rotations(model, "GGUF")
+    check_specs(from_model(model), allow_requant)
     for name, layer in quant_layers(model).items():
         t = exact_type(layer.scheme, layer.in_features)
         exact = t is not None and (t not in ("Q4_1", "Q5_1") or q4_1_exact(layer.qweight))
-        if t is None:
-            bad.append(f"{name} ({layer.scheme.name}, {layer.in_features} columns)")
-        elif not exact:
+        if t is not None and not exact:
             rounded.append(name)
         out[name] = TensorPlan(name, t or requant_type(layer.scheme), exact)
     if rounded and not allow_requant:
         raise SchemeError(f"{len(rounded)} asymmetric layer(s), e.g. {rounded[0]}: Q4_1/Q5_1 store the block "
                           "minimum in fp16 and -zero*scale is not an fp16 number for some groups, so the export "
                           "would change the weights; pass --allow-requant to round it, or use a symmetric scheme")
-    if bad and not allow_requant:
-        raise SchemeError(f"no exact GGUF type for {len(bad)} layer(s), e.g. {', '.join(bad[:3])}. GGUF types "
-                          f"lowbit maps exactly: {'; '.join(EXACT)}. Re-quantize with one of those (K-quants need "
-                          "rows that are multiples of 256: the mixes such as q4_k_m pick llama.cpp's fallback "
-                          "types themselves), or pass --allow-requant to let gguf re-quantize them (numbers change)")
     return out
 
 
@@ -357,13 +372,28 @@ def verify_blocks(raw: np.ndarray, qtype: str, want: torch.Tensor, where: str) -
     Exactly = every float32 value equal (the K-quants agree to the bit; MXFP4's negative-zero
     code dequantizes to -0.0 in lowbit and +0.0 in gguf-py, the same number).
     """
-    gguf = _gguf()
-    got = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType[qtype]).reshape(want.shape)
+    got = written_values(raw, qtype, tuple(want.shape), where)
     w = want.detach().float().contiguous().numpy()
     if not np.array_equal(got, w):
         bad = int((got != w).sum())
         raise LowbitError(f"{where}: the {qtype} blocks lowbit packed dequantize differently from its own weights "
                           f"at {bad} of {w.size} values; nothing was written (this is a lowbit bug: please report)")
+
+
+def written_values(raw: np.ndarray, qtype: str, shape: tuple[int, ...], where: str) -> np.ndarray:
+    """What llama.cpp will read from ``raw`` (gguf-py's dequantization), refused if any value is not finite.
+
+    GGUF block types store fp16 scales: a weight needing a larger scale (fp32-scaled layers
+    re-quantized with --allow-requant) would become inf there, so it is caught here,
+    before the file is renamed into place.
+    """
+    gguf = _gguf()
+    with np.errstate(over="ignore", invalid="ignore"):
+        got = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType[qtype]).reshape(shape)
+    require_finite([(where, got)], "GGUF export", f"nothing was written: {qtype} stores fp16 block scales, which "
+                   "cannot hold this layer's weights; export it with --to compressed-tensors, or keep the layer in "
+                   "16 bits with a plan")
+    return got
 
 
 def _layer_array(layer: Any, name: str, plan: TensorPlan, config: Any, arch: Arch) -> tuple[np.ndarray, str]:
@@ -379,9 +409,13 @@ def _layer_array(layer: Any, name: str, plan: TensorPlan, config: Any, arch: Arc
     if exact_type(q.scheme, q.shape[1]) == plan.qtype:  # Q4_1 / Q5_1 with a rounded fp16 min (allow_requant)
         if rows is not None:
             q = permute_qtensor(q, rows)
-        return pack_blocks(q, plan.qtype, name), plan.qtype
+        raw = pack_blocks(q, plan.qtype, name)
+        written_values(raw, plan.qtype, q.shape, name)
+        return raw, plan.qtype
     w = q.dequantize()
-    return requantize(w if rows is None else w[rows], plan.qtype), plan.qtype
+    raw = requantize(w if rows is None else w[rows], plan.qtype)
+    written_values(raw, plan.qtype, tuple(w.shape), name)
+    return raw, plan.qtype
 
 
 def dense_blocks(t: torch.Tensor, allow_f16: bool = False) -> tuple[np.ndarray, str]:
@@ -435,7 +469,8 @@ def export(model: nn.Module, tokenizer: Any, out: str | Path, force: bool = Fals
     types = plan_types(model, allow_requant)
     qlayers = quant_layers(model)
     name_map = _tensor_name_map(arch, config)
-    with atomic_file(out) as tmp:
+    # asked again at the rename: a file that appeared (or was swapped in) meanwhile is replaced only if lowbit's
+    with atomic_file(out, may_replace=lambda p: force and written_by_lowbit(p)) as tmp:
         writer = gguf.GGUFWriter(str(tmp), arch.gguf)
         add_model_metadata(writer, config, name, arch, file_type)
         if source_gguf is not None:
@@ -473,6 +508,9 @@ def _add_tensors(writer: Any, model: nn.Module, qlayers: dict, types: dict[str, 
             continue
         seen.add(ident)
         arr, kind = _dense_tensor(key, t, model.config, arch, allow_f16)
+        require_finite([(key, t), (key, arr)], "GGUF export", "nothing was written: "
+                       + ("F16 cannot hold this tensor's values; drop --allow-requant" if kind.endswith("(rounded)")
+                          else "the checkpoint's weights are not finite; re-create it"))
         if kind.endswith("(rounded)"):
             rounded.append(key)
             kind = "F16"

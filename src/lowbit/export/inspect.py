@@ -10,7 +10,6 @@ decoder Linears a plan left in 16 bits count 16, as in `lowbit quantize`'s figur
 
 from __future__ import annotations
 
-import json
 import re
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -49,14 +48,22 @@ def detect(path: str | Path) -> str:
         return NATIVE
     cfg = p / "config.json"
     if cfg.is_file():
-        try:
-            qc = json.loads(cfg.read_bytes().decode("utf-8")).get("quantization_config") or {}
-        except (ValueError, AttributeError) as e:
-            raise CheckpointError(f"{cfg} is not a valid config.json ({str(e)[:80]}); re-create the export") from None
-        if isinstance(qc, dict) and qc.get("quant_method") == CT:
+        qc = _quantization_config(cfg)
+        if qc.get("quant_method") == CT:
             return CT
     raise CheckpointError(f"{p} is neither a lowbit checkpoint (lowbit.json), a compressed-tensors folder "
                           "(config.json quant_method) nor a GGUF file")
+
+
+def _quantization_config(cfg: Path) -> dict:
+    """The ``quantization_config`` object of a config.json (empty when it has none)."""
+    from lowbit.io import read_json
+
+    d = read_json(cfg, CheckpointError, "it is not a valid config.json — re-create the export")
+    qc = d.get("quantization_config") if isinstance(d, dict) else None
+    if not isinstance(d, dict) or not isinstance(qc or {}, dict):
+        raise CheckpointError(f"{cfg} is not a valid config.json (no JSON object); re-create the export")
+    return qc or {}
 
 
 def _headers(folder: Path) -> dict[str, tuple[list[int], str]]:
@@ -113,7 +120,7 @@ def _dense_linear_weights(shapes: dict[str, list[int]], quantized: set[str]) -> 
 
 
 def inspect_native(folder: Path) -> tuple[list[LayerInfo], int]:
-    from lowbit.formats import InputScheme, Scheme
+    from lowbit.formats import InputScheme
     from lowbit.models.native import read_manifest, verify
 
     manifest = read_manifest(folder)
@@ -123,14 +130,43 @@ def inspect_native(folder: Path) -> tuple[list[LayerInfo], int]:
     layers, qkeys = [], set()
     for name, spec in manifest["layers"].items():
         shape = (int(spec["shape"][0]), int(spec["shape"][1]))
+        scheme = _scheme(folder, name, spec)
+        _check_stored(folder, name, shape, scheme, headers)
         inp = spec.get("input")
         label = None if inp is None else InputScheme.from_dict(dict(inp)).name
         amax = _amax(folder, name) if f"{name}.input_amax" in headers else None
-        layers.append(LayerInfo(name, Scheme.from_dict(spec["scheme"]).name, shape,
-                                _layer_bits(headers, name, keys, shape), label, amax))
+        layers.append(LayerInfo(name, scheme.name, shape, _layer_bits(headers, name, keys, shape), label, amax))
         qkeys |= {f"{name}.{k}" for k in (*keys, "input_amax")}
+    stray = sorted(k for k in headers if k.endswith(".codes") and k[: -len(".codes")] not in manifest["layers"])
+    if stray:
+        raise CheckpointError(f"{folder / 'model.safetensors'} stores quantized codes {stray[0]} that lowbit.json "
+                              "does not list; the checkpoint was edited or damaged — re-create it")
     # tied copies (manifest aliases) are stored once, as an fp16 export would store them
     return layers, _dense_params(headers, qkeys) + sum(i.shape[0] * i.shape[1] for i in layers)
+
+
+def _scheme(folder: Path, name: str, spec: dict) -> Any:
+    from lowbit.errors import SchemeError
+    from lowbit.formats import Scheme
+
+    try:
+        return Scheme.from_dict(spec["scheme"])
+    except (SchemeError, TypeError, ValueError) as e:
+        raise CheckpointError(f"{folder / 'lowbit.json'}, layer {name}: its scheme cannot be read ({e}); the "
+                              "checkpoint was edited or damaged — re-create it") from None
+
+
+def _check_stored(folder: Path, name: str, shape: tuple[int, int], scheme: Any, headers: dict) -> None:
+    """The stored parts of a layer have the shapes its manifest entry implies (from the header alone)."""
+    from lowbit.formats.qtensor import packed_shapes
+
+    for part, want in packed_shapes(shape, scheme).items():
+        got = headers.get(f"{name}.{part}")
+        if got is None or tuple(got[0]) != want:
+            have = "missing" if got is None else f"of shape {list(got[0])}"
+            raise CheckpointError(f"layer {name}: its stored {part} is {have}, but lowbit.json says {list(shape)} "
+                                  f"with {scheme.name}, which stores {list(want)}; the checkpoint was edited or "
+                                  "damaged — re-create it")
 
 
 def _amax(folder: Path, name: str) -> float:
@@ -160,7 +196,7 @@ def _ct_label(weights: dict, fmt: str) -> str:
 def inspect_ct(folder: Path) -> tuple[list[LayerInfo], int]:
     from safetensors import safe_open
 
-    qc = json.loads((folder / "config.json").read_text())["quantization_config"]
+    qc = _quantization_config(folder / "config.json")
     headers = _headers(folder)
     label, inputs = {}, {}
     for group in qc.get("config_groups", {}).values():

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import torch
 
+from lowbit.errors import SchemeError
 from lowbit.formats import fp8, rules
 from lowbit.formats.groups import to_groups
 from lowbit.formats.qtensor import QTensor
@@ -68,11 +69,12 @@ def _block_weight(imp: torch.Tensor | None, cols: int, g: int, s: Scheme) -> tor
 
 
 def quantize_fp(w: torch.Tensor, s: Scheme, imp: torch.Tensor | None = None,
-                window: int | None = rules.BRUTE_WINDOW) -> QTensor:
+                window: int | None = rules.BRUTE_WINDOW, tensor_scale: torch.Tensor | None = None) -> QTensor:
     """Quantize ``w [out, in]`` to an FP block format (E2M1 or E4M3 elements).
 
     imp: importance per input column for ``rule='search'`` (None = plain MSE).
     window: brute force only: codes each side of the abs-max scale (None = all codes).
+    tensor_scale: ``enc`` given (a fused group's shared one) instead of computed from ``w``.
     """
     out, cols = w.shape
     g = s.group_for(cols)
@@ -80,7 +82,7 @@ def quantize_fp(w: torch.Tensor, s: Scheme, imp: torch.Tensor | None = None,
     x = to_groups(w.detach().float(), g)
     a = x.abs()
     amax = a.amax(-1)
-    enc = rules.tensor_encode(amax.amax(), s, elem)
+    enc = rules.tensor_encode(amax.amax(), s, elem) if tensor_scale is None else given_encode(tensor_scale, s, w)
     hp = rules.absmax_hp(amax, s, elem)
     if enc is not None:
         a, hp = a * enc, hp * enc  # amax / 6 * enc: the NVFP4 recipe's order of operations
@@ -94,6 +96,16 @@ def quantize_fp(w: torch.Tensor, s: Scheme, imp: torch.Tensor | None = None,
     if s.guard:
         r = _revive_underflowed(x.abs(), amax, r, elem)
     return QTensor(encode_codes(x, r, s.elem), sc, None, enc, (out, cols), s)
+
+
+def given_encode(tensor_scale: torch.Tensor, s: Scheme, w: torch.Tensor) -> torch.Tensor:
+    """A tensor scale handed in, checked: only schemes with one take it, and it must be positive and finite."""
+    if not s.tensor_scale:
+        raise SchemeError(f"scheme {s.name} has no tensor scale; quantize it without one")
+    enc = tensor_scale.detach().float().reshape(()).to(w.device).clone()  # each layer owns its buffer
+    if not bool(torch.isfinite(enc)) or float(enc) <= 0:
+        raise SchemeError(f"a tensor scale must be positive and finite, got {float(enc)}")
+    return enc
 
 
 def _revive_underflowed(a: torch.Tensor, amax: torch.Tensor, r: torch.Tensor, elem) -> torch.Tensor:

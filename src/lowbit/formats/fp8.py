@@ -152,8 +152,10 @@ def cast_scale(x: torch.Tensor, fmt: str, e8m0_round: str = "floor") -> torch.Te
         return round_e8m0(x, e8m0_round)
     if fmt == "fp32":
         return x.float()
-    if fmt in ("fp16", "bf16"):
-        return x.to(torch.float16 if fmt == "fp16" else torch.bfloat16).float()
+    if fmt in ("fp16", "bf16"):  # saturating, as the minifloats: an inf scale would make NaN weights
+        dt = torch.float16 if fmt == "fp16" else torch.bfloat16
+        big = torch.finfo(dt).max
+        return x.clamp(-big, big).to(dt).float()
     raise SchemeError(f"unknown scale format {fmt!r}; use e4m3, ue5m3, e8m0, fp16, bf16 or fp32")
 
 
@@ -173,6 +175,15 @@ def smallest_scale(fmt: str) -> float:
     if fmt == "e8m0":
         return 2.0**E8M0_MIN_EXP
     return {"fp16": 2.0**-24, "bf16": 2.0**-133, "fp32": 2.0**-149}[fmt]
+
+
+def smallest_normal(fmt: str) -> float:
+    """Smallest positive value with a full mantissa (below it a scale loses precision)."""
+    if fmt in MINIFLOATS:
+        return 2.0 ** MINIFLOATS[fmt].min_normal_exp
+    if fmt == "e8m0":
+        return 2.0**E8M0_MIN_EXP
+    return {"fp16": 2.0**-14, "bf16": 2.0**-126, "fp32": 2.0**-126}[fmt]
 
 
 def max_scale(fmt: str) -> float:

@@ -37,17 +37,19 @@ from typing import Any
 
 import torch
 
-from lowbit.configs import from_dict_strict
+from lowbit.configs import check_fields, from_dict_strict
 from lowbit.errors import ConfigError, SchemeError, did_you_mean
 from lowbit.formats import fp8, rules
 from lowbit.formats.fp4 import ELEM_GRIDS, round_e2m1_mag
-from lowbit.formats.scheme import Scheme
+from lowbit.formats.scheme import Scheme, check_tensor_max
 
 ELEMS = ("int", "e2m1", "e4m3")
 SCALES = ("fp32", "e8m0", "e4m3", "ue5m3")
 RULES = ("absmax", "4over6", "span", "brute")
 E8M0_ROUNDING = ("floor", "ceil", "nearest", "even")
 CRITERIA = ("mse", "mae", "max")
+_FIELD_NAMES = {"group_size": "group_size (block)", "tensor_max": "tensor_max (smax)", "tensor_scale":
+                "tensor_scale (tensor)", "e8m0_round": "e8m0_round (round)"}
 
 
 @dataclass(frozen=True)
@@ -76,6 +78,7 @@ class InputScheme:
     e8m0_round: str = "floor"
 
     def __post_init__(self) -> None:
+        check_fields(self, SchemeError, "input scheme field", _FIELD_NAMES, ranged=("tensor_max",))
         _check(self.elem in ELEMS, f"input elem must be one of {ELEMS}, got {self.elem!r}")
         _check(self.scale in SCALES, f"input scale must be one of {SCALES}, got {self.scale!r}")
         _check(self.rule in RULES, f"input scale rule must be one of {RULES} (no importance search at run "
@@ -84,7 +87,7 @@ class InputScheme:
         _check(self.e8m0_round in E8M0_ROUNDING, f"round must be one of {E8M0_ROUNDING}, got {self.e8m0_round!r}")
         _check(self.group_size == -1 or 4 <= self.group_size <= 256,
                f"input block size must be -1 (per token) or 4..256, got {self.group_size}")
-        _check(self.tensor_max > 0, "tensor_max must be positive")
+        check_tensor_max(self.tensor_max, self.scale, self.tensor_scale)
         if self.elem == "int":
             _check(2 <= self.bits <= 8, f"integer inputs have 2..8 bits, got {self.bits}")
             _check(self.scale == "fp32", f"integer inputs use fp32 scales, not {self.scale}")
@@ -224,7 +227,10 @@ def _apply_options(s: InputScheme, opts: str) -> InputScheme:
             changes[field] = conv(value.strip())
         except ValueError as e:
             raise SchemeError(f"bad value in input scheme option {item!r}: {e}") from None
-    return dataclasses.replace(s, **changes)
+    out = dataclasses.replace(s, **changes)
+    _check("tensor_max" not in changes or out.tensor_scale,
+           f"smax sets the S_max of a tensor scale, and input scheme {out.name} has none; drop smax")
+    return out
 
 
 def _fmt(v: Any) -> str:

@@ -19,14 +19,18 @@ _SCALE_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.fl
 
 
 def cast_scale(scale: torch.Tensor, fmt: str) -> torch.Tensor:
-    """Round scales to their storage dtype, keeping them non-zero (sign preserved).
+    """Round scales to their storage dtype, keeping them non-zero and finite (sign preserved).
 
     A zero scale would turn a whole group into NaNs; the smallest positive value of the
-    dtype keeps tiny groups representable and all-zero groups at code zero.
+    dtype keeps tiny groups representable and all-zero groups at code zero. A scale
+    beyond the dtype's largest value saturates there instead of becoming inf (an inf
+    scale dequantizes its zero codes to NaN): the group's largest weights clip, and
+    `lowbit.formats.ranges` gives such layers fp32 scales before any method runs.
     """
     dt = _SCALE_DTYPES[fmt]
     tiny = torch.finfo(dt).smallest_normal if dt == torch.bfloat16 else 2.0**-24 if dt == torch.float16 else 1e-38
-    s = scale.to(dt).float()
+    big = torch.finfo(dt).max
+    s = scale.clamp(-big, big).to(dt).float()
     sign = torch.where(scale < 0, -1.0, 1.0)
     return torch.where(s.abs() < tiny, sign * tiny, s)
 

@@ -172,7 +172,8 @@ def sub_block_params(x: torch.Tensor, wt: torch.Tensor, kt: KType, steps: int = 
 
 
 def _f16(x: torch.Tensor) -> torch.Tensor:
-    return x.to(torch.float16).float()
+    """fp16 value of super-block scales, saturating at 65504 (never inf, see `lowbit.formats.ranges`)."""
+    return x.clamp(-65504.0, 65504.0).to(torch.float16).float()
 
 
 def quantize_codes(v: torch.Tensor, lo: int, hi: int, signed_ext: bool) -> tuple[torch.Tensor, torch.Tensor]:

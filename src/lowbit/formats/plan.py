@@ -118,13 +118,12 @@ class Plan:
 
     @classmethod
     def load(cls, path: str | Path) -> Plan:
+        from lowbit.io import read_json
+
         p = Path(path)
-        if not p.is_file():
+        if not p.exists():
             raise ConfigError(f"plan file {p} does not exist; pass the JSON written by `lowbit quantize`")
-        try:
-            d = json.loads(p.read_bytes().decode("utf-8"))
-        except ValueError as e:  # UnicodeDecodeError included
-            raise ConfigError(f"{p} is not valid JSON ({e}); a plan file looks like {PLAN_FORMAT}") from None
+        d = read_json(p, ConfigError, f"a plan file looks like {PLAN_FORMAT}")
         layers = d.get("layers") if isinstance(d, dict) else None
         if not isinstance(layers, dict) or not all(isinstance(k, str) for k in layers):
             raise ConfigError(f"{p} has no 'layers' object; a plan file looks like {PLAN_FORMAT}")

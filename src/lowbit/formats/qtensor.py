@@ -98,14 +98,14 @@ class QTensor:
         if missing:
             raise CheckpointError(f"stored quantized weight lacks {missing}; the file was edited or damaged")
         packed = d["codes"]
-        want = (out, packing.packed_bytes(ng * g, scheme.bits))
-        if packed.dtype != torch.uint8 or tuple(packed.shape) != want:
-            raise CheckpointError(f"packed codes are {packed.dtype} {tuple(packed.shape)}, expected uint8 {want} for "
-                                  f"shape {(out, cols)} and scheme {scheme.name}")
+        want = packed_shapes(shape, scheme)
+        if packed.dtype != torch.uint8 or tuple(packed.shape) != want["codes"]:
+            raise CheckpointError(f"packed codes are {packed.dtype} {tuple(packed.shape)}, expected uint8 "
+                                  f"{want['codes']} for shape {(out, cols)} and scheme {scheme.name}")
         codes = packing.unpack(packed, scheme.bits, ng * g).reshape(out, ng, g)
         scales = d["scales"].float()
-        if scales.shape != (out, ng):
-            raise CheckpointError(f"scales have shape {tuple(scales.shape)}, expected {(out, ng)}")
+        if scales.shape != want["scales"]:
+            raise CheckpointError(f"scales have shape {tuple(scales.shape)}, expected {want['scales']}")
         zeros = d["zeros"].float() if "zeros" in d else None
         if (zeros is not None) != (not scheme.sym and scheme.elem == "int"):
             raise CheckpointError(f"zero points are {'present' if zeros is not None else 'absent'}, contrary to "
@@ -116,6 +116,25 @@ class QTensor:
         if ts is not None and ts.numel() != 1:
             raise CheckpointError(f"the tensor scale has {ts.numel()} values, expected 1")
         return cls(codes, scales, zeros, None if ts is None else ts.float().reshape(()), (out, cols), scheme)
+
+
+def packed_shapes(shape: tuple[int, int], scheme: Scheme) -> dict[str, tuple[int, ...]]:
+    """The shape of each stored part (codes, scales, [zeros], [K-quant super-block scales]) of a
+    ``shape`` weight under ``scheme``: what `QTensor.from_packed` accepts, checkable from a file's
+    header alone (``inspect`` reads no tensor data)."""
+    out, cols = shape
+    if scheme.super_block:
+        kt = kquants.ktype(scheme.bits)
+        if cols % kquants.QK_K:
+            raise CheckpointError(f"{scheme.name} weight of {cols} columns: K-quant rows are multiples of 256")
+        nsub, nsup = cols // kt.sub, cols // kquants.QK_K
+        d = {"codes": (out, packing.packed_bytes(nsub * kt.sub, kt.bits)), "scales": (out, nsub),
+             "tensor_scale": (out, nsup, kt.nsuper_scales)}
+        return d | ({} if kt.sym else {"zeros": (out, nsub)})
+    g = scheme.group_for(cols)
+    ng = -(-cols // g)
+    d = {"codes": (out, packing.packed_bytes(ng * g, scheme.bits)), "scales": (out, ng)}
+    return d | ({"zeros": (out, ng)} if not scheme.sym and scheme.elem == "int" else {})
 
 
 def _store_scales(scales: torch.Tensor, scheme: Scheme) -> torch.Tensor:
@@ -143,13 +162,9 @@ def _pack_kquant(q: QTensor) -> dict[str, torch.Tensor]:
 def _from_packed_kquant(cls, d: dict[str, torch.Tensor], shape: tuple[int, int], scheme: Scheme) -> QTensor:
     kt = kquants.ktype(scheme.bits)
     out, cols = shape
-    if cols % kquants.QK_K:
-        raise CheckpointError(f"{scheme.name} weight of {cols} columns: K-quant rows are multiples of 256")
-    nsub, nsup = cols // kt.sub, cols // kquants.QK_K
-    want = {"codes": (torch.uint8, (out, packing.packed_bytes(nsub * kt.sub, kt.bits))),
-            "scales": (torch.int8, (out, nsub)), "tensor_scale": (torch.float16, (out, nsup, kt.nsuper_scales))}
-    if not kt.sym:
-        want["zeros"] = (torch.uint8, (out, nsub))
+    nsub = cols // kt.sub
+    dtypes = {"codes": torch.uint8, "scales": torch.int8, "tensor_scale": torch.float16, "zeros": torch.uint8}
+    want = {k: (dtypes[k], shp) for k, shp in packed_shapes(shape, scheme).items()}
     extra = sorted(set(d) - set(want))
     if extra:
         raise CheckpointError(f"stored {scheme.name} weight has unexpected parts {extra}; the file was edited")

@@ -26,16 +26,23 @@ def register(elem: str, fn: Quantizer) -> None:
     QUANTIZERS[elem] = fn
 
 
-def quantize(w: torch.Tensor, scheme: Scheme | str, imp: torch.Tensor | None = None) -> QTensor:
+def quantize(w: torch.Tensor, scheme: Scheme | str, imp: torch.Tensor | None = None,
+             tensor_scale: torch.Tensor | None = None) -> QTensor:
     """Quantize a 2-D weight ``[out, in]`` with ``scheme``.
 
     imp: optional ``[in]`` importance (sum of squared input activations) used by the
     ``search`` rule; None means plain MSE.
+    tensor_scale: the per-tensor scale ``enc`` to use for a scheme that has one (the one
+    an engine's fused matmul shares, `lowbit.models.fused`); None = computed from ``w``.
     """
     scheme = Scheme.parse(scheme)
     if w.dim() != 2:
         raise SchemeError(f"can quantize 2-D weights only, got shape {tuple(w.shape)}")
     scheme.check_width(w.shape[1])
+    if tensor_scale is not None:
+        if not scheme.tensor_scale:
+            raise SchemeError(f"scheme {scheme.name} has no tensor scale; quantize it without one")
+        return quantize_fp(w, scheme, imp, tensor_scale=tensor_scale)
     if scheme.super_block:
         return quantize_kquant(w, scheme, imp)
     try:
@@ -54,9 +61,10 @@ def quantize_kquant(w: torch.Tensor, scheme: Scheme, imp: torch.Tensor | None = 
     return QTensor(codes, sc, m, sup, tuple(w.shape), scheme)
 
 
-def qdq(w: torch.Tensor, scheme: Scheme | str, imp: torch.Tensor | None = None) -> torch.Tensor:
+def qdq(w: torch.Tensor, scheme: Scheme | str, imp: torch.Tensor | None = None,
+        tensor_scale: torch.Tensor | None = None) -> torch.Tensor:
     """Quantize then dequantize (same dtype as ``w``): the weight a quantized model sees."""
-    return quantize(w, scheme, imp).dequantize(w.dtype)
+    return quantize(w, scheme, imp, tensor_scale).dequantize(w.dtype)
 
 
 def relative_error(w: torch.Tensor, w_hat: torch.Tensor) -> float:

@@ -111,6 +111,8 @@ class Recipe:
         try:
             return cls(Scheme.parse(text))
         except SchemeError as e:
+            if not str(e).startswith("unknown scheme"):  # a known scheme with a bad field: that field is the news
+                raise
             raise SchemeError(f"{e}; recipes with quantized inputs: {', '.join(PRESETS)}, WEIGHT-a8, "
                               "WEIGHT-afp8 or WEIGHT@INPUT") from None
 

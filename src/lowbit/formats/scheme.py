@@ -10,11 +10,13 @@ exactly what it holds, and ``Scheme.parse`` is the only way user text becomes on
 from __future__ import annotations
 
 import dataclasses
+import math
+import numbers
 import re
 from dataclasses import dataclass
 from typing import Any
 
-from lowbit.configs import from_dict_strict
+from lowbit.configs import check_fields, from_dict_strict
 from lowbit.errors import SchemeError, did_you_mean
 
 ELEMS = ("int", "e2m1", "e4m3")
@@ -22,6 +24,9 @@ SCALE_BITS = {"fp32": 32, "fp16": 16, "bf16": 16, "e4m3": 8, "ue5m3": 8, "e8m0":
 RULES = ("absmax", "4over6", "span", "brute", "search")
 CRITERIA = ("mse", "mae", "max")
 E8M0_ROUNDING = ("floor", "ceil", "nearest")
+# how errors name a field: with the key of the explicit form users write (``nvfp4:smax=...``)
+FIELD_NAMES = {"group_size": "group_size (block)", "tensor_max": "tensor_max (smax)", "tensor_scale":
+               "tensor_scale (tensor)", "e8m0_round": "e8m0_round (round)", "full_range": "full_range (full)"}
 
 
 @dataclass(frozen=True)
@@ -61,6 +66,7 @@ class Scheme:
     super_block: int = 0
 
     def __post_init__(self) -> None:
+        check_fields(self, SchemeError, "scheme field", FIELD_NAMES, ranged=("tensor_max",))
         _check(self.elem in ELEMS, f"elem must be one of {ELEMS}, got {self.elem!r}")
         _check(self.scale in SCALE_BITS, f"scale must be one of {tuple(SCALE_BITS)}, got {self.scale!r}")
         _check(self.rule in RULES, f"rule must be one of {RULES}, got {self.rule!r}")
@@ -84,7 +90,7 @@ class Scheme:
                 _check(self.elem == "e2m1", "4-over-6 needs E2M1 (FP4) elements")
         _check(not self.tensor_scale or self.scale not in ("e8m0",),
                "a tensor scale needs a block-scale format with a mantissa (e4m3, ue5m3)")
-        _check(self.tensor_max > 0, "tensor_max must be positive")
+        check_tensor_max(self.tensor_max, self.scale, self.tensor_scale)
         if self.super_block:
             _check_kquant(self)
 
@@ -180,6 +186,31 @@ class Scheme:
 def _check(ok: bool, msg: str) -> None:
     if not ok:
         raise SchemeError(msg)
+
+
+def check_tensor_max(tensor_max: float, scale: str, tensor_scale: bool) -> None:
+    """S_max of a tensor scale must be a block scale its format holds at full precision.
+
+    The tensor scale maps the tensor's largest block to the block scale S_max, every
+    other block below it. Above the format's maximum (448 for E4M3) the largest blocks'
+    scales saturate and their weights clip; below its smallest normal value (2^-6) even
+    the largest block's scale is subnormal and smaller blocks round to a zero scale: at
+    ``smax=inf``, ``1e38`` or ``1e-42`` every weight dequantizes to about 0. Without a
+    tensor scale the field is unused, but must still be a positive number.
+    """
+    from lowbit.formats import fp8
+
+    _check(isinstance(tensor_max, numbers.Real) and not isinstance(tensor_max, bool),
+           f"tensor_max (smax) must be a number, got {tensor_max!r}")
+    if not tensor_scale:
+        _check(math.isfinite(tensor_max) and tensor_max > 0, f"tensor_max (smax) must be a finite positive number, "
+                                                               f"got {tensor_max}")
+        return
+    lo, hi = fp8.smallest_normal(scale), fp8.max_scale(scale)
+    _check(lo <= tensor_max <= hi,
+           f"smax (the S_max of the tensor scale) must lie in [{lo:g}, {hi:g}] for {scale} block scales, got "
+           f"{tensor_max:g}: above {hi:g} the largest blocks' scales saturate, below {lo:g} the block scales "
+           f"lose their precision and round to zero (nvfp4 uses 448, nvfp4-46 256)")
 
 
 _INT_RE = re.compile(r"^w([2-8])(?:g(\d+))?(a)?$")
@@ -286,7 +317,10 @@ def _apply_options(scheme: Scheme, opts: str) -> Scheme:
             changes[field] = conv(value.strip())
         except ValueError as e:
             raise SchemeError(f"bad value in scheme option {item!r}: {e}") from None
-    return dataclasses.replace(scheme, **changes)
+    out = dataclasses.replace(scheme, **changes)
+    _check("tensor_max" not in changes or out.tensor_scale,
+           f"smax sets the S_max of a tensor scale, and {out.name} has none; drop smax (or add tensor=1)")
+    return out
 
 
 def _fmt(v: Any) -> str:

@@ -12,7 +12,6 @@ reaches it; nothing is copied to an offload folder first.
 from __future__ import annotations
 
 import contextlib
-import json
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,6 +26,18 @@ from lowbit.models.layers import block_path
 SOURCE_ATTR = "_lowbit_lazy_source"  # set on a lazily loaded model: its ShardSource
 
 
+def _weight_map(index: Path) -> dict[str, str]:
+    """``weight_map`` of a sharded checkpoint's index: tensor name -> file name."""
+    from lowbit.io import read_json
+
+    fix = "re-download the model or drop --offload-dir"
+    d = read_json(index, ModelError, fix)
+    files = d.get("weight_map") if isinstance(d, dict) else None
+    if not isinstance(files, dict) or not all(isinstance(v, str) for v in files.values()):
+        raise ModelError(f"{index} has no 'weight_map' of tensor names to files; {fix}")
+    return dict(files)
+
+
 @dataclass(frozen=True)
 class ShardSource:
     """Where every tensor of a safetensors checkpoint lives: name -> file."""
@@ -39,7 +50,7 @@ class ShardSource:
     def of(cls, folder: Path, dtype: torch.dtype = torch.float32) -> ShardSource:
         index = folder / "model.safetensors.index.json"
         if index.is_file():
-            files = dict(json.loads(index.read_text())["weight_map"])
+            files = _weight_map(index)
         elif (folder / "model.safetensors").is_file():
             from safetensors import safe_open
 

@@ -10,14 +10,25 @@ Sources, in the order they are recognised:
   ``from_pretrained`` path; offline, that fails with a message naming the local options.
 GGUF weights are dequantized to float32 by transformers, so every source gives the
 same kind of float model to quantize.
+
+Converting a GGUF takes minutes on a small CPU, so the float HF folder is kept in a cache
+(`cache_root`). An entry is named by the sha256 of the GGUF's *content* (a file replaced
+by another of the same size and mtime is a new entry), and holds ``cache.json``, the
+sha256 of each of its files: every use verifies them, and a damaged entry is converted
+again with a warning. Hashing a multi-GB GGUF on every run would cost seconds, so its
+digest is remembered beside the cache under the file's identity (device, inode, size,
+mtime and ctime: a rewrite in place changes the ctime even when the mtime is restored).
 """
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import io
-import logging
+import json
+import shutil
 import struct
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -84,7 +95,17 @@ def load_model(source: str | Path | None = None, dtype: torch.dtype = torch.floa
     lazy: leave the decoder blocks in the checkpoint's safetensors files (see
     ``lowbit.models.lazy``) so block-wise PTQ never holds the whole float model; a GGUF
     source is converted to the float cache folder first and read lazily from there.
+    A float source whose weights hold NaN or inf is refused, naming the tensor.
     """
+    lm = _load(source, dtype, lazy)
+    if lm.kind != "lowbit":  # a lowbit checkpoint was checked for finite numbers when written, and checksummed
+        from lowbit.models.finite import refuse_nonfinite
+
+        refuse_nonfinite(lm.model, lm.source)
+    return lm
+
+
+def _load(source: str | Path | None, dtype: torch.dtype, lazy: bool) -> LoadedModel:
     if lazy:
         return _load_lazy(source, dtype)
     if source is None:
@@ -117,6 +138,9 @@ def _load_lazy(source: str | Path | None, dtype: torch.dtype) -> LoadedModel:
         gguf = bundled_gguf() if path is None else path
         folder, kind, name = _gguf_cache_folder(gguf, dtype), ("bundled" if path is None else "gguf"), text
     elif path.is_dir() and (path / "config.json").is_file():
+        from lowbit.models.hf_folder import check_folder
+
+        check_folder(path)
         folder, kind, name = path, "hf_dir", text
     elif path.exists() or _looks_like_path(text):
         return load_model(source, dtype)  # a lowbit checkpoint (already small) or a clear error
@@ -128,11 +152,12 @@ def _load_lazy(source: str | Path | None, dtype: torch.dtype) -> LoadedModel:
 
 
 def _gguf_cache_folder(path: Path, dtype: torch.dtype) -> Path:
-    """The float HF folder of a GGUF file in the cache, converting it on first use."""
-    cached = cache_root() / f"{path.stem}-{_cache_key(path)}"
-    if not (cached / "config.json").is_file():
+    """The float HF folder of a GGUF file in the cache (verified), converting it when missing or damaged."""
+    digest = gguf_digest(path)
+    cached = cache_entry(path, digest, dtype)
+    if not entry_ok(cached, digest):
         model, tok = _convert_gguf(path, dtype)
-        if not _store_cache(cached, model, tok):
+        if not _store_cache(cached, model, tok, digest):
             raise ModelError(f"cannot write the converted GGUF to {cached}; lazy loading reads from there: "
                              "make the cache writable (XDG_CACHE_HOME) or drop --offload-dir")
     return cached
@@ -227,12 +252,36 @@ def _load_dir(path: Path, dtype: torch.dtype) -> LoadedModel:
                          f"checkpoint (no lowbit.json){hint}")
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from lowbit.models import compressed
+    from lowbit.models.hf_folder import check_folder, check_loaded, quiet
+
+    packed = compressed.is_compressed_tensors(_read_config(path))
+    # config.json against the weight headers, before anything is built (a compressed-tensors folder stores
+    # packed codes under other names and dtypes, so only its headers, config and blocks are checked)
+    check_folder(path, skeleton=not packed)
     try:
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+        with quiet():
+            if packed:  # decompressed now, in ``dtype``
+                model, info = compressed.load_decompressed(path, dtype), {}
+            else:
+                model, info = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, use_safetensors=True,
+                                                                   output_loading_info=True)
         tok = AutoTokenizer.from_pretrained(path)
-    except (OSError, ValueError, KeyError) as e:
+    except (OSError, ValueError, KeyError, RuntimeError, TypeError) as e:
         raise ModelError(f"cannot load the model folder {path}: {_first_line(e)}") from None
+    check_loaded(path, info)
     return LoadedModel(model.eval(), tok, str(path), "hf_dir")
+
+
+def _read_config(path: Path) -> dict:
+    """The folder's config.json as a dict ({} when unreadable: transformers then says why)."""
+    import json
+
+    try:
+        config = json.loads((path / "config.json").read_text())
+    except (OSError, ValueError):
+        return {}
+    return config if isinstance(config, dict) else {}
 
 
 def cache_root() -> Path:
@@ -242,43 +291,101 @@ def cache_root() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "lowbit" / "gguf"
 
 
-def _cache_key(path: Path) -> str:
-    import hashlib
+CACHE_MANIFEST = "cache.json"
 
+
+def gguf_digest(path: Path) -> str:
+    """sha256 of a GGUF file's content, remembered under the file's identity (see module docstring)."""
+    from lowbit.io import atomic_write_text, read_json, sha256_file
+
+    path = path.resolve()
     st = path.stat()
-    return hashlib.sha1(f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}".encode()).hexdigest()[:16]
+    ident = {"path": str(path), "dev": st.st_dev, "ino": st.st_ino, "size": st.st_size,
+             "mtime_ns": st.st_mtime_ns, "ctime_ns": st.st_ctime_ns}
+    memo = cache_root() / ".digests" / f"{hashlib.sha256(str(path).encode()).hexdigest()[:32]}.json"
+    with contextlib.suppress(OSError, LowbitError):
+        m = read_json(memo, ModelError, "")
+        if isinstance(m, dict) and {k: m.get(k) for k in ident} == ident and isinstance(m.get("sha256"), str):
+            return m["sha256"]
+    digest = sha256_file(path)
+    with contextlib.suppress(OSError, LowbitError):  # a read-only cache only costs the hash next time
+        atomic_write_text(memo, json.dumps({**ident, "sha256": digest}))
+    return digest
+
+
+def cache_entry(path: Path, digest: str, dtype: torch.dtype) -> Path:
+    """The cache folder of a GGUF's float conversion: its name, content digest and dtype."""
+    return cache_root() / f"{path.stem}-{digest[:16]}-{str(dtype).removeprefix('torch.')}"
+
+
+def entry_ok(cached: Path, digest: str) -> bool:
+    """Whether a cache entry exists and matches its checksums; a damaged one is reported and removed."""
+    if not cached.exists():
+        return False
+    why = _entry_damage(cached, digest)
+    if why is None:
+        return True
+    warnings.warn(f"the converted-GGUF cache entry {cached} is damaged ({why}); converting the GGUF again",
+                  stacklevel=3)
+    shutil.rmtree(cached, ignore_errors=True)
+    return False
+
+
+def _entry_damage(cached: Path, digest: str) -> str | None:
+    """Why a cache entry cannot be used (None when every file matches ``cache.json``)."""
+    from lowbit.io import MARKER, file_inside, read_json, sha256_file
+
+    try:
+        m = read_json(cached / CACHE_MANIFEST, ModelError, "")
+    except LowbitError as e:
+        return f"no readable {CACHE_MANIFEST}: {str(e)[:80]}"
+    files = m.get("files") if isinstance(m, dict) else None
+    if not isinstance(files, dict) or m.get("source_sha256") != digest or "model.safetensors" not in files:
+        return f"{CACHE_MANIFEST} does not describe this GGUF's conversion"
+    extra = sorted(p.name for p in cached.iterdir() if p.name not in {*files, CACHE_MANIFEST, MARKER})
+    if extra:
+        return f"it holds files it did not write: {', '.join(extra[:3])}"
+    for name, want in files.items():
+        try:
+            f = file_inside(cached, name, str(cached / CACHE_MANIFEST))
+            if not f.is_file() or sha256_file(f) != want:
+                return f"{name} does not match its checksum"
+        except (LowbitError, OSError) as e:
+            return f"{name}: {str(e)[:80]}"
+    return None
 
 
 def _load_gguf(path: Path, dtype: torch.dtype) -> tuple[Any, Any]:
-    """Load a GGUF through transformers, keeping a float copy as an HF folder.
+    """Load a GGUF through transformers, keeping a verified float copy as an HF folder (see module docstring).
 
     transformers dequantizes GGUF tensors and rebuilds the tokenizer in Python, which
     takes minutes on a small CPU; the converted folder in the cache loads in seconds.
-    The cache key includes the file's size and mtime, so a changed file is reconverted.
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    cached = cache_root() / f"{path.stem}-{_cache_key(path)}"
-    if (cached / "config.json").is_file():
+    digest = gguf_digest(path)
+    cached = cache_entry(path, digest, dtype)
+    if entry_ok(cached, digest):
         try:
             model = AutoModelForCausalLM.from_pretrained(cached, dtype=dtype)
             return model.eval(), AutoTokenizer.from_pretrained(cached)
         except (OSError, ValueError):
-            pass  # a damaged cache entry is rebuilt below
+            shutil.rmtree(cached, ignore_errors=True)  # checksums matched but it does not load: rebuilt below
     model, tok = _convert_gguf(path, dtype)
-    if _store_cache(cached, model, tok):
+    if _store_cache(cached, model, tok, digest):
         model = AutoModelForCausalLM.from_pretrained(cached, dtype=dtype)  # a plain HF model, no GGUF marker
     return model.eval(), tok
 
 
-def _store_cache(cached: Path, model: Any, tok: Any) -> bool:
-    """Write config + safetensors + tokenizer; tied tensors are stored once."""
+def _store_cache(cached: Path, model: Any, tok: Any, digest: str) -> bool:
+    """Write config + safetensors + tokenizer and ``cache.json`` (their sha256); tied tensors are stored once."""
     from safetensors.torch import save_file
 
-    from lowbit.io import atomic_dir
+    from lowbit.io import atomic_dir, sha256_file
 
     config = model.config
     qc = config.__dict__.pop("quantization_config", None)
+    shutil.rmtree(cached, ignore_errors=True)  # only ever a damaged entry of lowbit's own cache
     try:
         with atomic_dir(cached, force=True, kind="converted GGUF (cache)") as tmp:
             config.save_pretrained(tmp)
@@ -290,8 +397,10 @@ def _store_cache(cached: Path, model: Any, tok: Any) -> bool:
                 tensors[k] = t.contiguous()
             save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
             tok.save_pretrained(tmp)
+            files = {p.name: sha256_file(p) for p in sorted(tmp.iterdir()) if p.is_file()}
+            (tmp / CACHE_MANIFEST).write_text(json.dumps({"source_sha256": digest, "files": files}, indent=1))
         return True
-    except OSError:  # OutputError included: another process stored the same conversion first
+    except (OSError, LowbitError):  # another process stored the same conversion first, or a read-only cache
         return False  # a read-only or full cache only costs time next run
     finally:
         if qc is not None:
@@ -399,8 +508,8 @@ def _load_hub(repo_id: str, dtype: torch.dtype) -> LoadedModel:
     why = _hub_unreachable()
     if why is not None:
         raise _offline_error(repo_id, why)
-    try:
-        model = AutoModelForCausalLM.from_pretrained(repo_id, dtype=dtype)
+    try:  # safetensors only: lowbit reads no pickle (pytorch_model.bin)
+        model = AutoModelForCausalLM.from_pretrained(repo_id, dtype=dtype, use_safetensors=True)
         tok = AutoTokenizer.from_pretrained(repo_id)
     except (OSError, ValueError) as e:
         raise ModelError(f"cannot load {repo_id!r} from the Hugging Face hub (offline, or no such model: "
@@ -416,11 +525,7 @@ def _first_line(e: BaseException) -> str:
 @contextlib.contextmanager
 def _quiet():
     """transformers prints a progress bar per tensor when dequantizing GGUF; keep stderr clean."""
-    logger = logging.getLogger("transformers")
-    level = logger.level
-    logger.setLevel(logging.ERROR)
-    try:
-        with contextlib.redirect_stderr(io.StringIO()):
-            yield
-    finally:
-        logger.setLevel(level)
+    from lowbit.models.hf_folder import quiet
+
+    with quiet(), contextlib.redirect_stderr(io.StringIO()):
+        yield

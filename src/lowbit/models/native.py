@@ -11,19 +11,28 @@ Layout of a checkpoint folder::
                          layer L: L.codes (packed uint8), L.scales, [L.zeros], [L.tensor_scale],
                          [L.input_amax] (the calibrated abs-max of a static input scheme)
     lowbit.json          format version, per-layer scheme + shape (+ "input": the input
-                         scheme of layers that quantize their inputs), sha256 of every data
-                         file, free-form metadata (source model, method, perplexities)
+                         scheme of layers that quantize their inputs), sha256 of every other
+                         file (weights, config.json, tokenizer files, plans, metrics),
+                         free-form metadata (source model, method, perplexities)
     tokenizer files
 
 The folder is built under a temporary name and renamed when complete; `load` verifies
 every checksum and every shape before building anything, so a truncated, corrupted or
-hand-edited checkpoint fails loudly instead of loading wrong numbers.
+hand-edited checkpoint fails loudly instead of loading wrong numbers. config.json is
+covered too: an edited ``rms_norm_eps`` changes every output without touching a weight.
+
+Checkpoints of an older lowbit checksum only the weights (their manifest lacks
+``"checksums": "every file"``): they still load, with a warning that config.json and
+the tokenizer are not verified. A file the loaders would read but the manifest does not
+list is refused — except tokenizer files copied into a checkpoint saved without any,
+which is how `require_tokenizer` tells users to give one a tokenizer.
 """
 
 from __future__ import annotations
 
 import json
 import shutil
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -34,7 +43,8 @@ from torch import nn
 
 from lowbit.errors import CheckpointError, ConfigError, SchemeError
 from lowbit.formats import InputScheme, QTensor, Scheme
-from lowbit.io import atomic_dir, atomic_write_text, file_inside, sha256_file
+from lowbit.formats.finite import require_finite
+from lowbit.io import atomic_dir, atomic_write_text, file_inside, read_json, sha256_file
 from lowbit.nn import QuantLinear, quant_layers, set_module
 from lowbit.nn.input_quant import InputQuantizer
 from lowbit.nn.input_rotation import InputRotation
@@ -44,6 +54,15 @@ VERSION = 1
 MANIFEST = "lowbit.json"
 WEIGHTS = "model.safetensors"
 _QKEYS = ("codes", "scales", "zeros", "tensor_scale", "input_amax")
+EVERY_FILE = "every file"  # manifest["checksums"]: every file of the folder is in "files" (older lowbit: weights only)
+_CONFIGS = ("config.json", "generation_config.json")
+# what transformers' tokenizer loading may read from a folder
+_TOKENIZER_NAMES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
+                    "tokenizer.model", "vocab.json", "vocab.txt", "merges.txt", "spiece.model",
+                    "chat_template.jinja", "chat_template.json")
+# what a writer refusing non-finite numbers tells the user (they come from training or the source, or are a bug)
+WRITE_FIX = ("nothing was written. A training run that diverged makes NaN (lower --lr); a quantizer writing "
+             "one is a lowbit bug (please report it with the command)")
 
 
 def is_checkpoint(path: str | Path) -> bool:
@@ -60,6 +79,7 @@ def save(model: nn.Module, tokenizer: Any, out: str | Path, meta: dict | None = 
     out = Path(out)
     qlayers = quant_layers(model)
     tensors, aliases = _tensors_to_save(model, qlayers)
+    require_finite(tensors.items(), f"cannot write {out}", WRITE_FIX)
     manifest = {
         "format": FORMAT, "version": VERSION,
         "layers": {n: layer_spec(m) for n, m in qlayers.items()},
@@ -79,7 +99,8 @@ def save(model: nn.Module, tokenizer: Any, out: str | Path, meta: dict | None = 
                 (tmp / name).write_bytes(src)
             else:
                 shutil.copyfile(src, tmp / name)
-        manifest["files"] = {WEIGHTS: sha256_file(tmp / WEIGHTS)}
+        manifest["files"] = {p.name: sha256_file(p) for p in sorted(tmp.iterdir()) if p.is_file()}
+        manifest["checksums"] = EVERY_FILE
         atomic_write_text(tmp / MANIFEST, json.dumps(manifest, indent=1))
     return out
 
@@ -172,10 +193,7 @@ def read_manifest(path: str | Path) -> dict:
     if not f.is_file():
         raise CheckpointError(f"{path} is not a lowbit checkpoint (no {MANIFEST}); "
                               "pass a folder written by `lowbit quantize --out`")
-    try:
-        m = json.loads(f.read_bytes().decode("utf-8"))
-    except ValueError as e:  # UnicodeDecodeError included
-        raise CheckpointError(f"{f} is corrupted ({e}); re-create the checkpoint") from None
+    m = read_json(f, CheckpointError, "it is corrupted — re-create the checkpoint")
     if not isinstance(m, dict) or m.get("format") != FORMAT or m.get("version") != VERSION:
         got = (m.get("format"), m.get("version")) if isinstance(m, dict) else (type(m).__name__, None)
         raise CheckpointError(f"{f} has format {got[0]!r} version {got[1]!r}; "
@@ -212,8 +230,25 @@ def verify(path: str | Path, manifest: dict) -> None:
         if not f.is_file():
             raise CheckpointError(f"{f} is missing; the checkpoint is incomplete — re-create it")
         if not isinstance(digest, str) or sha256_file(f) != digest:
-            raise CheckpointError(f"{f} does not match its checksum (truncated or corrupted); "
+            raise CheckpointError(f"{f} does not match its checksum (truncated or corrupted, or edited); "
                                   "re-create the checkpoint")
+    _check_unlisted(path, files, manifest.get("checksums") == EVERY_FILE)
+
+
+def _check_unlisted(path: Path, files: dict, every_file: bool) -> None:
+    """Refuse files the loaders read that the checksums do not cover (see module docstring)."""
+    read = [n for n in (*_CONFIGS, *_TOKENIZER_NAMES) if (path / n).is_file() and n not in files]
+    if not every_file:
+        if read:
+            warnings.warn(f"{path / MANIFEST} was written by an older lowbit and checksums only the weights: "
+                          f"{', '.join(read[:3])}{'...' if len(read) > 3 else ''} are not verified; re-create the "
+                          "checkpoint to have them verified", stacklevel=3)
+        return
+    copied_tokenizer = not any(n in files for n in _TOKENIZER_NAMES)  # saved without one: the user gave it
+    unlisted = [n for n in read if not (copied_tokenizer and n in _TOKENIZER_NAMES)]
+    if unlisted:
+        raise CheckpointError(f"{path / unlisted[0]} is not covered by the checksums of {path / MANIFEST} (added or "
+                              "replaced after the checkpoint was written); re-create the checkpoint")
 
 
 def load(path: str | Path, device: str | torch.device = "cpu") -> tuple[nn.Module, Any]:

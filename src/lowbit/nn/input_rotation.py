@@ -89,7 +89,11 @@ def refuse_online_rotations(model: nn.Module, target: str) -> None:
     Their stored weight is ``W R``; a file without the rotation would compute ``x R^T W^T``
     for ``x W^T`` (wrong outputs with no error), so such a model is refused, never exported.
     """
-    rotated = [n for n, m in model.named_modules() if rotation_of(m) is not None]
+    refuse_rotated([n for n, m in model.named_modules() if rotation_of(m) is not None], target)
+
+
+def refuse_rotated(rotated: list[str], target: str) -> None:
+    """The refusal of `refuse_online_rotations` for the named rotated-input layers (none: nothing to refuse)."""
     if rotated:
         raise SchemeError(f"{target} cannot hold an online input rotation ({len(rotated)} layer(s) rotate their "
                           f"input at run time, e.g. {rotated[0]}; their stored weights are rotated too). Keep "

@@ -68,9 +68,10 @@ class QuantLinear(nn.Module):
         return x if self.input_quant is None else self.input_quant(x)
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear, scheme: Scheme | str, imp: torch.Tensor | None = None
-                    ) -> QuantLinear:
-        q = quantize(linear.weight.detach(), Scheme.parse(scheme), imp)
+    def from_linear(cls, linear: nn.Linear, scheme: Scheme | str, imp: torch.Tensor | None = None,
+                    tensor_scale: torch.Tensor | None = None) -> QuantLinear:
+        """Round-to-nearest of ``linear``'s weight; ``tensor_scale``: a fused group's shared one."""
+        q = quantize(linear.weight.detach(), Scheme.parse(scheme), imp, tensor_scale)
         return cls(q, linear.bias)
 
     # --------------------------------------------------------------- weight

@@ -31,7 +31,8 @@ def set_module(model: nn.Module, name: str, module: nn.Module) -> None:
 
 def replace_linears(model: nn.Module, plan: Plan | Mapping[str, Scheme | Recipe],
                     imp: Mapping[str, torch.Tensor] | None = None, factory: LayerFactory | None = None,
-                    progress: bool = False, amax: Mapping[str, torch.Tensor] | None = None) -> list[str]:
+                    progress: bool = False, amax: Mapping[str, torch.Tensor] | None = None,
+                    tensor_scales: Mapping[str, torch.Tensor] | None = None) -> list[str]:
     """Replace every planned ``nn.Linear`` in place; returns the replaced names.
 
     imp: optional per-layer input importance (``[in]``) for the ``search`` scale rule.
@@ -39,6 +40,8 @@ def replace_linears(model: nn.Module, plan: Plan | Mapping[str, Scheme | Recipe]
     recipe's input quantizer, and the layer's online input rotation if it has one, are
     attached to a `QuantLinear` it returns.
     amax: per-layer calibrated input abs-max, for input schemes with static scales.
+    tensor_scales: per-layer weight tensor scale to quantize with (the default factory
+    only; a fused group's shared one), for schemes that have one.
     Every planned name is checked (present, a Linear, widths fit, static scales
     calibrated) before the first layer is replaced, so a bad plan changes nothing.
     """
@@ -50,7 +53,8 @@ def replace_linears(model: nn.Module, plan: Plan | Mapping[str, Scheme | Recipe]
         if factory is not None:
             new = factory(name, layer, recipe.weight)
         else:
-            new = QuantLinear.from_linear(layer, recipe.weight, None if imp is None else imp.get(name))
+            new = QuantLinear.from_linear(layer, recipe.weight, None if imp is None else imp.get(name),
+                                          None if tensor_scales is None else tensor_scales.get(name))
         if recipe.input is not None and isinstance(new, QuantLinear):
             new.set_input_quant(InputQuantizer(recipe.input, None if amax is None else amax.get(name)))
         if isinstance(new, QuantLinear):  # an online rotation stays with the (rotated) weight

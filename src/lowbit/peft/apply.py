@@ -16,8 +16,10 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
+from lowbit.configs import check_fields
 from lowbit.errors import ConfigError
 from lowbit.formats import Scheme, quantize
+from lowbit.models.fused import own_tensor_scale, shared_encodes
 from lowbit.nn import QuantLinear
 from lowbit.peft.adaalloc import lora_budget
 from lowbit.peft.base import Adapter
@@ -54,6 +56,7 @@ class PeftConfig:
     seed: int = 0
 
     def __post_init__(self) -> None:
+        check_fields(self, ConfigError, "adapter setting")
         if self.adapter not in KINDS:
             raise ConfigError(f"unknown adapter {self.adapter!r}; choose one of {', '.join(KINDS)}")
         if self.rank < 1:
@@ -208,14 +211,16 @@ def merge(model: nn.Module, scheme: Scheme | str | None = None) -> dict[str, flo
     exactly. Returns per layer the relative error of the re-quantized merged weight.
     """
     errs = {}
-    for name, adapter in adapters_of(model).items():
-        if adapter.merged:
-            continue
+    todo = {n: a for n, a in adapters_of(model).items() if not a.merged}
+    schemes = {n: Scheme.parse(scheme) if scheme is not None else model.get_submodule(n).scheme for n in todo
+               if isinstance(model.get_submodule(n), QuantLinear)}
+    scales = _merged_tensor_scales(model, todo, schemes)
+    for name, adapter in todo.items():
         layer = model.get_submodule(name)
-        target = base_weight(layer).float() + adapter.delta_weight().float()
+        target = _merged(layer, adapter)
         if isinstance(layer, QuantLinear):
             adapter._unmerged_q = layer.qweight
-            q = quantize(target, Scheme.parse(scheme) if scheme is not None else layer.scheme)
+            q = quantize(target, schemes[name], tensor_scale=scales.get(name))
             layer.set_qweight(q)
             got = q.dequantize()
         else:
@@ -224,6 +229,21 @@ def merge(model: nn.Module, scheme: Scheme | str | None = None) -> dict[str, flo
         errs[name] = float((got - target).square().sum() / target.square().sum().clamp_min(1e-30))
         adapter.merged = True
     return errs
+
+
+def _merged(layer: nn.Module, adapter: Adapter) -> torch.Tensor:
+    return base_weight(layer).float() + adapter.delta_weight().float()
+
+
+def _merged_tensor_scales(model: nn.Module, adapters: Mapping[str, Adapter], schemes: Mapping[str, Scheme]
+                          ) -> dict[str, torch.Tensor]:
+    """Tensor scales of the merged weights (NVFP4), shared by the parts of a matmul engines fuse.
+
+    Each merged weight is built here once for its scale and again when it is quantized, so
+    no more than one float weight is held at a time.
+    """
+    return shared_encodes({n: own_tensor_scale(_merged(model.get_submodule(n), adapters[n]), s)
+                           for n, s in schemes.items() if s.tensor_scale})
 
 
 @torch.no_grad()

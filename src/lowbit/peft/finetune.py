@@ -126,10 +126,15 @@ class StepTimer(Callback):
 
 
 def train_adapters(model: nn.Module, rows: torch.Tensor, config: TrainConfig, callbacks: Sequence[Callback] = (),
-                   eval_fn=None) -> tuple[TrainResult, StepTimer]:
-    """Train only the adapter parameters of ``model`` with the shared loop."""
+                   eval_fn=None, extra: dict | None = None, resume: bool = True) -> tuple[TrainResult, StepTimer]:
+    """Train only the adapter parameters of ``model`` with the shared loop.
+
+    With ``config.out_dir`` the run checkpoints there and resumes from its last checkpoint
+    (``resume``), refusing one written with other curve settings or ``extra`` (the
+    adapter recipe, the base checkpoint, the training rows: see `lowbit.api.finetune`).
+    """
     params = [p for a in adapters_of(model).values() for p in a.parameters()]
     timer = StepTimer()
     result = train(model, rows, config, callbacks=[timer, *callbacks], trainable=params, loss_fn=masked_lm_loss,
-                   eval_fn=eval_fn, resume=config.out_dir is not None)
+                   eval_fn=eval_fn, resume=resume and config.out_dir is not None, extra=extra)
     return result, timer

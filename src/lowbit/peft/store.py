@@ -19,7 +19,8 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from lowbit.errors import CheckpointError
-from lowbit.io import atomic_dir, atomic_write_text, file_inside, sha256_file
+from lowbit.formats.finite import require_finite
+from lowbit.io import atomic_dir, atomic_write_text, file_inside, read_json, sha256_file
 from lowbit.models.layers import weight_digest
 from lowbit.peft.apply import CLASSES, PeftConfig, adapters_of, attach, freeze_base
 
@@ -43,6 +44,8 @@ def save_adapters(model: nn.Module, out: str | Path, cfg: PeftConfig, meta: dict
     if any(a.merged for a in adapters.values()):
         raise CheckpointError("adapters are merged into the base; unmerge before saving them on their own")
     tensors = {f"{n}.{k}": t.detach().contiguous().cpu() for n, a in adapters.items() for k, t in a.state_dict().items()}
+    require_finite(tensors.items(), f"cannot write the adapters to {out}", "nothing was written: the training "
+                   "diverged; lower --lr (or raise --warmup)")
     manifest: dict[str, Any] = {
         "format": FORMAT, "version": VERSION, "kind": cfg.adapter, "config": cfg.to_dict(),
         "layers": {n: a.config() for n, a in adapters.items()},
@@ -61,10 +64,7 @@ def read_adapter_manifest(path: str | Path) -> dict:
     if not f.is_file():
         raise CheckpointError(f"{path} is not a lowbit adapter folder (no {MANIFEST}); "
                               "pass a folder written by `lowbit finetune --out`")
-    try:
-        m = json.loads(f.read_bytes().decode("utf-8"))
-    except ValueError as e:  # UnicodeDecodeError included
-        raise CheckpointError(f"{f} is corrupted ({str(e)[:80]}); re-create the adapter folder") from None
+    m = read_json(f, CheckpointError, "it is corrupted — re-create the adapter folder")
     if not isinstance(m, dict) or m.get("format") != FORMAT or m.get("version") != VERSION:
         got = (m.get("format"), m.get("version")) if isinstance(m, dict) else (type(m).__name__, None)
         raise CheckpointError(f"{f}: format {got[0]!r} v{got[1]!r} is not {FORMAT} v{VERSION}")

@@ -43,6 +43,7 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
+from lowbit.configs import check_fields
 from lowbit.errors import ConfigError, ModelError
 from lowbit.formats import Scheme, qdq
 from lowbit.formats.groups import to_groups
@@ -73,6 +74,7 @@ class AWQSettings:
     inputs: str = "fp"
 
     def __post_init__(self) -> None:
+        check_fields(self, ConfigError, "AWQ setting")
         if self.grid < 1:
             raise ConfigError(f"AWQ grid must be >= 1, got {self.grid}")
         if self.samples < 1:

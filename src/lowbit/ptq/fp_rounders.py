@@ -5,7 +5,8 @@
 the block scale ``s_b`` is the scheme's initial scale (abs-max, 4-over-6, or for V2 the
 importance-weighted search) times a learned factor, re-cast to the scale grid (E4M3,
 E8M0, UE5M3) with a straight-through cast. V1 learns a clip factor in [0, 1], V2 a
-multiplier in [0, 2]. The per-tensor scale ``enc`` of NVFP4 is fixed. With V = 0 and the
+multiplier in [0, 2]. The per-tensor scale ``enc`` of NVFP4 is fixed (a fused
+group's shared one when given). With V = 0 and the
 factor at 1 this is exactly the RTN quantizer of `formats.fp4`.
 """
 
@@ -15,7 +16,7 @@ import torch
 from torch import nn
 
 from lowbit.formats import QTensor, Scheme, rules
-from lowbit.formats.fp4 import ELEM_GRIDS, encode_codes
+from lowbit.formats.fp4 import ELEM_GRIDS, encode_codes, given_encode
 from lowbit.formats.groups import from_groups, pad_mask, to_groups
 
 
@@ -27,14 +28,15 @@ class FpRounder(nn.Module):
     """Learnable rounding of one ``[out, in]`` weight to an E2M1 block scheme."""
 
     def __init__(self, w: torch.Tensor, scheme: Scheme, imp: torch.Tensor | None = None,
-                 v2: bool = False) -> None:
+                 v2: bool = False, tensor_scale: torch.Tensor | None = None) -> None:
         super().__init__()
         self.scheme, self.shape, self.v2 = scheme, tuple(w.shape), v2
         self.elem = ELEM_GRIDS[scheme.elem]
         g = scheme.group_for(w.shape[1])
         x = to_groups(w.detach().float(), g)
         a = x.abs()
-        enc = rules.tensor_encode(a.amax(), scheme, self.elem)
+        enc = rules.tensor_encode(a.amax(), scheme, self.elem) if tensor_scale is None else \
+            given_encode(tensor_scale, scheme, w)
         self.register_buffer("x", x)
         self.register_buffer("enc", enc)
         self.register_buffer("mask", pad_mask(w.shape[1], g, w.device).float())

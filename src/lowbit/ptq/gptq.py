@@ -10,7 +10,7 @@ through its upper Cholesky factor, and updates are applied lazily in batches of
 Every INT and FP scheme works, because a group's scale is chosen by the scheme's own rule
 (`lowbit.formats`: abs-max, importance-weighted search with ``diag(H)`` as the
 importance, 4-over-6, the E8M0 / E4M3 / UE5M3 grids, NVFP4's per-tensor scale fixed from
-the layer's float weights) and then every column of the group is rounded on that grid:
+the float weights, one per group of Linears an engine fuses, `lowbit.models.fused`) and then every column of the group is rounded on that grid:
 
 * without act-order, a group's scale is chosen when GPTQ reaches its first column, from
   the current weights of its columns (they carry the error of every column before them);
@@ -40,12 +40,13 @@ from typing import Any
 import torch
 from torch import nn
 
+from lowbit.configs import check_fields
 from lowbit.errors import ConfigError
-from lowbit.formats import QTensor, Scheme, rules
-from lowbit.formats.fp4 import ELEM_GRIDS
+from lowbit.formats import QTensor, Scheme
 from lowbit.formats.groups import to_groups
 from lowbit.formats.plan import Plan
 from lowbit.models.activations import activation_stats
+from lowbit.models.fused import own_tensor_scale
 from lowbit.ptq.gptq_grids import Grid, KGrid, Tensors, make_grid
 from lowbit.ptq.methods import Method, RunContext, register
 from lowbit.ptq.pipeline import BlockJob, PipelineOptions, quantize_blockwise
@@ -79,6 +80,7 @@ class GPTQSettings:
     search: bool = True
 
     def __post_init__(self) -> None:
+        check_fields(self, ConfigError, "GPTQ setting")
         if not 0 <= self.damp <= 1:
             raise ConfigError(f"damp must be in [0, 1] (a fraction of the Hessian's mean diagonal), got {self.damp}")
         if self.lazy_batch < 1:
@@ -241,8 +243,8 @@ class _Loop:
         return self.scale.T.contiguous(), None if self.zero is None else self.zero.T.contiguous()
 
 
-def gptq_layers(weights: Mapping[str, tuple[torch.Tensor, Scheme]], h: torch.Tensor, settings: GPTQSettings
-                ) -> tuple[dict[str, QTensor], dict[str, float]]:
+def gptq_layers(weights: Mapping[str, tuple[torch.Tensor, Scheme]], h: torch.Tensor, settings: GPTQSettings,
+                tensor_scales: Mapping[str, torch.Tensor] | None = None) -> tuple[dict[str, QTensor], dict[str, float]]:
     """GPTQ of several Linears that read the same input (one Hessian): name -> QTensor, and their errors.
 
     Layers with one scheme are stacked row-wise (GPTQ treats rows independently, so this
@@ -258,7 +260,8 @@ def gptq_layers(weights: Mapping[str, tuple[torch.Tensor, Scheme]], h: torch.Ten
     damp_used = settings.damp
     for scheme, names in by_scheme.items():
         ws = [weights[n][0].detach().float() for n in names]
-        encs = [_tensor_encode(x, scheme) for x in ws]
+        given = tensor_scales or {}
+        encs = [given[n] if n in given else own_tensor_scale(x, scheme) for n, x in zip(names, ws, strict=True)]
         enc_rows = None if encs[0] is None else torch.cat([e.expand(x.shape[0]) for e, x in zip(encs, ws, strict=True)])
         stack = torch.cat(ws)
         deq, (codes, scale, zero, sup), d = gptq_matrix(stack, h, scheme, settings, enc_rows, where=", ".join(names))
@@ -266,19 +269,13 @@ def gptq_layers(weights: Mapping[str, tuple[torch.Tensor, Scheme]], h: torch.Ten
         r0 = 0
         for name, x, enc in zip(names, ws, encs, strict=True):
             r1 = r0 + x.shape[0]
-            ts = enc if sup is None else sup[r0:r1].contiguous()  # NVFP4: the layer's; K-quants: per row
+            # K-quants: per-row super-block scales; NVFP4: the layer's own copy of its (maybe shared) tensor scale
+            ts = sup[r0:r1].contiguous() if sup is not None else None if enc is None else enc.clone()
             out[name] = QTensor(codes[r0:r1].contiguous(), scale[r0:r1].contiguous(),
                                 None if zero is None else zero[r0:r1].contiguous(), ts, tuple(x.shape), scheme)
             errs[name] = _relative_error(x, deq[r0:r1], h)
             r0 = r1
     return out, {"damp": damp_used, **{f"err/{n}": e for n, e in errs.items()}}
-
-
-def _tensor_encode(w: torch.Tensor, s: Scheme) -> torch.Tensor | None:
-    """NVFP4's per-tensor scale of a layer's float weight, as `formats.fp4.quantize_fp` computes it."""
-    if not s.tensor_scale:
-        return None
-    return rules.tensor_encode(w.abs().amax(), s, ELEM_GRIDS[s.elem])
 
 
 def _relative_error(w: torch.Tensor, q: torch.Tensor, h: torch.Tensor) -> float:
@@ -382,7 +379,8 @@ class GPTQTuner:
             for group in groups:
                 h = hessians(job.block, {group[0]: mods[group[0]]}, job.x, job.kwargs, True, **where)[group[0]] \
                     if seq else hs[group[0]]
-                out, info = gptq_layers({n: (mods[n].weight, job.layers[n][1]) for n in group}, h, self.settings)
+                out, info = gptq_layers({n: (mods[n].weight, job.layers[n][1]) for n in group}, h, self.settings,
+                                        job.tensor_scales)
                 damp = max(damp, info["damp"])
                 errs += [v for k, v in info.items() if k.startswith("err/")]
                 for n in group:
@@ -414,11 +412,21 @@ def gptq_quantize(model: nn.Module, plan: Plan, settings: GPTQSettings, calib: t
     if calib is None or calib.numel() == 0:
         raise ConfigError("GPTQ needs calibration batches (LongTensor [nsamples, seqlen])")
     check_plan(settings, plan)
-    plan = searched(plan) if settings.search else plan
-    opts = PipelineOptions(chunk=CHUNK, device=device or "cpu", offload_dir=offload_dir)
-    infos = quantize_blockwise(model, plan, calib, GPTQTuner(settings), {"method": "gptq", "config": settings.to_dict()},
-                               opts, workdir=workdir, progress=progress)
+    recorded, opts, plan = pipeline_args(settings, plan, device, offload_dir)
+    infos = quantize_blockwise(model, plan, calib, GPTQTuner(settings), recorded, opts, workdir=workdir,
+                               progress=progress)
     return plan, infos
+
+
+def pipeline_args(settings: GPTQSettings, plan: Plan, device: str | None, offload_dir: str | None
+                  ) -> tuple[dict, PipelineOptions, Plan]:
+    """What GPTQ hands the pipeline: recorded settings, options, and the plan it applies (searched rule)."""
+    opts = PipelineOptions(chunk=CHUNK, device=device or "cpu", offload_dir=offload_dir)
+    return {"method": "gptq", "config": settings.to_dict()}, opts, searched(plan) if settings.search else plan
+
+
+def _work(settings: GPTQSettings, plan: Plan, ctx: RunContext) -> tuple[dict, PipelineOptions, Plan]:
+    return pipeline_args(settings, plan, ctx.device, ctx.offload_dir)
 
 
 def _run(model: nn.Module, plan: Plan, settings: GPTQSettings, ctx: RunContext) -> Plan:
@@ -428,4 +436,4 @@ def _run(model: nn.Module, plan: Plan, settings: GPTQSettings, ctx: RunContext) 
 
 register(Method("gptq", GPTQSettings, _run, blockwise=True, needs_calib=lambda _s: True,
                 summary="GPTQ: column-by-column rounding with Hessian error feedback, block by block",
-                check_plan=check_plan))
+                check_plan=check_plan, work=_work))

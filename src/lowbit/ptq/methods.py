@@ -42,6 +42,9 @@ class RunContext:
 
 
 RunFn = Callable[[nn.Module, Plan, Any, RunContext], Plan]  # returns the plan it applied
+# a block-wise method's (pipeline settings, PipelineOptions, plan it applies) for given settings and context:
+# what its work folder records, so a resume with other settings is refused before any heavy work
+WorkFn = Callable[[Any, Plan, RunContext], tuple[dict, Any, Plan]]
 
 
 @dataclass(frozen=True)
@@ -54,6 +57,7 @@ class Method:
     resume from a work folder). needs_calib: whether these settings need calibration data.
     presets: named bases for the settings (``--preset``).
     check_plan: refuses settings that cannot apply a plan (called before any heavy work).
+    work: (block-wise methods) what its work folder records for these settings (`WorkFn`).
     """
 
     name: str
@@ -65,6 +69,7 @@ class Method:
     fixed: Mapping[str, Any] = field(default_factory=dict)
     presets: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
     check_plan: Callable[[Any, Plan], None] | None = None
+    work: WorkFn | None = None
 
     def settable(self) -> list[str]:
         return [f.name for f in dataclasses.fields(self.settings) if f.name not in self.fixed]

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from lowbit.configs import check_fields
 from lowbit.errors import ConfigError
 from lowbit.formats import Recipe
 from lowbit.formats.kquants import fit_width
@@ -52,6 +53,7 @@ class MixedSettings:
     dtype: str = "auto"
 
     def __post_init__(self) -> None:
+        check_fields(self, ConfigError, "mixed-precision setting", {"avg_bits": "--avg-bits"})
         opts = self.options.split(",") if isinstance(self.options, str) else self.options
         object.__setattr__(self, "options", tuple(Recipe.parse(o).name for o in opts if str(o).strip()))
         if not self.options:

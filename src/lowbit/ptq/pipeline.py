@@ -31,17 +31,21 @@ from pathlib import Path
 from typing import Any, Protocol
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load as st_load
 from safetensors.torch import load_file, save
 from torch import nn
 from tqdm.auto import tqdm
 
+from lowbit.configs import check_fields
 from lowbit.errors import CheckpointError, ConfigError
 from lowbit.formats import QTensor, Scheme
+from lowbit.formats.finite import require_finite
 from lowbit.formats.plan import Plan
-from lowbit.io import atomic_write_bytes, atomic_write_text, sha256_file
+from lowbit.io import atomic_write_bytes, atomic_write_text, read_json
 from lowbit.models.activations import activation_stats
 from lowbit.models.attention import tuning_attention
+from lowbit.models.fused import fused_groups, shared_amax, shared_tensor_scales
 from lowbit.models.layers import block_path, decoder_blocks
 from lowbit.models.lazy import is_lazy, load_block, materialize
 from lowbit.models.placement import check_device
@@ -50,6 +54,8 @@ from lowbit.nn.input_quant import InputQuantizer
 from lowbit.nn.input_rotation import rotation_of
 
 _DROP_KWARGS = ("cache", "past_key_values", "past_key_value", "layer_past")
+# one block's planned layers (full name -> (relative name, scheme)) and their (out, in) shapes
+BlockLayout = tuple[Mapping[str, tuple[str, Scheme]], Mapping[str, tuple[int, int]]]
 
 
 class _StopForward(Exception):
@@ -78,6 +84,8 @@ class BlockJob:
     dtype: torch.dtype | None = None  # the block's activation dtype (None = ``x``'s)
     shard: Shard | None = None  # this process's part of each mini-batch under torch.distributed
     inputs: dict[str, InputQuantizer] = field(default_factory=dict)  # input quantizers of the recipe
+    # full layer name -> the weight tensor scale to quantize with (schemes that have one; fused groups share it)
+    tensor_scales: dict[str, torch.Tensor] = field(default_factory=dict)
 
     def fetch(self, cache: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
         """Rows ``idx`` of ``x`` or ``y`` on the compute device in the block's dtype (see `gather_rows`)."""
@@ -108,6 +116,12 @@ def block_layers(plan: Plan, block_name: str) -> dict[str, tuple[str, Scheme]]:
     """Plan entries inside one block: full name -> (relative name, weight scheme)."""
     pre = block_name + "."
     return {n: (n[len(pre):], r.weight) for n, r in plan.items() if n.startswith(pre)}
+
+
+def block_tensor_scales(block: nn.Module, layers: Mapping[str, tuple[str, Scheme]]) -> dict[str, torch.Tensor]:
+    """Weight tensor scales of a block's planned layers from their float weights: a fused group's parts share one."""
+    weights = {n: block.get_submodule(rel).weight for n, (rel, _) in layers.items()}
+    return shared_tensor_scales(weights, {n: s for n, (_, s) in layers.items()})
 
 
 def input_quantizers(plan: Plan, layers: Mapping[str, Any], amax: Mapping[str, torch.Tensor],
@@ -305,27 +319,54 @@ def fingerprint(model: nn.Module, calib: torch.Tensor) -> dict[str, str]:
     return {"model": h.hexdigest(), "calib": tok}
 
 
+def work_settings(settings: Mapping[str, Any], plan: Plan, options: PipelineOptions, model: nn.Module,
+                  calib: torch.Tensor) -> dict[str, Any]:
+    """Everything that decides a block-wise run's result, as its work folder's ``run.json`` records it."""
+    return {**settings, "plan": plan.to_dict(), "fp_inputs": options.fp_inputs, "chunk": options.chunk,
+            **_cache_setting(options), **_fused_setting(plan), **fingerprint(model, calib)}
+
+
+def check_work_folder(path: str | Path, settings: Mapping[str, Any], later: tuple[str, ...] = ()) -> None:
+    """Refuse a work folder that holds a run with other settings, before any heavy work.
+
+    later: keys that cannot be known yet (the plan of a mixed-precision run, the model's
+    fingerprint after a rotation or AWQ pre-step); the pipeline checks them when it opens
+    the folder. A folder without ``run.json`` has nothing to disagree with.
+    """
+    meta = Path(path) / "run.json"
+    if meta.exists():
+        _compare(Path(path), _read_json(meta), _jsonable(settings), later)
+
+
+def _jsonable(d: Mapping[str, Any]) -> dict[str, Any]:
+    return json.loads(json.dumps(d, sort_keys=True, default=str))
+
+
+def _compare(path: Path, old: dict[str, Any], new: dict[str, Any], skip: tuple[str, ...] = ()) -> None:
+    diff = sorted(k for k in set(old) | set(new) if k not in skip and old.get(k) != new.get(k))
+    if diff:
+        raise ConfigError(f"work folder {path} holds a run with different settings ({', '.join(diff)}); resume "
+                          "with the same settings, or pass a new --workdir (or delete it) to start over")
+
+
 class WorkDir:
     """Per-block results on disk: ``run.json`` (settings), ``block_NNNN.safetensors`` + ``block_NNNN.json``.
 
     The small JSON sidecar holds the block file's sha256 and is written after it, so a
-    block counts as finished only when both exist and agree: a crash between the two, a
-    truncated file or a flipped byte all read as "not finished" and the block is tuned
-    again instead of being installed with wrong codes.
+    block counts as finished only when both exist and agree and the file decodes to the
+    block's layers: a crash between the two, a truncated file, a flipped byte or a file
+    that is not safetensors at all read as "not finished" and the block is tuned again
+    (with a warning) instead of being installed with wrong codes.
     """
 
     def __init__(self, path: str | Path, settings: dict[str, Any]) -> None:
         self.path = Path(path)
-        self.settings = json.loads(json.dumps(settings, sort_keys=True, default=str))
+        self.settings = _jsonable(settings)
         self.damaged: dict[int, str] = {}  # block index -> why its saved result was discarded
         self.path.mkdir(parents=True, exist_ok=True)
         meta = self.path / "run.json"
         if meta.exists():
-            old = _read_json(meta)
-            if old != self.settings:
-                diff = sorted(k for k in set(old) | set(self.settings) if old.get(k) != self.settings.get(k))
-                raise ConfigError(f"work folder {self.path} holds a run with different settings ({', '.join(diff)}); "
-                                  "resume with the same settings, or pass a new --workdir (or delete it) to start over")
+            _compare(self.path, _read_json(meta), self.settings)
         else:
             atomic_write_text(meta, json.dumps(self.settings, indent=1, sort_keys=True))
 
@@ -335,17 +376,18 @@ class WorkDir:
     def sidecar(self, i: int) -> Path:
         return self.path / f"block_{i:04d}.json"
 
-    def done(self, nblocks: int) -> int:
+    def done(self, nblocks: int, expect: Callable[[int], BlockLayout] | None = None) -> int:
         """Number of leading blocks whose saved result is intact; results after it are removed.
 
         Every block is tuned on the outputs of the blocks before it, so once block k must
-        be redone (missing, truncated, corrupted) the saved blocks after it are stale too:
-        they are deleted, so that a run interrupted while redoing them can never pick them
-        up. A damaged block is reported with ``warnings.warn`` and recorded in ``damaged``.
+        be redone (missing, truncated, corrupted, unreadable) the saved blocks after it are
+        stale too: they are deleted, so that a run interrupted while redoing them can never
+        pick them up. A damaged block is reported with ``warnings.warn`` and recorded in
+        ``damaged``. expect: block index -> its layers and shapes, to decode each file now.
         """
         k = 0
         while k < nblocks and self.block_file(k).exists():
-            why = self._check(k)
+            why = self._check(k, expect)
             if why:
                 self.damaged[k] = why
                 warnings.warn(f"work folder {self.path}: block {k}'s saved result is {why}; tuning block {k} "
@@ -355,21 +397,27 @@ class WorkDir:
         self._prune(k)
         return k
 
-    def _check(self, i: int) -> str | None:
-        """Why block ``i``'s file cannot be used (None when it matches its recorded checksum)."""
-        try:
-            meta = json.loads(self.sidecar(i).read_bytes().decode("utf-8"))
-        except FileNotFoundError:
+    def _check(self, i: int, expect: Callable[[int], BlockLayout] | None = None) -> str | None:
+        """Why block ``i``'s file cannot be used (None when it matches its checksum and decodes)."""
+        if not self.sidecar(i).exists():
             return f"unverified (no {self.sidecar(i).name}: interrupted while saving, or an older lowbit)"
-        except (ValueError, OSError):
+        try:
+            meta = read_json(self.sidecar(i), CheckpointError, "")
+        except CheckpointError:
             return f"unverified ({self.sidecar(i).name} is damaged)"
         if not isinstance(meta, dict) or not isinstance(meta.get("sha256"), str):
             return f"unverified ({self.sidecar(i).name} is damaged)"
         size = self.block_file(i).stat().st_size
         if isinstance(meta.get("bytes"), int) and size != meta["bytes"]:
             return f"truncated ({size} of {meta['bytes']} bytes)"
-        if sha256_file(self.block_file(i)) != meta["sha256"]:
+        data = self.block_file(i).read_bytes()
+        if hashlib.sha256(data).hexdigest() != meta["sha256"]:
             return "corrupted (checksum mismatch)"
+        if expect is not None:
+            try:
+                self._decode(i, data, *expect(i))
+            except (CheckpointError, ConfigError) as e:
+                return f"unreadable ({str(e)[:120]})"
         return None
 
     def _prune(self, first: int) -> None:
@@ -381,6 +429,8 @@ class WorkDir:
 
     def save_block(self, i: int, qts: Mapping[str, QTensor]) -> None:
         tensors = {f"{n}::{k}": v.detach().cpu().contiguous() for n, q in qts.items() for k, v in q.pack().items()}
+        require_finite(tensors.items(), f"block {i}'s result", "nothing was written: a quantizer made NaN or inf "
+                       "from finite weights, which is a lowbit bug (please report it with the command)")
         data = save(tensors)
         atomic_write_bytes(self.block_file(i), data)
         atomic_write_text(self.sidecar(i), json.dumps({"sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data)}))
@@ -390,7 +440,16 @@ class WorkDir:
         data = self.block_file(i).read_bytes()
         if hashlib.sha256(data).hexdigest() != _read_json(self.sidecar(i)).get("sha256"):  # changed since done()
             raise CheckpointError(f"{self.block_file(i)} changed while the run was resuming; rerun to tune it again")
-        raw = st_load(data)
+        return self._decode(i, data, layers, shapes)
+
+    def _decode(self, i: int, data: bytes, layers: Mapping[str, tuple[str, Scheme]],
+                shapes: Mapping[str, tuple[int, int]]) -> dict[str, QTensor]:
+        """Block ``i``'s saved bytes as QTensors of its layers; anything else is a `CheckpointError`."""
+        try:
+            raw = st_load(data)
+        except SafetensorError as e:
+            raise CheckpointError(f"{self.block_file(i)} is not a safetensors file ({str(e)[:80]}); delete the "
+                                  "work folder and rerun") from None
         out = {}
         for name, (_rel, scheme) in layers.items():
             d = {k.split("::", 1)[1]: v for k, v in raw.items() if k.split("::", 1)[0] == name}
@@ -406,11 +465,7 @@ class WorkDir:
 
 def _read_json(path: Path) -> dict[str, Any]:
     """A JSON object lowbit wrote into the work folder; anything else is a `CheckpointError`."""
-    try:
-        d = json.loads(path.read_bytes().decode("utf-8"))
-    except (ValueError, OSError) as e:
-        raise CheckpointError(f"cannot read {path} ({str(e)[:80]}); delete the work folder {path.parent} and "
-                              "rerun") from None
+    d = read_json(path, CheckpointError, f"delete the work folder {path.parent} and rerun")
     if not isinstance(d, dict):
         raise CheckpointError(f"{path} is not what lowbit wrote; delete the work folder {path.parent} and rerun")
     return d
@@ -493,6 +548,7 @@ class PipelineOptions:
     cache_device: str = "device"
 
     def __post_init__(self) -> None:
+        check_fields(self, ConfigError, "pipeline option")
         if self.cache_dtype not in CACHE_DTYPES:
             raise ConfigError(f"cache dtype must be one of {sorted(CACHE_DTYPES)}, got {self.cache_dtype!r}")
         if self.cache_device not in CACHE_DEVICES:
@@ -532,10 +588,14 @@ def quantize_blockwise(model: nn.Module, plan: Plan, calib: torch.Tensor, tuner:
     where = device if options.cache_device == "device" else torch.device("cpu")
     x, kwargs = capture_inputs(model, blocks[0], calib, device, CACHE_DTYPES[options.cache_dtype], where, shard)
     dtype = _block_dtype(blocks[0])
-    wd = _workdir(workdir, {**settings, "plan": plan.to_dict(), "fp_inputs": options.fp_inputs,
-                            "chunk": options.chunk, **_cache_setting(options), **fingerprint(model, calib)}, shard)
+    wd = _workdir(workdir, work_settings(settings, plan, options, model, calib), shard)
     offload = block_loader(model, blocks, _rank_folder(options.offload_dir, shard))
-    start = _resume_point(wd, len(blocks), shard)
+
+    def layout(i: int) -> BlockLayout:
+        layers = block_layers(plan, names[id(blocks[i])])
+        return layers, _shapes(blocks[i], layers)
+
+    start = _resume_point(wd, len(blocks), shard, layout)
     x_fp, x_q = x, None
     if not options.fp_inputs and not _tracks_fp(tuner, plan):
         x_fp, x_q = None, x  # only the quantized chain is needed: the captured inputs become X_q
@@ -562,8 +622,8 @@ def quantize_blockwise(model: nn.Module, plan: Plan, calib: torch.Tensor, tuner:
             if y is not None:
                 map_block(block, x_fp, y, kwargs, options.chunk, device, dtype, shard)
         x_fp = None
-        amax = {n: a.amax() for n, a in reduce_across(h.result("absmax"), shard, "max").items()
-                if n in static} if static else {}
+        amax = shared_amax({n: a.amax() for n, a in reduce_across(h.result("absmax"), shard, "max").items()
+                            if n in static}) if static else {}
         inputs = input_quantizers(plan, layers, amax, device)
         if i < start:
             qts = wd.load_block(i, layers, _shapes(block, layers))  # type: ignore[union-attr]
@@ -573,7 +633,8 @@ def quantize_blockwise(model: nn.Module, plan: Plan, calib: torch.Tensor, tuner:
             # depend on how many processes share the samples
             imp = ({n: t.float() for n, t in reduce_across(h.result("sumsq", torch.float64), shard).items()}
                    if want_imp else None)
-            job = BlockJob(i, block, layers, x_in, y, kwargs, imp, device, dtype, shard, inputs)
+            job = BlockJob(i, block, layers, x_in, y, kwargs, imp, device, dtype, shard, inputs,
+                           block_tensor_scales(block, layers))
             with tuning_attention(model):
                 qts, info = tuner(job)
             if wd and i in wd.damaged:
@@ -618,6 +679,13 @@ def _cache_setting(options: PipelineOptions) -> dict[str, str]:
     return {} if options.cache_dtype == "fp32" else {"cache_dtype": options.cache_dtype}
 
 
+def _fused_setting(plan: Plan) -> dict[str, int]:
+    """Fused groups now share one tensor scale: a work folder whose blocks were tuned with one per layer
+    (lowbit before the change) must not be resumed into the new numbers; plans without such groups keep theirs."""
+    scaled = [n for n, s in plan.weights().items() if s.tensor_scale]
+    return {"shared_tensor_scales": 1} if fused_groups(scaled) else {}
+
+
 def _workdir(path: str | Path | None, settings: dict[str, Any], shard: Shard) -> WorkDir | None:
     """The work folder; under torch.distributed rank 0 creates it before the others open it."""
     if path is None:
@@ -631,17 +699,18 @@ def _workdir(path: str | Path | None, settings: dict[str, Any], shard: Shard) ->
     return wd or WorkDir(path, settings)
 
 
-def _resume_point(wd: WorkDir | None, nblocks: int, shard: Shard) -> int:
+def _resume_point(wd: WorkDir | None, nblocks: int, shard: Shard,
+                  layout: Callable[[int], BlockLayout] | None = None) -> int:
     """Blocks already finished; rank 0 checks (and prunes) the folder before the other ranks read it."""
     if wd is None:
         return 0
     if shard.world == 1:
-        return wd.done(nblocks)
+        return wd.done(nblocks, layout)
     import torch.distributed as dist
 
-    start = wd.done(nblocks) if shard.rank == 0 else 0
+    start = wd.done(nblocks, layout) if shard.rank == 0 else 0
     dist.barrier()
-    return start if shard.rank == 0 else wd.done(nblocks)
+    return start if shard.rank == 0 else wd.done(nblocks, layout)
 
 
 def _rank_folder(folder: str | None, shard: Shard) -> str | None:
@@ -695,4 +764,5 @@ def _quantize_rest(model: nn.Module, plan: Plan, names: Mapping[int, str], block
             raise ConfigError(f"{static[0]} lies outside the decoder blocks, where the block-wise pipeline cannot "
                               "calibrate static input scales; give it a dynamic input scheme (e.g. fp8, mxfp4) "
                               "or none")
-        replace_linears(model, rest)
+        weights = {n: model.get_submodule(n).weight for n in rest}
+        replace_linears(model, rest, tensor_scales=shared_tensor_scales(weights, {n: r.weight for n, r in rest.items()}))

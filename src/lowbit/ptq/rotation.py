@@ -46,6 +46,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from lowbit.configs import check_fields
 from lowbit.errors import ConfigError, ModelError
 from lowbit.formats.wht import factor, wht, wht_columns
 from lowbit.models.layers import block_path, decoder_blocks, linear_layers
@@ -75,6 +76,7 @@ class RotationSettings:
     online: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
+        check_fields(self, ConfigError, "rotation setting")
         object.__setattr__(self, "online", tuple(self.online))
         if not self.residual and not self.online:
             raise ConfigError("a rotation with residual=False needs online layers (e.g. down_proj); otherwise "

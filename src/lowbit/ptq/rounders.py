@@ -18,8 +18,14 @@ from lowbit.ptq.kquant_rounder import KQuantRounder
 ROUNDERS: dict[str, type[nn.Module]] = {"int": IntRounder, "e2m1": FpRounder, "e4m3": FpRounder}
 
 
-def make_rounder(w: torch.Tensor, scheme: Scheme, imp: torch.Tensor | None, v2: bool) -> nn.Module:
-    """The rounder of ``w [out, in]`` for ``scheme``; ``imp [in]`` seeds V2's searched scales."""
+def make_rounder(w: torch.Tensor, scheme: Scheme, imp: torch.Tensor | None, v2: bool,
+                 tensor_scale: torch.Tensor | None = None) -> nn.Module:
+    """The rounder of ``w [out, in]`` for ``scheme``; ``imp [in]`` seeds V2's searched scales.
+
+    tensor_scale: the fixed per-tensor scale of a scheme that has one (a fused group's shared one).
+    """
+    if tensor_scale is not None:
+        return FpRounder(w, scheme, imp, v2, tensor_scale)
     if scheme.super_block:  # llama.cpp K-quants: tuned through the double-quantized scales
         return KQuantRounder(w, scheme, imp, v2)
     if scheme.elem not in ROUNDERS:

@@ -8,7 +8,8 @@ model at once: with a device it moves there for the importance pass and the roun
 
 Recipes that quantize inputs get their input quantizers; static input scales (NVFP4's
 tensor scale, FP8 / INT8 per tensor) are calibrated in the same pass over the FP model,
-on the calibration batches only.
+on the calibration batches only. The parts of a matmul engines fuse (q/k/v, gate/up)
+share one weight tensor scale and one static input scale (`lowbit.models.fused`).
 """
 
 from __future__ import annotations
@@ -19,9 +20,11 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from lowbit.configs import check_fields
 from lowbit.errors import ConfigError
 from lowbit.formats.plan import Plan
 from lowbit.models.activations import collect
+from lowbit.models.fused import shared_amax, shared_tensor_scales
 from lowbit.models.placement import on_device
 from lowbit.nn import replace_linears
 from lowbit.ptq.methods import Method, RunContext, register
@@ -32,6 +35,9 @@ class RTNSettings:
     """search: pick each group's scale by the importance-weighted search (needs calibration data)."""
 
     search: bool = True
+
+    def __post_init__(self) -> None:
+        check_fields(self, ConfigError, "RTN setting")
 
 
 def searched(plan: Plan) -> Plan:
@@ -59,8 +65,10 @@ def rtn_quantize(model: nn.Module, plan: Plan, calib: torch.Tensor | None = None
     if kinds:
         stats = collect(model, calib, list(plan), kinds, progress=progress)
         imp = stats.result("sumsq") if "sumsq" in kinds else imp
-        amax = {n: a.amax() for n, a in stats.result("absmax").items()} if static else None
-    replace_linears(model, plan, imp=imp, progress=progress, amax=amax)
+        amax = shared_amax({n: a.amax() for n, a in stats.result("absmax").items()}) if static else None
+    weights = {n: model.get_submodule(n).weight for n in plan}
+    scales = shared_tensor_scales(weights, plan.weights())
+    replace_linears(model, plan, imp=imp, progress=progress, amax=amax, tensor_scales=scales)
     return plan
 
 

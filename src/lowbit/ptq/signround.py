@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from lowbit.configs import check_fields
 from lowbit.errors import ConfigError
 from lowbit.formats import QTensor
 from lowbit.formats.plan import Plan
@@ -102,6 +103,7 @@ class SignRoundSettings:
     compile: bool = False
 
     def __post_init__(self) -> None:
+        check_fields(self, ConfigError, "SignRound setting")
         if self.tune_dtype not in TUNE_DTYPES:
             raise ConfigError(f"tune_dtype must be one of {sorted(TUNE_DTYPES)}, got {self.tune_dtype!r}")
         if self.cache_dtype != "auto" and self.cache_dtype not in CACHE_DTYPES:
@@ -313,7 +315,7 @@ class SignRoundTuner:
         for name, (rel, scheme) in job.layers.items():
             lin = job.block.get_submodule(rel)
             imp = None if job.imp is None else job.imp[name]
-            r = make_rounder(lin.weight.detach(), scheme, imp, self.config.v2)
+            r = make_rounder(lin.weight.detach(), scheme, imp, self.config.v2, job.tensor_scales.get(name))
             set_module(job.block, rel, TunedLinear(lin, r, dtype, job.inputs.get(name)))
             rounders[name] = r
         return rounders
@@ -464,13 +466,23 @@ def signround_quantize(model: nn.Module, plan: Plan, settings: SignRoundSettings
     shard = current_shard()
     check_world(len(calib), shard)
     check_batch_split(settings, len(calib), shard.world)
+    recorded, opts = pipeline_args(settings, device, offload_dir, cache_device)
+    return quantize_blockwise(model, plan, calib, SignRoundTuner(settings), recorded, opts, workdir=workdir,
+                              progress=progress)
+
+
+def pipeline_args(settings: SignRoundSettings, device: str | None, offload_dir: str | None,
+                  cache_device: str = "device") -> tuple[dict, PipelineOptions]:
+    """What SignRound hands the pipeline: the settings its work folder records, and the pipeline options."""
     method = "signround2" if settings.v2 else "signround"
     opts = PipelineOptions(fp_inputs=settings.fp_inputs, chunk=settings.batch_size, device=device or "cpu",
                            offload_dir=offload_dir, cache_dtype=settings.storage_dtype(device or "cpu"),
                            cache_device=cache_device)
-    return quantize_blockwise(model, plan, calib, SignRoundTuner(settings),
-                              {"method": method, "config": settings.to_dict()}, opts, workdir=workdir,
-                              progress=progress)
+    return {"method": method, "config": settings.to_dict()}, opts
+
+
+def _work(settings: SignRoundSettings, plan: Plan, ctx: RunContext) -> tuple[dict, PipelineOptions, Plan]:
+    return (*pipeline_args(settings, ctx.device, ctx.offload_dir, ctx.cache_device), plan)
 
 
 def _run(model: nn.Module, plan: Plan, settings: SignRoundSettings, ctx: RunContext) -> Plan:
@@ -485,7 +497,7 @@ def _always(_settings: Any) -> bool:
 
 register(Method("signround", SignRoundSettings, _run, blockwise=True, needs_calib=_always,
                 summary="SignRound: learned rounding offsets and clip factors, tuned block by block",
-                fixed={"v2": False}, presets=PRESETS))
+                fixed={"v2": False}, presets=PRESETS, work=_work))
 register(Method("signround2", SignRoundSettings, _run, blockwise=True, needs_calib=_always,
                 summary="SignRoundV2: importance-searched scales, a learned multiplier and loss filtering",
-                fixed={"v2": True}, presets=PRESETS))
+                fixed={"v2": True}, presets=PRESETS, work=_work))

@@ -14,7 +14,9 @@ from collections.abc import Iterable
 from torch import nn
 
 from lowbit.errors import ConfigError
+from lowbit.formats import quantize
 from lowbit.models import linear_layers
+from lowbit.models.fused import shared_tensor_scales
 from lowbit.nn import QuantLinear, set_module
 from lowbit.qat.layer import QATLinear
 from lowbit.qat.quantizers import Quantizer, SchemeFakeQuant
@@ -55,9 +57,20 @@ def qat_layers(model: nn.Module) -> dict[str, QATLinear]:
 
 
 def to_quant_linear(model: nn.Module) -> list[str]:
-    """Replace every `QATLinear` with the exact `QuantLinear` of its trained weight."""
+    """Replace every `QATLinear` with the exact `QuantLinear` of its trained weight.
+
+    Schemes with a per-tensor scale (NVFP4, fake quantization) take one shared by each
+    group of Linears an engine fuses (`lowbit.models.fused`), from the trained weights:
+    the file then serves in vLLM as lowbit evaluates it. Training computed that scale per
+    layer, so for those layers the saved model can differ slightly from the last training
+    forward; the evaluation after QAT is of the saved model.
+    """
     layers = qat_layers(model)
+    fake = {n: m.quantizer.scheme for n, m in layers.items() if isinstance(m.quantizer, SchemeFakeQuant)}
+    scales = shared_tensor_scales({n: layers[n].weight for n in fake}, fake)
     for name, layer in layers.items():
-        q = QuantLinear(layer.to_qtensor(), layer.bias)
+        qt = layer.to_qtensor() if name not in scales else quantize(layer.weight.detach().float(), fake[name],
+                                                                     tensor_scale=scales[name])
+        q = QuantLinear(qt, layer.bias)
         set_module(model, name, q.to(layer.weight.device))
     return list(layers)

@@ -19,6 +19,7 @@ from dataclasses import asdict, dataclass
 import torch
 from torch import nn
 
+from lowbit.configs import check_fields
 from lowbit.errors import ConfigError
 from lowbit.qat.convert import qat_layers
 from lowbit.qat.layer import Noise
@@ -37,6 +38,7 @@ class WinQConfig:
     seed: int = 0
 
     def __post_init__(self) -> None:
+        check_fields(self, ConfigError, "WinQ setting", ranged=("a", "sigma_w", "sigma_a"))
         if not 0.0 <= self.a < 1.0:
             raise ConfigError(f"re-init mix a must be in [0, 1), got {self.a}")
         if self.every is not None and self.every < 1:

@@ -8,8 +8,8 @@ re-initialisation and noise and an adapter's bookkeeping attach without forking 
 from lowbit.train.callbacks import Callback, TrainState
 from lowbit.train.config import TrainConfig
 from lowbit.train.curvature import TopEigen, top_hessian_eigenvalue
-from lowbit.train.loop import TrainResult, causal_lm_loss, kd_loss, train
+from lowbit.train.loop import TrainResult, causal_lm_loss, check_resume, kd_loss, train
 from lowbit.train.metrics import smooth, speedup, steps_to_reach
 
-__all__ = ["Callback", "TopEigen", "TrainConfig", "TrainResult", "TrainState", "causal_lm_loss", "kd_loss",
-           "smooth", "speedup", "steps_to_reach", "top_hessian_eigenvalue", "train"]
+__all__ = ["Callback", "TopEigen", "TrainConfig", "TrainResult", "TrainState", "causal_lm_loss", "check_resume",
+           "kd_loss", "smooth", "speedup", "steps_to_reach", "top_hessian_eigenvalue", "train"]

@@ -31,7 +31,8 @@ from safetensors.torch import save as st_save
 from torch import nn
 
 from lowbit.errors import CheckpointError, ConfigError
-from lowbit.io import atomic_write_bytes, atomic_write_text, file_inside, sha256_file
+from lowbit.formats.finite import require_finite
+from lowbit.io import atomic_write_bytes, atomic_write_text, file_inside, read_json, sha256_file
 
 FORMAT = "lowbit-train-checkpoint"
 VERSION = 2
@@ -117,6 +118,9 @@ def save_checkpoint(folder: Path, *, model: nn.Module, optimizer: torch.optim.Op
                 "evals": list(evals), "fingerprint": fingerprint, "settings": _jsonable(settings),
                 "params": encode(trainable_state(model), "params", tensors), "optimizer": encode(optimizer.state_dict(), "optimizer", tensors),
                 "rng": encode(rng_state(), "rng", tensors)}
+    require_finite(tensors.items(), f"training checkpoint of step {step} in {folder}",
+                   "the training diverged: lower --lr (or raise --warmup, or clip gradients); the previous "
+                   "checkpoint is kept")
     data = st_save(tensors)
     name = f"tensors-{step:08d}.safetensors"
     atomic_write_bytes(folder / name, data)
@@ -148,14 +152,26 @@ def find_checkpoint(folder: Path | None) -> Path | None:
     return None
 
 
-def load_checkpoint(path: Path, fingerprint: str, settings: dict) -> dict[str, Any]:
-    """Read a checkpoint and refuse it if it was made with different curve settings."""
+def check_checkpoint(path: Path, fingerprint: str, settings: dict) -> dict[str, Any]:
+    """The manifest of a checkpoint a run may resume from: same curve settings, tensor file intact.
+
+    Cheap next to any training (JSON and one hash), so a job calls it before its heavy
+    work: a resume with other settings or a damaged checkpoint is refused at once.
+    """
     path = Path(path)
     manifest = _read_manifest(path)
     if manifest.get("fingerprint") != fingerprint:
         diff = _diff(manifest.get("settings") or {}, _jsonable(settings))
         raise ConfigError(f"{path} was written by a run with different settings ({diff}); resume with the "
                           "same settings, or pass a new output folder / --no-resume to start over")
+    _tensor_file(path.parent, manifest)
+    return manifest
+
+
+def load_checkpoint(path: Path, fingerprint: str, settings: dict) -> dict[str, Any]:
+    """Read a checkpoint and refuse it if it was made with different curve settings."""
+    path = Path(path)
+    manifest = check_checkpoint(path, fingerprint, settings)
     tensors = _read_tensors(path.parent, manifest)
     where = str(path)
     payload = {"step": manifest["step"], "losses": manifest["losses"], "evals": manifest["evals"],
@@ -171,11 +187,8 @@ def load_checkpoint(path: Path, fingerprint: str, settings: dict) -> dict[str, A
 
 def _read_manifest(path: Path) -> dict[str, Any]:
     """Parse and sanity-check ``checkpoint.json`` (JSON only: nothing in it can execute)."""
-    try:
-        m = json.loads(path.read_bytes().decode("utf-8"))
-    except (ValueError, OSError) as e:
-        raise CheckpointError(f"cannot read training checkpoint {path} ({str(e)[:80]}); it is damaged — delete "
-                              f"the folder {path.parent} to start over") from None
+    m = read_json(path, CheckpointError, f"the training checkpoint is damaged — delete the folder {path.parent} to "
+                  "start over")
     if not isinstance(m, dict) or m.get("format") != FORMAT or m.get("version") != VERSION:
         raise CheckpointError(f"{path} is not a version-{VERSION} lowbit training checkpoint; delete the folder "
                               f"{path.parent} to start over")
@@ -187,8 +200,8 @@ def _read_manifest(path: Path) -> dict[str, Any]:
     return m
 
 
-def _read_tensors(folder: Path, manifest: dict[str, Any]) -> dict[str, torch.Tensor]:
-    """The manifest's tensor file, checked against its sha256 before safetensors parses it."""
+def _tensor_file(folder: Path, manifest: dict[str, Any]) -> Path:
+    """The manifest's tensor file, checked against its sha256."""
     f = file_inside(folder, manifest.get("tensors"), f"{folder / MANIFEST}")
     if not f.is_file():
         raise CheckpointError(f"{f} is missing; the checkpoint is incomplete — delete the folder {folder} "
@@ -196,6 +209,12 @@ def _read_tensors(folder: Path, manifest: dict[str, Any]) -> dict[str, torch.Ten
     if sha256_file(f) != manifest.get("sha256"):
         raise CheckpointError(f"{f} does not match its checksum (truncated or corrupted); delete the folder "
                               f"{folder} to start over")
+    return f
+
+
+def _read_tensors(folder: Path, manifest: dict[str, Any]) -> dict[str, torch.Tensor]:
+    """The manifest's tensor file, checked against its sha256 before safetensors parses it."""
+    f = _tensor_file(folder, manifest)
     try:
         return st_load(f.read_bytes())
     except (SafetensorError, OSError) as e:

@@ -13,7 +13,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from lowbit.configs import from_dict_strict
+from lowbit.configs import check_fields, from_dict_strict
 from lowbit.errors import ConfigError
 
 DTYPES = ("fp32", "bf16")
@@ -56,6 +56,7 @@ class TrainConfig:
     plot: bool = True
 
     def __post_init__(self) -> None:
+        check_fields(self, ConfigError, "training setting")
         object.__setattr__(self, "betas", tuple(float(b) for b in self.betas))
         _check(self.steps >= 1, f"steps must be >= 1, got {self.steps}")
         _check(self.batch_size >= 1, f"batch_size must be >= 1, got {self.batch_size}")

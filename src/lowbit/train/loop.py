@@ -147,9 +147,7 @@ def train(model: nn.Module, batches: torch.Tensor | Sequence[torch.Tensor], conf
     state = TrainState(model=model, optimizer=optimizer, config=config, rank=rank, world=world)
     out = Path(config.out_dir) if config.out_dir else None
     log = MetricsLog(out / "metrics.jsonl" if out and rank == 0 else None)
-    extra = {**(extra or {}), **callback_settings(callbacks)}
-    fingerprint = config.fingerprint(extra)
-    settings = {**config.curve_settings(), **{f"extra.{k}": v for k, v in extra.items()}}
+    fingerprint, settings = run_identity(config, callbacks, extra)
     start = _maybe_resume(out, resume, fingerprint, settings, state, log)
     model.train()
     for cb in callbacks:
@@ -180,6 +178,28 @@ def train(model: nn.Module, batches: torch.Tensor | Sequence[torch.Tensor], conf
         plot_losses({"train": state.losses}, out / "loss.png")
     return TrainResult(steps=state.step, losses=list(state.losses), final_loss=state.losses[-1],
                        evals=list(state.evals), seconds=round(time.perf_counter() - t0, 2), resumed_from=start)
+
+
+def run_identity(config: TrainConfig, callbacks: Sequence[Callback] = (), extra: dict | None = None
+                 ) -> tuple[str, dict[str, Any]]:
+    """(fingerprint, readable settings) a checkpoint records: the config's curve settings, ``extra``
+    and the callbacks' own; a resume must match them."""
+    extra = {**(extra or {}), **callback_settings(callbacks)}
+    return config.fingerprint(extra), {**config.curve_settings(), **{f"extra.{k}": v for k, v in extra.items()}}
+
+
+def check_resume(config: TrainConfig, callbacks: Sequence[Callback] = (), extra: dict | None = None,
+                 resume: bool = True) -> int:
+    """The step `train` would resume from (0: none), its checkpoint checked now.
+
+    Jobs call this before their heavy passes (float perplexity, teacher copies,
+    adapter initialisation): a checkpoint written with other settings, or damaged, is
+    refused in seconds rather than after them. Same arguments as `train`.
+    """
+    path = ckpt.find_checkpoint(Path(config.out_dir) / "checkpoint") if resume and config.out_dir else None
+    if path is None:
+        return 0
+    return int(ckpt.check_checkpoint(path, *run_identity(config, callbacks, extra))["step"])
 
 
 def callback_settings(callbacks: Sequence[Callback]) -> dict[str, Any]:

@@ -14,7 +14,9 @@ from pathlib import Path
 import torch
 
 from lowbit.errors import CheckpointError, ConfigError
-from lowbit.io import atomic_write_text
+from lowbit.io import atomic_write_text, parse_json, read_regular
+
+METRICS_MAX_BYTES = 1 << 30  # a record per step: a million steps take about 150 MB
 
 
 def smooth(losses: Sequence[float], window: int = 10) -> list[float]:
@@ -90,17 +92,18 @@ def _records(path: Path) -> list[tuple[str, dict]]:
     The log is read back on resume and as a --baseline, so a file that is not what lowbit
     wrote (damaged, or something else put there) must be refused, never half-parsed.
     """
+    fix = "the log is damaged — delete it to start the log over"
     try:
-        lines = path.read_bytes().decode("utf-8").splitlines()
-    except (OSError, UnicodeDecodeError) as e:
+        lines = read_regular(path, METRICS_MAX_BYTES, CheckpointError, fix).decode("utf-8").splitlines()
+    except UnicodeDecodeError as e:
         raise CheckpointError(f"cannot read the metrics log {path} ({e}); delete it to start the log over") from None
     out = []
     for i, ln in enumerate(lines, 1):
         if not ln.strip():
             continue
         try:
-            rec = json.loads(ln)
-        except ValueError:
+            rec = parse_json(ln, f"{path}:{i}", CheckpointError, fix)
+        except CheckpointError:
             rec = None
         if not isinstance(rec, dict) or not isinstance(rec.get("step"), int):
             raise CheckpointError(f"{path}:{i} is not a metrics record lowbit wrote; the log is damaged — delete "
