@@ -16,13 +16,24 @@ studying instead: seeded, reproducible on one machine, minutes on 2 cores.
    SmolLM2) of ``--layers`` x ``--hidden``, initialised from ``--seed`` and pre-trained
    with lowbit's training loop (AdamW, warm-up + cosine) on non-overlapping windows of
    the training split, less than one epoch, with the eval loss logged along the way.
-4. Output (``--out``, default ``~/.cache/lowbit/organism``): ``model/`` (config.json +
-   model.safetensors + tokenizer: ``lowbit.models.load_model(path)`` loads it),
-   ``corpus.jsonl``, ``train/`` (metrics.jsonl, checkpoint: an interrupted build resumes);
-   ``benchmarks/results/organism.json`` (settings, sizes, hashes, the curves) and
-   ``organism.png`` (training and eval loss).
+   ``--arch qwen3moe``: the same attention, embeddings and schedule with a Qwen3-MoE
+   feed-forward instead (transformers' ``Qwen3MoeForCausalLM``: ``--experts`` experts of
+   ``--moe-intermediate``, top-``--top-k`` softmax routing with the top-k weights
+   renormalised as Qwen3 does), trained with Switch's load-balancing loss taken per
+   layer (``--aux-loss-coef``; transformers' pools the layers); the tokens each expert receives are logged at every
+   eval and recorded after training (an expert no token reaches is a poor organism for
+   studying expert quantization). Its folder, corpus and tokenizer: see 4.
+4. Output (``--out``, default ``~/.cache/lowbit/organism``, ``organism-moe`` for the MoE):
+   ``model/`` (config.json + model.safetensors + tokenizer: ``lowbit.models.load_model(path)``
+   loads it), ``corpus.jsonl``, ``train/`` (metrics.jsonl, checkpoint: an interrupted build
+   resumes); ``benchmarks/results/organism.json`` (``organism_moe.json``: settings, sizes,
+   hashes, parameters by kind, the curves) and ``organism.png`` (training and eval loss).
+   ``--share DIR`` (the MoE's default: the dense organism's folder) takes ``corpus.jsonl``
+   and ``tokenizer/`` from another organism when it has them, so both models read the same
+   tokens; otherwise they are built here, the same way.
 
     nice -n 10 python -m benchmarks.organism            # ~10 minutes on 2 free cores
+    nice -n 10 python -m benchmarks.organism --arch qwen3moe
 
 The corpus depends on the Python version (its sha256 is recorded); the weights are
 bit-identical between runs on one machine and thread count, not across CPUs (GEMM
@@ -42,7 +53,10 @@ from pathlib import Path
 from benchmarks.common import machine, result_path, save_results
 
 DEFAULT_OUT = Path.home() / ".cache" / "lowbit" / "organism"
+DEFAULT_OUT_MOE = Path.home() / ".cache" / "lowbit" / "organism-moe"
 EOS = "<|endoftext|>"
+ARCHS = ("llama", "qwen3moe")
+MOE_ARGS = ("experts", "top_k", "moe_intermediate", "aux_loss_coef")
 
 
 # ------------------------------------------------------------------ corpus
@@ -133,6 +147,131 @@ def llama_config(args, vocab: int):
                        num_key_value_heads=args.kv_heads, max_position_embeddings=args.max_positions,
                        tie_word_embeddings=True, rms_norm_eps=1e-5, rope_theta=10000.0,
                        bos_token_id=0, eos_token_id=0, pad_token_id=0)
+
+
+def qwen3moe_config(args, vocab: int):
+    """A Qwen3-MoE of the Llama organism's attention and embeddings (head_dim = hidden / heads, no
+    q/k bias, tied embeddings) with a routed feed-forward in every layer and no shared expert."""
+    from transformers import Qwen3MoeConfig
+
+    return Qwen3MoeConfig(vocab_size=vocab, hidden_size=args.hidden, intermediate_size=args.intermediate,
+                          moe_intermediate_size=args.moe_intermediate, num_experts=args.experts,
+                          num_experts_per_tok=args.top_k, norm_topk_prob=True, decoder_sparse_step=1,
+                          num_hidden_layers=args.layers, num_attention_heads=args.heads,
+                          num_key_value_heads=args.kv_heads, head_dim=args.hidden // args.heads,
+                          max_position_embeddings=args.max_positions, tie_word_embeddings=True,
+                          rms_norm_eps=1e-5, rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+                          router_aux_loss_coef=args.aux_loss_coef, output_router_logits=False,
+                          bos_token_id=0, eos_token_id=0, pad_token_id=0)
+
+
+def build_model(args, vocab: int):
+    """The organism's float model, initialised from the current torch seed."""
+    if args.arch == "qwen3moe":
+        from transformers import Qwen3MoeForCausalLM
+
+        return Qwen3MoeForCausalLM(qwen3moe_config(args, vocab))
+    from transformers import LlamaForCausalLM
+
+    return LlamaForCausalLM(llama_config(args, vocab))
+
+
+def balance_loss(router_logits, top_k: int):
+    """Switch's load-balancing loss per layer, averaged over layers (1.0 when every expert gets its fair
+    share): the number of experts x sum over experts of (share of the layer's top-k assignments x mean
+    router probability). transformers' ``aux_loss`` pools every layer's assignments into one histogram,
+    so one layer's starved expert hides behind another layer's busy expert of the same index; here each
+    layer answers for itself."""
+    import torch
+
+    total = 0.0
+    for logits in router_logits:
+        probs = logits.float().softmax(dim=-1)
+        picked = probs.topk(top_k, dim=-1).indices.reshape(-1)
+        share = torch.bincount(picked, minlength=probs.shape[-1]).float() / picked.numel()
+        total = total + probs.shape[-1] * (share * probs.mean(dim=0)).sum()
+    return total / len(router_logits)
+
+
+def moe_loss(coef: float):
+    """Next-token cross-entropy plus ``coef`` x `balance_loss`: without it a few experts take every token
+    while the others stay at their initialisation."""
+    import torch.nn.functional as F
+
+    def loss(model, batch):
+        out = model(input_ids=batch, output_router_logits=True)
+        logits = out.logits[:, :-1]
+        ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), batch[:, 1:].reshape(-1))
+        return ce + coef * balance_loss(out.router_logits, model.config.num_experts_per_tok)
+
+    return loss
+
+
+def expert_tokens(model, windows, batch: int = 16):
+    """``[layers, experts]`` token counts the router sends to each expert over ``windows`` (each token
+    counted once per expert of its top-k), from the router logits the model returns."""
+    import torch
+
+    k = model.config.num_experts_per_tok
+    counts = None
+    was = model.training
+    model.eval()
+    with torch.no_grad():
+        for w in windows.split(batch):
+            logits = model(input_ids=w, output_router_logits=True).router_logits
+            top = torch.stack([g.topk(k, dim=-1).indices for g in logits])  # [L, tokens, k]
+            c = torch.stack([torch.bincount(t.reshape(-1), minlength=model.config.num_experts) for t in top])
+            counts = c if counts is None else counts + c
+    model.train(was)
+    return counts
+
+
+def load_summary(counts) -> dict:
+    """Balance of ``[layers, experts]`` token counts: each expert's share relative to a uniform router
+    (1.0 = its fair share), the smallest and largest over all layers, and the experts no token reached."""
+    share = counts.double() / counts.sum(dim=1, keepdim=True) * counts.shape[1]
+    return {"min_share": round(float(share.min()), 4), "max_share": round(float(share.max()), 4),
+            "experts_without_tokens": int((counts == 0).sum()),
+            "experts_under_10pct_of_fair": int((share < 0.1).sum())}
+
+
+def param_kinds(model) -> dict:
+    """Parameters by kind (tied tensors once): embeddings, attention projections, dense MLPs, experts,
+    routers and norms, plus the parameters one token's forward multiplies by (``active``: its top-k
+    experts rather than all of them)."""
+    kinds: dict[str, int] = {}
+    for name, p in model.named_parameters():
+        kind = ("norms" if "norm" in name else "embeddings" if "embed_tokens" in name or "lm_head" in name
+                else "experts" if ".mlp.experts." in name else "router" if ".mlp.gate." in name
+                else "attention" if ".self_attn." in name else "mlp" if ".mlp." in name else "other")
+        kinds[kind] = kinds.get(kind, 0) + p.numel()
+    total = sum(kinds.values())
+    out = {"total": total, **kinds}
+    experts = kinds.get("experts", 0)
+    if experts:
+        cfg = model.config
+        out["active_per_token"] = total - experts + experts * cfg.num_experts_per_tok // cfg.num_experts
+    out["shares"] = {k: round(v / total, 4) for k, v in kinds.items()}
+    return out
+
+
+def share_sources(out: Path, share: Path | None) -> dict:
+    """Link ``corpus.jsonl`` and ``tokenizer/`` of the organism folder ``share`` into ``out`` when ``out``
+    has neither yet, so two organisms read the same tokens; returns what was taken."""
+    import shutil
+
+    if share is None or share.resolve() == out.resolve():
+        return {}
+    taken = {}
+    out.mkdir(parents=True, exist_ok=True)
+    for name in ("corpus.jsonl", "corpus_skipped.txt"):
+        if (share / name).is_file() and not (out / name).exists():
+            shutil.copyfile(share / name, out / name)
+            taken[name] = str(share / name)
+    if (share / "tokenizer" / "tokenizer.json").is_file() and not (out / "tokenizer").exists():
+        shutil.copytree(share / "tokenizer", out / "tokenizer")
+        taken["tokenizer"] = str(share / "tokenizer")
+    return taken
 
 
 def spread_windows(tokens, seqlen: int, count: int):
@@ -246,7 +385,8 @@ def load_tokens(organism: Path, corpus: Path):
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out", default=str(DEFAULT_OUT))
+    p.add_argument("--arch", default="llama", choices=ARCHS, help="llama (dense) or qwen3moe (routed experts)")
+    p.add_argument("--out", default=None, help=f"default {DEFAULT_OUT} ({DEFAULT_OUT_MOE.name} for qwen3moe)")
     p.add_argument("--vocab", type=int, default=4096)
     p.add_argument("--hidden", type=int, default=128)
     p.add_argument("--intermediate", type=int, default=384)
@@ -254,6 +394,15 @@ def main() -> None:
     p.add_argument("--heads", type=int, default=4)
     p.add_argument("--kv-heads", type=int, default=2)
     p.add_argument("--max-positions", type=int, default=1024)
+    p.add_argument("--experts", type=int, default=16, help="qwen3moe: routed experts per layer")
+    p.add_argument("--top-k", type=int, default=2, help="qwen3moe: experts per token")
+    p.add_argument("--moe-intermediate", type=int, default=128, help="qwen3moe: each expert's intermediate size")
+    p.add_argument("--aux-loss-coef", type=float, default=0.05,
+                   help="qwen3moe: weight of the per-layer load-balancing loss averaged over layers (Switch's 0.01 "
+                        "summed over 4 layers is 0.04 here); 0.01 left experts without tokens after 200 steps")
+    p.add_argument("--share", default=None,
+                   help="take corpus.jsonl and tokenizer/ from this organism folder when it has them "
+                        f"(qwen3moe default: {DEFAULT_OUT}); 'none' builds them here")
     p.add_argument("--seqlen", type=int, default=128)
     p.add_argument("--steps", type=int, default=1500)
     p.add_argument("--batch-size", type=int, default=16)
@@ -272,21 +421,33 @@ def main() -> None:
                    help="lower --steps so the whole build (corpus, tokenizer, pre-training) fits this many "
                         "seconds; the steps are timed first")
     p.add_argument("--checkpoint-every", type=int, default=250, help="an interrupted build resumes from these")
-    p.add_argument("--results", default="organism", help="results name under benchmarks/results, or a path")
+    p.add_argument("--results", default=None,
+                   help="results name under benchmarks/results, or a path (default organism / organism_moe)")
     p.add_argument("--threads", type=int, default=1, help="1: on a shared machine more threads spin and stall")
     args = p.parse_args()
+    moe = args.arch == "qwen3moe"
+    if moe and not (0 < args.top_k <= args.experts):
+        p.error(f"--top-k {args.top_k} must be between 1 and --experts {args.experts}")
+    if args.hidden % args.heads:
+        p.error(f"--hidden {args.hidden} must be a multiple of --heads {args.heads}")
+    args.out = args.out or str(DEFAULT_OUT_MOE if moe else DEFAULT_OUT)
+    args.results = args.results or ("organism_moe" if moe else "organism")
+    share = DEFAULT_OUT if args.share is None and moe else None
+    if args.share not in (None, "none"):
+        share = Path(args.share).expanduser()
 
     import torch
-    from transformers import LlamaForCausalLM
 
     from lowbit.data import eval_tokens
     from lowbit.data.batches import tokenize_split, training_windows
     from lowbit.eval import perplexity
     from lowbit.train import TrainConfig, train
+    from lowbit.train.loop import causal_lm_loss
 
     torch.set_num_threads(args.threads)
     out = Path(args.out).expanduser()
     t0 = time.perf_counter()
+    shared = share_sources(out, share)
     corpus = build_corpus(out, args.sources, args.max_mb)
     data = Path(corpus["path"])
     tok_dir = out / "tokenizer"
@@ -300,7 +461,7 @@ def main() -> None:
     ev = eval_tokens(tok, data)
     train_tokens = tokenize_split(tok, data, "calib").shape[1]
     torch.manual_seed(args.seed)
-    model = LlamaForCausalLM(llama_config(args, len(tok))).to(args.device)
+    model = build_model(args, len(tok)).to(args.device)
     if args.budget_s:  # what is left of the budget after the corpus, tokenizer and tokens, less the final eval
         args.steps = steps_within(args.budget_s - (time.perf_counter() - t0) - 20, model, rows, args)
     seen = args.steps * args.batch_size
@@ -316,22 +477,31 @@ def main() -> None:
 
     n_params = sum(p.numel() for p in model.parameters())
     decoder = sum(p.numel() for n, p in model.named_parameters() if ".layers." in n)
+    kinds = param_kinds(model)
     cfg = TrainConfig(steps=args.steps, batch_size=args.batch_size, lr=args.lr, min_lr=args.min_lr,
                       warmup=min(args.warmup, args.steps // 10), weight_decay=args.weight_decay, seed=args.seed,
                       eval_every=args.eval_every, checkpoint_every=args.checkpoint_every, out_dir=str(out / "train"), progress=True,
                       dtype=args.dtype)
 
     def eval_fn(m) -> dict:
-        return {"eval_loss": loss_of(m, ev_win), "train_window_loss": loss_of(m, tr_win)}
+        logged = {"eval_loss": loss_of(m, ev_win), "train_window_loss": loss_of(m, tr_win)}
+        return {**logged, **load_summary(expert_tokens(m, ev_win))} if moe else logged
 
-    free = ("out", "threads", "results", "budget_s", "sources", "max_mb", "device", "dtype", "checkpoint_every")
+    free = ("out", "threads", "results", "budget_s", "sources", "max_mb", "device", "dtype", "checkpoint_every",
+            "share") + (() if moe else ("arch",) + MOE_ARGS)  # the dense run keeps its checkpoint identity
     extra = {"organism": {k: v for k, v in vars(args).items() if k not in free}, "dtype": args.dtype,
              "corpus_sha256": corpus["sha256"]}
-    r = train(model, rows, cfg, eval_fn=eval_fn, extra=extra)
+    r = train(model, rows, cfg, eval_fn=eval_fn, extra=extra,
+              loss_fn=moe_loss(args.aux_loss_coef) if moe else causal_lm_loss)
     model.eval()
     ppl_spread = perplexity(model, spread_windows(ev, 256, 256).reshape(1, -1).to(args.device), seqlen=256, windows=None,
                             progress=False)
     memo = seen_unseen(model, rows, args.steps, args.batch_size, args.seed)
+    load = None
+    if moe:  # tokens per expert after training, on 256 x 256 tokens of each split
+        load = {split: {"tokens_per_expert": c.tolist(), **load_summary(c)} for split, c in
+                (("eval", expert_tokens(model, spread_windows(ev, 256, 256).to(args.device))),
+                 ("train", expert_tokens(model, spread_windows(rows.reshape(1, -1), 256, 256).to(args.device))))}
     folder = out / "model"
     model.to("cpu").save_pretrained(folder)
     tok.save_pretrained(folder)
@@ -341,7 +511,10 @@ def main() -> None:
         "settings": vars(args), "machine": machine(), "corpus": corpus,
         "tokens": {"train": train_tokens, "eval": int(ev.shape[1]), "train_windows": len(rows),
                    "pretrain_windows_seen": seen, "epochs": round(seen / len(rows), 3)},
-        "params": {"total": n_params, "decoder_layers": decoder, "embedding_tied": n_params - decoder},
+        "params": {"total": n_params, "decoder_layers": decoder, "embedding_tied": n_params - decoder,
+                   "by_kind": kinds},
+        "shared_from": shared, "tokenizer_sha256": sha256_file(folder / "tokenizer.json"),
+        "expert_load": load,
         "final": {"train_loss_smoothed_50": sum(r.losses[-50:]) / 50, "eval": r.evals[-1],
                   "train_windows_seen_vs_unseen": memo,
                   "eval_ppl_spread_256x256": ppl_spread.ppl},
@@ -356,6 +529,8 @@ def main() -> None:
     save_results(args.results, result)
     plot(result, result_path(args.results).with_suffix(".png"))
     print(json.dumps({k: result[k] for k in ("params", "final", "seconds", "sizes_mb")}))
+    if load:
+        print(json.dumps({split: {k: v for k, v in s.items() if k != "tokens_per_expert"} for split, s in load.items()}))
 
 
 def plot(result: dict, path: Path) -> None:
@@ -380,7 +555,8 @@ def plot(result: dict, path: Path) -> None:
     ax.set_ylim(top=min(max(losses), 8.0))
     ax.set_xlabel("step")
     ax.set_ylabel("loss (nats/token)")
-    ax.set_title("organism pre-training (Python stdlib)")
+    arch = result["settings"].get("arch", "llama")
+    ax.set_title(f"organism pre-training (Python stdlib, {arch})")
     ax.legend()
     ax.grid(alpha=0.3)
     path.parent.mkdir(parents=True, exist_ok=True)

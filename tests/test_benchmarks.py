@@ -149,3 +149,49 @@ def test_fresh_clone_records_the_load_average_its_times_hold_for() -> None:
     s = load.summary()
     assert set(s) == {"load_before", "load_mean", "load_max", "cpus"} and len(load.samples) > 2
     assert 0 <= s["load_before"] and s["load_mean"] <= s["load_max"]
+
+
+def _tiny_moe(experts: int = 4):
+    import torch
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    torch.manual_seed(0)
+    cfg = Qwen3MoeConfig(vocab_size=64, hidden_size=32, intermediate_size=48, moe_intermediate_size=16,
+                         num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, head_dim=16,
+                         num_experts=experts, num_experts_per_tok=2, norm_topk_prob=True, tie_word_embeddings=True)
+    return Qwen3MoeForCausalLM(cfg).eval()
+
+
+def test_organism_moe_counts_parameters_by_kind_and_tokens_per_expert() -> None:
+    """The MoE organism's accounting: every parameter in one kind (tied embeddings once), experts =
+    layers x E x 3 x I x H, routed tokens = tokens x top-k per layer."""
+    import torch
+
+    from benchmarks.organism import expert_tokens, load_summary, param_kinds
+
+    model = _tiny_moe()
+    kinds = param_kinds(model)
+    assert kinds["total"] == sum(p.numel() for p in model.parameters())
+    assert sum(v for k, v in kinds.items() if k not in ("total", "active_per_token", "shares")) == kinds["total"]
+    assert kinds["experts"] == 2 * 4 * 3 * 16 * 32 and kinds["router"] == 2 * 4 * 32
+    assert kinds["embeddings"] == 64 * 32 and kinds["active_per_token"] == kinds["total"] - kinds["experts"] // 2
+    counts = expert_tokens(model, torch.randint(0, 64, (3, 10)), batch=2)
+    assert counts.shape == (2, 4) and (counts.sum(dim=1) == 3 * 10 * 2).all()
+    s = load_summary(torch.tensor([[5, 5, 5, 5], [0, 10, 4, 6]]))
+    assert s["min_share"] == 0.0 and s["max_share"] == 2.0 and s["experts_without_tokens"] == 1
+
+
+def test_organism_balance_loss_is_one_when_balanced_and_grows_with_skew() -> None:
+    import torch
+
+    from benchmarks.organism import balance_loss
+
+    experts, top_k = 4, 2
+    rows = torch.arange(8) % experts  # each expert picked equally often, with equal mean probability
+    balanced = torch.zeros(8, experts)
+    balanced[torch.arange(8), rows] = 3.0
+    balanced[torch.arange(8), (rows + 1) % experts] = 3.0
+    skewed = torch.zeros(8, experts)
+    skewed[:, :2] = 3.0  # every token to experts 0 and 1, in one layer of the two
+    assert balance_loss((balanced, balanced), top_k).item() == pytest.approx(1.0)
+    assert balance_loss((balanced, skewed), top_k).item() > 1.3
