@@ -138,6 +138,19 @@ def test_tuning_gflop_counts() -> None:
     assert tuning_gflop(model, iters, tokens) == pytest.approx((6 * params - 2 * qkv) * tokens * iters / 1e9)
 
 
+def test_fresh_clone_records_the_load_average_its_times_hold_for() -> None:
+    """Issue 38: the README's fresh-clone times held on an idle machine only; each row now says its load."""
+    import time
+
+    from benchmarks.fresh_clone import LoadSampler
+
+    with LoadSampler(every=0.01) as load:
+        time.sleep(0.1)
+    s = load.summary()
+    assert set(s) == {"load_before", "load_mean", "load_max", "cpus"} and len(load.samples) > 2
+    assert 0 <= s["load_before"] and s["load_mean"] <= s["load_max"]
+
+
 def _tiny_moe(experts: int = 4):
     import torch
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM

@@ -47,7 +47,11 @@ def test_only_the_blocks_stay_on_disk_and_materialize_gives_the_saved_model(tmp_
 @pytest.mark.parametrize("method", ["signround", "signround2"])
 def test_lazy_blockwise_ptq_equals_the_in_memory_run(tmp_path, method):
     ref, folder = saved(tmp_path, dtype=torch.bfloat16)  # bf16 on disk, fp32 in memory, as from the hub
-    ref = ref.to(torch.bfloat16).float()
+    # the round trip through bf16 also rounded the rotary frequencies, which a loaded model computes in fp32:
+    # the two runs only stayed identical while 3 iterations at lr 1/3 never improved on the start (issue 38)
+    rotary = tiny_model(layers=3).model.rotary_emb
+    for name, buf in rotary.named_buffers():
+        setattr(ref.model.rotary_emb, name, buf.clone())
     plan, c = uniform(ref, "w4g32"), calib()
     quantize_model(ref, plan, method, {"iters": 3, "batch_size": 4}, calib=c, progress=False)
     lazy = load_lazy(folder)

@@ -44,7 +44,8 @@ def test_bf16_caches_store_bf16_and_tune_like_fp32(fp_inputs):
     assert {s[:2] for s in seen16} == {(torch.bfloat16, torch.bfloat16)}
     for a, b in zip(i16, i32, strict=True):
         assert a["loss"] <= a["rtn_loss"]
-        assert a["loss"] == pytest.approx(b["loss"], rel=0.05)
+        # full-set block losses of two tuning runs whose inputs differ by bf16 rounding
+        assert a["loss"] == pytest.approx(b["loss"], rel=0.1)
     q32, q16 = quant_layers(m32), quant_layers(m16)
     same = sum((q32[n].codes == q16[n].codes).sum().item() for n in q32)
     assert same / sum(q.codes.numel() for q in q32.values()) > 0.9

@@ -34,18 +34,17 @@ def test_iters0_equals_rtn_of_every_layer(scheme):
     assert torch.equal(ref(ids).logits, got(ids).logits)
 
 
-def test_v2_iters0_equals_searched_rtn(monkeypatch):
-    """SignRoundV2 starts from RTN's grid-searched scales (without RTN's least-squares refit, see int_rounder)."""
-    from lowbit.formats import integer
+def test_v2_iters0_equals_searched_rtn():
+    """SignRoundV2 starts where searched RTN ends: its grid-searched scales and their least-squares refit.
 
+    Issue 38: without the refit the start was 0.65 ppl worse than searched RTN at W4 g128.
+    """
     m = tiny_model()
     c = calib()
     plan = uniform(m, "w3g32")
     imp = collect_importance(m, c, list(plan))
     ref, got = copy.deepcopy(m), copy.deepcopy(m)
-    monkeypatch.setattr(integer, "refit_scale", lambda wg, s, imp_g, scale, zero, err: (scale, zero))
     rtn_quantize(ref, plan, search=True, imp=imp, progress=False)
-    monkeypatch.undo()
     signround_quantize(got, plan, make_config(iters=0, v2=True), c, progress=False)
     qa, qb = quant_layers(ref), quant_layers(got)
     # importance comes from the block-wise FP pass here, from a whole-model pass there:

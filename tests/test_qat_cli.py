@@ -52,6 +52,10 @@ def test_qat_saves_a_checkpoint_that_evaluates_like_ptq(model_dir, tmp_path, cap
     for key in ("steps", "final_loss", "ppl", "seconds", "steps_to_baseline_loss", "ppl_fp", "reinits"):
         assert key in r
     assert r["steps"] == 6 and r["quantizer"] == "seq2" and r["reinits"] == [1, 2, 3, 4, 5]
+    # issue 38: the quantized model's perplexity before training, beside the FP and the trained one
+    keys = list(r)
+    assert keys[keys.index("ppl_fp"):keys.index("ppl_fp") + 3] == ["ppl_fp", "ppl_before_training", "ppl"]
+    assert 1 < r["ppl_before_training"] < float("inf")
     assert (out / "metrics.jsonl").is_file() and (out / "loss.png").is_file()
     model, tok = load(out)
     layers = [m for m in model.modules() if isinstance(m, QuantLinear)]

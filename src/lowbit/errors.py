@@ -36,3 +36,14 @@ class ConfigError(LowbitError, ValueError):
 
 class NonFiniteError(LowbitError):
     """A tensor lowbit was about to write (or a weight it was asked to quantize) holds NaN or inf."""
+
+
+def did_you_mean(word: str, choices: object) -> str:
+    """`` (did you mean X?)`` for the closest of ``choices`` to a mistyped ``word``, else ``""``.
+
+    Messages name the fix; for a typo the fix is usually one of a few names away.
+    """
+    import difflib
+
+    close = difflib.get_close_matches(word.lower(), [str(c) for c in choices], n=1, cutoff=0.6)  # type: ignore[attr-defined]
+    return f" (did you mean {close[0]}?)" if close else ""

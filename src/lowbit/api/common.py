@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
-from collections.abc import Mapping
+import time
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -75,6 +77,51 @@ def work_folder(out: str | Path, workdir: str | Path | None) -> Path:
     return Path(workdir) if workdir else Path(out).with_name(Path(out).name + ".train")
 
 
+class Phases:
+    """Wall seconds per phase of a job (``time_s`` in its summary): where a run's time went.
+
+    ``with phases("load"): ...`` adds that block's seconds to the phase (phases run once or
+    add up); the summary keeps the order the phases first ran in.
+    """
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+
+    @contextlib.contextmanager
+    def __call__(self, name: str) -> Iterator[None]:
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - t0
+
+    def report(self) -> dict[str, float]:
+        return {k: round(v, 1) for k, v in self.seconds.items()}
+
+
+def set_threads(threads: int | None) -> None:
+    """Apply ``--threads`` (None: torch's default, one thread per core)."""
+    if threads is not None:
+        if threads < 1:
+            raise ConfigError(f"--threads must be >= 1, got {threads}")
+        torch.set_num_threads(threads)
+
+
+def busy_note(threads: int | None) -> str | None:
+    """A note when torch used several threads on a machine busier than it has CPUs, else None.
+
+    torch runs one intra-op thread per core, and when other processes keep those cores busy
+    its threads wait on each other at every parallel region: on 2 cores at load ~7 a scale
+    search took 57 s with 2 threads and 4.3 s with 1. Nothing is changed silently (the thread
+    count changes float summation order); the note names the flag.
+    """
+    load, cpus, used = os.getloadavg()[0], os.cpu_count() or 1, torch.get_num_threads()
+    if threads is None and used > 1 and load >= cpus:
+        return (f"note: this machine was busy (load average {load:.1f} on {cpus} CPUs), so torch's {used} threads "
+                "waited on each other; --threads 1 can run several times faster")
+    return None
+
+
 def job_device(device: str | None) -> torch.device | None:
     """The compute device of this process: ``device`` checked; under torchrun, the rank's GPU.
 
@@ -95,20 +142,25 @@ def job_device(device: str | None) -> torch.device | None:
 
 
 def bits_summary(model: nn.Module, plan: Plan, lm_head: bool) -> dict[str, Any]:
-    """Bits per weight over every decoder Linear (and the lm_head when planned), unplanned ones at 16.
+    """Bits per weight as `lowbit.formats.bits` defines them, each figure beside its label.
 
-    A partial plan's average over its own layers alone would hide the layers left in 16 bits.
+    ``bits_per_weight`` is measured from the packed form the checkpoint stores, so `inspect`
+    of the saved checkpoint reports the same figure; unplanned decoder Linears count 16 bits
+    (a partial plan's average over its own layers alone would hide them).
     """
+    from lowbit.formats.bits import COUNTED, NOMINAL, average_bits
     from lowbit.models import linear_layers
+    from lowbit.nn import quant_layers
 
     layers = linear_layers(model, include_lm_head=lm_head)
     sizes = {n: (m.out_features, m.in_features) for n, m in layers.items()}
     sizes.update({n: _shape(model, n) for n in plan if n not in sizes})
-    total = sum(o * i for o, i in sizes.values())
-    bits = sum(plan.weight(n).bits_per_weight(c) * o * c if n in plan else 16 * o * c for n, (o, c) in sizes.items())
-    planned = {n: sizes[n] for n in plan}
-    return {"bits_per_weight": round(bits / max(total, 1), 4),
-            "bits_per_weight_planned": round(plan.average_bits(planned), 4),
+    quant = quant_layers(model)
+    dense = sum(o * i for n, (o, i) in sizes.items() if n not in plan)
+    stored = [(o * i, 8 * quant[n].qweight.storage_bytes() / (o * i)) for n, (o, i) in sizes.items() if n in plan]
+    nominal = [(o * i, plan.weight(n).bits_per_weight(i)) for n, (o, i) in sizes.items() if n in plan]
+    return {"bits_per_weight": round(average_bits(stored, dense), 4), "bits_counted": COUNTED,
+            "bits_per_weight_nominal": round(average_bits(nominal, dense), 4), "nominal_counts": NOMINAL,
             "layers_quantized": len(plan), "layers_16bit": len(sizes) - len(plan)}
 
 

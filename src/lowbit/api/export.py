@@ -64,7 +64,12 @@ def export(job: ExportJob) -> dict[str, Any]:
                                          file_type=gguf_export.FILE_TYPES.get(str(meta.get("plan")), 1))
             result["tokenizer_from"] = str(source) if source else "checkpoint tokenizer"
     info = inspect(out)
-    result |= {k: info[k] for k in ("bits_per_weight", "file_bytes", "fp16_bytes", "size_vs_fp16")}
+    # the same definition as quantize and inspect, measured on the exported file, whose format may store
+    # wider scales or pad differently: the checkpoint's own figure beside it says which
+    result |= {"bits_per_weight": info["bits_per_weight"],
+               "bits_counted": f"{info['bits_counted']}; in the exported file",
+               "bits_per_weight_checkpoint": _checkpoint_bits(job.checkpoint)}
+    result |= {k: info[k] for k in ("file_bytes", "fp16_bytes", "size_vs_fp16")}
     result["seconds"] = round(time.perf_counter() - t0, 2)
     return result
 
@@ -76,6 +81,12 @@ def _model_type(checkpoint: str | Path) -> str | None:
     except (OSError, ValueError, AttributeError):
         return None
     return kind if isinstance(kind, str) else None
+
+
+def _checkpoint_bits(folder: str | Path) -> float:
+    from lowbit.export.inspect import inspect
+
+    return inspect(folder)["bits_per_weight"]
 
 
 def _source_gguf(manifest: dict) -> Path | None:

@@ -183,6 +183,8 @@ def _train(job: QatJob, device: Any, rank: int, world: int, target: float | None
         res["ppl_fp"] = job.evaluation.perplexity(lm.model, ev).ppl
     teacher = copy.deepcopy(lm.model) if job.kd else None
     names = to_qat(lm.model, quantizer)
+    if ev is not None:  # the quantized model before any step: what training has to improve on
+        res["ppl_before_training"] = job.evaluation.perplexity(lm.model, ev).ppl
     loss_fn = kd_loss(teacher, job.kd_temperature) if teacher is not None else causal_lm_loss
     r = train(lm.model, rows, cfg, callbacks=[cb], loss_fn=loss_fn, resume=job.resume, extra=extra)
     if rank != 0:
@@ -196,7 +198,10 @@ def _train(job: QatJob, device: Any, rank: int, world: int, target: float | None
                steps_to_baseline_loss=steps_to_reach(r.losses, target, job.smooth_window) if target else None,
                baseline_loss=target, smoothing=f"trailing mean, window {job.smooth_window}")
     if ev is not None:
-        res["ppl"] = job.evaluation.perplexity(lm.model, ev).ppl
+        ppl = job.evaluation.perplexity(lm.model, ev).ppl
+        for key in ("ppl_fp", "ppl_before_training"):  # the three figures side by side in the summary
+            res[key] = res.pop(key)
+        res["ppl"] = ppl
     lm.model.to("cpu")
     extras = {name: job.work / name for name in ("metrics.jsonl", "loss.png") if (job.work / name).is_file()}
     return res, lm, extras

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from lowbit.api import outputs
-from lowbit.api.common import Calibration, Evaluation, bits_summary, checkpoint_bytes, job_device
+from lowbit.api.common import Calibration, Evaluation, Phases, bits_summary, checkpoint_bytes, job_device
 from lowbit.api.export import TARGETS as EXPORT_TARGETS
 from lowbit.configs import check_fields
 from lowbit.errors import ConfigError
@@ -194,20 +194,26 @@ def quantize(job: QuantizeJob) -> dict[str, Any]:
         if folder is not None:
             outputs.check_folder(folder, job.out, flag, job.inputs())
     rank, world = _join_world(job)
+    phases = Phases()
     if rank != 0:  # under torchrun: tunes its share of the samples; rank 0 alone writes --out
-        result = _Run(job, load_model(job.model, lazy=job.loads_lazily), device).execute()
+        with phases("load"):
+            lm = load_model(job.model, lazy=job.loads_lazily)
+        result = _Run(job, lm, device, phases).execute()
         return {**result, "rank": rank, "seconds": round(time.perf_counter() - t0, 2)}
     with outputs.claim(job.out, job.force, job.inputs()) as out, outputs.hold_folder(job.workdir), \
             outputs.hold_folder(job.offload_dir, "--offload-dir"):
-        lm = load_model(job.model, lazy=job.loads_lazily)
-        run = _Run(job, lm, device)
+        with phases("load"):
+            lm = load_model(job.model, lazy=job.loads_lazily)
+        run = _Run(job, lm, device, phases)
         check_free_space(out, checkpoint_bytes(lm.model, run.plan), "the quantized checkpoint")
         result = run.execute()
-        run.save(out, result)
+        with phases("save"):
+            run.save(out, result)
     result["out"] = str(out)
     if world > 1:
         result["world"] = world
     result["seconds"] = round(time.perf_counter() - t0, 2)
+    result["time_s"] = phases.report()
     return result
 
 
@@ -242,8 +248,9 @@ def _join_world(job: QuantizeJob) -> tuple[int, int]:
 class _Run:
     """The steps of one quantize job on a loaded model (kept apart so each stays short)."""
 
-    def __init__(self, job: QuantizeJob, lm: Any, device: torch.device | None) -> None:
+    def __init__(self, job: QuantizeJob, lm: Any, device: torch.device | None, phases: Phases | None = None) -> None:
         self.job, self.lm, self.device = job, lm, device
+        self.phases = phases or Phases()
         first = job.mixed.options[0] if job.mixed is not None else job.scheme
         self.plan = build_plan(lm.model, first, job.plan_file, job.lm_head)
         check = get(job.method).check_plan
@@ -256,8 +263,9 @@ class _Run:
         self.allocation = None
         self.not_exportable = _export_limits(job, lm.model, self.plan)
         self._check_whole_model_fits()
-        self.ev = job.evaluation.tokens(lm.tokenizer) if job.evaluation is not None else None
-        self.calib = job.calib.batches(lm.tokenizer) if job.needs_calib else None
+        with self.phases("data"):
+            self.ev = job.evaluation.tokens(lm.tokenizer) if job.evaluation is not None else None
+            self.calib = job.calib.batches(lm.tokenizer) if job.needs_calib else None
         self.source_digest: str | None = None
         self._check_resume()
 
@@ -305,33 +313,36 @@ class _Run:
         job, model = self.job, self.lm.model
         result: dict[str, Any] = {"model": self.lm.source, "method": job.method}
         if self.ev is not None and not is_lazy(model):
-            with on_device(model, self.device):
+            with self.phases("ppl_fp"), on_device(model, self.device):
                 result["ppl_fp"] = job.evaluation.perplexity(model, self.ev, job.progress).ppl
         elif self.ev is not None:
             result["ppl_fp_skipped"] = "lazy load (--offload-dir): run `lowbit eval MODEL` for the float perplexity"
         t0 = time.perf_counter()
         dev = None if self.device is None else str(self.device)
-        self.prepared = prepare_model(model, self.plan, self.calib, job.rotate, job.awq, dev, job.progress)
+        with self.phases("pre_steps" if job.rotate is not None or job.awq is not None else "quantize"):
+            self.prepared = prepare_model(model, self.plan, self.calib, job.rotate, job.awq, dev, job.progress)
         result.update(self.prepared)
         # the float weights the method quantizes (rotated / scaled): what a fine-tune's error init must match
         self.source_digest = _float_digest(model, list(self.plan))
         if job.mixed is not None:
-            self.allocation = mixed_plan(model, self.plan, job.mixed, self.calib, self.device, job.progress)
+            with self.phases("mixed_plan"):
+                self.allocation = mixed_plan(model, self.plan, job.mixed, self.calib, self.device, job.progress)
             self.plan = self.allocation.plan
-        self.plan, fallbacks = fit_plan(model, self.plan)
-        if fallbacks:  # layers whose weights the planned scales cannot hold (warned about with the reason)
-            result["range_fallbacks"] = {n: ("16 bits" if n not in self.plan else
-                                             f"{self.plan.weight(n).scale} scales") for n in fallbacks}
-        self.plan = quantize_model(model, self.plan, job.method, job.settings, calib=self.calib,
-                                   device=None if self.device is None else str(self.device), workdir=job.workdir,
-                                   offload_dir=job.offload_dir, progress=job.progress,
-                                   cache_device=job.cache_device or "device", fit=False)
+        with self.phases("quantize"):
+            self.plan, fallbacks = fit_plan(model, self.plan)
+            if fallbacks:  # layers whose weights the planned scales cannot hold (warned about with the reason)
+                result["range_fallbacks"] = {n: ("16 bits" if n not in self.plan else
+                                                 f"{self.plan.weight(n).scale} scales") for n in fallbacks}
+            self.plan = quantize_model(model, self.plan, job.method, job.settings, calib=self.calib,
+                                       device=None if self.device is None else str(self.device),
+                                       workdir=job.workdir, offload_dir=job.offload_dir, progress=job.progress,
+                                       cache_device=job.cache_device or "device", fit=False)
         result["quantize_seconds"] = round(time.perf_counter() - t0, 2)
         result["scheme"] = job.scheme if kmix.is_mix(job.scheme) else self.plan.describe()
         if kmix.is_mix(job.scheme) or any(s.super_block for s in self.plan.weights().values()):
             result |= _kquant_summary(model, self.plan)
         if self.ev is not None:
-            with on_device(model, self.device):
+            with self.phases("ppl_q"), on_device(model, self.device):
                 r = job.evaluation.perplexity(model, self.ev, job.progress)
             result["ppl_q"], result["eval_tokens"] = r.ppl, r.tokens
         result.update(bits_summary(model, self.plan, job.lm_head))

@@ -52,6 +52,21 @@ def evaluation(args: argparse.Namespace, data: str | None = None) -> Any:
     return Evaluation(data=data, seqlen=got.get("eval_seqlen", 512), windows=got.get("windows", 40))
 
 
+class OldName(argparse.Action):
+    """A flag kept under its old name: it works, and says once on stderr which name to use instead."""
+
+    def __init__(self, option_strings: list[str], dest: str, new: str, **kw: Any) -> None:
+        super().__init__(option_strings, dest, **kw)
+        self.new = new
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
+                 option_string: str | None = None) -> None:
+        import sys
+
+        print(f"{parser.prog}: note: {option_string} is now {self.new}", file=sys.stderr)
+        setattr(namespace, self.dest, values)
+
+
 def add_json(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print one JSON object as the last stdout line")
 

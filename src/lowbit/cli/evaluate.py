@@ -14,7 +14,11 @@ def register(sub: argparse._SubParsersAction) -> None:
                                    "evaluation split; optionally lm-eval tasks.")
     common.add_model(p)
     common.add_data(p)
-    p.add_argument("--seqlen", type=common.positive("--seqlen"), default=512, help="tokens per window (512)")
+    p.add_argument("--eval-seqlen", dest="eval_seqlen", type=common.positive("--eval-seqlen"), default=512,
+                   metavar="N", help="tokens per window (512); the same flag as in quantize, qat and finetune")
+    # the old name: --seqlen means calibration / training sample length in every other command
+    p.add_argument("--seqlen", dest="eval_seqlen", type=common.positive("--seqlen"), action=common.OldName,
+                   new="--eval-seqlen", help=argparse.SUPPRESS)
     p.add_argument("--windows", type=common.nonnegative("--windows"), default=40,
                    help="windows from the start (40); 0 = the whole text")
     p.add_argument("--tasks", default=None,
@@ -35,7 +39,7 @@ def run(args: argparse.Namespace) -> dict:
     from lowbit import api
 
     tasks = tuple(t.strip() for t in args.tasks.split(",") if t.strip()) if args.tasks else ()
-    job = api.EvalJob(model=args.model, evaluation=api.Evaluation(args.data, args.seqlen, args.windows),
+    job = api.EvalJob(model=args.model, evaluation=api.Evaluation(args.data, args.eval_seqlen, args.windows),
                       tasks=tasks, limit=vars(args).get("limit"), device=args.device, progress=not args.json,
                       trust_task_code=args.trust_task_code)
     return api.evaluate(job)

@@ -11,12 +11,20 @@ from lowbit.errors import ConfigError
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    from lowbit.api.formats import DEFAULT_BLOCKS, DEFAULT_INPUT_SCHEMES, DEFAULT_SCHEMES
+    from lowbit.api.formats import (
+        DEFAULT_BLOCKS,
+        DEFAULT_INPUT_SCHEMES,
+        DEFAULT_SCHEMES,
+        QUICK_WINDOWS,
+        SAMPLE_BLOCKS,
+    )
 
     p = sub.add_parser("formats", help="block-size study of FP4 formats and scale rules",
-                       description="For each scheme and block size: the relative weight error over all "
-                                   "quantized Linear weights (sum sq err / sum sq) and, with --ppl, the "
-                                   "model perplexity; a table, --json and a PNG plot.")
+                       description="For each scheme and block size: the relative weight error (sum sq err / "
+                                   "sum sq) over the Linears of a sample of decoder blocks and, with --ppl, the "
+                                   "perplexity with those Linears quantized; a table, --json and a PNG plot. "
+                                   "The defaults answer in a couple of minutes on a small CPU; --full studies "
+                                   "every block with 40 perplexity windows.")
     common.add_model(p)
     p.add_argument("--schemes", default=UNSET,
                    help="comma-separated schemes (an item with '=' continues the options of the one "
@@ -25,6 +33,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--block-sizes", default=",".join(map(str, DEFAULT_BLOCKS)),
                    help="comma-separated block sizes (8,16,32,64)")
     p.add_argument("--ppl", action="store_true", help="also measure perplexity per point (slower)")
+    p.add_argument("--sample", type=common.nonnegative("--sample"), default=UNSET, metavar="N",
+                   help=f"study the Linears of N decoder blocks spread evenly over the depth ({SAMPLE_BLOCKS}); "
+                        "0 = every block")
+    p.add_argument("--full", action="store_true",
+                   help=f"every decoder block, and 40 perplexity windows with --ppl (the default study samples "
+                        f"{SAMPLE_BLOCKS} blocks and {QUICK_WINDOWS} windows)")
     p.add_argument("--inputs", action="store_true",
                    help="study the Linear layers' calibration inputs (activations) instead of their weights: "
                         "relative error and underflowed E4M3 block scales per input scheme and block size, and "
@@ -39,7 +53,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--eval-seqlen", type=common.positive("--eval-seqlen"), default=UNSET, metavar="N",
                    help="with --ppl: tokens per eval window (512)")
     p.add_argument("--windows", type=common.nonnegative("--windows"), default=UNSET, metavar="N",
-                   help="with --ppl: eval windows (40); 0 = the whole text")
+                   help=f"with --ppl: eval windows ({QUICK_WINDOWS}; 40 with --full); 0 = the whole text")
     common.add_json(p)
     p.set_defaults(func=run)
 
@@ -73,7 +87,13 @@ def run(args: argparse.Namespace) -> dict:
     if args.data is not None and not args.ppl and not args.inputs:
         raise ConfigError("--data is the text of the perplexity passes (and of --inputs' calibration activations); "
                           "add --ppl or --inputs (the weight error needs no text)")
-    evaluation = api.Evaluation(args.data, ev.get("eval_seqlen", 512), ev.get("windows", 40))
+    from lowbit.api.formats import QUICK_WINDOWS, SAMPLE_BLOCKS
+
+    sample = vars(args).get("sample")
+    if sample is not None and args.full:
+        raise ConfigError("--full studies every block; drop --sample (or --full)")
+    evaluation = api.Evaluation(args.data, ev.get("eval_seqlen", 512),
+                                ev.get("windows", 40 if args.full else QUICK_WINDOWS))
     cal = common.given(args, "nsamples", "seqlen")
     if cal and not args.inputs:
         raise ConfigError(f"{', '.join(common.flag(k) for k in cal)} set the calibration activations of --inputs; "
@@ -85,19 +105,35 @@ def run(args: argparse.Namespace) -> dict:
     job = api.FormatsJob(schemes=schemes, blocks=parse_blocks(args.block_sizes),
                          model=args.model, ppl=args.ppl, plot=args.plot, evaluation=evaluation, device=args.device,
                          progress=not args.json, inputs=args.inputs,
-                         calib=api.Calibration(args.data if args.inputs else None, **{"nsamples": 8, **cal}))
+                         calib=api.Calibration(args.data if args.inputs else None, **{"nsamples": 8, **cal}),
+                         sample_blocks=0 if args.full else (SAMPLE_BLOCKS if sample is None else sample))
     result, rows = api.formats_study(job)
+    if args.json:
+        return result
     print_table(rows, result["fp_ppl"])
-    return result
+    print_verdicts(result)
+    return {k: v for k, v in result.items() if k not in ("rows", "schemes", "block_sizes") and
+            not k.startswith("verdict_")}
+
+
+def print_verdicts(result: dict, file=None) -> None:
+    """One line per scheme: does a finer block help, by how much (stdout by default)."""
+    for key, metric, what in (("verdict_error", "rel_error", "rel error"), ("verdict_underflow", "underflow",
+                              "underflow"), ("verdict_ppl", "ppl", "ppl")):
+        for label, v in result.get(key, {}).items():
+            fine, coarse = v[f"{metric}_finest"], v[f"{metric}_coarsest"]
+            print(f"{label}: {what} {fine:.5g} at block {v['finest']}, {coarse:.5g} at block {v['coarsest']}: "
+                  f"finer is {'better' if v['finer_is_better'] else 'not better'}"
+                  f"{'' if v['monotone'] else ' (not monotone)'}", file=file if file is not None else sys.stdout)
 
 
 def print_table(rows, fp_ppl=None, file=None) -> None:
-    """Scheme lines x block sizes, relative weight error (and ppl) per cell (to stderr by default).
+    """Scheme lines x block sizes, relative weight error (and ppl) per cell (to stdout by default).
 
-    ``sys.stderr`` is looked up when called: a default bound at import would keep a stream
+    ``sys.stdout`` is looked up when called: a default bound at import would keep a stream
     that was replaced (and closed) since, e.g. by a test's output capture.
     """
-    file = file if file is not None else sys.stderr
+    file = file if file is not None else sys.stdout
     blocks = sorted({r.block for r in rows})
     labels = list(dict.fromkeys(r.label for r in rows))
     cell = {(r.label, r.block): r for r in rows}

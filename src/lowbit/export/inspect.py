@@ -2,18 +2,21 @@
 
 Works on the three outputs lowbit writes — a native checkpoint folder, a
 compressed-tensors folder, a GGUF file — reading only headers and small tensors, never
-building the model. Bits per weight are measured from the bytes actually stored for a
-layer (codes + scales + zeros + tensor scale), not from the scheme's nominal formula,
-so a format's padding or wider scale dtype shows up.
+building the model. Bits per weight are `lowbit.formats.bits`'s definition, measured from
+the bytes actually stored for a layer (codes + scales + zeros + tensor scale), not from
+the scheme's nominal formula, so a format's padding or wider scale dtype shows up; the
+decoder Linears a plan left in 16 bits count 16, as in `lowbit quantize`'s figure.
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 from lowbit.errors import CheckpointError
+from lowbit.formats.bits import COUNTED, NOMINAL, average_bits
 
 NATIVE, CT, GGUF = "lowbit", "compressed-tensors", "gguf"
 _BYTES = {"U8": 1, "I8": 1, "F8_E4M3": 1, "F16": 2, "BF16": 2, "F32": 4, "I32": 4, "I64": 8, "F64": 8}
@@ -103,6 +106,17 @@ def _layer_bits(headers: dict, prefix: str, keys: tuple[str, ...], shape: tuple[
 
 def _dense_params(headers: dict, quant_keys: set[str]) -> int:
     return sum(_numel(s) for k, (s, _) in headers.items() if k not in quant_keys)
+
+
+# a tensor inside a decoder block: ``model.layers.3.``, ``transformer.h.3.``, GGUF's ``blk.3.``
+_BLOCK = re.compile(r"(^|\.)(layers|h|blocks|blk)\.\d+\.")
+
+
+def _dense_linear_weights(shapes: dict[str, list[int]], quantized: set[str]) -> int:
+    """Weights of the decoder-block Linears stored in 16 bits (2-D ``*.weight`` tensors in a block)."""
+    return sum(_numel(shape) for name, shape in shapes.items()
+               if name.endswith(".weight") and len(shape) == 2 and _BLOCK.search(name)
+               and name[: -len(".weight")] not in quantized)
 
 
 def inspect_native(folder: Path) -> tuple[list[LayerInfo], int]:
@@ -237,14 +251,37 @@ def inspect_gguf(path: Path) -> tuple[list[LayerInfo], int]:
     return layers, total
 
 
+def _tensor_shapes(p: Path, fmt: str) -> dict[str, list[int]]:
+    """name -> shape of every stored tensor (GGUF names, dims outermost first)."""
+    if fmt != GGUF:
+        return {k: s for k, (s, _) in _headers(p).items()}
+    from lowbit.models.loading import open_gguf
+
+    return {t.name: [int(d) for d in reversed(t.shape)] for t in open_gguf(p).tensors
+            if t.tensor_type.name in ("F32", "F16", "BF16")}
+
+
+def _nominal_bits(p: Path, fmt: str, layers: list[LayerInfo], dense: int) -> float | None:
+    """The schemes' nominal rate (native checkpoints, whose manifest names each layer's scheme)."""
+    if fmt != NATIVE:
+        return None
+    from lowbit.formats import Scheme
+    from lowbit.models.native import read_manifest
+
+    specs = read_manifest(p)["layers"]
+    return average_bits(((i.shape[0] * i.shape[1], Scheme.from_dict(specs[i.name]["scheme"]).bits_per_weight(
+        i.shape[1])) for i in layers), dense)
+
+
 def inspect(path: str | Path) -> dict[str, Any]:
     """Summary of an export (see module docstring); ``layers`` holds the per-layer rows."""
     p = Path(path)
     fmt = detect(p)
     layers, params = {NATIVE: inspect_native, CT: inspect_ct, GGUF: inspect_gguf}[fmt](p)
     size = p.stat().st_size if p.is_file() else sum(f.stat().st_size for f in p.iterdir() if f.is_file())
-    qparams = sum(i.shape[0] * i.shape[1] for i in layers)
-    bits = sum(i.bits_per_weight * i.shape[0] * i.shape[1] for i in layers) / max(qparams, 1)
+    dense = _dense_linear_weights(_tensor_shapes(p, fmt), {i.name.removesuffix(".weight") for i in layers})
+    bits = average_bits(((i.shape[0] * i.shape[1], i.bits_per_weight) for i in layers), dense)
+    nominal = _nominal_bits(p, fmt, layers, dense)
     schemes: dict[str, int] = {}
     inputs: dict[str, int] = {}
     for i in layers:
@@ -252,6 +289,8 @@ def inspect(path: str | Path) -> dict[str, Any]:
         if i.input is not None:
             inputs[i.input] = inputs.get(i.input, 0) + 1
     return {"format": fmt, "path": str(p), "quantized_layers": len(layers), "schemes": schemes, "inputs": inputs,
-            "bits_per_weight": round(bits, 4), "params": params, "file_bytes": size, "fp16_bytes": 2 * params,
+            "bits_per_weight": round(bits, 4), "bits_counted": COUNTED,
+            **({} if nominal is None else {"bits_per_weight_nominal": round(nominal, 4), "nominal_counts": NOMINAL}),
+            "linears_16bit_weights": dense, "params": params, "file_bytes": size, "fp16_bytes": 2 * params,
             "size_vs_fp16": round(size / max(2 * params, 1), 4),
             "layers": [asdict(i) | {"bits_per_weight": round(i.bits_per_weight, 4)} for i in layers]}

@@ -38,7 +38,7 @@ from typing import Any
 import torch
 
 from lowbit.configs import check_fields, from_dict_strict
-from lowbit.errors import ConfigError, SchemeError
+from lowbit.errors import ConfigError, SchemeError, did_you_mean
 from lowbit.formats import fp8, rules
 from lowbit.formats.fp4 import ELEM_GRIDS, round_e2m1_mag
 from lowbit.formats.scheme import Scheme, check_tensor_max
@@ -151,10 +151,11 @@ class InputScheme:
         """A preset (``int8``, ``fp8``, ``mxfp4``, ``nvfp4-46``...) or ``base:key=value,...``."""
         if isinstance(text, InputScheme):
             return text
-        base, _, opts = text.strip().partition(":")
+        base, _, opts = text.strip().lower().partition(":")
         base = ALIASES.get(base, base)
         if base not in PRESETS:
-            raise SchemeError(f"unknown input scheme {base!r}; valid names: {valid_names()}")
+            raise SchemeError(f"unknown input scheme {base!r}{did_you_mean(base, [*PRESETS, *ALIASES])}; "
+                              f"valid names: {valid_names()}")
         return _apply_options(PRESETS[base], opts) if opts else PRESETS[base]
 
     def replace(self, **changes: Any) -> InputScheme:

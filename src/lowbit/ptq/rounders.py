@@ -1,4 +1,8 @@
-"""Which learnable rounder tunes which element grid (INT groups, FP4 / FP8 blocks, K-quants)."""
+"""Which learnable rounder tunes which element grid (INT groups, FP4 / FP8 blocks, K-quants).
+
+Every rounder starts from its grid's own rounding: offsets ``v`` at 0 and every other
+parameter (clip factors, scale multipliers) at 1. `restart_` puts a rounder back there.
+"""
 
 from __future__ import annotations
 
@@ -28,3 +32,16 @@ def make_rounder(w: torch.Tensor, scheme: Scheme, imp: torch.Tensor | None, v2: 
         raise SchemeError(f"SignRound has no rounder for {scheme.elem} elements; "
                           f"use one of {sorted(ROUNDERS)} or --method rtn")
     return ROUNDERS[scheme.elem](w, scheme, imp, v2)
+
+
+def restart_(rounder: nn.Module, where: torch.Tensor | bool = True) -> None:
+    """Put ``rounder``'s parameters back at their start (``v = 0``, factors 1) where ``where`` holds.
+
+    ``where`` may be a 0-d boolean tensor on the parameters' device, so a tuner can undo a
+    tuning run without reading a value back to the host.
+    """
+    with torch.no_grad():
+        for name, p in rounder.named_parameters():
+            start = torch.zeros((), dtype=p.dtype, device=p.device) if name == "v" else \
+                torch.ones((), dtype=p.dtype, device=p.device)
+            torch.where(torch.as_tensor(where, device=p.device), start, p, out=p.data)

@@ -63,7 +63,7 @@ def rtn_quantize(model: nn.Module, plan: Plan, calib: torch.Tensor | None = None
                           + (", or search=False (--no-search) for plain round-to-nearest" if not static else ""))
     amax = None
     if kinds:
-        stats = collect(model, calib, list(plan), kinds)
+        stats = collect(model, calib, list(plan), kinds, progress=progress)
         imp = stats.result("sumsq") if "sumsq" in kinds else imp
         amax = shared_amax({n: a.amax() for n, a in stats.result("absmax").items()}) if static else None
     weights = {n: model.get_submodule(n).weight for n in plan}

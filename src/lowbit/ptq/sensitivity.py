@@ -60,16 +60,20 @@ def delta_loss(model: nn.Module, layers: Iterable[str], schemes: Sequence[Recipe
     recipes = [Recipe.parse(s) for s in schemes]
     weight_term = any(r.input is None for r in recipes)
     static = any(r.needs_calibration for r in recipes)
-    amax = input_amax(model, batches, names, batch_size) if static else {}
+    amax = input_amax(model, batches, names, batch_size, progress) if static else {}
     flags = [(p, p.requires_grad) for p in model.parameters()]
     originals = {n: m.weight.detach().clone() for n, m in mods.items()}
     out: dict[str, dict[str, float]] = {}
     try:
         for p, _ in flags:
             p.requires_grad_(False)
-        for r in tqdm(recipes, desc="deltaloss", unit="scheme", disable=not progress):
-            out[r.name] = _score_scheme(model, mods, originals, r, batches, mode, batch_size, dtype,
-                                        weight_term=weight_term or r.input is None, amax=amax)
+        # one tick per (scheme, batch): a scheme's pass over the batches is minutes on a CPU
+        chunks = -(-len(batches) // batch_size)
+        with tqdm(total=len(recipes) * chunks, desc="deltaloss", unit="batch", disable=not progress) as bar:
+            for r in recipes:
+                bar.set_postfix_str(r.name)
+                out[r.name] = _score_scheme(model, mods, originals, r, batches, mode, batch_size, dtype,
+                                            weight_term=weight_term or r.input is None, amax=amax, bar=bar)
     finally:
         with torch.no_grad():
             for n, m in mods.items():
@@ -83,7 +87,7 @@ def delta_loss(model: nn.Module, layers: Iterable[str], schemes: Sequence[Recipe
 def _score_scheme(model: nn.Module, mods: dict[str, nn.Module], originals: dict[str, torch.Tensor],
                   recipe: Recipe, batches: torch.Tensor, mode: str, batch_size: int,
                   dtype: str = "fp32", weight_term: bool = True,
-                  amax: dict[str, torch.Tensor] | None = None) -> dict[str, float]:
+                  amax: dict[str, torch.Tensor] | None = None, bar: tqdm | None = None) -> dict[str, float]:
     with torch.no_grad():
         for n, m in mods.items():
             m.weight.copy_(qdq(originals[n], fit_width(recipe.weight, originals[n].shape[1])))
@@ -100,6 +104,8 @@ def _score_scheme(model: nn.Module, mods: dict[str, nn.Module], originals: dict[
             with torch.autocast(device.type, dtype=torch.bfloat16, enabled=dtype == "bf16"):
                 loss = model(input_ids=ids, labels=ids, use_cache=False).loss.float() * (len(chunk) / len(batches))
             loss.backward()
+            if bar is not None:
+                bar.update()
     finally:
         for h in handles:
             h.remove()

@@ -79,16 +79,19 @@ def block_size_study(weights: Mapping[str, torch.Tensor], schemes: Iterable[str 
 
 def model_block_study(model: nn.Module, schemes: Iterable[str | Scheme] = DEFAULT_SCHEMES,
                       blocks: Iterable[int] = DEFAULT_BLOCKS, tokens: torch.Tensor | None = None,
-                      seqlen: int = 512, windows: int | None = 40, progress: bool = True
-                      ) -> tuple[list[StudyRow], float | None]:
+                      seqlen: int = 512, windows: int | None = 40, progress: bool = True,
+                      names: Iterable[str] | None = None) -> tuple[list[StudyRow], float | None]:
     """The study over a model's quantized Linear layers; with ``tokens``, perplexities too.
 
-    Returns the rows and the full-precision perplexity (None without tokens). Weights are
-    swapped in place for each point and always restored.
+    names: the Linears studied (and, for perplexities, quantized); None = every decoder
+    Linear. Returns the rows and the full-precision perplexity (None without tokens).
+    Weights are swapped in place for each point and always restored.
     """
     from lowbit.models import linear_layers
 
     layers = linear_layers(model)
+    if names is not None:
+        layers = {n: layers[n] for n in names}
     weights = {n: m.weight.detach().clone() for n, m in layers.items()}
     ppl_fn, fp_ppl = None, None
     if tokens is not None:
