@@ -1,0 +1,131 @@
+"""The off-grid model: the bundled SmolLM2 with a seeded Haar-random rotation of its residual stream folded in.
+
+The bundled SmolLM2-135M is a Q4_1 GGUF: its "float" weights lie exactly on an asymmetric
+4-bit group-32 grid, which gives any method whose grid aligns with it a head start (and
+makes every rotation look harmful). ``benchmarks.common.offgrid_folder`` makes, once, a copy
+with a dense random orthogonal rotation of the residual stream folded into the weights
+(lowbit's own rotation, ``RotationSettings(kind="haar")``): the same function, weights on
+no grid. The other scripts run on it with ``--model offgrid``. This script records the
+check on the real model (the test suite checks the same on a tiny one):
+
+- perplexity of the bundled model and of its off-grid copy on the full protocol (40 x 512
+  tokens of the evaluation split), and their relative difference (target: below 1e-3);
+- for every decoder Linear, the share of 32-column groups holding at most 16 distinct
+  values: a 4-bit quantizer with groups of 32, 64 or 128 columns (symmetric or not, any
+  scale) reproduces a weight exactly only if every such group does, so a share of 0 means
+  none can; and the relative error of lowbit's plain RTN at w4 g32 / g64 / g128, symmetric
+  and asymmetric (its smallest value over the Linears);
+- the copy's digest (sha256 of its safetensors file), its seed and source digest.
+
+    python -m benchmarks.offgrid                                   # writes benchmarks/results/offgrid.json
+    python -m benchmarks.offgrid --windows 2 --out /tmp/offgrid.json  # smoke
+    python -m benchmarks.offgrid --source PATH --windows 2 --out /tmp/x.json  # another model's copy
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from typing import Any
+
+from benchmarks import common
+
+GROUP = 32  # the smallest group any of the checked quantizers uses: a coarser grid is on this one too
+LEVELS = 16  # values a 4-bit code can take
+RTN_SCHEMES = ("w4g32", "w4g32a", "w4g64", "w4g64a", "w4g128", "w4g128a")
+
+
+def grid_stats(model: Any, schemes: tuple[str, ...] = RTN_SCHEMES) -> dict[str, Any]:
+    """How close the decoder Linears' weights are to any 4-bit group grid (see the module doc)."""
+    import torch
+
+    from lowbit.formats import Scheme, quantize
+    from lowbit.models import linear_layers
+
+    on_grid = groups = 0
+    worst = {s: math.inf for s in schemes}
+    for m in linear_layers(model).values():
+        w = m.weight.detach().float()
+        cols = w.shape[1] // GROUP * GROUP
+        g = w[:, :cols].reshape(w.shape[0], -1, GROUP).sort(dim=-1).values
+        distinct = (g.diff(dim=-1) != 0).sum(-1) + 1
+        on_grid += int((distinct <= LEVELS).sum())
+        groups += distinct.numel()
+        norm = float(torch.linalg.norm(w))
+        for s in schemes:
+            if Scheme.parse(s).group_size > w.shape[1]:  # a group wider than the row: no such quantizer
+                continue
+            err = float(torch.linalg.norm(quantize(w, s).dequantize() - w)) / max(norm, 1e-30)
+            worst[s] = min(worst[s], err)
+    return {"groups": groups, "groups_at_most_16_values": on_grid, "share_on_a_4bit_grid": on_grid / max(groups, 1),
+            "min_rtn_rel_error": worst}
+
+
+def measure(source: str | None, windows: int, seqlen: int) -> dict[str, Any]:
+    import torch
+
+    from lowbit.data import eval_tokens
+    from lowbit.eval import perplexity
+    from lowbit.models import load_model
+
+    torch.set_num_threads(1)
+    t0 = time.perf_counter()
+    folder = common.offgrid_folder(source)
+    made_s = round(time.perf_counter() - t0, 1)
+    out: dict[str, Any] = {"offgrid": common.offgrid_info(folder), "folder": str(folder), "seconds_to_make_or_check":
+                           made_s, "windows": windows, "seqlen": seqlen, "machine": common.machine()}
+    for name, src in (("source", source), ("offgrid", str(folder))):
+        lm = load_model(src)
+        tokens = eval_tokens(lm.tokenizer)
+        r = perplexity(lm.model, tokens, seqlen=seqlen, windows=windows, progress=False)
+        out[name] = {"ppl": r.ppl, "eval_tokens": r.tokens, **grid_stats(lm.model)}
+        del lm
+    out["ppl_rel_diff"] = abs(out["offgrid"]["ppl"] / out["source"]["ppl"] - 1)
+    return out
+
+
+def table(data: dict) -> str:
+    rows = []
+    for name in ("source", "offgrid"):
+        d = data[name]
+        rows.append([name, f"{d['ppl']:.4f}", f"{d['groups_at_most_16_values']} / {d['groups']}",
+                     *(f"{d['min_rtn_rel_error'][s]:.2e}" for s in RTN_SCHEMES)])
+    head = ["model", "ppl", "32-col groups with <= 16 values", *(f"RTN {s} min rel err" for s in RTN_SCHEMES)]
+    return (common.markdown_table(head, rows) + f"\n\nppl relative difference {data['ppl_rel_diff']:.2e}; "
+            f"off-grid sha256 {data['offgrid']['sha256']}")
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.offgrid", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--source", default=None, help="model to copy (default: the bundled SmolLM2-135M)")
+    p.add_argument("--windows", type=int, default=common.EVAL_WINDOWS)
+    p.add_argument("--seqlen", type=int, default=common.EVAL_SEQLEN)
+    p.add_argument("--out", default=None, help="results file (default benchmarks/results/offgrid.json)")
+    p.add_argument("--table", action="store_true", help="print the recorded results and exit")
+    return p
+
+
+def main(argv: list[str] | None = None) -> None:
+    from lowbit.errors import LowbitError
+
+    a = parser().parse_args(argv)
+    out = common.out_path(a.out, "offgrid.json")
+    if a.table:
+        print(table(common.load_results(out, empty={})))
+        return
+    try:
+        data = measure(a.source, a.windows, a.seqlen)
+    except LowbitError as e:  # e.g. an architecture whose residual stream lowbit cannot rotate
+        print(f"error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
+    common.save_results(out, data)
+    print(table(data))
+    print(json.dumps({"out": str(out)}))
+
+
+if __name__ == "__main__":
+    main()
