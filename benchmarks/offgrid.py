@@ -14,7 +14,9 @@ check on the real model (the test suite checks the same on a tiny one):
   values: a 4-bit quantizer with groups of 32, 64 or 128 columns (symmetric or not, any
   scale) reproduces a weight exactly only if every such group does, so a share of 0 means
   none can; and the relative error of lowbit's plain RTN at w4 g32 / g64 / g128, symmetric
-  and asymmetric (its smallest value over the Linears);
+  and asymmetric (its smallest value over the Linears). RTN does not find the bundled
+  model's grid either: Q4_1 stores a float minimum per group, lowbit's asymmetric INT
+  grids an integer zero point, so the count of values is what shows the grid;
 - the copy's digest (sha256 of its safetensors file), its seed and source digest.
 
     python -m benchmarks.offgrid                                   # writes benchmarks/results/offgrid.json
@@ -75,7 +77,7 @@ def measure(source: str | None, windows: int, seqlen: int) -> dict[str, Any]:
     t0 = time.perf_counter()
     folder = common.offgrid_folder(source)
     made_s = round(time.perf_counter() - t0, 1)
-    out: dict[str, Any] = {"offgrid": common.offgrid_info(folder), "folder": str(folder), "seconds_to_make_or_check":
+    out: dict[str, Any] = {"copy": common.offgrid_info(folder), "folder": str(folder), "seconds_to_make_or_check":
                            made_s, "windows": windows, "seqlen": seqlen, "machine": common.machine()}
     for name, src in (("source", source), ("offgrid", str(folder))):
         lm = load_model(src)
@@ -95,7 +97,7 @@ def table(data: dict) -> str:
                      *(f"{d['min_rtn_rel_error'][s]:.2e}" for s in RTN_SCHEMES)])
     head = ["model", "ppl", "32-col groups with <= 16 values", *(f"RTN {s} min rel err" for s in RTN_SCHEMES)]
     return (common.markdown_table(head, rows) + f"\n\nppl relative difference {data['ppl_rel_diff']:.2e}; "
-            f"off-grid sha256 {data['offgrid']['sha256']}")
+            f"off-grid copy's sha256 {data['copy']['sha256']}")
 
 
 def parser() -> argparse.ArgumentParser:
