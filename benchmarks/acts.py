@@ -49,6 +49,7 @@ ROWS: dict[str, dict[str, Any]] = {
     "nvfp4-fouroversix-6": {"tool": "fouroversix", "dtype": "nvfp4", "scale_rule": "static_6"},
     # --- W4A4 RTN (importance-searched weights) and SignRoundV2 vs auto-round
     "nvfp4-rtn-search": {"tool": "lowbit", "method": "rtn", "scheme": "w4a4-nvfp4"},
+    "nvfp4-rtn-46-search": {"tool": "lowbit", "method": "rtn", "scheme": "w4a4-nvfp4-46"},  # 4-over-6 + search
     "mxfp4-rtn-search": {"tool": "lowbit", "method": "rtn", "scheme": "w4a4-mxfp4"},
     "mxfp4-rtn": {"tool": "lowbit", "method": "rtn", "scheme": "w4a4-mxfp4", "search": False},
     "nvfp4-ar-rtn": {"tool": "autoround", "scheme": "NVFP4", "iters": 0, "disable_opt_rtn": True},
