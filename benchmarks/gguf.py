@@ -391,7 +391,10 @@ def main(argv: list[str] | None = None) -> dict:
     def record(row: dict) -> None:
         row.setdefault("nsamples", args.nsamples)
         row.update(common.model_fields(args.model))
-        common.merge_row(NAME, row, _key, setup=setup)
+        if args.model == "bundled":
+            common.merge_row(NAME, row, _key, setup=setup)
+        else:  # the file's setup describes the bundled rows' run: another model's row carries its own
+            common.merge_row(NAME, dict(row, setup=setup), _key)
         print(row, flush=True)
 
     if args.eval_missing:
