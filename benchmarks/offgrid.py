@@ -22,6 +22,7 @@ check on the real model (the test suite checks the same on a tiny one):
     python -m benchmarks.offgrid                                   # writes benchmarks/results/offgrid.json
     python -m benchmarks.offgrid --windows 2 --out /tmp/offgrid.json  # smoke
     python -m benchmarks.offgrid --source PATH --windows 2 --out /tmp/x.json  # another model's copy
+    python -m benchmarks.offgrid --headline   # the README's headline rows on both models, from the other results
 """
 
 from __future__ import annotations
@@ -89,6 +90,97 @@ def measure(source: str | None, windows: int, seqlen: int) -> dict[str, Any]:
     return out
 
 
+# The README's headline rows, each on both models: (what, [(results file, row match)] for lowbit, the same for
+# the peer, the peer's name). A row matches when every field equals (a list: any of them); rows of other
+# models never match; several matching rows (seeds) give their mean.
+_W2_LOWBIT = ["w2g64", "w2g64-seed1", "w2g64-seed2", "w2g64-seed3"]
+_W2_AR = ["w2g64-v2", "w2g64-v2-seed1", "w2g64-v2-seed2"]
+HEADLINE: list[tuple[str, list, list, str]] = [
+    ("float (40 x 512)", [("ptq_methods", {"row": "fp"})], [], ""),
+    ("RTN W4 g128 (plain)", [("ptq", {"config": "rtn-w4g128", "tool": "lowbit"})],
+     [("ptq", {"config": "rtn-w4g128", "tool": "autoround"})], "auto-round"),
+    # (the bundled model's lowbit W4 row is "w4g128-filter": the loss filter, since then on by default)
+    ("SignRoundV2 W4 g128, 50 iters, fp32", [("ptq", {"config": ["w4g128", "w4g128-filter"], "tool": "lowbit"})],
+     [("ptq", {"config": "w4g128", "tool": "autoround"})], "auto-round"),
+    ("SignRoundV2 W3 g128, fp32", [("ptq", {"config": "w3g128", "tool": "lowbit"})],
+     [("ptq", {"config": "w3g128", "tool": "autoround"})], "auto-round"),
+    ("SignRoundV2 W2 g64, fp32, mean of seeds", [("ptq", {"config": _W2_LOWBIT, "tool": "lowbit"})],
+     [("ptq", {"config": _W2_AR, "tool": "autoround"})], "auto-round V2"),
+    ("GPTQ W4 g64", [("ptq_methods", {"row": "w4g64/gptq"})], [("ptq_methods", {"row": "w4g64/llmc-gptq"})],
+     "llm-compressor"),
+    ("GPTQ W2 g64", [("ptq_methods", {"row": "w2g64/gptq"})], [("ptq_methods", {"row": "w2g64/llmc-gptq"})],
+     "llm-compressor"),
+    ("AWQ + RTN W4 g64", [("ptq_methods", {"row": "w4g64/awq-rtn"})],
+     [("ptq_methods", {"row": "w4g64/llmc-awq-rtn"})], "llm-compressor"),
+    ("W4A4 NVFP4 4-over-6 RTN, no search", [("acts", {"row": "nvfp4-rtn-46"})],
+     [("acts", {"row": "nvfp4-fouroversix-46"})], "fouroversix"),
+    ("W4A4 NVFP4 4-over-6 RTN, lowbit's search", [("acts", {"row": "nvfp4-rtn-46-search"})],
+     [("acts", {"row": "nvfp4-fouroversix-46"})], "fouroversix"),
+    ("W4A4 NVFP4 RTN abs-max", [("acts", {"row": "nvfp4-rtn-absmax"})], [("acts", {"row": "nvfp4-ar-rtn"})],
+     "auto-round"),
+    ("W4A4 MXFP4 RTN", [("acts", {"row": "mxfp4-rtn"})], [("acts", {"row": "mxfp4-ar-rtn"})], "auto-round"),
+    ("SignRoundV2 W4A4 NVFP4, mean of seeds", [("acts", {"row": ["nvfp4-sr2-s0", "nvfp4-sr2-s1"]})],
+     [("acts", {"row": ["nvfp4-ar-s0", "nvfp4-ar-s1"]})], "auto-round"),
+    ("SignRoundV2 W4A4 MXFP4, mean of seeds", [("acts", {"row": ["mxfp4-sr2-s0", "mxfp4-sr2-s1"]})],
+     [("acts", {"row": ["mxfp4-ar-s0", "mxfp4-ar-s1"]})], "auto-round"),
+    ("GGUF float through llama.cpp (4 x 512)", [("gguf", {"mix": "f32", "method": "float"})], [], ""),
+    ("GGUF Q4_K_M, GPTQ (llama.cpp, 4 x 512)", [("gguf", {"mix": "q4_k_m", "method": "gptq", "nsamples": 16})],
+     [("gguf", {"mix": "q4_k_m", "method": "llamacpp-imatrix", "nsamples": 16})], "llama.cpp + imatrix"),
+    ("GGUF Q2_K, GPTQ (llama.cpp, 4 x 512)", [("gguf", {"mix": "gguf:q2_k", "method": "gptq", "nsamples": 16})],
+     [("gguf", {"mix": "gguf:q2_k", "method": "llamacpp-imatrix", "nsamples": 16})], "llama.cpp + imatrix"),
+    ("GGUF Q4_K_M, RTN (searched)", [("gguf", {"mix": "q4_k_m", "method": "rtn", "nsamples": 16})],
+     [("gguf", {"mix": "q4_k_m", "method": "llamacpp", "nsamples": 16})], "llama.cpp, no imatrix"),
+    ("GGUF Q2_K, RTN (searched)", [("gguf", {"mix": "gguf:q2_k", "method": "rtn", "nsamples": 16})],
+     [("gguf", {"mix": "gguf:q2_k", "method": "llamacpp", "nsamples": 16})], "llama.cpp, no imatrix"),
+]
+for _scheme in ("w4g128", "w3g128", "w2g64", "w4a4-nvfp4", "w4a4-mxfp4"):
+    for _method in ("rtn", "gptq"):
+        HEADLINE.append((f"{_scheme} {_method}: unrotated / + Hadamard rotation (issue 24)",
+                         [("ptq_methods", {"row": f"{_scheme}/{_method}"})],
+                         [("ptq_methods", {"row": f"{_scheme}/{_method}/rot"})], "(rotated)"))
+        if _scheme.startswith("w4a4"):
+            HEADLINE.append((f"{_scheme} {_method}: unrotated / online rotation before down_proj only",
+                             [("ptq_methods", {"row": f"{_scheme}/{_method}"})],
+                             [("ptq_methods", {"row": f"{_scheme}/{_method}/rot-online"})], "(rotated)"))
+
+
+def _ppl(row: dict) -> float | None:
+    return row.get("ppl", row.get("ppl_llamacpp"))
+
+
+def _matches(row: dict, match: dict, model: str) -> bool:
+    if row.get("model", "bundled") != model:
+        return False
+    for k, want in match.items():
+        have = row.get(k, 16 if k == "nsamples" else None)  # gguf rows before per-row sizes were 16 x 256
+        if have not in (want if isinstance(want, list) else [want]):
+            return False
+    return True
+
+
+def headline_values(results: dict[str, list[dict]], picks: list, model: str) -> list[float]:
+    """Perplexities of the rows ``picks`` selects on ``model``, from ``results`` (file name -> rows)."""
+    return [v for name, match in picks for r in results.get(name, [])
+            if _matches(r, match, model) and (v := _ppl(r)) is not None]
+
+
+def headline(results: dict[str, list[dict]] | None = None) -> str:
+    """The headline rows on the bundled model and on its off-grid copy, side by side (means over seeds)."""
+    if results is None:
+        results = {n: common.load_results(n)["rows"] for n in ("ptq", "ptq_methods", "acts", "gguf")}
+
+    def cell(picks: list, model: str) -> str:
+        v = headline_values(results, picks, model)
+        if not v:
+            return ""
+        return f"{sum(v) / len(v):.2f}" + (f" ({len(v)} runs)" if len(v) > 1 else "")
+
+    rows = [[what, cell(lb, "bundled"), cell(peer, "bundled"), cell(lb, "offgrid"), cell(peer, "offgrid"), name]
+            for what, lb, peer, name in HEADLINE]
+    return common.markdown_table(["what", "bundled: lowbit", "bundled: peer", "off-grid: lowbit", "off-grid: peer",
+                                  "peer"], rows)
+
+
 def table(data: dict) -> str:
     rows = []
     for name in ("source", "offgrid"):
@@ -108,6 +200,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--seqlen", type=int, default=common.EVAL_SEQLEN)
     p.add_argument("--out", default=None, help="results file (default benchmarks/results/offgrid.json)")
     p.add_argument("--table", action="store_true", help="print the recorded results and exit")
+    p.add_argument("--headline", action="store_true",
+                   help="print the headline rows of ptq / ptq_methods / acts / gguf .json on both models and exit")
     return p
 
 
@@ -118,6 +212,9 @@ def main(argv: list[str] | None = None) -> None:
     out = common.out_path(a.out, "offgrid.json")
     if a.table:
         print(table(common.load_results(out, empty={})))
+        return
+    if a.headline:
+        print(headline())
         return
     try:
         data = measure(a.source, a.windows, a.seqlen)
