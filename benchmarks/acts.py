@@ -17,6 +17,7 @@ peak RSS are its own):
 
     nice -n 10 python -m benchmarks.acts --rows fp,nvfp4-rtn-absmax,...   # --list shows the rows
     python -m benchmarks.acts --table      # the markdown tables of benchmarks/results/acts.md
+    nice -n 10 python -m benchmarks.acts --rows fp,nvfp4-rtn-46 --model offgrid   # the off-grid copy (--table too)
 
 Results merge into benchmarks/results/acts.json as rows finish.
 """
@@ -48,6 +49,7 @@ ROWS: dict[str, dict[str, Any]] = {
     "nvfp4-fouroversix-6": {"tool": "fouroversix", "dtype": "nvfp4", "scale_rule": "static_6"},
     # --- W4A4 RTN (importance-searched weights) and SignRoundV2 vs auto-round
     "nvfp4-rtn-search": {"tool": "lowbit", "method": "rtn", "scheme": "w4a4-nvfp4"},
+    "nvfp4-rtn-46-search": {"tool": "lowbit", "method": "rtn", "scheme": "w4a4-nvfp4-46"},  # 4-over-6 + search
     "mxfp4-rtn-search": {"tool": "lowbit", "method": "rtn", "scheme": "w4a4-mxfp4"},
     "mxfp4-rtn": {"tool": "lowbit", "method": "rtn", "scheme": "w4a4-mxfp4", "search": False},
     "nvfp4-ar-rtn": {"tool": "autoround", "scheme": "NVFP4", "iters": 0, "disable_opt_rtn": True},
@@ -86,15 +88,10 @@ for _bits in (4.5, 5.0, 6.0):
                                      "autoscheme": {"avg_bits": _bits, "options": "MXFP4,MXFP8"}}
 
 
-def setup(nsamples: int, seqlen: int):
-    import torch
-
+def setup(nsamples: int, seqlen: int, model: str = "bundled"):
     from lowbit.data import calibration_batches, eval_tokens
-    from lowbit.models import load_model
 
-    torch.set_num_threads(1)
-    torch.manual_seed(0)
-    lm = load_model(None)
+    lm = common.bundled_model(threads=1, seed=0, model=model)
     calib = calibration_batches(lm.tokenizer, None, nsamples=nsamples, seqlen=seqlen, seed=0)
     return lm, calib, eval_tokens(lm.tokenizer, None)
 
@@ -169,12 +166,12 @@ def run_autoround(spec: dict, lm, calib) -> dict:
     return out
 
 
-def child(name: str, nsamples: int, seqlen: int) -> dict:
+def child(name: str, nsamples: int, seqlen: int, model: str = "bundled") -> dict:
     from lowbit.eval import perplexity
 
     spec = ROWS[name]
     t0 = time.perf_counter()
-    lm, calib, ev = setup(nsamples, seqlen)
+    lm, calib, ev = setup(nsamples, seqlen, model)
     load_s = time.perf_counter() - t0
     t1 = time.perf_counter()
     extra: dict[str, Any] = {}
@@ -189,10 +186,17 @@ def child(name: str, nsamples: int, seqlen: int) -> dict:
             "eval_tokens": None if r is None else r.tokens, "seconds": round(seconds, 1),
             "eval_seconds": round(time.perf_counter() - t2, 1), "load_seconds": round(load_s, 1),
             "peak_rss_mib": round(rss), "nsamples": nsamples, "seqlen": seqlen, "threads": 1,
-            "machine": common.machine(), **{k: v for k, v in spec.items() if k not in ("tool",)}, **extra}
+            "machine": common.machine(), **{k: v for k, v in spec.items() if k not in ("tool",)}, **extra,
+            **common.model_fields(model)}
 
 
-PROTOCOL = ("bundled SmolLM2-135M (a Q4_1 GGUF dequantized: its 'float' weights are a 4-bit model), fp32; "
+def key(row: dict) -> tuple:
+    """A row's identity: its name and model (rows before the off-grid model were all on the bundled one)."""
+    return row["row"], row.get("model", "bundled")
+
+
+PROTOCOL = ("bundled SmolLM2-135M (a Q4_1 GGUF dequantized: its 'float' weights are a 4-bit model; rows with "
+            "model=offgrid: its off-grid copy, benchmarks/results/offgrid.md), fp32; "
             "calibration 32x256 tokens of the calibration split (seed 0, the same tokens for every tool); "
             f"eval 40x512 tokens of the eval split; 1 thread per row, a fresh process per row; batch {BATCH}; "
             "tuned rows 50 iterations")
@@ -203,6 +207,7 @@ def main() -> None:
     p.add_argument("--rows", default="fp", help="comma-separated row names (see --list)")
     p.add_argument("--nsamples", type=int, default=32)
     p.add_argument("--seqlen", type=int, default=256)
+    p.add_argument("--model", choices=common.MODELS, default="bundled", help=common.MODEL_HELP)
     p.add_argument("--list", action="store_true")
     p.add_argument("--table", action="store_true", help="print the markdown tables and exit")
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
@@ -212,22 +217,25 @@ def main() -> None:
             print(k, json.dumps(v))
         return
     if a.table:
-        print(tables(common.load_results(NAME)["rows"]))
+        print(tables(common.load_results(NAME)["rows"], a.model))
         return
     if a.child:
-        print(json.dumps(child(a.child, a.nsamples, a.seqlen)), flush=True)
+        print(json.dumps(child(a.child, a.nsamples, a.seqlen, a.model)), flush=True)
         return
+    unknown = [n for n in a.rows.split(",") if n not in ROWS]
+    if unknown:
+        raise SystemExit(f"unknown row(s) {unknown}; --list shows them")
+    if a.model == "offgrid":
+        common.offgrid_folder()  # made (once) here, not by the first child
     for name in a.rows.split(","):
-        if name not in ROWS:
-            raise SystemExit(f"unknown row {name!r}; --list shows them")
-        print(f"== {name}", file=sys.stderr, flush=True)
+        print(f"== {name} / {a.model}", file=sys.stderr, flush=True)
         try:
-            row = common.run_child("acts", ["--child", name, "--nsamples", str(a.nsamples), "--seqlen", str(a.seqlen)],
-                                   threads=1)
+            row = common.run_child("acts", ["--child", name, "--nsamples", str(a.nsamples), "--seqlen", str(a.seqlen),
+                                            "--model", a.model], threads=1)
         except RuntimeError as e:
             print(f"   failed: {str(e)[-1500:]}", file=sys.stderr, flush=True)
             continue
-        common.merge_row(NAME, row, ("row",), protocol=PROTOCOL)
+        common.merge_row(NAME, row, key, protocol=PROTOCOL)
         print(f"   ppl {row['ppl']}  {row['seconds']} s  peak {row['peak_rss_mib']} MiB", file=sys.stderr, flush=True)
 
 
@@ -236,8 +244,8 @@ def _cell(rows: dict, name: str, key: str, fmt: str) -> str:
     return "" if r is None or r.get(key) is None else fmt.format(r[key])
 
 
-def tables(rows: list[dict]) -> str:
-    by = {r["row"]: r for r in rows}
+def tables(rows: list[dict], model: str = "bundled") -> str:
+    by = {r["row"]: r for r in rows if r.get("model", "bundled") == model}
     fp = by.get("fp", {}).get("ppl")
     out = [f"FP perplexity: {fp:.3f}" if fp else "FP perplexity: (not run)", ""]
     head = ["row", "tool", "recipe / setting", "ppl", "vs FP", "seconds", "peak RSS MiB"]

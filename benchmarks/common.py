@@ -203,20 +203,147 @@ def require_peer(module: str, alternative: str = "") -> None:
                      + (f"; or {alternative}" if alternative else ""))
 
 
-def bundled_model(threads: int | None = 1, seed: int = 0):
-    """The bundled SmolLM2-135M-Instruct, loaded after pinning ``threads`` and the torch seed.
+def bundled_model(threads: int | None = 1, seed: int = 0, model: str = "bundled"):
+    """The model a benchmark runs on (``--model``), loaded after pinning ``threads`` and the torch seed.
 
-    Its "float" weights are a Q4_1 GGUF (4-bit asymmetric, group 32) dequantized: every
-    perplexity measured on it is relative to that already-quantized model.
+    bundled: SmolLM2-135M-Instruct. Its "float" weights are a Q4_1 GGUF (4-bit asymmetric,
+    group 32) dequantized: every perplexity measured on it is relative to that
+    already-quantized model. offgrid: the same function with its weights off every grid
+    (`offgrid_folder`).
     """
     import torch
 
     from lowbit.models import load_model
 
+    if model not in MODELS:
+        raise SystemExit(f"error: unknown --model {model!r}; choose from {', '.join(MODELS)}")
+    source = None if model == "bundled" else offgrid_folder()  # made (or checked) before the seed is set
     if threads is not None:
         torch.set_num_threads(threads)
     torch.manual_seed(seed)
-    return load_model(None)
+    return load_model(source)
+
+
+# ------------------------------------------------------------------ the off-grid model
+# The bundled model's weights lie exactly on an asymmetric 4-bit group-32 grid (it is a dequantized
+# Q4_1 GGUF), which gives every method whose grid aligns with it a head start and makes any rotation
+# look harmful. A dense random orthogonal rotation of the residual stream, folded into the weights
+# (lowbit's own rotation, kind "haar"), leaves the function as it is and the weights on no grid.
+MODELS = ("bundled", "offgrid")
+OFFGRID_SEED = 0
+OFFGRID_META = "offgrid.json"
+MODEL_HELP = ("bundled: SmolLM2-135M-Instruct (a dequantized Q4_1 GGUF: its weights lie on a 4-bit g32 grid); "
+              "offgrid: the same model with a seeded Haar-random rotation of the residual stream folded into the "
+              "weights (same function, weights on no grid; made once and cached under the lowbit cache folder)")
+
+
+def offgrid_folder(source: str | Path | None = None, seed: int = OFFGRID_SEED, cache: Path | None = None) -> Path:
+    """A Hugging Face folder holding ``source`` (default: the bundled model) with a seeded Haar-random
+    orthogonal rotation of its residual stream folded into the weights; made once, then reused.
+
+    Every RMSNorm's scale is folded into the Linears reading it (then set to 1), the embedding,
+    every reader and writer Linear and the lm_head are turned; a tied lm_head is untied (its
+    weight becomes ``E diag(final norm) R``, no longer the embedding's), which adds one
+    vocab x width float table. The folder records its digest (sha256 of model.safetensors),
+    checked on every use: a damaged copy is made again. An architecture whose residual
+    stream lowbit cannot rotate is refused (`ModelError` naming it) before anything is written.
+    cache: the folder the copies live in (default: ``offgrid`` beside lowbit's GGUF cache).
+    """
+    import fcntl
+
+    from lowbit.models.loading import bundled_gguf, cache_root
+
+    src = bundled_gguf() if source is None else Path(source).expanduser().resolve()
+    root = Path(cache) if cache is not None else cache_root().parent / "offgrid"
+    digest = _source_digest(src)
+    folder = root / f"{src.stem if src.is_file() else src.name}-haar{seed}-{digest[:12]}"
+    if _intact(folder):
+        return folder
+    root.mkdir(parents=True, exist_ok=True)
+    with open(root / f".{folder.name}.lock", "w") as lock:  # one maker at a time; the others wait, then reuse
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not _intact(folder):
+            _make_offgrid(None if source is None else src, folder, seed, digest)
+    return folder
+
+
+def offgrid_info(folder: Path | None = None) -> dict:
+    """What the off-grid folder records: source and its digest, the rotation, the model's sha256."""
+    return json.loads(((folder or offgrid_folder()) / OFFGRID_META).read_text())
+
+
+def model_fields(model: str) -> dict:
+    """The fields a result row records about the model it ran on (the off-grid copy's digest)."""
+    if model == "bundled":
+        return {"model": "bundled"}
+    info = offgrid_info()
+    return {"model": model, "model_sha256": info["sha256"], "model_seed": info["seed"]}
+
+
+def _source_digest(src: Path) -> str:
+    """sha256 of a model file, or of a folder's config and safetensors files."""
+    import hashlib
+
+    from lowbit.io import sha256_file
+
+    if src.is_file():
+        return sha256_file(src)
+    if not src.is_dir():
+        raise SystemExit(f"error: {src} does not exist; an off-grid copy needs a model folder or .gguf file")
+    h = hashlib.sha256()
+    for f in sorted([*src.glob("*.safetensors"), *src.glob("config.json")]):
+        h.update(f"{f.name}:{sha256_file(f)}".encode())
+    return h.hexdigest()
+
+
+def _intact(folder: Path) -> bool:
+    from lowbit.io import sha256_file
+
+    try:
+        meta = json.loads((folder / OFFGRID_META).read_text())
+        return sha256_file(folder / "model.safetensors") == meta["sha256"]
+    except (OSError, ValueError, KeyError):
+        return False
+
+
+def _make_offgrid(source: Path | None, folder: Path, seed: int, source_digest: str) -> None:
+    """Load, refuse what cannot be rotated, rotate, write to a temporary folder, check the written copy
+    against the source's logits, then rename into place (nothing half-written is ever used)."""
+    import torch
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM
+
+    from lowbit.io import atomic_dir, sha256_file
+    from lowbit.models import load_model
+    from lowbit.models.structure import residual_map
+    from lowbit.ptq.rotation import RotationSettings, rotate_model
+
+    lm = load_model(source)
+    model = lm.model
+    residual_map(model, "an off-grid copy (a rotation of the residual stream)")  # ModelError naming the arch
+    ids = torch.randint(0, model.get_input_embeddings().weight.shape[0], (2, 64),
+                        generator=torch.Generator().manual_seed(seed))
+    with torch.no_grad():
+        before = model(input_ids=ids).logits.double()
+    tied = model.get_output_embeddings().weight is model.get_input_embeddings().weight
+    info = rotate_model(model, RotationSettings(kind="haar", seed=seed, keep=0))
+    with atomic_dir(folder, force=True, kind="off-grid model (cache)") as tmp:
+        model.config.save_pretrained(tmp)
+        save_file({k: t.contiguous() for k, t in model.state_dict().items()}, str(tmp / "model.safetensors"),
+                  metadata={"format": "pt"})
+        lm.tokenizer.save_pretrained(tmp)
+        back = AutoModelForCausalLM.from_pretrained(tmp, dtype=torch.float32).eval()
+        with torch.no_grad():
+            after = back(input_ids=ids).logits.double()
+        err = float((after - before).abs().max() / before.abs().max())
+        if not err < 1e-4:
+            from lowbit.errors import ModelError
+
+            raise ModelError(f"the off-grid copy of {lm.source} does not compute what it does (relative logit "
+                             f"difference {err:.3g} after saving and loading it); nothing was cached")
+        meta = {"source": str(lm.source), "source_sha256": source_digest, "seed": seed, "rotation": info,
+                "untied_head": tied, "reload_rel_logit_diff": err, "sha256": sha256_file(tmp / "model.safetensors")}
+        (tmp / OFFGRID_META).write_text(json.dumps(meta, indent=1, default=_plain))
 
 
 def calibration(tokenizer: Any, nsamples: int = NSAMPLES, seqlen: int = SEQLEN, seed: int = 0):

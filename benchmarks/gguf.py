@@ -2,6 +2,7 @@
 
     python -m benchmarks.gguf [--mixes q4_k_m,q3_k_m,gguf:q2_k] [--methods rtn,gptq,signround2,llamacpp,llamacpp-imatrix]
                               [--seeds 0,1] [--iters 50] [--windows 8] [--seqlen 512] [--threads 2]
+                              [--model offgrid]   (the off-grid copy; its files go in a subfolder of --keep)
 
 Every file has the same per-tensor types, hence the same size: lowbit's mix plans reproduce
 llama.cpp's ``llama_tensor_get_type`` and width fallbacks, and the tied token embedding is
@@ -77,7 +78,7 @@ AUTOROUND = {"q2_k_s": "gguf:q2_k_s", "q3_k_m": "gguf:q3_k_m", "q4_k_m": "gguf:q
              "q4_k_s": "gguf:q4_k_s", "q5_k_m": "gguf:q5_k_m"}
 
 
-def autoround_child(mix: str, out_dir: Path, iters: int, seed: int, nsamples: int) -> dict:
+def autoround_child(mix: str, out_dir: Path, iters: int, seed: int, nsamples: int, model: str = "bundled") -> dict:
     """auto-round's GGUF export of ``mix`` from its tuned weights (runs in the peer's interpreter).
 
     The same loader, float weights and calibration tokens as lowbit's rows. The token
@@ -95,7 +96,6 @@ def autoround_child(mix: str, out_dir: Path, iters: int, seed: int, nsamples: in
     from auto_round.export.export_to_gguf.gguf_dtype import GGUFDTypeSelector
 
     from lowbit.data import calibration_batches
-    from lowbit.models import load_model
 
     select = GGUFDTypeSelector.select_qtype
 
@@ -105,8 +105,7 @@ def autoround_child(mix: str, out_dir: Path, iters: int, seed: int, nsamples: in
         return select(self, name, n_dims, fallback_index)
 
     GGUFDTypeSelector.select_qtype = embedding_f16
-    torch.set_num_threads(1)
-    lm = load_model(None)
+    lm = common.bundled_model(threads=1, model=model)
     calib = calibration_batches(lm.tokenizer, nsamples=nsamples, seqlen=256)
     folder = tempfile.mkdtemp(prefix="ar-hf-")
     lm.model.save_pretrained(folder)
@@ -122,7 +121,8 @@ def autoround_child(mix: str, out_dir: Path, iters: int, seed: int, nsamples: in
     return {"file": str(files[0]), "seconds": round(time.perf_counter() - t0, 1), "autoround": auto_round.__version__}
 
 
-def run_autoround(python: str, mix: str, out: Path, iters: int, seed: int, nsamples: int) -> dict:
+def run_autoround(python: str, mix: str, out: Path, iters: int, seed: int, nsamples: int,
+                  model: str = "bundled") -> dict:
     """``autoround_child`` in a fresh process of the peer's interpreter; its file moved to ``out``."""
     import json
     import os
@@ -131,7 +131,8 @@ def run_autoround(python: str, mix: str, out: Path, iters: int, seed: int, nsamp
 
     work = Path(tempfile.mkdtemp(prefix="ar-gguf-"))
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": f"{common.ROOT / 'src'}:{common.ROOT}"}
-    cmd = [python, "-m", "benchmarks.gguf", "--autoround-child", json.dumps([mix, str(work), iters, seed, nsamples])]
+    cmd = [python, "-m", "benchmarks.gguf", "--autoround-child",
+           json.dumps([mix, str(work), iters, seed, nsamples, model])]
     done = subprocess.run(cmd, cwd=common.ROOT, env=env, capture_output=True, text=True)
     if done.returncode != 0:
         raise RuntimeError(f"auto-round failed ({done.returncode}):\n{done.stderr[-3000:]}")
@@ -297,14 +298,17 @@ def weight_errors(model, imatrix: dict[str, np.ndarray], nmap_names: dict[str, s
 
 
 def _key(r: dict) -> tuple:
-    """A row's identity; rows older than the per-row calibration size were all 16 x 256."""
-    return r.get("mix"), r.get("method"), r.get("seed"), r.get("nsamples", 16)
+    """A row's identity; rows older than the per-row calibration size were all 16 x 256, rows older than the
+    off-grid model all on the bundled one."""
+    return r.get("mix"), r.get("method"), r.get("seed"), r.get("nsamples", 16), r.get("model", "bundled")
 
 
-def table(data: dict) -> str:
-    """Markdown table of the perplexity rows: per mix and method (and calibration size), mean over seeds."""
+def table(data: dict, model: str = "bundled") -> str:
+    """Markdown table of the perplexity rows on ``model``: per mix and method (and calibration size), mean over
+    seeds."""
     groups: dict[tuple, list[dict]] = {}
-    for r in data.get("rows", []):
+    rows_of_model = [r for r in data.get("rows", []) if r.get("model", "bundled") == model]
+    for r in rows_of_model:
         if r.get("method") != "weight-error":
             n = r.get("nsamples", 16)
             groups.setdefault((r["mix"], r["method"] + ("" if n == 16 else f" ({n} x 256 calib)")), []).append(r)
@@ -318,7 +322,7 @@ def table(data: dict) -> str:
                      f"{rs[0]['file_bytes'] / 2**20:.1f}", mean("seconds", digits=0)])
     out = common.markdown_table(["mix", "method", "runs", "ppl llama.cpp (mean, runs)", "ppl lowbit", "file MiB",
                                  "seconds"], rows)
-    err = [r for r in data.get("rows", []) if r.get("method") == "weight-error"]
+    err = [r for r in rows_of_model if r.get("method") == "weight-error"]
     if err:
         out += "\n\n" + common.markdown_table(
             ["type", "lowbit search", "ggml + imatrix", "ratio"],
@@ -345,48 +349,58 @@ def main(argv: list[str] | None = None) -> dict:
                    help="a GGUF file in --keep (e.g. auto-round's): lowbit's and the imatrix rows take its per-tensor "
                         "types (one --mixes entry; rows recorded as MIX~FILE)")
     p.add_argument("--peer-python", default=None, help="python of a venv with auto-round 0.16 (autoround rows)")
+    p.add_argument("--model", choices=common.MODELS, default="bundled", help=common.MODEL_HELP)
     p.add_argument("--autoround-child", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.autoround_child:
         import json
 
-        mix, work, iters, seed, nsamples = json.loads(args.autoround_child)
-        print(json.dumps(autoround_child(mix, Path(work), iters, seed, nsamples)), flush=True)
+        mix, work, iters, seed, nsamples, model = json.loads(args.autoround_child)
+        print(json.dumps(autoround_child(mix, Path(work), iters, seed, nsamples, model)), flush=True)
         return {}
     if args.table:
-        print(table(common.load_results(NAME)))
+        print(table(common.load_results(NAME), args.model))
         return common.load_results(NAME)
 
     from lowbit.api import build_plan
     from lowbit.data import calibration_batches, eval_tokens
     from lowbit.eval import perplexity
     from lowbit.eval.perplexity import eval_windows
-    from lowbit.models import linear_layers, load_model
+    from lowbit.models import linear_layers
     from lowbit.models.activations import importance
     from lowbit.ptq.gptq import GPTQSettings, gptq_quantize
     from lowbit.ptq.rtn import rtn_quantize
     from lowbit.ptq.signround import make_config, signround_quantize
 
-    torch.set_num_threads(args.threads)
-    lm = load_model(None)
+    lm = common.bundled_model(threads=args.threads, model=args.model)
     tokens = eval_tokens(lm.tokenizer)
     win = eval_windows(tokens, args.seqlen, args.windows)
     calib = calibration_batches(lm.tokenizer, nsamples=args.nsamples, seqlen=256)
     methods = args.methods.split(",")
     folder = Path(args.keep or tempfile.mkdtemp(prefix="lowbit-gguf-"))
+    if args.model != "bundled":  # the same file names, another model's weights
+        folder = folder / args.model
     folder.mkdir(parents=True, exist_ok=True)
-    setup = {"model": "SmolLM2-135M-Instruct (bundled; its weights are a dequantized Q4_1 GGUF)",
+    setup = {"model": "SmolLM2-135M-Instruct (bundled; its weights are a dequantized Q4_1 GGUF); rows with "
+                      "model=offgrid: its off-grid copy (benchmarks/results/offgrid.md)",
              "windows": args.windows, "seqlen": args.seqlen, "calib": f"{args.nsamples} x 256 tokens",
              "machine": common.machine(),
-             "embedding": "F16 in every file (tied token_embd/output)"}
+             "embedding": "F16 in every file (bundled: tied token_embd/output; offgrid: token_embd and the untied "
+                          "output both F16)"}
 
     def record(row: dict) -> None:
         row.setdefault("nsamples", args.nsamples)
-        common.merge_row(NAME, row, _key, setup=setup)
+        row.update(common.model_fields(args.model))
+        if args.model == "bundled":
+            common.merge_row(NAME, row, _key, setup=setup)
+        else:  # the file's setup describes the bundled rows' run: another model's row carries its own
+            common.merge_row(NAME, dict(row, setup=setup), _key)
         print(row, flush=True)
 
     if args.eval_missing:
         for row in common.load_results(NAME)["rows"]:
+            if row.get("model", "bundled") != args.model:
+                continue
             f = folder / str(row.get("file"))
             if row.get("ppl_llamacpp") is None and f.is_file():
                 record(dict(row, ppl_llamacpp=llamacpp_ppl(f, win, args.threads)))
@@ -436,7 +450,7 @@ def main(argv: list[str] | None = None) -> dict:
                 raise SystemExit(f"autoround rows need --peer-python and a mix auto-round has ({sorted(AUTOROUND)})")
             for seed in (int(x) for x in args.seeds.split(",")):
                 out = folder / f"autoround-{args.iters}it-{seed}-{tag}.gguf"
-                info = run_autoround(args.peer_python, mix, out, args.iters, seed, args.nsamples)
+                info = run_autoround(args.peer_python, mix, out, args.iters, seed, args.nsamples, args.model)
                 method = "autoround" if args.iters else "autoround-rtn"  # iters 0: its RTN (no tuning)
                 record({"mix": mix, "method": method, "seed": seed, "file": out.name,
                         "file_bytes": out.stat().st_size, "seconds": info["seconds"], "iters": args.iters,

@@ -28,13 +28,38 @@ import torch
 from benchmarks.common import bundled_model, require_peer
 
 
+def open_llama(gguf_path: Path, n_ctx: int, threads: int):
+    """A ``llama_cpp.Llama`` on ``gguf_path`` with logits for every position, on ggml's plain CPU buffers.
+
+    llama.cpp repacks weights into "extra" CPU buffer types where the CPU has the
+    instructions (AMX tiles, AVX512 interleaved layouts); with llama-cpp-python 0.3.36 on
+    an AMX Xeon, ``decode`` then segfaults on this model's Q4_K_M files (bundled and
+    off-grid alike; the F32 file runs). llama-cpp-python does not expose llama.cpp's
+    ``--no-repack`` (``use_extra_bufts``), so the default model parameters are wrapped while
+    the model loads; the plain path runs the same quantized dot products in another layout.
+    """
+    import llama_cpp
+    from llama_cpp import llama_cpp as lib
+
+    default = lib.llama_model_default_params
+
+    def plain_buffers():
+        params = default()
+        params.use_extra_bufts = False
+        return params
+
+    lib.llama_model_default_params = plain_buffers
+    try:
+        return llama_cpp.Llama(model_path=str(gguf_path), n_ctx=n_ctx, n_batch=n_ctx, logits_all=True,
+                               n_threads=threads, verbose=False)
+    finally:
+        lib.llama_model_default_params = default
+
+
 def llamacpp_nll(gguf_path: Path, windows: torch.Tensor, threads: int) -> tuple[float, int]:
     """Summed NLL and token count over ``windows`` ([n, L] token ids), one llama.cpp context per window."""
-    from llama_cpp import Llama
-
     L = windows.shape[1]
-    llm = Llama(model_path=str(gguf_path), n_ctx=L, n_batch=L, logits_all=True, n_threads=threads, verbose=False)
-    return _nll(llm, windows)
+    return _nll(open_llama(gguf_path, L, threads), windows)
 
 
 def _nll(llm, windows: torch.Tensor) -> tuple[float, int]:
@@ -96,11 +121,8 @@ def main(argv: list[str] | None = None) -> dict:
         del hf
         if not args.skip_llamacpp:
             t0 = time.perf_counter()
-            from llama_cpp import Llama
-
             win = eval_windows(tokens, args.seqlen, args.windows)
-            llm = Llama(model_path=str(out), n_ctx=args.seqlen, n_batch=args.seqlen, logits_all=True,
-                        n_threads=args.threads, verbose=False)
+            llm = open_llama(out, args.seqlen, args.threads)
             sample = lm.tokenizer.decode(win[0].tolist())
             res["llamacpp_tokenizer_agrees"] = llm.tokenize(sample.encode(), add_bos=False, special=True) == \
                 lm.tokenizer(sample, add_special_tokens=False)["input_ids"]

@@ -8,6 +8,7 @@ RSS are its own; rows are merged into ``benchmarks/results/ptq.json`` as they fi
 (atomically), so an interrupted sweep keeps what it measured.
 
     python -m benchmarks.ptq --configs w4g128 --tools lowbit,autoround
+    python -m benchmarks.ptq --configs w4g128 --tools lowbit,autoround --model offgrid   # the off-grid copy
     python -m benchmarks.ptq --list
     python -m benchmarks.ptq --table
     python -m benchmarks.ptq --configs rtn-w4g128,w4g128 --tools lowbit --nsamples 4 --seqlen 64 \
@@ -31,6 +32,8 @@ from benchmarks.common import (
     BATCH,
     EVAL_SEQLEN,
     EVAL_WINDOWS,
+    MODEL_HELP,
+    MODELS,
     NSAMPLES,
     SEQLEN,
     bundled_model,
@@ -40,6 +43,8 @@ from benchmarks.common import (
     load_results,
     machine,
     merge_row,
+    model_fields,
+    offgrid_folder,
     out_path,
     peak_rss_mib,
     require_peer,
@@ -116,11 +121,11 @@ CONFIGS: dict[str, dict] = {
 }
 
 
-def setup(nsamples: int, seqlen: int):
-    """The bundled model (one thread, seed 0), its calibration tokens and the eval split."""
+def setup(nsamples: int, seqlen: int, model: str = "bundled"):
+    """The bundled model or its off-grid copy (one thread, seed 0), its calibration tokens and the eval split."""
     from lowbit.data import eval_tokens
 
-    lm = bundled_model(threads=1)
+    lm = bundled_model(threads=1, model=model)
     return lm, calibration(lm.tokenizer, nsamples, seqlen), eval_tokens(lm.tokenizer, None)
 
 
@@ -196,11 +201,11 @@ def run_autoround(spec: dict, lm, calib) -> dict:
 
 
 def child(tool: str, name: str, nsamples: int, seqlen: int, workdir: str | None, iters: int | None,
-          windows: int) -> dict:
+          windows: int, model: str = "bundled") -> dict:
     from lowbit.eval import perplexity
 
     t0 = time.perf_counter()
-    lm, calib, ev = setup(nsamples, seqlen)
+    lm, calib, ev = setup(nsamples, seqlen, model)
     load_s = time.perf_counter() - t0
     rss_loaded = peak_rss_mib()
     spec = with_iters(CONFIGS[name][tool], iters)
@@ -216,17 +221,24 @@ def child(tool: str, name: str, nsamples: int, seqlen: int, workdir: str | None,
             "peak_rss_mib_after_load": round(rss_loaded), "peak_rss_mib": round(rss_quant), "nsamples": nsamples,
             "seqlen": seqlen, "threads": 1, "tuning_gemm_gflop": round(work, 1), "gemm_gflops": round(gflops, 1),
             "gemm_limit_seconds": round(work / gflops, 1), "bf16_gemm_gflops": round(bf16_gflops, 1),
-            "cpu": machine()["cpu"], **spec, **extra}
+            "cpu": machine()["cpu"], **spec, **extra, **model_fields(model)}
+
+
+def key(row: dict) -> tuple:
+    """A row's identity: config, tool and model (rows before the off-grid model were all on the bundled one)."""
+    return row["config"], row["tool"], row.get("model", "bundled")
 
 
 def protocol(nsamples: int, seqlen: int, windows: int) -> str:
-    return (f"bundled SmolLM2-135M fp32, calibration {nsamples}x{seqlen} tokens (calib split, seed 0, same tokens "
+    return (f"bundled SmolLM2-135M fp32 (rows with model=offgrid: its off-grid copy, benchmarks/results/offgrid.md), "
+            f"calibration {nsamples}x{seqlen} tokens (calib split, seed 0, same tokens "
             f"for both tools), eval {windows}x{EVAL_SEQLEN} tokens of the eval split, 1 thread each, batch {BATCH}")
 
 
-def table(rows: list[dict]) -> str:
-    """Markdown: one line per config, lowbit and auto-round side by side, speed as a ratio."""
+def table(rows: list[dict], model: str = "bundled") -> str:
+    """Markdown: one line per config on ``model``, lowbit and auto-round side by side, speed as a ratio."""
     by = {}
+    rows = [r for r in rows if r.get("model", "bundled") == model]
     for r in rows:
         by.setdefault(r["config"], {})[r["tool"]] = r
     lines = ["| config | lowbit ppl | auto-round ppl | lowbit s | auto-round s | lowbit / auto-round time "
@@ -257,6 +269,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--iters", type=int, default=None,
                    help="replace every tuning config's iterations (smoke runs; default: each config's own)")
     p.add_argument("--windows", type=int, default=EVAL_WINDOWS, help=f"eval windows of {EVAL_SEQLEN} tokens")
+    p.add_argument("--model", choices=MODELS, default="bundled", help=MODEL_HELP)
     p.add_argument("--list", action="store_true")
     p.add_argument("--child", nargs=2, metavar=("TOOL", "CONFIG"), help=argparse.SUPPRESS)
     p.add_argument("--workdir", default=None,
@@ -285,29 +298,33 @@ def main(argv: list[str] | None = None) -> None:
     a = parser().parse_args(argv)
     out = out_path(a.out, "ptq.json")
     if a.table:
-        print(table(load_results(out)["rows"]))
+        print(table(load_results(out)["rows"], a.model))
         return
     if a.list:
         for k, v in CONFIGS.items():
             print(k, json.dumps(v))
         return
     if a.child:
-        emit(child(a.child[0], a.child[1], a.nsamples, a.seqlen, a.workdir, a.iters, a.windows))
+        emit(child(a.child[0], a.child[1], a.nsamples, a.seqlen, a.workdir, a.iters, a.windows, a.model))
         return
     failed = []
-    for name, tool in runs(a.configs.split(","), a.tools.split(",")):
+    pairs = runs(a.configs.split(","), a.tools.split(","))
+    if a.model == "offgrid":
+        offgrid_folder()  # made (once) here, not by the first child
+    for name, tool in pairs:
         args = ["--child", tool, name, "--nsamples", str(a.nsamples), "--seqlen", str(a.seqlen),
-                "--windows", str(a.windows)]
+                "--windows", str(a.windows), "--model", a.model]
         args += ["--iters", str(a.iters)] if a.iters is not None else []
-        args += ["--workdir", str(Path(a.workdir).absolute() / name)] if a.workdir and tool == "lowbit" else []
-        print(f"== {name} / {tool}", file=sys.stderr, flush=True)
+        sub = name if a.model == "bundled" else f"{a.model}-{name}"  # a row's work never resumes another model's
+        args += ["--workdir", str(Path(a.workdir).absolute() / sub)] if a.workdir and tool == "lowbit" else []
+        print(f"== {name} / {tool} / {a.model}", file=sys.stderr, flush=True)
         try:
             row = run_child("ptq", args, threads=1, show_stderr=True)
         except RuntimeError as e:
             print(f"   failed: {str(e).splitlines()[0]}", file=sys.stderr)
             failed.append(f"{name}/{tool}")
             continue
-        merge_row(out, row, ("config", "tool"), protocol=protocol(a.nsamples, a.seqlen, a.windows))
+        merge_row(out, row, key, protocol=protocol(a.nsamples, a.seqlen, a.windows))
         print(f"   ppl {row['ppl']:.3f}  {row['seconds']} s  peak {row['peak_rss_mib']} MiB", file=sys.stderr)
     if failed:
         raise SystemExit(f"error: {len(failed)} row(s) failed: {', '.join(failed)}")

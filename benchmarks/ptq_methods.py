@@ -12,6 +12,7 @@ as they finish.
     python -m benchmarks.ptq_methods --list
     python -m benchmarks.ptq_methods --rows 'w4g128/*' --jobs 2 --peer-python /tmp/h4-venv/bin/python
     python -m benchmarks.ptq_methods --table
+    python -m benchmarks.ptq_methods --rows 'w4g64/*' --model offgrid --peer-python ...   # the off-grid copy
 
 The peer runs in its own environment (llm-compressor pins transformers <= 5.17 and compressed-tensors
 0.19): a venv with torch 2.13 CPU, ``llmcompressor==0.14.0.1`` and lowbit installed ``--no-deps`` (for the
@@ -33,7 +34,19 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from benchmarks.common import ROOT, machine, markdown_table, merge_row, peak_rss_mib, result_path
+from benchmarks.common import (
+    MODEL_HELP,
+    MODELS,
+    ROOT,
+    bundled_model,
+    machine,
+    markdown_table,
+    merge_row,
+    model_fields,
+    offgrid_folder,
+    peak_rss_mib,
+    result_path,
+)
 
 RESULTS = "ptq_methods"
 NSAMPLES, SEQLEN = 32, 256
@@ -114,15 +127,10 @@ DEFAULT = [n for n, spec in ROWS.items() if not spec.get("ablation")]
 
 
 # ------------------------------------------------------------------ children
-def setup():
-    import torch
-
+def setup(model: str = "bundled"):
     from lowbit.data import calibration_batches, eval_tokens
-    from lowbit.models import load_model
 
-    torch.set_num_threads(1)
-    torch.manual_seed(0)
-    lm = load_model(None)
+    lm = bundled_model(threads=1, seed=0, model=model)
     calib = calibration_batches(lm.tokenizer, None, nsamples=NSAMPLES, seqlen=SEQLEN, seed=0)
     return lm, calib, eval_tokens(lm.tokenizer, None)
 
@@ -186,12 +194,12 @@ def run_llmcompressor(spec: dict, lm: Any, calib: Any) -> dict:
     return {"llmcompressor": llmcompressor.__version__}
 
 
-def child(name: str) -> dict:
+def child(name: str, model: str = "bundled") -> dict:
     from lowbit.eval import perplexity
 
     spec = ROWS[name]
     t0 = time.perf_counter()
-    lm, calib, ev = setup()
+    lm, calib, ev = setup(model)
     load_s = time.perf_counter() - t0
     t1 = time.perf_counter()
     extra = run_lowbit(spec, lm, calib) if spec["tool"] == "lowbit" else run_llmcompressor(spec, lm, calib)
@@ -200,7 +208,12 @@ def child(name: str) -> dict:
     r = perplexity(lm.model, ev, seqlen=512, windows=40, progress=False)
     return {"row": name, **spec, "ppl": r.ppl, "eval_tokens": r.tokens, "seconds": round(seconds, 1),
             "load_seconds": round(load_s, 1), "peak_rss_mib_quantize": round(rss), "peak_rss_mib": round(peak_rss_mib()),
-            "nsamples": NSAMPLES, "seqlen": SEQLEN, "machine": machine(), **extra}
+            "nsamples": NSAMPLES, "seqlen": SEQLEN, "machine": machine(), **extra, **model_fields(model)}
+
+
+def key(row: dict) -> tuple:
+    """A row's identity: its name and model (rows before the off-grid model were all on the bundled one)."""
+    return row["row"], row.get("model", "bundled")
 
 
 # ------------------------------------------------------------------- driver
@@ -208,20 +221,21 @@ def _interpreter(spec: dict, peer_python: str | None) -> str | None:
     return sys.executable if spec["tool"] == "lowbit" else peer_python
 
 
-def run_row(name: str, peer_python: str | None) -> dict | None:
+def run_row(name: str, peer_python: str | None, model: str = "bundled") -> dict | None:
     python = _interpreter(ROWS[name], peer_python)
     if python is None:
         print(f"== {name}: skipped (no --peer-python)", file=sys.stderr, flush=True)
         return None
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PYTHONPATH": str(ROOT / "src")}
-    print(f"== {name} started", file=sys.stderr, flush=True)
-    out = subprocess.run(["nice", "-n", "10", python, "-m", "benchmarks.ptq_methods", "--child", name], cwd=ROOT,
+    print(f"== {name} / {model} started", file=sys.stderr, flush=True)
+    out = subprocess.run(["nice", "-n", "10", python, "-m", "benchmarks.ptq_methods", "--child", name, "--model", model],
+                         cwd=ROOT,
                          env=env, capture_output=True, text=True)
     if out.returncode != 0:
         print(f"== {name} failed ({out.returncode}):\n{out.stderr[-3000:]}", file=sys.stderr, flush=True)
         return None
     row = json.loads(out.stdout.strip().splitlines()[-1])
-    merge_row(RESULTS, row, ("row",), protocol=__doc__.split("\n\n")[1].replace("\n", " "))
+    merge_row(RESULTS, row, key, protocol=__doc__.split("\n\n")[1].replace("\n", " "))
     print(f"== {name}: ppl {row['ppl']:.3f}  {row['seconds']} s  peak {row['peak_rss_mib']} MiB", file=sys.stderr,
           flush=True)
     return row
@@ -246,9 +260,11 @@ def select(patterns: str) -> list[str]:
     return ordered
 
 
-def table(rows: list[dict]) -> str:
-    """One line per scheme and method: ppl (mean over seeds), seconds, peak RSS; without and with rotation."""
+def table(rows: list[dict], model: str = "bundled") -> str:
+    """One line per scheme and method on ``model``: ppl (mean over seeds), seconds, peak RSS; without and with
+    rotation."""
     by: dict[tuple[str, str, bool], list[dict]] = {}
+    rows = [r for r in rows if r.get("model", "bundled") == model]
     for r in rows:
         if r["row"] == "fp":
             continue
@@ -289,23 +305,26 @@ def main() -> None:
     p.add_argument("--rows", default="default", help="'default' or comma-separated globs over row names (--list)")
     p.add_argument("--jobs", type=int, default=1, help="rows run at once (one thread each)")
     p.add_argument("--peer-python", default=None, help="python of the llm-compressor venv (peer rows skipped without)")
+    p.add_argument("--model", choices=MODELS, default="bundled", help=MODEL_HELP)
     p.add_argument("--list", action="store_true")
     p.add_argument("--table", action="store_true", help="print the results as a markdown table")
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
     a = p.parse_args()
     if a.child:
-        print(json.dumps(child(a.child)), flush=True)
+        print(json.dumps(child(a.child, a.model)), flush=True)
         return
     if a.list:
         for n in ROWS:
             print(("* " if n in DEFAULT else "  ") + n, json.dumps(ROWS[n]))
         return
     if a.table:
-        print(table(json.loads(result_path(RESULTS).read_text())["rows"]))
+        print(table(json.loads(result_path(RESULTS).read_text())["rows"], a.model))
         return
     names = select(a.rows)
+    if a.model == "offgrid":
+        offgrid_folder()  # made (once) here, not by two children at once
     with ThreadPoolExecutor(max_workers=max(1, a.jobs)) as pool:
-        list(pool.map(lambda n: run_row(n, a.peer_python), names))
+        list(pool.map(lambda n: run_row(n, a.peer_python, a.model), names))
 
 
 if __name__ == "__main__":

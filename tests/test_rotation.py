@@ -64,7 +64,7 @@ def same_function(a, b, tol=2e-6) -> float:
 
 
 @pytest.mark.parametrize("tie", [True, False])
-@pytest.mark.parametrize("kind", ["random", "hadamard"])
+@pytest.mark.parametrize("kind", ["random", "hadamard", "haar"])
 def test_rotated_llama_equals_the_float_model(tie, kind):
     m = llama(tie=tie)
     r = copy.deepcopy(m)
@@ -94,6 +94,35 @@ def test_rotation_matrix_is_orthogonal_for_non_power_of_two_widths():
         r = rot.rows(eye)  # rows of I times R = R
         assert torch.allclose(r @ r.T, eye, atol=1e-12)
         assert torch.allclose(rot.columns(eye), r.T, atol=1e-12)  # R^T W with W = I
+
+
+def test_haar_rotation_is_a_seeded_dense_orthogonal_matrix():
+    """kind="haar": any width (92 has no Hadamard construction), orthogonal, the seed picks it, dense
+    (no row has a zero); a given matrix is checked before it turns anything."""
+    from lowbit.ptq.rotation import haar_orthogonal
+
+    eye = torch.eye(92, dtype=torch.float64)
+    rot = Rotation.make(92, RotationSettings(kind="haar", seed=3))
+    r = rot.rows(eye)
+    assert torch.allclose(r @ r.T, eye, atol=1e-12) and torch.allclose(rot.columns(eye), r.T, atol=1e-12)
+    assert torch.equal(r, haar_orthogonal(92, 3)) and not torch.allclose(r, haar_orthogonal(92, 4))
+    assert bool((r != 0).all()) and float(r.abs().max()) < 0.6  # spread: no channel maps onto one
+    # the sign fix makes Q Haar-distributed: the mean of a diagonal entry over draws is ~0, not biased positive
+    assert abs(float(torch.stack([haar_orthogonal(8, s).diagonal() for s in range(200)]).mean())) < 0.05
+    with pytest.raises(ConfigError, match="not orthogonal"):
+        Rotation.dense(4, torch.ones(4, 4))
+    with pytest.raises(ConfigError, match="needs an 3 x 3 matrix"):
+        Rotation.dense(4, torch.eye(4), kept=[0])
+    kept = Rotation.dense(4, torch.eye(3), kept=[2])
+    assert kept.kept == [2] and kept.mixed.tolist() == [0, 1, 3]
+
+
+def test_haar_rotation_of_a_width_without_hadamard_keeps_the_function():
+    m = llama(hidden=92, heads=2, kv=2)
+    r = copy.deepcopy(m)
+    info = rotate_model(r, RotationSettings(kind="haar"))
+    assert info["rotated_width"] == 92 and "hadamard_m" not in info
+    same_function(m, r)
 
 
 def test_norms_that_cannot_be_folded_are_named():
@@ -223,6 +252,9 @@ def test_channels_a_norm_switches_off_stay_out_of_the_rotation():
         rotate_model(copy.deepcopy(ref), RotationSettings(keep=3))
     none = rotate_model(copy.deepcopy(ref), RotationSettings(keep=0))
     assert none["kept_channels"] == [] and none["rotated_width"] == 64
+    dense = copy.deepcopy(ref)  # a dense rotation needs no Hadamard width: exactly the switched-off channels
+    assert rotate_model(dense, RotationSettings(kind="haar", keep=None))["kept_channels"] == [5, 17]
+    same_function(ref, dense)
 
 
 def factor_ok(n: int) -> bool:

@@ -12,7 +12,12 @@ whose weights have no outlier channels left for the quantizer to clip (the point
 ``R = diag(s) H^T / sqrt(n)`` with the Walsh-Hadamard construction of `lowbit.formats.wht`
 (any width ``m * 2^k``, e.g. SmolLM2's 576 = 36 * 16) and ``s`` random signs
 (``kind="random"``, QuaRot's randomized Hadamard) or all ones (``kind="hadamard"``).
-The products run in float64 so the rotated float model equals the original to float32
+``kind="haar"`` is a dense orthogonal matrix drawn from the Haar measure instead (QR of a
+seeded Gaussian, any width, ``n^2`` float64 numbers): it has none of the Hadamard's
+structure, so fused into a model whose weights sit on a quantization grid (the bundled
+SmolLM2 is a dequantized Q4_1 GGUF) it moves every weight off that grid while keeping the
+function, the benchmarks' "off-grid" baseline; `Rotation.dense` takes any given orthogonal
+matrix the same way. The products run in float64 so the rotated float model equals the original to float32
 rounding; `rotate_model` checks that on a probe input before returning.
 
 Channels the model switches off: SmolLM2 (like many LLMs) carries a few "massive"
@@ -53,14 +58,15 @@ from lowbit.models.layers import block_path, decoder_blocks, linear_layers
 from lowbit.models.structure import ResidualMap, residual_map
 from lowbit.nn.input_rotation import attach
 
-KINDS = ("random", "hadamard")
+KINDS = ("random", "hadamard", "haar")
 QUIET = 0.02  # a norm scale below this fraction of the norm's median switches its channel off
 _ROWS = 8192  # rows transformed per float64 chunk (a 128k x 4096 embedding must not be copied whole)
 
 
 @dataclass(frozen=True)
 class RotationSettings:
-    """kind: "random" (random signs, then Hadamard: QuaRot's choice) or "hadamard" (plain); seed of the signs.
+    """kind: "random" (random signs, then Hadamard: QuaRot's choice), "hadamard" (plain) or "haar" (a dense
+    random orthogonal matrix, see the module doc); seed of the signs or of the Haar matrix.
 
     keep: channels left out of the rotation: 0 = none (every channel is rotated), None =
     the channels some RMSNorm switches off (see the module doc), k = the k quietest.
@@ -92,17 +98,20 @@ class RotationSettings:
 
 @dataclass(frozen=True)
 class Rotation:
-    """``h -> h R`` with ``R`` = identity on the kept channels and ``diag(signs) H^T / sqrt(n)`` on the others."""
+    """``h -> h R`` with ``R`` = identity on the kept channels and, on the others, ``diag(signs) H^T / sqrt(n)``
+    (Hadamard kinds) or the dense orthogonal ``matrix`` (``[n, n]`` float64, when given)."""
 
     signs: torch.Tensor  # [n] float64, +-1, one per rotated channel
     mixed: torch.Tensor  # [n] long: the rotated channels
     width: int
+    matrix: torch.Tensor | None = None  # [n, n] float64 orthogonal: replaces the signed Hadamard
 
     @classmethod
     def make(cls, width: int, settings: RotationSettings, kept: list[int] | None = None) -> Rotation:
-        kept = sorted(kept or [])
-        mixed = torch.tensor([c for c in range(width) if c not in set(kept)], dtype=torch.long)
+        mixed = _mixed(width, kept)
         n = mixed.numel()
+        if settings.kind == "haar":
+            return cls.dense(width, haar_orthogonal(n, settings.seed), kept)
         if factor(n) is None:
             raise ModelError(f"no Hadamard construction for the model width {n} (needs m * 2^k with a known "
                              "Hadamard order m); quantize without --rotate, or with a --rotate-keep that leaves such a width")
@@ -110,6 +119,20 @@ class Rotation:
             return cls(torch.ones(n, dtype=torch.float64), mixed, width)
         gen = torch.Generator().manual_seed(settings.seed)
         return cls(torch.randint(0, 2, (n,), generator=gen).to(torch.float64) * 2 - 1, mixed, width)
+
+    @classmethod
+    def dense(cls, width: int, matrix: torch.Tensor, kept: list[int] | None = None) -> Rotation:
+        """The rotation by a given orthogonal ``matrix`` on the channels not ``kept`` (checked: ``Q^T Q = I``)."""
+        mixed = _mixed(width, kept)
+        n = mixed.numel()
+        q = matrix.detach().to("cpu", torch.float64)
+        if q.shape != (n, n):
+            raise ConfigError(f"a rotation of {n} channels needs an {n} x {n} matrix, got {tuple(q.shape)}")
+        err = float((q.T @ q - torch.eye(n, dtype=torch.float64)).abs().max())
+        if not err < 1e-9:
+            raise ConfigError(f"the rotation matrix is not orthogonal (max |Q^T Q - I| = {err:.3g}); the rotated "
+                              "model would not compute the same function")
+        return cls(torch.ones(n, dtype=torch.float64), mixed, width, q)
 
     @property
     def n(self) -> int:
@@ -124,19 +147,40 @@ class Rotation:
         flat = x.reshape(-1, self.width)
         out = flat.clone()
         s, idx = self.signs.to(x.device), self.mixed.to(x.device)
+        q = None if self.matrix is None else self.matrix.to(x.device)
         for i in range(0, flat.shape[0], _ROWS):
             part = flat[i: i + _ROWS, idx].double() * s
-            out[i: i + _ROWS, idx] = wht(part, scale=1 / math.sqrt(self.n)).to(x.dtype)
+            turned = part @ q if q is not None else wht(part, scale=1 / math.sqrt(self.n))
+            out[i: i + _ROWS, idx] = turned.to(x.dtype)
         return out.reshape(x.shape)
 
     def columns(self, w: torch.Tensor) -> torch.Tensor:
         """``R^T W`` for a writer's ``W [width, in]`` (its output turns with the stream)."""
         out = w.clone()
         s, idx = self.signs.to(w.device).unsqueeze(1), self.mixed.to(w.device)
+        q = None if self.matrix is None else self.matrix.to(w.device)
         for i in range(0, w.shape[1], _ROWS):
             part = w[idx, i: i + _ROWS].double() * s
-            out[idx, i: i + _ROWS] = wht_columns(part, scale=1 / math.sqrt(self.n)).to(w.dtype)
+            turned = q.T @ part if q is not None else wht_columns(part, scale=1 / math.sqrt(self.n))
+            out[idx, i: i + _ROWS] = turned.to(w.dtype)
         return out
+
+
+def _mixed(width: int, kept: list[int] | None) -> torch.Tensor:
+    """The rotated channels: all but ``kept``, in order."""
+    skip = set(kept or [])
+    return torch.tensor([c for c in range(width) if c not in skip], dtype=torch.long)
+
+
+def haar_orthogonal(n: int, seed: int) -> torch.Tensor:
+    """A random ``[n, n]`` orthogonal matrix distributed by the Haar measure, from ``seed`` (float64).
+
+    QR of a Gaussian matrix, each column of Q multiplied by the sign of R's diagonal
+    (without that step Q is orthogonal but not uniformly distributed; Mezzadri 2007).
+    """
+    gen = torch.Generator().manual_seed(seed)
+    q, r = torch.linalg.qr(torch.randn(n, n, generator=gen, dtype=torch.float64))
+    return q * torch.sign(torch.diagonal(r)).unsqueeze(0)
 
 
 def quiet_channels(model: nn.Module, rmap: ResidualMap) -> tuple[list[int], torch.Tensor]:
@@ -148,8 +192,12 @@ def quiet_channels(model: nn.Module, rmap: ResidualMap) -> tuple[list[int], torc
     return [int(c) for c in ratio.argsort()], ratio
 
 
-def kept_channels(model: nn.Module, rmap: ResidualMap, keep: int | None) -> list[int]:
-    """The channels ``keep`` leaves out of the rotation (see `RotationSettings`)."""
+def kept_channels(model: nn.Module, rmap: ResidualMap, keep: int | None, dense: bool = False) -> list[int]:
+    """The channels ``keep`` leaves out of the rotation (see `RotationSettings`).
+
+    dense: the rotation is a dense matrix (any width), so ``keep=None`` adds no channels
+    beyond the switched-off ones to reach a width with a Hadamard construction.
+    """
     if keep == 0:
         return []
     order, ratio = quiet_channels(model, rmap)
@@ -158,7 +206,7 @@ def kept_channels(model: nn.Module, rmap: ResidualMap, keep: int | None) -> list
     k = int((ratio < QUIET).sum())
     if k == 0:
         return []
-    while factor(rmap.width - k) is None:
+    while not dense and factor(rmap.width - k) is None:
         k += 1
     return order[:k]
 
@@ -186,7 +234,8 @@ def rotate_model(model: nn.Module, settings: RotationSettings = RotationSettings
                           "float model before quantizing it")
     blocks = [f"{block_path(model)}.{i}" for i in range(len(decoder_blocks(model)))]
     online = online_layers(model, blocks, settings.online)
-    rot = None if rmap is None else Rotation.make(rmap.width, settings, kept_channels(model, rmap, settings.keep))
+    rot = None if rmap is None else Rotation.make(
+        rmap.width, settings, kept_channels(model, rmap, settings.keep, dense=settings.kind == "haar"))
     probe = _probe_ids(model) if check else None
     before = _logits(model, probe) if check else None
     info: dict[str, Any] = settings.to_dict()
@@ -196,8 +245,8 @@ def rotate_model(model: nn.Module, settings: RotationSettings = RotationSettings
             untie_head(model, rmap)
         fold_norms(model, rmap)
         _rotate(model, rmap, rot)
-        info.update(width=rmap.width, rotated_width=rot.n, hadamard_m=factor(rot.n), kept_channels=rot.kept,
-                    untied_head=untied)
+        info.update(width=rmap.width, rotated_width=rot.n, kept_channels=rot.kept, untied_head=untied,
+                    **({"hadamard_m": factor(rot.n)} if rot.matrix is None else {}))
     for name in online:
         attach(model.get_submodule(name))
     info["online_layers"] = len(online)
