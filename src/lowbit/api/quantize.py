@@ -27,6 +27,7 @@ from lowbit.formats import Recipe, Scheme, kmix
 from lowbit.formats.kquants import fit_width
 from lowbit.formats.plan import Plan
 from lowbit.io import WriteError, check_free_space
+from lowbit.models.accounting import keep_patterns
 from lowbit.ptq.awq import AWQSettings
 from lowbit.ptq.methods import coerce_settings, get, make_settings
 from lowbit.ptq.mixed import MixedSettings
@@ -110,6 +111,7 @@ class QuantizeJob:
     force: bool = False
     progress: bool = True
     export_to: str | None = None
+    keep: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         check_fields(self, ConfigError, "quantize setting")
@@ -117,6 +119,7 @@ class QuantizeJob:
         if self.export_to is not None and self.export_to not in EXPORT_TARGETS:
             raise ConfigError(f"--export-to must be one of {', '.join(EXPORT_TARGETS)}, got {self.export_to!r}")
         object.__setattr__(self, "settings", coerce_settings(self.method, self.settings))
+        object.__setattr__(self, "keep", keep_patterns(self.keep))
         object.__setattr__(self, "rotate", _switch(self.rotate, RotationSettings, "rotate"))
         object.__setattr__(self, "awq", _switch(self.awq, AWQSettings, "awq"))
         sources = [n for n, v in (("--scheme", self.scheme), ("--plan", self.plan_file),
@@ -252,7 +255,7 @@ class _Run:
         self.job, self.lm, self.device = job, lm, device
         self.phases = phases or Phases()
         first = job.mixed.options[0] if job.mixed is not None else job.scheme
-        self.plan = build_plan(lm.model, first, job.plan_file, job.lm_head)
+        self.plan = _keep(lm.model, build_plan(lm.model, first, job.plan_file, job.lm_head), job)
         check = get(job.method).check_plan
         if check is not None:
             check(job.settings, self.plan)
@@ -304,6 +307,7 @@ class _Run:
         check_fits(size, self.device, what)
 
     def execute(self) -> dict[str, Any]:
+        from lowbit.models.accounting import account_model
         from lowbit.models.lazy import is_lazy
         from lowbit.models.placement import on_device
         from lowbit.ptq import prepare_model, quantize_model
@@ -346,6 +350,7 @@ class _Run:
                 r = job.evaluation.perplexity(model, self.ev, job.progress)
             result["ppl_q"], result["eval_tokens"] = r.ppl, r.tokens
         result.update(bits_summary(model, self.plan, job.lm_head))
+        result["matmul_weights"] = account_model(model).to_dict()
         if self.not_exportable:
             result["not_exportable"] = self.not_exportable
         return result
@@ -356,7 +361,7 @@ class _Run:
         meta = {"source": self.lm.source, "source_kind": self.lm.kind, "source_digest": self.source_digest,
                 "method": self.job.method,
                 "plan": self.job.scheme if kmix.is_mix(self.job.scheme) else self.plan.describe(),
-                **{k: result[k] for k in ("ppl_fp", "ppl_q") if k in result},
+                **{k: result[k] for k in ("ppl_fp", "ppl_q", "matmul_weights") if k in result},
                 **{k: s.to_dict() for k, s in (("rotation", self.job.rotate), ("awq", self.job.awq)) if s is not None}}
         try:
             save(self.lm.model, self.lm.tokenizer, out, meta=meta, force=True, extra_files=self._plan_files())
@@ -375,6 +380,14 @@ class _Run:
         sizes = {n: (m.out_features, m.in_features) for n, m in
                  ((n, self.lm.model.get_submodule(n)) for n in self.plan)}
         return {"plan.json": self.plan.to_json().encode(), "plan.png": plot_bits(self.plan, sizes)}
+
+
+def _keep(model: nn.Module, plan: Plan, job: QuantizeJob) -> Plan:
+    """The plan without the Linears --keep keeps in float; refused when it leaves more in float unasked."""
+    from lowbit.models.accounting import gate
+
+    dropped = gate(model, list(plan), job.keep, explicit=job.plan_file is not None)
+    return Plan({n: r for n, r in plan.items() if n not in dropped}) if dropped else plan
 
 
 def _export_limits(job: QuantizeJob, model: nn.Module, plan: Plan) -> dict[str, str]:

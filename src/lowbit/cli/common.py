@@ -110,3 +110,24 @@ def nonnegative(kind: str):
         return v
 
     return conv
+
+
+def add_keep(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--keep", metavar="PATTERNS", default=None,
+                   help="matmul weights to keep in float on purpose (comma-separated): a kind (attention, mlp, "
+                        "experts, shared_experts, router, embeddings, lm_head, other) or a glob over names "
+                        "('model.layers.0.*'). Without it, a plan that leaves more than embeddings, routers and the "
+                        "lm_head in float (e.g. a mixture-of-experts model's experts) is refused")
+
+
+def keep(args: argparse.Namespace) -> tuple[str, ...]:
+    """--keep as a tuple of patterns (empty when not given)."""
+    from lowbit.errors import ConfigError
+
+    given_ = vars(args).get("keep")
+    if given_ is None:
+        return ()
+    pats = tuple(s.strip() for s in given_.split(",") if s.strip())
+    if not pats:
+        raise ConfigError("--keep takes kinds or name globs, comma-separated (e.g. --keep experts)")
+    return pats

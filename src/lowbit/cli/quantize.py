@@ -25,6 +25,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--plan", metavar="FILE", default=None, help="a plan JSON (layer -> scheme) instead of --scheme")
     p.add_argument("--method", default="rtn", help="rtn | gptq | signround | signround2 (default rtn)")
     p.add_argument("--lm-head", action="store_true", help="also quantize the lm_head (kept 16-bit by default)")
+    common.add_keep(p)
     p.add_argument("--export-to", choices=("compressed-tensors", "gguf"), default=None,
                    help="the export the checkpoint is for: a plan it cannot hold (e.g. w4g128 on rows of 576 "
                         "columns for compressed-tensors) is refused before quantizing. Without it, each export "
@@ -126,7 +127,7 @@ def build_job(args: argparse.Namespace):
                       calib=Calibration(args.data, **calib), evaluation=common.evaluation(args, args.data),
                       device=args.device, workdir=args.workdir, offload_dir=args.offload_dir,
                       cache_device=args.cache_device, rotate=_rotation(args), awq=args.awq, force=args.force,
-                      progress=not args.json, export_to=args.export_to)
+                      progress=not args.json, export_to=args.export_to, keep=common.keep(args))
     if calib and not job.needs_calib:
         raise ConfigError(f"{', '.join(common.flag(k) for k in calib)} set the calibration data, which "
                           f"--method {args.method} {'with --no-search ' if args.method == 'rtn' else ''}does not "
