@@ -87,6 +87,9 @@ def test_finetune_merge_writes_a_checkpoint(checkpoint, tmp_path, capsys):
     assert main(["finetune", str(checkpoint / "q"), "--adapter", "loftq", "--rank", "2", "--steps", "2",
                  "--batch-size", "4", "--seqlen", "24", "--data", str(data), "--no-eval", "--merge",
                  "--out", str(out), "--json"]) == 0
+    # every matmul weight accounted for after the re-quantization: no adapter matrix left over in float
+    acc = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["matmul_weights"]
+    assert set(acc["quantized"]) == {"attention", "mlp"} and set(acc["float"]) <= {"embeddings", "lm_head"}
     from lowbit.models.native import load
 
     model, _ = load(out)

@@ -57,6 +57,7 @@ def test_qat_saves_a_checkpoint_that_evaluates_like_ptq(model_dir, tmp_path, cap
     assert keys[keys.index("ppl_fp"):keys.index("ppl_fp") + 3] == ["ppl_fp", "ppl_before_training", "ppl"]
     assert 1 < r["ppl_before_training"] < float("inf")
     assert (out / "metrics.jsonl").is_file() and (out / "loss.png").is_file()
+    assert r["matmul_weights"]["quantized_share"] > 0.5 and set(r["matmul_weights"]["float"]) == {"embeddings"}
     model, tok = load(out)
     layers = [m for m in model.modules() if isinstance(m, QuantLinear)]
     assert len(layers) == 14 and all(m.scheme.bits == 2 for m in layers)

@@ -271,11 +271,14 @@ class _Finetune:
                 **{k: v for k, v in result.items() if k.startswith("ppl")}}
         try:
             if job.merge:
+                from lowbit.models.accounting import account_model
                 from lowbit.models.native import save
 
                 errs = merge_and_requantize(model)
                 result["merge_rel_error_max"] = max(errs.values())
-                save(model, tokenizer, out, meta={**self.manifest.get("meta", {}), "finetune": meta}, force=True)
+                result["matmul_weights"] = account_model(model).to_dict()
+                save(model, tokenizer, out, meta={**self.manifest.get("meta", {}), "finetune": meta,
+                                                  "matmul_weights": result["matmul_weights"]}, force=True)
             else:
                 save_adapters(model, out, job.peft, meta=meta, force=True)
         except WriteError as e:

@@ -23,6 +23,7 @@ from lowbit.api.common import Evaluation, checkpoint_bytes, job_device, work_fol
 from lowbit.configs import check_fields
 from lowbit.errors import ConfigError
 from lowbit.io import WriteError, check_free_space
+from lowbit.models.accounting import keep_patterns
 from lowbit.qat.quantizers import resolve
 from lowbit.qat.winq import STE, WinQConfig
 from lowbit.train import TrainConfig, smooth
@@ -58,9 +59,11 @@ class QatJob:
     resume: bool = True
     device: str | None = None
     force: bool = False
+    keep: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         check_fields(self, ConfigError, "QAT setting")
+        object.__setattr__(self, "keep", keep_patterns(self.keep))
         if self.method not in METHODS:
             raise ConfigError(f"unknown QAT method {self.method!r}; choose one of {METHODS}")
         if self.seqlen < 2:
@@ -135,7 +138,7 @@ def qat(job: QatJob) -> dict[str, Any]:
 
         meta = {"source": lm.source, "method": f"qat-{job.method}", "plan": job.scheme,
                 "quantizer": res["quantizer"], "steps": res["steps"],
-                **{k: res[k] for k in ("ppl_fp", "ppl") if k in res}}
+                **{k: res[k] for k in ("ppl_fp", "ppl", "matmul_weights") if k in res}}
         try:
             save(lm.model, lm.tokenizer, out, meta=meta, force=True, extra_files=extras)
         except WriteError as e:
@@ -156,12 +159,14 @@ def _train(job: QatJob, device: Any, rank: int, world: int, target: float | None
     """
     from lowbit.data.batches import training_windows
     from lowbit.models import load_model
+    from lowbit.models.accounting import account_model
     from lowbit.qat.convert import to_qat, to_quant_linear
     from lowbit.qat.winq import WinQCallback
     from lowbit.train import check_resume, steps_to_reach, train
     from lowbit.train.loop import causal_lm_loss, kd_loss
 
     lm = load_model(job.model)
+    targets = _targets(lm.model, job.keep)
     if job.kd and lm.kind == "lowbit":
         raise ConfigError(f"{lm.source} is already quantized, so it cannot be the distillation teacher; "
                           "start QAT from the full-precision model for --kd, or drop --kd")
@@ -171,7 +176,7 @@ def _train(job: QatJob, device: Any, rank: int, world: int, target: float | None
     cb = WinQCallback(job.callback_config())
     extra = {"scheme": job.scheme, "quantizer": quantizer.name, "method": job.method, "source": lm.source,
              "winq": job.callback_config().to_dict(), "kd": job.kd, "kd_t": job.kd_temperature,
-             "seqlen": job.seqlen, "data": job.data}
+             "seqlen": job.seqlen, "data": job.data, **({"keep": list(job.keep)} if job.keep else {})}
     cfg = replace(job.train, out_dir=str(job.work))
     check_resume(cfg, [cb], extra, job.resume)
     if out is not None:  # every decoder Linear packed at about its bits, plus scales
@@ -182,7 +187,7 @@ def _train(job: QatJob, device: Any, rank: int, world: int, target: float | None
     if ev is not None:
         res["ppl_fp"] = job.evaluation.perplexity(lm.model, ev).ppl
     teacher = copy.deepcopy(lm.model) if job.kd else None
-    names = to_qat(lm.model, quantizer)
+    names = to_qat(lm.model, quantizer, targets)
     if ev is not None:  # the quantized model before any step: what training has to improve on
         res["ppl_before_training"] = job.evaluation.perplexity(lm.model, ev).ppl
     loss_fn = kd_loss(teacher, job.kd_temperature) if teacher is not None else causal_lm_loss
@@ -190,6 +195,7 @@ def _train(job: QatJob, device: Any, rank: int, world: int, target: float | None
     if rank != 0:
         return {"rank": rank, "steps": r.steps, "final_loss": r.final_loss}, lm, {}
     to_quant_linear(lm.model)
+    res["matmul_weights"] = account_model(lm.model).to_dict()
     sm = smooth(r.losses, job.smooth_window)
     res.update(quantizer=quantizer.name, layers=len(names), steps=r.steps, final_loss=r.final_loss,
                final_loss_smoothed=sm[-1], initial_loss=r.losses[0], train_seconds=r.seconds,
@@ -205,3 +211,13 @@ def _train(job: QatJob, device: Any, rank: int, world: int, target: float | None
     lm.model.to("cpu")
     extras = {name: job.work / name for name in ("metrics.jsonl", "loss.png") if (job.work / name).is_file()}
     return res, lm, extras
+
+
+def _targets(model: Any, keep: tuple[str, ...]) -> list[str]:
+    """The Linears QAT trains: the decoder's, less those --keep keeps; refused when float is left unasked."""
+    from lowbit.models.accounting import gate
+    from lowbit.qat.convert import default_targets
+
+    names = default_targets(model)
+    dropped = gate(model, names, keep)
+    return [n for n in names if n not in dropped]

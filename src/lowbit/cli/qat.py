@@ -34,6 +34,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--dtype", default="fp32", help="fp32 | bf16 autocast")
     p.add_argument("--parallel", default="ddp", help="under torchrun: ddp (replicas) | fsdp (sharded, GPUs)")
     p.add_argument("--seed", type=int, default=0)
+    common.add_keep(p)
     p.add_argument("--kd", action="store_true", help="distil from the FP model (KL on logits) instead of CE")
     p.add_argument("--kd-temperature", type=float, default=UNSET, help="with --kd: softmax temperature (1)")
     g = p.add_argument_group("WinQ switches (--method winq only)")
@@ -85,7 +86,8 @@ def build_job(args: argparse.Namespace):
                   quantizer=args.quantizer, model=args.model, data=args.data, seqlen=args.seqlen, kd=args.kd,
                   kd_temperature=kd_t.get("kd_temperature", 1.0), smooth_window=args.smooth,
                   evaluation=common.evaluation(args, args.data), baseline=args.baseline, workdir=args.workdir,
-                  resume=not args.no_resume, device=args.device, force=args.force)
+                  resume=not args.no_resume, device=args.device, force=args.force,
+                  keep=common.keep(args))
 
 
 def run(args: argparse.Namespace) -> dict:

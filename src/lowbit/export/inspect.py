@@ -273,6 +273,23 @@ def _nominal_bits(p: Path, fmt: str, layers: list[LayerInfo], dense: int) -> flo
         i.shape[1])) for i in layers), dense)
 
 
+def _matmul_weights(p: Path, fmt: str, layers: list[LayerInfo]) -> dict[str, Any]:
+    """Every stored matmul weight by kind, quantized or float (`lowbit.models.accounting`, from names and shapes)."""
+    from lowbit.models.accounting import account_tensors
+
+    if fmt == GGUF:
+        from lowbit.models.loading import open_gguf
+
+        entries = [(t.name, tuple(int(d) for d in reversed(t.shape)), t.tensor_type.name not in ("F32", "F16", "BF16"))
+                   for t in open_gguf(p).tensors]
+    else:  # a quantized layer counts as its matrix; its stored parts (codes, scales...) are not weights
+        quant = {i.name.removesuffix(".weight") for i in layers}
+        entries = [(f"{i.name.removesuffix('.weight')}.weight", i.shape, True) for i in layers]
+        entries += [(k, tuple(s), False) for k, (s, dtype) in _headers(p).items()
+                    if k.rpartition(".")[0] not in quant and dtype in ("F16", "BF16", "F32", "F64")]
+    return account_tensors(entries).to_dict()
+
+
 def inspect(path: str | Path) -> dict[str, Any]:
     """Summary of an export (see module docstring); ``layers`` holds the per-layer rows."""
     p = Path(path)
@@ -291,6 +308,7 @@ def inspect(path: str | Path) -> dict[str, Any]:
     return {"format": fmt, "path": str(p), "quantized_layers": len(layers), "schemes": schemes, "inputs": inputs,
             "bits_per_weight": round(bits, 4), "bits_counted": COUNTED,
             **({} if nominal is None else {"bits_per_weight_nominal": round(nominal, 4), "nominal_counts": NOMINAL}),
-            "linears_16bit_weights": dense, "params": params, "file_bytes": size, "fp16_bytes": 2 * params,
+            "linears_16bit_weights": dense, "matmul_weights": _matmul_weights(p, fmt, layers),
+            "params": params, "file_bytes": size, "fp16_bytes": 2 * params,
             "size_vs_fp16": round(size / max(2 * params, 1), 4),
             "layers": [asdict(i) | {"bits_per_weight": round(i.bits_per_weight, 4)} for i in layers]}
