@@ -15,7 +15,13 @@ from safetensors import safe_open
 
 from lowbit.cli import main
 from lowbit.errors import ConfigError, ModelError
-from lowbit.models.accounting import account_model, account_tensors, check_architecture, check_float_left
+from lowbit.models.accounting import (
+    account_model,
+    account_tensors,
+    check_architecture,
+    check_float_left,
+    kept,
+)
 
 SMALL = dict(vocab_size=128, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
              head_dim=8)
@@ -222,3 +228,16 @@ def test_plan_file_leaving_linears_out_is_the_users_choice(tmp_path, capsys, tin
     plan.write_text(json.dumps({"layers": {"model.layers.0.mlp.down_proj": "w4g32"}}))
     assert main(["quantize", str(tiny_hf_dir), "--plan", str(plan), *FAST, "--out", str(tmp_path / "q")]) == 0
     assert _last(capsys)["matmul_weights"]["quantized"] == {"mlp": 64 * 128}
+
+
+def test_float_left_beside_quantized_weights_of_its_kind_is_kept_by_a_glob():
+    """Attention outside the decoder (a vision tower, say) beside a quantized decoder: --keep attention would be wrong."""
+    model = torch.nn.Module()
+    model.lm = make("llama")
+    model.vision = torch.nn.Module()
+    model.vision.self_attn = torch.nn.Linear(16, 16)
+    planned = [f"lm.{n}" for n, m in model.lm.named_modules() if isinstance(m, torch.nn.Linear) and "layers" in n]
+    acc = account_model(model, planned)
+    with pytest.raises(ConfigError, match=r"attention 256 \(.*vision.self_attn.weight\).*--keep vision.self_attn.\* "):
+        check_float_left(acc)
+    check_float_left(acc, kept(acc, ["vision.self_attn.*"]))  # the suggested glob keeps exactly that

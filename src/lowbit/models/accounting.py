@@ -291,8 +291,26 @@ def check_float_left(accounting: Accounting, asked: Collection[str] = ()) -> Non
     kinds = [k for k in KINDS if any(w.kind == k for w in left)]
     why = "; lowbit does not quantize fused mixture-of-experts experts yet" if "experts" in kinds else ""
     plan = "" if kinds == ["experts"] else " (or name them in a --plan)"
+    keep = ",".join(_keep_pattern(accounting, k, [w for w in left if w.kind == k]) for k in kinds)
     raise ConfigError(f"this plan would leave {share:.1f}% of the matmul weights in float: {'; '.join(parts)}"
-                      f"{why}; pass --keep {','.join(kinds)} to keep them in float on purpose{plan}")
+                      f"{why}; pass --keep {keep} to keep them in float on purpose{plan}")
+
+
+def _keep_pattern(accounting: Accounting, kind: str, left: list[Weight]) -> str:
+    """The --keep pattern for ``left``: its kind when the plan quantizes none of that kind, else a name glob.
+
+    A vision tower's attention left out of a decoder's plan must not be kept as ``attention``
+    (that would drop the decoder's attention from the plan too): its common prefix is.
+    """
+    if all(not w.quantized for w in accounting.weights if w.kind == kind):
+        return kind
+    parts = [w.name.rpartition(".")[0].split(".") for w in left]
+    common = []
+    for segs in zip(*parts, strict=False):
+        if len(set(segs)) > 1:
+            break
+        common.append(segs[0])
+    return ".".join(common) + ".*" if common else "'" + _where(left).split(", ")[0] + "'"
 
 
 def _where(weights: list[Weight]) -> str:
