@@ -173,7 +173,8 @@ def test_quantize_refuses_experts_left_in_float_before_any_work(moe_dir, tmp_pat
 def test_keep_experts_quantizes_the_rest_and_reports_experts_in_float(moe_dir, tmp_path, capsys):
     out = tmp_path / "q"
     assert main(["quantize", str(moe_dir), "--scheme", "w4g32", *FAST, "--keep", "experts", "--out", str(out)]) == 0
-    r = _last(capsys)["matmul_weights"]
+    summary = _last(capsys)
+    r = summary["matmul_weights"]
     model = make("qwen3_moe", 512)
     experts = sum(p.numel() for p in model.parameters() if p.ndim == 3)
     attention = sum(p.numel() for n, p in model.named_parameters() if "self_attn" in n and p.ndim == 2)
@@ -182,8 +183,13 @@ def test_keep_experts_quantizes_the_rest_and_reports_experts_in_float(moe_dir, t
     assert set(r["float"]) == {"experts", "router", "embeddings", "lm_head"}
     assert r["quantized_share"] == round(attention / r["params"], 4)
     assert json.loads((out / "lowbit.json").read_text())["meta"]["matmul_weights"] == r
+    # the float experts and routers count 16 bits in bits_per_weight, not only in the accounting
+    f16 = r["float"]["experts"] + r["float"]["router"]
+    assert summary["bits_per_weight"] == round((4.5 * attention + 16 * f16) / (attention + f16), 4)
     assert main(["inspect", str(out), "--json"]) == 0
-    assert _last(capsys)["matmul_weights"] == r  # from the stored tensors alone: the same accounting
+    info = _last(capsys)
+    assert info["matmul_weights"] == r  # from the stored tensors alone: the same accounting
+    assert info["bits_per_weight"] == summary["bits_per_weight"]
 
 
 @pytest.mark.parametrize("keep, needle", (("expert", "--keep expert matches no matmul weight"),

@@ -156,12 +156,25 @@ def bits_summary(model: nn.Module, plan: Plan, lm_head: bool) -> dict[str, Any]:
     sizes = {n: (m.out_features, m.in_features) for n, m in layers.items()}
     sizes.update({n: _shape(model, n) for n in plan if n not in sizes})
     quant = quant_layers(model)
-    dense = sum(o * i for n, (o, i) in sizes.items() if n not in plan)
+    dense = sum(o * i for n, (o, i) in sizes.items() if n not in plan) + _float_block_matrices(model, sizes)
     stored = [(o * i, 8 * quant[n].qweight.storage_bytes() / (o * i)) for n, (o, i) in sizes.items() if n in plan]
     nominal = [(o * i, plan.weight(n).bits_per_weight(i)) for n, (o, i) in sizes.items() if n in plan]
     return {"bits_per_weight": round(average_bits(stored, dense), 4), "bits_counted": COUNTED,
             "bits_per_weight_nominal": round(average_bits(nominal, dense), 4), "nominal_counts": NOMINAL,
             "layers_quantized": len(plan), "layers_16bit": len(sizes) - len(plan)}
+
+
+def _float_block_matrices(model: nn.Module, linears: Mapping[str, Any]) -> int:
+    """Float matmul weights in the decoder blocks that are not Linears (fused experts, routers): 16 bits each.
+
+    `inspect` counts them from the stored tensors the same way, so both report one figure.
+    """
+    from lowbit.models import block_path
+    from lowbit.models.accounting import account_model
+
+    prefix = block_path(model) + "."
+    return sum(w.numel for w in account_model(model).weights if not w.quantized and w.name.startswith(prefix)
+               and w.name.rpartition(".")[0] not in linears)
 
 
 def checkpoint_bytes(model: nn.Module, plan: Plan | None = None, bits: float | None = None) -> int:

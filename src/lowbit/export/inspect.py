@@ -113,10 +113,11 @@ _BLOCK = re.compile(r"(^|\.)(layers|h|blocks|blk)\.\d+\.")
 
 
 def _dense_linear_weights(shapes: dict[str, list[int]], quantized: set[str]) -> int:
-    """Weights of the decoder-block Linears stored in 16 bits (2-D ``*.weight`` tensors in a block)."""
+    """Matmul weights in the decoder blocks stored in 16 bits: 2-D ``*.weight`` tensors (Linears, routers) and
+    fused experts (3-D), as `lowbit quantize` counts them."""
     return sum(_numel(shape) for name, shape in shapes.items()
-               if name.endswith(".weight") and len(shape) == 2 and _BLOCK.search(name)
-               and name[: -len(".weight")] not in quantized)
+               if (name.endswith(".weight") and len(shape) == 2 or len(shape) >= 3) and _BLOCK.search(name)
+               and name.removesuffix(".weight") not in quantized)
 
 
 def inspect_native(folder: Path) -> tuple[list[LayerInfo], int]:

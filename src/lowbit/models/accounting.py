@@ -106,7 +106,7 @@ _ROUTER = re.compile(r"(^|\.)(mlp|block_sparse_moe|moe)\.(gate|router)\.weight$|
                      r"|ffn_gate_inp(_shexp)?\.weight$")
 _EMBED = re.compile(r"(^|\.)(embed_tokens|wte|wpe|embeddings?|token_embd|tok_embeddings)\.weight$")
 _BIAS = re.compile(r"[._]bias$")  # added, not multiplied: gpt-oss's per-expert [E, out] biases are 2-D
-_HEAD = re.compile(r"(^|\.)(lm_head|output|embed_out)\.weight$")
+_HEAD = re.compile(r"(^|\.)(lm_head|embed_out)\.weight$|^output\.weight$")  # GGUF's output: top level only
 
 
 def kind_by_name(name: str, shape: tuple[int, ...]) -> str:
