@@ -192,6 +192,21 @@ def test_keep_experts_quantizes_the_rest_and_reports_experts_in_float(moe_dir, t
     assert info["bits_per_weight"] == summary["bits_per_weight"]
 
 
+@pytest.mark.parametrize("arch", MOE)
+def test_every_architecture_quantizes_with_kept_experts_and_inspect_agrees(arch, tmp_path, capsys, tiny_tokenizer):
+    """Through lowbit's loader (per-expert names on disk, fused in memory) to a checkpoint and back by inspect."""
+    src = _save(arch, tmp_path / arch, tiny_tokenizer)
+    assert main(["quantize", str(src), "--scheme", "w4g8", *FAST, "--keep", "experts", "--out", str(tmp_path / "q")]) == 0
+    r = _last(capsys)
+    model = make(arch, len(tiny_tokenizer))
+    assert r["matmul_weights"]["params"] == _matmul_params(model)
+    assert "experts" not in r["matmul_weights"]["quantized"] and "router" not in r["matmul_weights"]["quantized"]
+    assert r["matmul_weights"]["float"]["experts"] == sum(p.numel() for p in model.parameters() if p.ndim == 3)
+    assert main(["inspect", str(tmp_path / "q"), "--json"]) == 0
+    i = _last(capsys)
+    assert i["matmul_weights"] == r["matmul_weights"] and i["bits_per_weight"] == r["bits_per_weight"]
+
+
 @pytest.mark.parametrize("keep, needle", (("expert", "--keep expert matches no matmul weight"),
                                           (",", "--keep takes kinds")))
 def test_keep_that_matches_nothing_is_refused(moe_dir, tmp_path, capsys, keep, needle):

@@ -323,8 +323,8 @@ def gate(model: nn.Module, planned: Collection[str], keep: Iterable[str] = (), e
     """Everything a quantizing job checks about float weights before any work; returns the planned Linears --keep drops.
 
     The architecture must be one lowbit maps; ``keep`` (kinds or globs) names what stays in
-    float on purpose; with ``explicit`` (a plan file) the Linears the plan leaves out are
-    the user's choice too. Anything else a plan would leave in float beyond embeddings,
+    float on purpose; router Linears leave a plan that is not ``explicit``; with ``explicit``
+    (a plan file) the Linears the plan leaves out are the user's choice too. Anything else a plan would leave in float beyond embeddings,
     routers and the lm_head is refused (`check_float_left`).
     """
     check_architecture(model)
@@ -336,6 +336,8 @@ def gate(model: nn.Module, planned: Collection[str], keep: Iterable[str] = (), e
     if explicit and dropped:
         raise ConfigError(f"--keep {','.join(keep)} keeps layers the plan file quantizes ({sorted(dropped)[0]}...); "
                           "drop them from the plan or from --keep")
+    if not explicit:  # routers stay 16-bit unless a plan names them (Qwen2-MoE's shared_expert_gate is a Linear)
+        dropped |= modules_of(w.name for w in whole.weights if w.kind == "router") & planned
     if explicit:
         asked |= {f"{n}.weight" for n, m in model.named_modules() if isinstance(m, nn.Linear)}
     check_float_left(account_model(model, planned - dropped), asked)
