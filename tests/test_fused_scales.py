@@ -21,7 +21,7 @@ from lowbit.ptq import quantize_model
 
 pytest.importorskip("compressed_tensors")
 
-from lowbit.export import compressed_tensors as ct  # noqa: E402
+from lowbit.files import compressed_tensors as ct  # noqa: E402
 
 
 def vllm_view(path) -> dict[str, dict[str, float]]:

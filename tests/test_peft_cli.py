@@ -73,7 +73,7 @@ def test_finetune_writes_an_adapter_that_loads(checkpoint, tmp_path, capsys, ada
     assert r["adapter"] == adapter and r["steps"] == 4 and r["trainable_params"] == \
         sum(4 * (o + i) for o, i in [(64, 64), (32, 64), (32, 64), (64, 64), (128, 64), (128, 64), (64, 128)]) * 2
     assert (out / "adapter.json").is_file() and r["loss_last"] < r["loss_first"]
-    from lowbit.models.native import load
+    from lowbit.files.native import load
     from lowbit.peft import adapters_of, load_adapters
 
     model, _ = load(checkpoint / "q")
@@ -87,7 +87,7 @@ def test_finetune_merge_writes_a_checkpoint(checkpoint, tmp_path, capsys):
     assert main(["finetune", str(checkpoint / "q"), "--adapter", "loftq", "--rank", "2", "--steps", "2",
                  "--batch-size", "4", "--seqlen", "24", "--data", str(data), "--no-eval", "--merge",
                  "--out", str(out), "--json"]) == 0
-    from lowbit.models.native import load
+    from lowbit.files.native import load
 
     model, _ = load(out)
     assert model(torch.randint(0, 60, (1, 8))).logits.isfinite().all()

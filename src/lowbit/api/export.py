@@ -35,9 +35,9 @@ class ExportJob:
 
 
 def export(job: ExportJob) -> dict[str, Any]:
-    from lowbit.export import limits, specs
-    from lowbit.export.inspect import inspect
-    from lowbit.models.native import load, read_manifest
+    from lowbit.files import limits, specs
+    from lowbit.files.inspect import inspect
+    from lowbit.files.native import load, read_manifest
 
     t0 = time.perf_counter()
     manifest = read_manifest(job.checkpoint)
@@ -50,12 +50,12 @@ def export(job: ExportJob) -> dict[str, Any]:
         model, tokenizer = load(job.checkpoint)
         result: dict[str, Any] = {"checkpoint": str(job.checkpoint), "to": job.to}
         if job.to == "compressed-tensors":
-            from lowbit.export import compressed_tensors
+            from lowbit.files import compressed_tensors
 
             compressed_tensors.export(model, tokenizer, out, force=True)
             result["out"] = str(out)
         else:
-            from lowbit.export import gguf_export
+            from lowbit.files import gguf_export
 
             source = _source_gguf(manifest)
             meta = manifest.get("meta", {})
@@ -84,7 +84,7 @@ def _model_type(checkpoint: str | Path) -> str | None:
 
 
 def _checkpoint_bits(folder: str | Path) -> float:
-    from lowbit.export.inspect import inspect
+    from lowbit.files.inspect import inspect
 
     return inspect(folder)["bits_per_weight"]
 

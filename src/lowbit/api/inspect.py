@@ -8,6 +8,6 @@ from typing import Any
 
 def inspect(path: str | Path) -> dict[str, Any]:
     """Format, per-layer schemes, bits per weight from stored bytes, size against fp16."""
-    from lowbit.export.inspect import inspect as read
+    from lowbit.files.inspect import inspect as read
 
     return read(path)

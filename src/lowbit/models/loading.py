@@ -240,7 +240,7 @@ def _looks_like_path(text: str) -> bool:
 
 
 def _load_dir(path: Path, dtype: torch.dtype) -> LoadedModel:
-    from lowbit.models import native
+    from lowbit.files import native
 
     if native.is_checkpoint(path):
         model, tok = native.load(path)
@@ -252,7 +252,7 @@ def _load_dir(path: Path, dtype: torch.dtype) -> LoadedModel:
                          f"checkpoint (no lowbit.json){hint}")
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from lowbit.models import compressed
+    from lowbit.files import compressed_read as compressed
     from lowbit.models.hf_folder import check_folder, check_loaded, quiet
 
     packed = compressed.is_compressed_tensors(_read_config(path))

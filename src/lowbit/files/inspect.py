@@ -120,8 +120,8 @@ def _dense_linear_weights(shapes: dict[str, list[int]], quantized: set[str]) -> 
 
 
 def inspect_native(folder: Path) -> tuple[list[LayerInfo], int]:
+    from lowbit.files.native import read_manifest, verify
     from lowbit.formats import InputScheme
-    from lowbit.models.native import read_manifest, verify
 
     manifest = read_manifest(folder)
     verify(folder, manifest)  # a report on a damaged checkpoint must not look like a good one
@@ -265,8 +265,8 @@ def _nominal_bits(p: Path, fmt: str, layers: list[LayerInfo], dense: int) -> flo
     """The schemes' nominal rate (native checkpoints, whose manifest names each layer's scheme)."""
     if fmt != NATIVE:
         return None
+    from lowbit.files.native import read_manifest
     from lowbit.formats import Scheme
-    from lowbit.models.native import read_manifest
 
     specs = read_manifest(p)["layers"]
     return average_bits(((i.shape[0] * i.shape[1], Scheme.from_dict(specs[i.name]["scheme"]).bits_per_weight(

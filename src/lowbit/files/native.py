@@ -2,7 +2,7 @@
 
 It is the model source lowbit writes itself (every job that produces a quantized model
 saves one, and every command loads one like any other model), so it lives with the
-other sources in `lowbit.models`; the engine formats are in `lowbit.export`.
+other sources in `lowbit.models`; the engine formats are in `lowbit.files`.
 
 Layout of a checkpoint folder::
 

@@ -9,8 +9,8 @@ the plan, and with ``export_to`` named the run is refused instead.
 from __future__ import annotations
 
 from lowbit.errors import LowbitError
-from lowbit.export import compressed_tensors, gguf_export
-from lowbit.export.specs import LayerSpec
+from lowbit.files import compressed_tensors, gguf_export
+from lowbit.files.specs import LayerSpec
 
 TARGETS = ("compressed-tensors", "gguf")
 
