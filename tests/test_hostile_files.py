@@ -58,7 +58,7 @@ def same(model, ref: dict[str, torch.Tensor]) -> bool:
 
 
 def cache_entries() -> list[Path]:
-    from lowbit.models.loading import cache_root
+    from lowbit.files.gguf_read import cache_root
 
     return sorted(p for p in cache_root().iterdir() if not p.name.startswith("."))
 
@@ -98,7 +98,7 @@ def test_a_gguf_replaced_with_the_same_size_and_mtime_is_read_anew(two_ggufs):
 
 def test_the_gguf_is_hashed_once_until_it_changes(two_ggufs, monkeypatch):
     from lowbit import io
-    from lowbit.models.loading import gguf_digest
+    from lowbit.files.gguf_read import gguf_digest
 
     path = two_ggufs[0]
     calls = []

@@ -236,7 +236,7 @@ def _has(path: Path, key: str) -> bool:
 def inspect_gguf(path: Path) -> tuple[list[LayerInfo], int]:
     import gguf
 
-    from lowbit.models.loading import open_gguf
+    from lowbit.files.gguf_read import open_gguf
 
     reader = open_gguf(path)
     layers, total = [], 0
@@ -255,7 +255,7 @@ def _tensor_shapes(p: Path, fmt: str) -> dict[str, list[int]]:
     """name -> shape of every stored tensor (GGUF names, dims outermost first)."""
     if fmt != GGUF:
         return {k: s for k, (s, _) in _headers(p).items()}
-    from lowbit.models.loading import open_gguf
+    from lowbit.files.gguf_read import open_gguf
 
     return {t.name: [int(d) for d in reversed(t.shape)] for t in open_gguf(p).tensors
             if t.tensor_type.name in ("F32", "F16", "BF16")}

@@ -277,7 +277,7 @@ def _empty_model(path: Path) -> nn.Module:
     """
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from lowbit.models.lazy import params_on_meta
+    from lowbit.nn.meta import params_on_meta
 
     config = AutoConfig.from_pretrained(path)
     if hasattr(config, "quantization_config"):
