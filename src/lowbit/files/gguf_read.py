@@ -107,7 +107,8 @@ def entry_ok(cached: Path, digest: str) -> bool:
 
 def _entry_damage(cached: Path, digest: str) -> str | None:
     """Why a cache entry cannot be used (None when every file matches ``cache.json``)."""
-    from lowbit.io import MARKER, file_inside, read_json, sha256_file
+    from lowbit.files.sealed import damage
+    from lowbit.io import MARKER, read_json
 
     try:
         m = read_json(cached / CACHE_MANIFEST, ModelError, "")
@@ -119,21 +120,15 @@ def _entry_damage(cached: Path, digest: str) -> str | None:
     extra = sorted(p.name for p in cached.iterdir() if p.name not in {*files, CACHE_MANIFEST, MARKER})
     if extra:
         return f"it holds files it did not write: {', '.join(extra[:3])}"
-    for name, want in files.items():
-        try:
-            f = file_inside(cached, name, str(cached / CACHE_MANIFEST))
-            if not f.is_file() or sha256_file(f) != want:
-                return f"{name} does not match its checksum"
-        except (LowbitError, OSError) as e:
-            return f"{name}: {str(e)[:80]}"
-    return None
+    return damage(cached, files, CACHE_MANIFEST)
 
 
 def store_cache(cached: Path, model: Any, tok: Any, digest: str) -> bool:
     """Write config + safetensors + tokenizer and ``cache.json`` (their sha256); tied tensors are stored once."""
     from safetensors.torch import save_file
 
-    from lowbit.io import atomic_dir, sha256_file
+    from lowbit.files.sealed import digests
+    from lowbit.io import atomic_dir
 
     config = model.config
     qc = config.__dict__.pop("quantization_config", None)
@@ -149,7 +144,7 @@ def store_cache(cached: Path, model: Any, tok: Any, digest: str) -> bool:
                 tensors[k] = t.contiguous()
             save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
             tok.save_pretrained(tmp)
-            files = {p.name: sha256_file(p) for p in sorted(tmp.iterdir()) if p.is_file()}
+            files = digests(tmp)
             (tmp / CACHE_MANIFEST).write_text(json.dumps({"source_sha256": digest, "files": files}, indent=1))
         return True
     except (OSError, LowbitError):  # another process stored the same conversion first, or a read-only cache

@@ -30,7 +30,6 @@ which is how `require_tokenizer` tells users to give one a tokenizer.
 
 from __future__ import annotations
 
-import json
 import shutil
 import warnings
 from pathlib import Path
@@ -42,9 +41,10 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from lowbit.errors import CheckpointError, ConfigError, SchemeError
+from lowbit.files.sealed import Seal, digests
 from lowbit.formats import InputScheme, QTensor, Scheme
 from lowbit.formats.finite import require_finite
-from lowbit.io import atomic_dir, atomic_write_text, file_inside, read_json, sha256_file
+from lowbit.io import atomic_dir
 from lowbit.nn import QuantLinear, quant_layers, set_module
 from lowbit.nn.input_quant import InputQuantizer
 from lowbit.nn.input_rotation import InputRotation
@@ -61,6 +61,8 @@ _TOKENIZER_NAMES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_m
                     "tokenizer.model", "vocab.json", "vocab.txt", "merges.txt", "spiece.model",
                     "chat_template.jinja", "chat_template.json")
 # what a writer refusing non-finite numbers tells the user (they come from training or the source, or are a bug)
+SEAL = Seal("checkpoint", MANIFEST, FORMAT, VERSION, fix="re-create the checkpoint",
+            origin="pass a folder written by `lowbit quantize --out`")
 WRITE_FIX = ("nothing was written. A training run that diverged makes NaN (lower --lr); a quantizer writing "
              "one is a lowbit bug (please report it with the command)")
 
@@ -99,9 +101,9 @@ def save(model: nn.Module, tokenizer: Any, out: str | Path, meta: dict | None = 
                 (tmp / name).write_bytes(src)
             else:
                 shutil.copyfile(src, tmp / name)
-        manifest["files"] = {p.name: sha256_file(p) for p in sorted(tmp.iterdir()) if p.is_file()}
+        manifest["files"] = digests(tmp)
         manifest["checksums"] = EVERY_FILE
-        atomic_write_text(tmp / MANIFEST, json.dumps(manifest, indent=1))
+        SEAL.write(tmp, manifest, indent=1)
     return out
 
 
@@ -189,16 +191,8 @@ def read_manifest(path: str | Path) -> dict:
     path = Path(path)
     if not path.exists():
         raise CheckpointError(f"{path} does not exist; pass a folder written by `lowbit quantize --out`")
-    f = path / MANIFEST
-    if not f.is_file():
-        raise CheckpointError(f"{path} is not a lowbit checkpoint (no {MANIFEST}); "
-                              "pass a folder written by `lowbit quantize --out`")
-    m = read_json(f, CheckpointError, "it is corrupted — re-create the checkpoint")
-    if not isinstance(m, dict) or m.get("format") != FORMAT or m.get("version") != VERSION:
-        got = (m.get("format"), m.get("version")) if isinstance(m, dict) else (type(m).__name__, None)
-        raise CheckpointError(f"{f} has format {got[0]!r} version {got[1]!r}; "
-                              f"this lowbit reads {FORMAT!r} version {VERSION}")
-    _check_layers(f, m.get("layers"))
+    m = SEAL.read(path)
+    _check_layers(path / MANIFEST, m.get("layers"))
     return m
 
 
@@ -225,13 +219,7 @@ def verify(path: str | Path, manifest: dict) -> None:
     if not isinstance(files, dict) or not isinstance(files.get(WEIGHTS), str):
         raise CheckpointError(f"{path / MANIFEST} has no checksum for {WEIGHTS} (its 'files' map is missing or "
                               "incomplete), so the weights cannot be verified; re-create the checkpoint")
-    for name, digest in files.items():
-        f = file_inside(path, name, str(path / MANIFEST))
-        if not f.is_file():
-            raise CheckpointError(f"{f} is missing; the checkpoint is incomplete — re-create it")
-        if not isinstance(digest, str) or sha256_file(f) != digest:
-            raise CheckpointError(f"{f} does not match its checksum (truncated or corrupted, or edited); "
-                                  "re-create the checkpoint")
+    SEAL.check(path, files)
     _check_unlisted(path, files, manifest.get("checksums") == EVERY_FILE)
 
 
