@@ -11,7 +11,8 @@ from lowbit import api  # noqa: E402
 from lowbit.cli import main  # noqa: E402
 from lowbit.errors import ConfigError, SchemeError  # noqa: E402
 from lowbit.files import compressed_tensors as ct  # noqa: E402
-from lowbit.files import limits, specs  # noqa: E402
+from lowbit.files import specs  # noqa: E402
+from lowbit.files import targets as limits  # noqa: E402
 from lowbit.formats import Scheme  # noqa: E402
 from lowbit.formats.plan import Plan  # noqa: E402
 from lowbit.models import load_model  # noqa: E402

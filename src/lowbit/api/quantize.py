@@ -384,7 +384,8 @@ def _export_limits(job: QuantizeJob, model: nn.Module, plan: Plan) -> dict[str, 
     may pick any of them anywhere), the others on their plan. Each export that cannot hold
     it gets a warning now rather than an error after the run.
     """
-    from lowbit.files import limits, specs
+    from lowbit.files import specs
+    from lowbit.files import targets as limits  # the export registry (files/targets.py)
 
     options = [Plan({n: Recipe.parse(o) for n in plan}) for o in job.mixed.options] if job.mixed else [plan]
     online = set(job.rotate.online) if job.rotate is not None else set()

@@ -1,8 +1,9 @@
 """The native lowbit checkpoint: packed safetensors + JSON quant config + tokenizer.
 
-It is the model source lowbit writes itself (every job that produces a quantized model
-saves one, and every command loads one like any other model), so it lives with the
-other sources in `lowbit.models`; the engine formats are in `lowbit.files`.
+It is the model source lowbit writes itself: every job that produces a quantized model
+saves one, and every command loads one like any other model (`lowbit.models.load_model`
+reads it through this module). It lives with the other files users keep in `lowbit.files`;
+the checksums are a sealed folder (`lowbit.files.sealed`).
 
 Layout of a checkpoint folder::
 
@@ -60,9 +61,9 @@ _CONFIGS = ("config.json", "generation_config.json")
 _TOKENIZER_NAMES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
                     "tokenizer.model", "vocab.json", "vocab.txt", "merges.txt", "spiece.model",
                     "chat_template.jinja", "chat_template.json")
-# what a writer refusing non-finite numbers tells the user (they come from training or the source, or are a bug)
 SEAL = Seal("checkpoint", MANIFEST, FORMAT, VERSION, fix="re-create the checkpoint",
             origin="pass a folder written by `lowbit quantize --out`")
+# what a writer refusing non-finite numbers tells the user (they come from training or the source, or are a bug)
 WRITE_FIX = ("nothing was written. A training run that diverged makes NaN (lower --lr); a quantizer writing "
              "one is a lowbit bug (please report it with the command)")
 
