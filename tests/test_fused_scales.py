@@ -14,8 +14,9 @@ from ptq_helpers import calib, tiny_model, uniform
 from safetensors.torch import load_file
 
 from lowbit.errors import SchemeError
+from lowbit.files.fused import fused_groups
 from lowbit.formats import Scheme, quantize
-from lowbit.models.fused import fused_groups, own_tensor_scale, shared_amax, shared_encodes
+from lowbit.models.fused import own_tensor_scale, shared_amax, shared_encodes
 from lowbit.nn import QuantLinear, quant_layers, set_module
 from lowbit.ptq import quantize_model
 
