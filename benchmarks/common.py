@@ -251,7 +251,8 @@ def offgrid_folder(source: str | Path | None = None, seed: int = OFFGRID_SEED, c
     """
     import fcntl
 
-    from lowbit.models.loading import bundled_gguf, cache_root
+    from lowbit.files.gguf_read import cache_root
+    from lowbit.models.loading import bundled_gguf
 
     src = bundled_gguf() if source is None else Path(source).expanduser().resolve()
     root = Path(cache) if cache is not None else cache_root().parent / "offgrid"

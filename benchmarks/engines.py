@@ -173,7 +173,7 @@ def _torch_model(engine: str, name: str, path: Path):
         model, _ = lowbit.load(path)
         return model
     if spec.to == "compressed-tensors":
-        from lowbit.models.compressed import load_decompressed
+        from lowbit.files.compressed_read import load_decompressed
 
         return load_decompressed(path, dtype)
     from transformers import AutoModelForCausalLM

@@ -36,9 +36,9 @@ def build(folder: Path, layers: int) -> None:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
+    from lowbit.files.native import save
     from lowbit.formats.plan import Plan
     from lowbit.models import linear_layers
-    from lowbit.models.native import save
     from lowbit.nn import replace_linears
 
     torch.manual_seed(0)
@@ -60,7 +60,7 @@ def measure(path: Path, device: str, seqlen: int, windows: int) -> dict:
 
         model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     else:
-        from lowbit.models.native import load
+        from lowbit.files.native import load
 
         model, _ = load(path)
     tensors = [*model.parameters(), *model.buffers()]

@@ -64,7 +64,7 @@ def llamacpp_ppl(path: Path, windows: torch.Tensor, threads: int) -> float:
 
 
 def lowbit_file(model, tokenizer, out: Path, mix: str) -> dict:
-    from lowbit.export import gguf_export
+    from lowbit.files import gguf_export
     from lowbit.models.loading import bundled_gguf
 
     # allow_requant: the float32 token embedding (dequantized Q4_1) is rounded to F16, as in
@@ -142,7 +142,7 @@ def run_autoround(python: str, mix: str, out: Path, iters: int, seed: int, nsamp
     return info
 
 
-# lowbit's scheme for each GGUF type (the exact round trips of lowbit.export.gguf_export)
+# lowbit's scheme for each GGUF type (the exact round trips of lowbit.files.gguf_export)
 GGUF_SCHEMES = {"Q4_0": "w4g32", "Q4_1": "w4g32a", "Q5_0": "w5g32", "Q5_1": "w5g32a", "Q8_0": "w8g32",
                 "Q2_K": "q2_k", "Q3_K": "q3_k", "Q4_K": "q4_k", "Q5_K": "q5_k", "Q6_K": "q6_k"}
 
@@ -176,7 +176,7 @@ def gguf_types(path: Path) -> dict[str, int]:
 
 
 def float_file(model, out: Path) -> None:
-    from lowbit.export import gguf_export
+    from lowbit.files import gguf_export
     from lowbit.models.loading import bundled_gguf
 
     gguf_export.export(model, None, out, source_gguf=bundled_gguf())

@@ -100,7 +100,7 @@ def main(argv: list[str] | None = None) -> dict:
     from lowbit.data import eval_tokens
     from lowbit.eval import perplexity
     from lowbit.eval.perplexity import eval_windows
-    from lowbit.export import gguf_export
+    from lowbit.files import gguf_export
     from lowbit.models import bundled_gguf
     from lowbit.ptq import quantize_model
 

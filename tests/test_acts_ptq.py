@@ -131,8 +131,8 @@ def test_deltaloss_activation_term_and_knapsack_over_wa_options():
 
 
 def test_native_checkpoint_keeps_input_schemes_and_scales(tmp_path):
-    from lowbit.export.inspect import inspect
-    from lowbit.models.native import load, save
+    from lowbit.files.inspect import inspect
+    from lowbit.files.native import load, save
 
     model, _ = quantized("w4a4-nvfp4")
     save(model, None, tmp_path / "q")
@@ -152,14 +152,14 @@ CT_EXACT = ["mxfp4@mxfp4:round=even", "mxfp8@mxfp8:round=even", "w8a8-fp8", "w8a
 def test_ct_export_bit_for_bit(tmp_path, recipe):
     """Where compressed-tensors computes the same operations, its logits are lowbit's bit for bit."""
     pytest.importorskip("compressed_tensors")
-    from lowbit.export import compressed_tensors as ct
+    from lowbit.files import compressed_tensors as ct
 
     model, _ = quantized(recipe)
     ct.export(model, None, tmp_path / "ct")
     cfg = json.loads((tmp_path / "ct" / "config.json").read_text())["quantization_config"]
     assert all(g["input_activations"] for g in cfg["config_groups"].values())
     assert torch.equal(logits(ct.load_decompressed(tmp_path / "ct")), logits(model))
-    from lowbit.export.inspect import inspect
+    from lowbit.files.inspect import inspect
 
     info = inspect(tmp_path / "ct")
     assert info["quantized_layers"] == 14 and sum(info["inputs"].values()) == 14
@@ -167,7 +167,7 @@ def test_ct_export_bit_for_bit(tmp_path, recipe):
 
 def test_ct_export_nvfp4_inputs_exact_weights_in_bf16(tmp_path):
     """NVFP4: compressed-tensors decompresses the weights to bf16; the input path is exact."""
-    from lowbit.export import compressed_tensors as ct
+    from lowbit.files import compressed_tensors as ct
 
     model, _ = quantized("w4a4-nvfp4")
     ct.export(model, None, tmp_path / "ct")
@@ -186,7 +186,7 @@ def test_ct_export_nvfp4_inputs_exact_weights_in_bf16(tmp_path):
 
 def test_ct_export_int8_differs_only_by_the_divisor(tmp_path):
     """compressed-tensors' reference divides an int8 token's max by 127.5, lowbit (and int8 kernels) by 127."""
-    from lowbit.export import compressed_tensors as ct
+    from lowbit.files import compressed_tensors as ct
 
     model, _ = quantized("w8a8-int8")
     ct.export(model, None, tmp_path / "ct")
@@ -203,7 +203,7 @@ def test_ct_export_int8_differs_only_by_the_divisor(tmp_path):
 
 @pytest.mark.parametrize("recipe", ["w4a4-nvfp4-46", "w4a4-mxfp4", "nvfp4@nvfp4-ue5m3", "w4a4-nvfp4-span"])
 def test_ct_refuses_inputs_it_cannot_express(tmp_path, recipe):
-    from lowbit.export import compressed_tensors as ct
+    from lowbit.files import compressed_tensors as ct
 
     model, _ = quantized(recipe)
     with pytest.raises(SchemeError, match="It holds for inputs"):
@@ -212,7 +212,7 @@ def test_ct_refuses_inputs_it_cannot_express(tmp_path, recipe):
 
 
 def test_gguf_refuses_activation_quantization(tmp_path):
-    from lowbit.export.gguf_export import plan_types
+    from lowbit.files.gguf_export import plan_types
 
     model, _ = quantized("w2g64-a8")
     with pytest.raises(SchemeError, match="GGUF cannot hold activation quantization"):

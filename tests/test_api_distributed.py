@@ -111,7 +111,7 @@ def test_two_processes_run_the_job_as_one(tiny_dir, tmp_path, kind):
     elif kind == "finetune":
         assert r0["loss_last"] == pytest.approx(single["loss_last"], rel=1e-4)
     else:
-        from lowbit.models.native import load
+        from lowbit.files.native import load
 
         a, _ = load(tmp_path / "two")
         b, _ = load(tmp_path / "single")

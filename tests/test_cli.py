@@ -131,7 +131,7 @@ def test_mixed_precision_signround2_saves_plan_in_checkpoint(tmp_path, capsys, t
     r = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert r["scheme"].startswith("mixed(") and r["bits_per_weight"] <= 3.5
     assert (out / "plan.json").is_file() and (out / "plan.png").is_file()
-    from lowbit.models.native import load
+    from lowbit.files.native import load
 
     load(out)
 

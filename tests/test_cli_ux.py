@@ -131,7 +131,7 @@ def test_an_offline_hub_id_fails_fast_with_the_local_options(no_network, capsys)
 # ----------------------------------------------------------------------- output
 def test_loading_a_checkpoint_prints_no_transformers_deprecation(tiny_hf_dir, tmp_path, capsys, caplog):
     """Every export, fine-tune and checkpoint eval printed transformers' `torch_dtype` deprecation warning."""
-    from lowbit.models.native import load
+    from lowbit.files.native import load
 
     assert main(["quantize", str(tiny_hf_dir), "--scheme", "w4g32", "--no-search", "--no-eval",
                  "--out", str(tmp_path / "q"), "--json"]) == 0

@@ -139,7 +139,7 @@ def test_mixed_precision_on_device(tmp_path):
 
 
 def test_quantized_model_and_checkpoint_on_device(tmp_path):
-    from lowbit.models.native import load, save
+    from lowbit.files.native import load, save
 
     m = tiny_model(layers=2)
     replace_linears(m, uniform(m, "w4g32"))

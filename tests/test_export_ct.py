@@ -12,7 +12,7 @@ from compressed_tensors.compressors.pack_quantized import PackedQuantizationComp
 from compressed_tensors.quantization import QuantizationScheme  # noqa: E402
 
 from lowbit.errors import LowbitError, SchemeError  # noqa: E402
-from lowbit.export import compressed_tensors as ct  # noqa: E402
+from lowbit.files import compressed_tensors as ct  # noqa: E402
 from lowbit.formats import QTensor, Scheme, quantize  # noqa: E402
 from lowbit.nn import QuantLinear, quant_layers, set_module  # noqa: E402
 
@@ -179,7 +179,7 @@ def test_failed_export_leaves_nothing(tmp_path):
 
 
 def _native(tmp_path, scheme: str = "w4g32"):
-    from lowbit.models.native import save
+    from lowbit.files.native import save
 
     model = quantized(dict.fromkeys(block_linears(tiny()), scheme))
     save(model, None, tmp_path / "native")

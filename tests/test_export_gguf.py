@@ -9,7 +9,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 gguf = pytest.importorskip("gguf")
 
 from lowbit.errors import LowbitError, ModelError, SchemeError  # noqa: E402
-from lowbit.export import gguf_export as ge  # noqa: E402
+from lowbit.files import gguf_export as ge  # noqa: E402
 from lowbit.formats import QTensor, Scheme, quantize  # noqa: E402
 from lowbit.nn import QuantLinear, quant_layers, set_module  # noqa: E402
 
@@ -199,7 +199,7 @@ def test_hf_bpe_tokenizer_round_trips_through_gguf(tmp_path):
 
 def test_cli_export_gguf_and_inspect(tmp_path, capsys):
     from lowbit.cli import main
-    from lowbit.models.native import save
+    from lowbit.files.native import save
 
     model = quantized(["w4g32", "w8g32"])
     save(model, None, tmp_path / "native")

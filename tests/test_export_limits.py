@@ -10,8 +10,9 @@ pytest.importorskip("compressed_tensors")
 from lowbit import api  # noqa: E402
 from lowbit.cli import main  # noqa: E402
 from lowbit.errors import ConfigError, SchemeError  # noqa: E402
-from lowbit.export import compressed_tensors as ct  # noqa: E402
-from lowbit.export import limits, specs  # noqa: E402
+from lowbit.files import compressed_tensors as ct  # noqa: E402
+from lowbit.files import specs  # noqa: E402
+from lowbit.files import targets as limits  # noqa: E402
 from lowbit.formats import Scheme  # noqa: E402
 from lowbit.formats.plan import Plan  # noqa: E402
 from lowbit.models import load_model  # noqa: E402
@@ -33,7 +34,7 @@ def test_a_partial_group_is_named_at_quantize_time_and_refused_before_loading(ti
     def no_loading(*a, **k):
         raise AssertionError("the checkpoint was loaded before its export was refused")
 
-    monkeypatch.setattr("lowbit.models.native.load", no_loading)
+    monkeypatch.setattr("lowbit.files.native.load", no_loading)
     with pytest.raises(SchemeError, match=r"refuses a partial last group .*e\.g\. w4g32"):
         api.export(api.ExportJob(tmp_path / "q", "compressed-tensors", tmp_path / "ct"))
     with pytest.raises(SchemeError, match="no exact GGUF type"):
@@ -67,7 +68,7 @@ def test_a_plan_the_named_export_holds_runs_without_warnings(tiny_hf_dir, tmp_pa
 
 def test_limits_from_manifest_and_plan_agree(tiny_hf_dir, tmp_path):
     quantize(tmp_path / "q", tiny_hf_dir, "w4g32", export_to="gguf")
-    from lowbit.models.native import read_manifest
+    from lowbit.files.native import read_manifest
 
     got = specs.from_manifest(read_manifest(tmp_path / "q"))
     assert {s.scheme for s in got} == {Scheme.parse("w4g32")} and all(s.input is None for s in got)

@@ -168,8 +168,9 @@ def test_quantized_model_saves_and_loads(tmp_path, name):
     """End to end: RTN-replace a tiny Llama's Linears, save natively, load, same logits."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
+    from lowbit.files import native
     from lowbit.formats.plan import Plan
-    from lowbit.models import linear_layers, native
+    from lowbit.models import linear_layers
     from lowbit.nn import replace_linears
 
     torch.manual_seed(0)

@@ -14,14 +14,15 @@ from ptq_helpers import calib, tiny_model, uniform
 from safetensors.torch import load_file
 
 from lowbit.errors import SchemeError
+from lowbit.files.fused import fused_groups
 from lowbit.formats import Scheme, quantize
-from lowbit.models.fused import fused_groups, own_tensor_scale, shared_amax, shared_encodes
+from lowbit.models.fused import own_tensor_scale, shared_amax, shared_encodes
 from lowbit.nn import QuantLinear, quant_layers, set_module
 from lowbit.ptq import quantize_model
 
 pytest.importorskip("compressed_tensors")
 
-from lowbit.export import compressed_tensors as ct  # noqa: E402
+from lowbit.files import compressed_tensors as ct  # noqa: E402
 
 
 def vllm_view(path) -> dict[str, dict[str, float]]:

@@ -11,7 +11,7 @@ gguf = pytest.importorskip("gguf")
 
 from lowbit.api import build_plan  # noqa: E402
 from lowbit.errors import LowbitError, ModelError, SchemeError  # noqa: E402
-from lowbit.export import gguf_export as ge  # noqa: E402
+from lowbit.files import gguf_export as ge  # noqa: E402
 from lowbit.formats import kmix  # noqa: E402
 from lowbit.nn import quant_layers  # noqa: E402
 from lowbit.ptq.rtn import rtn_quantize  # noqa: E402
@@ -138,7 +138,7 @@ def test_mix_recipes_follow_llama_cpp():
 
 
 def test_refusals(tmp_path, tiny_tokenizer):
-    from lowbit.export.compressed_tensors import target_for
+    from lowbit.files.compressed_tensors import target_for
     from lowbit.formats import Scheme
 
     with pytest.raises(SchemeError, match="K-quant.*--to gguf"):
@@ -173,7 +173,7 @@ def test_a_kquant_file_lowbit_wrote_is_an_input_to_every_command(tmp_path, tiny_
     assert e["types"]["Q4_K"] == 12 and e["types"]["Q6_K"] == 2 and e["verified"] == 14
     assert e["file_bytes"] < 0.5 * e["fp16_bytes"] or e["size_vs_fp16"] < 1
     lm = load_model(tmp_path / "m.gguf")  # transformers' GGUF loader, K-quant blocks dequantized by gguf-py
-    from lowbit.models.native import load
+    from lowbit.files.native import load
 
     model, _ = load(tmp_path / "q")
     x = ids(len(tiny_tokenizer))

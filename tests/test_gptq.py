@@ -321,7 +321,7 @@ def test_kquant_gptq_beats_the_search_and_writes_exact_gguf_blocks(scheme, act_o
     gguf = pytest.importorskip("gguf")
     import numpy as np
 
-    from lowbit.export.gguf_kquants import pack_kquant
+    from lowbit.files.gguf_kquants import pack_kquant
 
     s = Scheme.parse(scheme).replace(rule="search")
     h = correlated(n=512, seed=6)

@@ -10,9 +10,9 @@ import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 from lowbit.errors import CheckpointError
-from lowbit.export import hf_quantizer
+from lowbit.files import hf_quantizer
+from lowbit.files.native import load, save
 from lowbit.formats import QTensor, Scheme
-from lowbit.models.native import load, save
 from lowbit.nn import QuantLinear, quant_layers, set_module
 
 hf_quantizer.register()

@@ -29,7 +29,7 @@ from lowbit.errors import CheckpointError
 def two_ggufs(tmp_path, tiny_tokenizer, monkeypatch):
     """Two GGUF exports of the same size (other random weights), and an empty cache."""
     pytest.importorskip("gguf")
-    from lowbit.export import gguf_export
+    from lowbit.files import gguf_export
     from lowbit.models import linear_layers
     from lowbit.nn import QuantLinear, set_module
 
@@ -58,7 +58,7 @@ def same(model, ref: dict[str, torch.Tensor]) -> bool:
 
 
 def cache_entries() -> list[Path]:
-    from lowbit.models.loading import cache_root
+    from lowbit.files.gguf_read import cache_root
 
     return sorted(p for p in cache_root().iterdir() if not p.name.startswith("."))
 
@@ -98,7 +98,7 @@ def test_a_gguf_replaced_with_the_same_size_and_mtime_is_read_anew(two_ggufs):
 
 def test_the_gguf_is_hashed_once_until_it_changes(two_ggufs, monkeypatch):
     from lowbit import io
-    from lowbit.models.loading import gguf_digest
+    from lowbit.files.gguf_read import gguf_digest
 
     path = two_ggufs[0]
     calls = []
@@ -126,8 +126,8 @@ def test_a_cache_entry_with_an_added_file_is_rebuilt(two_ggufs):
 # ------------------------------------------------------------------ native checkpoints
 @pytest.fixture
 def checkpoint(tmp_path, tiny_tokenizer) -> Path:
+    from lowbit.files.native import save
     from lowbit.formats.plan import Plan
-    from lowbit.models.native import save
     from lowbit.nn import replace_linears
 
     model = make_llama(len(tiny_tokenizer), layers=1)
@@ -155,7 +155,7 @@ def test_an_edited_config_is_refused(checkpoint, tmp_path, capsys, command):
 
 
 def test_files_the_loaders_would_read_must_be_covered(checkpoint):
-    from lowbit.models.native import load
+    from lowbit.files.native import load
 
     (checkpoint / "generation_config.json").write_text('{"eos_token_id": 3}')
     with pytest.raises(CheckpointError, match="generation_config.json is not covered by the checksums"):
@@ -167,7 +167,7 @@ def test_files_the_loaders_would_read_must_be_covered(checkpoint):
 
 def test_an_older_checkpoint_loads_with_a_warning(checkpoint):
     """Written by a lowbit that checksummed only the weights: kept usable, but not silently."""
-    from lowbit.models.native import load
+    from lowbit.files.native import load
 
     m = json.loads((checkpoint / "lowbit.json").read_text())
     m["files"] = {"model.safetensors": m["files"]["model.safetensors"]}
@@ -178,7 +178,7 @@ def test_an_older_checkpoint_loads_with_a_warning(checkpoint):
 
 
 def test_dropping_an_entry_from_a_new_manifest_is_refused(checkpoint):
-    from lowbit.models.native import load
+    from lowbit.files.native import load
 
     m = json.loads((checkpoint / "lowbit.json").read_text())
     del m["files"]["config.json"]

@@ -195,7 +195,7 @@ def quantized_llama(vocab: int = 128):
 
 @pytest.fixture
 def native_dir(tmp_path) -> Path:
-    from lowbit.models.native import save
+    from lowbit.files.native import save
 
     return save(quantized_llama(), None, tmp_path / "ckpt")
 
@@ -218,7 +218,7 @@ def flip_byte(path: Path, at: int = -10) -> None:
 
 @pytest.mark.parametrize("files", [None, {}, {"config.json": "0" * 64}])
 def test_native_checksums_cannot_be_switched_off(native_dir, files):
-    from lowbit.models.native import load
+    from lowbit.files.native import load
 
     edit_manifest(native_dir, files=files)
     flip_byte(native_dir / "model.safetensors")
@@ -228,7 +228,7 @@ def test_native_checksums_cannot_be_switched_off(native_dir, files):
 
 @pytest.mark.parametrize("name", ["../../etc/passwd", "/etc/passwd", "..", "sub/../../x"])
 def test_native_manifest_cannot_name_files_outside_the_folder(native_dir, name):
-    from lowbit.models.native import load
+    from lowbit.files.native import load
 
     m = json.loads((native_dir / "lowbit.json").read_text())
     edit_manifest(native_dir, files={**m["files"], name: "0" * 64})
@@ -237,7 +237,7 @@ def test_native_manifest_cannot_name_files_outside_the_folder(native_dir, name):
 
 
 def test_native_weights_symlinked_outside_are_refused(native_dir, tmp_path):
-    from lowbit.models.native import load
+    from lowbit.files.native import load
 
     outside = tmp_path / "outside.safetensors"
     (native_dir / "model.safetensors").rename(outside)
@@ -327,7 +327,7 @@ def test_inspect_of_a_truncated_compressed_tensors_folder_is_one_line(tmp_path, 
 @pytest.fixture
 def truncated_gguf(tmp_path) -> Path:
     pytest.importorskip("gguf")
-    from lowbit.export import gguf_export
+    from lowbit.files import gguf_export
 
     path = tmp_path / "m.gguf"
     gguf_export.export(quantized_llama(), None, path)
@@ -351,7 +351,7 @@ def test_loading_a_truncated_gguf_says_so(truncated_gguf, tmp_path, monkeypatch)
 
 
 def test_checkpoint_without_tokenizer(native_dir, tiny_tokenizer, tmp_path):
-    from lowbit.models.native import load, require_tokenizer, save
+    from lowbit.files.native import load, require_tokenizer, save
 
     model, tok = load(native_dir)
     assert tok is None  # the library still loads the weights
@@ -409,7 +409,7 @@ def test_set_qweight_of_another_shape_is_a_scheme_error():
 
 
 def test_native_layer_shape_edited_is_a_checkpoint_error(native_dir):
-    from lowbit.models.native import load
+    from lowbit.files.native import load
 
     m = json.loads((native_dir / "lowbit.json").read_text())
     name = next(iter(m["layers"]))
@@ -470,7 +470,7 @@ def chat_checkpoint(tmp_path_factory):
     """A tiny quantized Llama whose tokenizer has a chat template, saved natively."""
     from conftest import make_tokenizer
 
-    from lowbit.models.native import save
+    from lowbit.files.native import save
 
     tok = make_tokenizer()
     return save(quantized_llama(len(tok)), tok, tmp_path_factory.mktemp("chat") / "q")

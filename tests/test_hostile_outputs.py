@@ -167,7 +167,7 @@ def test_two_processes_on_one_output_one_wins_the_other_is_told(tiny_hf_dir, tmp
     for code, err in results:  # each run either wrote the output or was told another run held it
         assert code == 0 or "another lowbit run is writing" in err, err
     assert any(code == 0 for code, _ in results)
-    from lowbit.models.native import load
+    from lowbit.files.native import load
 
     load(out)
     assert [p.name for p in tmp_path.iterdir()] == ["q"]
@@ -340,7 +340,7 @@ def _layer_error(out, source, name: str) -> torch.Tensor:
     """Relative error per row of layer ``name`` of checkpoint ``out`` against the float ``source``."""
     from safetensors.torch import load_file
 
-    from lowbit.models.native import load
+    from lowbit.files.native import load
 
     model, _ = load(out)
     q = model.get_submodule(name).weight.detach()
@@ -445,13 +445,13 @@ def test_writers_refuse_non_finite_tensors_and_write_nothing(tmp_path, writer, w
     model = _quantized_with_nan(where)
     out = tmp_path / ("m.gguf" if writer == "gguf" else "m")
     if writer == "native":
-        from lowbit.models.native import save as write
+        from lowbit.files.native import save as write
     elif writer == "compressed-tensors":
         pytest.importorskip("compressed_tensors")
-        from lowbit.export.compressed_tensors import export as write
+        from lowbit.files.compressed_tensors import export as write
     else:
         pytest.importorskip("gguf")
-        from lowbit.export.gguf_export import export as write
+        from lowbit.files.gguf_export import export as write
     with pytest.raises(NonFiniteError, match="model.norm.weight" if where == "norm" else "up_proj"):
         write(model, None, out)
     assert list(tmp_path.iterdir()) == []

@@ -72,7 +72,7 @@ def test_read_json_refuses_big_files_and_non_files(tmp_path):
 def _native(tmp_path: Path) -> Path:
     from test_hostile_inputs import quantized_llama
 
-    from lowbit.models.native import save
+    from lowbit.files.native import save
 
     return save(quantized_llama(), None, tmp_path / "ckpt")
 
@@ -90,11 +90,11 @@ def _adapter(tmp_path: Path) -> tuple:
 
 def _reader_cases():
     """(name, make the nested file and return a call that reads it, needle): the readers of issue 31."""
-    from lowbit.export.inspect import inspect
+    from lowbit.files.inspect import inspect
+    from lowbit.files.native import read_manifest
     from lowbit.formats.plan import Plan
     from lowbit.io import lowbit_folder_files
     from lowbit.models.lazy import ShardSource
-    from lowbit.models.native import read_manifest
     from lowbit.peft import load_adapters
     from lowbit.ptq.pipeline import WorkDir
     from lowbit.train.checkpoint import load_checkpoint

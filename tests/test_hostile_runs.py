@@ -129,7 +129,7 @@ def disk_full(*_a, **_k):
 
 def test_a_full_disk_at_the_final_write_is_one_line_and_keeps_the_blocks(tiny_hf_dir, text, tmp_path, capsys,
                                                                            monkeypatch):
-    from lowbit.models import native
+    from lowbit.files import native
 
     work, out = tmp_path / "w", tmp_path / "q"
     args = ["quantize", str(tiny_hf_dir), "--scheme", "w4g32", "--method", "gptq", "--nsamples", "4", "--seqlen",

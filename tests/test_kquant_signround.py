@@ -15,7 +15,7 @@ from lowbit.ptq.rtn import rtn_quantize
 from lowbit.ptq.signround import make_config, signround_quantize
 
 gguf = pytest.importorskip("gguf")
-from lowbit.export.gguf_kquants import pack_kquant  # noqa: E402
+from lowbit.files.gguf_kquants import pack_kquant  # noqa: E402
 
 
 def kplan(model, scheme: str) -> Plan:

@@ -9,7 +9,7 @@ from lowbit.formats import QTensor, Scheme, quantize
 from lowbit.formats.kquants import KTYPES, QK_K
 
 gguf = pytest.importorskip("gguf")
-from lowbit.export.gguf_kquants import pack_kquant  # noqa: E402
+from lowbit.files.gguf_kquants import pack_kquant  # noqa: E402
 
 BPW = {2: 2.625, 3: 3.4375, 4: 4.5, 5: 5.5, 6: 6.5625}
 

@@ -94,7 +94,7 @@ def test_missing_demo_package_says_how_to_install(monkeypatch):
 
 
 def test_lowbit_checkpoint_folder_goes_to_native_load(tmp_path, monkeypatch, tiny_llama):
-    from lowbit.models import native
+    from lowbit.files import native
 
     (tmp_path / "ck").mkdir()
     (tmp_path / "ck" / "lowbit.json").write_text("{}")

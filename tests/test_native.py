@@ -7,9 +7,9 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from lowbit.errors import CheckpointError, LowbitError, SchemeError
+from lowbit.files.native import load, save
 from lowbit.formats import Scheme, qdq
 from lowbit.formats.plan import Plan
-from lowbit.models.native import load, save
 from lowbit.nn import QuantLinear, fake_quant, quant_layers, replace_linears
 
 

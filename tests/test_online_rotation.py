@@ -110,9 +110,9 @@ def test_awq_leaves_the_rotated_layers_group_alone():
 def test_native_checkpoint_keeps_it_and_engine_exports_refuse_it(tmp_path, tiny_tokenizer):
     pytest.importorskip("gguf")
     pytest.importorskip("compressed_tensors")
-    from lowbit.export import compressed_tensors as ct
-    from lowbit.export import gguf_export as ge
-    from lowbit.models.native import load, save
+    from lowbit.files import compressed_tensors as ct
+    from lowbit.files import gguf_export as ge
+    from lowbit.files.native import load, save
 
     m = llama()
     quantize_model(m, uniform(m, "w4g32"), "rtn", None, calib=calib(4, 16), rotate=ONLINE, progress=False)
@@ -148,7 +148,7 @@ def test_rotate_online_flag(tiny_hf_dir, tmp_path, capsys):
 
     base = ["quantize", str(tiny_hf_dir), "--scheme", "w4a4-mxfp4", "--no-eval", "--nsamples", "4", "--seqlen", "32"]
     assert main([*base, "--rotate-online", "down_proj", "--out", str(tmp_path / "q")]) == 0
-    from lowbit.models.native import load
+    from lowbit.files.native import load
 
     back, _ = load(tmp_path / "q")
     assert sum(isinstance(getattr(x, "input_rotation", None), InputRotation) for x in back.modules()) == \

@@ -42,7 +42,7 @@ def test_forced_cache_setting_wins():
 
 def test_loading_a_checkpoint_never_builds_float_linears(tmp_path, monkeypatch):
     """The architecture is built with parameters on meta; the quantized layers and the rest fill it."""
-    from lowbit.models import native
+    from lowbit.files import native
 
     m = tiny_model(layers=2)
     replace_linears(m, uniform(m, "w2g32"))

@@ -73,7 +73,7 @@ def test_finetune_writes_an_adapter_that_loads(checkpoint, tmp_path, capsys, ada
     assert r["adapter"] == adapter and r["steps"] == 4 and r["trainable_params"] == \
         sum(4 * (o + i) for o, i in [(64, 64), (32, 64), (32, 64), (64, 64), (128, 64), (128, 64), (64, 128)]) * 2
     assert (out / "adapter.json").is_file() and r["loss_last"] < r["loss_first"]
-    from lowbit.models.native import load
+    from lowbit.files.native import load
     from lowbit.peft import adapters_of, load_adapters
 
     model, _ = load(checkpoint / "q")
@@ -90,7 +90,7 @@ def test_finetune_merge_writes_a_checkpoint(checkpoint, tmp_path, capsys):
     # every matmul weight accounted for after the re-quantization: no adapter matrix left over in float
     acc = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["matmul_weights"]
     assert set(acc["quantized"]) == {"attention", "mlp"} and set(acc["float"]) <= {"embeddings", "lm_head"}
-    from lowbit.models.native import load
+    from lowbit.files.native import load
 
     model, _ = load(out)
     assert model(torch.randint(0, 60, (1, 8))).logits.isfinite().all()

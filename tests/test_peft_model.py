@@ -7,9 +7,9 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from lowbit.errors import CheckpointError, ConfigError
+from lowbit.files.native import load, save
 from lowbit.formats.plan import Plan
 from lowbit.models.activations import second_moments
-from lowbit.models.native import load, save
 from lowbit.nn import QuantLinear, quant_layers, replace_linears
 from lowbit.peft import (
     KINDS,

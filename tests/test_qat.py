@@ -187,7 +187,7 @@ def test_winq_reinit_schedule_and_ste_baseline_is_plain():
 
 
 def test_qat_trains_and_saves_as_exact_quantlinear(tmp_path):
-    from lowbit.models.native import load, save
+    from lowbit.files.native import load, save
 
     m = tiny_model()
     names = to_qat(m, resolve("w2"))

@@ -43,7 +43,7 @@ def last_json(capsys) -> dict:
 
 
 def test_qat_saves_a_checkpoint_that_evaluates_like_ptq(model_dir, tmp_path, capsys):
-    from lowbit.models.native import load
+    from lowbit.files.native import load
     from lowbit.nn import QuantLinear
 
     out = tmp_path / "winq"

@@ -157,7 +157,7 @@ def test_quantized_model_is_not_rotated():
 
 def test_rotated_quantized_checkpoint_round_trips(tmp_path, tiny_tokenizer):
     """A tied model comes back untied from its checkpoint, with the same logits."""
-    from lowbit.models.native import load, save
+    from lowbit.files.native import load, save
 
     m = llama(tie=True)
     quantize_model(m, uniform(m, "w4g32"), "rtn", {"search": False}, rotate=RotationSettings(), progress=False)
@@ -191,7 +191,7 @@ def test_finetune_rebuilds_the_rotated_float_weights_and_refuses_awq(tiny_hf_dir
     scales came from calibration data and cannot be redone, so such adapters are refused up front."""
     from lowbit.api import QuantizeJob, quantize
     from lowbit.api.finetune import base_weights, check_prestep
-    from lowbit.models.native import load, read_manifest
+    from lowbit.files.native import load, read_manifest
 
     quantize(QuantizeJob(out=tmp_path / "q", model=str(tiny_hf_dir), scheme="w4g32", method="rtn",
                          settings={"search": False}, rotate=True, evaluation=None, progress=False))
@@ -215,8 +215,8 @@ def test_rotated_tied_model_exports_to_gguf_and_compressed_tensors(tmp_path):
     pytest.importorskip("compressed_tensors")
     from transformers import AutoModelForCausalLM
 
-    from lowbit.export import compressed_tensors as ct
-    from lowbit.export import gguf_export as ge
+    from lowbit.files import compressed_tensors as ct
+    from lowbit.files import gguf_export as ge
 
     m = llama(tie=True)
     quantize_model(m, uniform(m, "w4g32"), "rtn", {"search": False}, rotate=RotationSettings(), progress=False)

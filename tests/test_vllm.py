@@ -24,7 +24,7 @@ vllm = pytest.importorskip("vllm", reason="vLLM is not installed in this environ
                                           "these tests with .venv-vllm/bin/python -m pytest tests/test_vllm.py")
 pytest.importorskip("compressed_tensors")
 
-from lowbit.export import compressed_tensors as ct  # noqa: E402
+from lowbit.files import compressed_tensors as ct  # noqa: E402
 from lowbit.formats.plan import Plan  # noqa: E402
 from lowbit.ptq.rtn import rtn_quantize  # noqa: E402
 

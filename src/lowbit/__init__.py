@@ -25,8 +25,8 @@ _EXPORTS = {
     "quantize_model": "lowbit.ptq",
     "perplexity": "lowbit.eval",
     "evaluate": "lowbit.eval",
-    "save": "lowbit.models.native",
-    "load": "lowbit.models.native",
+    "save": "lowbit.files.native",
+    "load": "lowbit.files.native",
     "LowbitError": "lowbit.errors",
 }
 
@@ -42,7 +42,7 @@ def __getattr__(name: str) -> Any:
 def _register_with_transformers() -> None:
     """Make ``AutoModelForCausalLM.from_pretrained(native_dir)`` work after ``import lowbit``.
 
-    Registers lowbit's quantizer (lowbit.export.hf_quantizer) the moment transformers'
+    Registers lowbit's quantizer (lowbit.files.hf_quantizer) the moment transformers'
     quantizer registry is imported, or now if it already is — without importing
     transformers (or torch) here, so ``import lowbit`` stays quick.
     """
@@ -53,7 +53,7 @@ def _register_with_transformers() -> None:
     target = "transformers.quantizers.auto"
 
     def register() -> None:
-        importlib.import_module("lowbit.export.hf_quantizer").register()
+        importlib.import_module("lowbit.files.hf_quantizer").register()
 
     if target in sys.modules:
         register()

@@ -11,9 +11,10 @@ from typing import Any
 from lowbit.api import outputs
 from lowbit.configs import check_fields
 from lowbit.errors import ConfigError
+from lowbit.files import targets
 from lowbit.io import check_free_space
 
-TARGETS = ("compressed-tensors", "gguf")
+TARGETS = targets.TARGETS  # what `lowbit export --to` writes: the registry's targets with a writer
 
 
 @dataclass(frozen=True)
@@ -30,39 +31,30 @@ class ExportJob:
         check_fields(self, ConfigError, "export setting")
         if self.to not in TARGETS:
             raise ConfigError(f"unknown export target {self.to!r}; choose one of {TARGETS}")
-        if self.allow_requant and self.to != "gguf":
-            raise ConfigError("--allow-requant applies to --to gguf only; compressed-tensors exports are always exact")
+        if self.allow_requant and not targets.get(self.to).requant:
+            raise ConfigError(f"--allow-requant applies to --to {' / '.join(targets.REQUANT)} only; {self.to} exports "
+                              "are always exact")
 
 
 def export(job: ExportJob) -> dict[str, Any]:
-    from lowbit.export import limits, specs
-    from lowbit.export.inspect import inspect
-    from lowbit.models.native import load, read_manifest
+    from lowbit.files import specs
+    from lowbit.files.inspect import inspect
+    from lowbit.files.native import load, read_manifest
 
     t0 = time.perf_counter()
+    target = targets.get(job.to)
     manifest = read_manifest(job.checkpoint)
     # the target's limits, from the manifest alone: a plan it cannot hold is refused before any loading
-    limits.check(job.to, specs.from_manifest(manifest), _model_type(job.checkpoint), job.allow_requant)
-    with outputs.claim(job.out, job.force, [job.checkpoint], file_output=job.to == "gguf") as out:
+    target.check(specs.from_manifest(manifest), _model_type(job.checkpoint), job.allow_requant)
+    with outputs.claim(job.out, job.force, [job.checkpoint], file_output=target.file_output) as out:
         # both formats hold the same packed weights as the checkpoint, give or take the scale encoding
         size = sum(f.stat().st_size for f in Path(job.checkpoint).iterdir() if f.is_file())
         check_free_space(out, size + (1 << 20), f"the {job.to} export")
         model, tokenizer = load(job.checkpoint)
+        request = targets.WriteRequest(manifest.get("meta", {}), job.allow_requant,
+                                       _source_gguf(manifest) if target.source_tokenizer else None)
         result: dict[str, Any] = {"checkpoint": str(job.checkpoint), "to": job.to}
-        if job.to == "compressed-tensors":
-            from lowbit.export import compressed_tensors
-
-            compressed_tensors.export(model, tokenizer, out, force=True)
-            result["out"] = str(out)
-        else:
-            from lowbit.export import gguf_export
-
-            source = _source_gguf(manifest)
-            meta = manifest.get("meta", {})
-            result |= gguf_export.export(model, tokenizer, out, force=True, allow_requant=job.allow_requant,
-                                         source_gguf=source, name=str(meta.get("source") or "lowbit"),
-                                         file_type=gguf_export.FILE_TYPES.get(str(meta.get("plan")), 1))
-            result["tokenizer_from"] = str(source) if source else "checkpoint tokenizer"
+        result |= target.write(model, tokenizer, out, request)
     info = inspect(out)
     # the same definition as quantize and inspect, measured on the exported file, whose format may store
     # wider scales or pad differently: the checkpoint's own figure beside it says which
@@ -84,7 +76,7 @@ def _model_type(checkpoint: str | Path) -> str | None:
 
 
 def _checkpoint_bits(folder: str | Path) -> float:
-    from lowbit.export.inspect import inspect
+    from lowbit.files.inspect import inspect
 
     return inspect(folder)["bits_per_weight"]
 

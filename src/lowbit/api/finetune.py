@@ -163,7 +163,7 @@ def base_weights(manifest: dict, names: list[str], base_model: str | None) -> tu
 
 def finetune(job: FinetuneJob) -> dict[str, Any]:
     """Run the whole job; returns the JSON summary the CLI prints."""
-    from lowbit.models.native import load, read_manifest
+    from lowbit.files.native import load, read_manifest
     from lowbit.peft.apply import NEEDS_ERROR, check_shapes
 
     t0 = time.perf_counter()
@@ -193,7 +193,7 @@ class _Finetune:
         self.job, self.manifest, self.device, self.rank = job, manifest, device, rank
 
     def run(self, out: Path | None, load: Any) -> dict[str, Any]:
-        from lowbit.models.native import require_tokenizer
+        from lowbit.files.native import require_tokenizer
         from lowbit.peft.apply import NEEDS_ERROR
 
         job = self.job
@@ -271,8 +271,8 @@ class _Finetune:
                 **{k: v for k, v in result.items() if k.startswith("ppl")}}
         try:
             if job.merge:
+                from lowbit.files.native import save
                 from lowbit.models.accounting import account_model
-                from lowbit.models.native import save
 
                 errs = merge_and_requantize(model)
                 result["merge_rel_error_max"] = max(errs.values())

@@ -8,6 +8,7 @@ from typing import Any
 
 def inspect(path: str | Path) -> dict[str, Any]:
     """Format, per-layer schemes, bits per weight from stored bytes, size against fp16."""
-    from lowbit.export.inspect import inspect as read
+    from lowbit.files.inspect import inspect as read
+    from lowbit.models.accounting import account_tensors
 
-    return read(path)
+    return read(path, account=lambda entries: account_tensors(entries).to_dict())

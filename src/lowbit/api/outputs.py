@@ -117,7 +117,7 @@ def _check_replaceable(target: Path, file_output: bool) -> None:
 
 
 def _gguf_by_lowbit(path: Path) -> bool:
-    from lowbit.export.gguf_export import written_by_lowbit
+    from lowbit.files.gguf_export import written_by_lowbit
 
     return written_by_lowbit(path)
 

@@ -134,7 +134,7 @@ def qat(job: QatJob) -> dict[str, Any]:
         return _train(job, device, rank, world, target)[0]
     with outputs.claim(job.out, job.force, inputs) as out, outputs.hold_folder(job.work):
         res, lm, extras = _train(job, device, rank, world, target, out)
-        from lowbit.models.native import save
+        from lowbit.files.native import save
 
         meta = {"source": lm.source, "method": f"qat-{job.method}", "plan": job.scheme,
                 "quantizer": res["quantizer"], "steps": res["steps"],

@@ -356,7 +356,7 @@ class _Run:
         return result
 
     def save(self, out: Path, result: dict[str, Any]) -> None:
-        from lowbit.models.native import save
+        from lowbit.files.native import save
 
         meta = {"source": self.lm.source, "source_kind": self.lm.kind, "source_digest": self.source_digest,
                 "method": self.job.method,
@@ -397,7 +397,8 @@ def _export_limits(job: QuantizeJob, model: nn.Module, plan: Plan) -> dict[str, 
     may pick any of them anywhere), the others on their plan. Each export that cannot hold
     it gets a warning now rather than an error after the run.
     """
-    from lowbit.export import limits, specs
+    from lowbit.files import specs
+    from lowbit.files import targets as limits  # the export registry (files/targets.py)
 
     options = [Plan({n: Recipe.parse(o) for n in plan}) for o in job.mixed.options] if job.mixed else [plan]
     online = set(job.rotate.online) if job.rotate is not None else set()

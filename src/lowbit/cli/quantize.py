@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 
+from lowbit.api.export import TARGETS as EXPORT_TARGETS
 from lowbit.cli import common
 from lowbit.cli.common import UNSET
 
@@ -26,7 +27,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--method", default="rtn", help="rtn | gptq | signround | signround2 (default rtn)")
     p.add_argument("--lm-head", action="store_true", help="also quantize the lm_head (kept 16-bit by default)")
     common.add_keep(p)
-    p.add_argument("--export-to", choices=("compressed-tensors", "gguf"), default=None,
+    p.add_argument("--export-to", choices=EXPORT_TARGETS, default=None,
                    help="the export the checkpoint is for: a plan it cannot hold (e.g. w4g128 on rows of 576 "
                         "columns for compressed-tensors) is refused before quantizing. Without it, each export "
                         "that cannot hold the plan is named in a warning")

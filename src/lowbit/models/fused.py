@@ -1,4 +1,4 @@
-"""The Linears that inference engines fuse into one matmul, and the tensor scale such a group shares.
+"""The one tensor scale shared by the Linears an engine fuses into one matmul (which ones: `lowbit.files.fused`).
 
 vLLM loads a llama-style block's ``q_proj`` / ``k_proj`` / ``v_proj`` as one ``qkv_proj``
 and ``gate_proj`` / ``up_proj`` as one ``gate_up_proj`` (its ``packed_modules_mapping``),
@@ -21,25 +21,9 @@ from collections.abc import Iterable, Mapping
 
 import torch
 
+from lowbit.files.fused import fused_groups
 from lowbit.formats import Scheme, rules
 from lowbit.formats.fp4 import ELEM_GRIDS
-
-# the parts of each fused matmul, as vLLM's llama-family models name them
-FUSED_PARTS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
-
-
-def fused_groups(names: Iterable[str]) -> list[list[str]]:
-    """Groups (two or more names) of ``names`` that an engine runs as one matmul, in ``FUSED_PARTS`` order."""
-    present = set(names)
-    groups: dict[tuple[str, int], list[str]] = {}
-    for name in present:
-        parent, _, leaf = name.rpartition(".")
-        for i, parts in enumerate(FUSED_PARTS):
-            if leaf in parts:
-                groups.setdefault((parent, i), []).append(name)
-    order = {leaf: j for parts in FUSED_PARTS for j, leaf in enumerate(parts)}
-    return [sorted(g, key=lambda n: order[n.rpartition(".")[2]])
-            for _, g in sorted(groups.items()) if len(g) > 1]
 
 
 def group_of(names: Iterable[str]) -> dict[str, list[str]]:

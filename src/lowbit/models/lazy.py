@@ -11,8 +11,6 @@ reaches it; nothing is copied to an offload folder first.
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -22,6 +20,7 @@ from torch import nn
 
 from lowbit.errors import ModelError
 from lowbit.models.layers import block_path
+from lowbit.nn.meta import params_on_meta
 
 SOURCE_ATTR = "_lowbit_lazy_source"  # set on a lazily loaded model: its ShardSource
 
@@ -79,23 +78,6 @@ class ShardSource:
                     t = f.get_tensor(n)
                     out[n] = (t.to(self.dtype) if t.dtype != self.dtype and t.is_floating_point() else t.clone())
         return {n: t.to(device) for n, t in out.items()}
-
-
-@contextlib.contextmanager
-def params_on_meta() -> Iterator[None]:
-    """Every parameter registered inside the block is created on the meta device; buffers are not."""
-    original = nn.Module.register_parameter
-
-    def register(self: nn.Module, name: str, param: nn.Parameter | None) -> None:
-        if param is not None and param.device.type != "meta":
-            param = nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
-        original(self, name, param)
-
-    nn.Module.register_parameter = register  # type: ignore[method-assign]
-    try:
-        yield
-    finally:
-        nn.Module.register_parameter = original  # type: ignore[method-assign]
 
 
 def load_lazy(folder: Path, dtype: torch.dtype = torch.float32) -> Any:

@@ -10,7 +10,6 @@ silently adding a correction meant for other weights.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
@@ -19,8 +18,9 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from lowbit.errors import CheckpointError
+from lowbit.files.sealed import Seal, digests
 from lowbit.formats.finite import require_finite
-from lowbit.io import atomic_dir, atomic_write_text, file_inside, read_json, sha256_file
+from lowbit.io import atomic_dir
 from lowbit.models.layers import weight_digest
 from lowbit.peft.apply import CLASSES, PeftConfig, adapters_of, attach, freeze_base
 
@@ -28,6 +28,8 @@ FORMAT = "lowbit-adapter"
 VERSION = 1
 MANIFEST = "adapter.json"
 TENSORS = "adapter.safetensors"
+SEAL = Seal("adapter folder", MANIFEST, FORMAT, VERSION, fix="re-create the adapter folder",
+            origin="pass a folder written by `lowbit finetune --out`")
 
 
 def fingerprint(model: nn.Module, names: list[str]) -> str:
@@ -53,21 +55,15 @@ def save_adapters(model: nn.Module, out: str | Path, cfg: PeftConfig, meta: dict
     }
     with atomic_dir(Path(out), force=force, kind="lowbit adapter") as tmp:
         save_file(tensors, str(tmp / TENSORS))
-        manifest["sha256"] = sha256_file(tmp / TENSORS)
-        atomic_write_text(tmp / MANIFEST, json.dumps(manifest, indent=1))
+        manifest["sha256"] = digests(tmp, [TENSORS])[TENSORS]
+        SEAL.write(tmp, manifest, indent=1)
     return Path(out)
 
 
 def read_adapter_manifest(path: str | Path) -> dict:
     """``adapter.json``, checked for the entries `load_adapters` relies on (JSON only)."""
+    m = SEAL.read(path)
     f = Path(path) / MANIFEST
-    if not f.is_file():
-        raise CheckpointError(f"{path} is not a lowbit adapter folder (no {MANIFEST}); "
-                              "pass a folder written by `lowbit finetune --out`")
-    m = read_json(f, CheckpointError, "it is corrupted — re-create the adapter folder")
-    if not isinstance(m, dict) or m.get("format") != FORMAT or m.get("version") != VERSION:
-        got = (m.get("format"), m.get("version")) if isinstance(m, dict) else (type(m).__name__, None)
-        raise CheckpointError(f"{f}: format {got[0]!r} v{got[1]!r} is not {FORMAT} v{VERSION}")
     if not isinstance(m.get("sha256"), str):
         raise CheckpointError(f"{f} has no sha256 of {TENSORS}, so the adapter weights cannot be verified; "
                               "re-create the adapter folder")
@@ -79,13 +75,7 @@ def read_adapter_manifest(path: str | Path) -> dict:
 
 def verify_adapters(path: str | Path, manifest: dict) -> Path:
     """The adapter tensor file (always ``adapter.safetensors``, inside the folder), checked against its sha256."""
-    path = Path(path)
-    f = file_inside(path, TENSORS, str(path / MANIFEST))
-    if not f.is_file():
-        raise CheckpointError(f"{f} is missing; the adapter folder is incomplete — re-create it")
-    if sha256_file(f) != manifest["sha256"]:
-        raise CheckpointError(f"{f} does not match its checksum; the adapter file is damaged — re-create it")
-    return f
+    return SEAL.check(path, {TENSORS: manifest["sha256"]})[TENSORS]
 
 
 def load_adapters(model: nn.Module, path: str | Path, check_base: bool = True) -> PeftConfig:

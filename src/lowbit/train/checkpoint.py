@@ -31,14 +31,16 @@ from safetensors.torch import save as st_save
 from torch import nn
 
 from lowbit.errors import CheckpointError, ConfigError
+from lowbit.files.sealed import Seal
 from lowbit.formats.finite import require_finite
-from lowbit.io import atomic_write_bytes, atomic_write_text, file_inside, read_json, sha256_file
+from lowbit.io import atomic_write_bytes, file_inside
 
 FORMAT = "lowbit-train-checkpoint"
 VERSION = 2
 MANIFEST = "checkpoint.json"
 LEGACY = "checkpoint.pt"  # version 1: a pickle; refused, never unpickled
 _TAGS = ("tensor", "list", "tuple", "dict")
+SEAL = Seal("training checkpoint", MANIFEST, FORMAT, VERSION, fix="delete the folder {folder} to start over")
 
 
 def rng_state() -> dict[str, Any]:
@@ -125,8 +127,7 @@ def save_checkpoint(folder: Path, *, model: nn.Module, optimizer: torch.optim.Op
     name = f"tensors-{step:08d}.safetensors"
     atomic_write_bytes(folder / name, data)
     manifest["tensors"], manifest["sha256"] = name, hashlib.sha256(data).hexdigest()
-    path = folder / MANIFEST
-    atomic_write_text(path, json.dumps(manifest))
+    path = SEAL.write(folder, manifest)
     for old in folder.glob("tensors-*.safetensors"):  # superseded only now that the manifest is in place
         if old.name != name:
             old.unlink(missing_ok=True)
@@ -187,11 +188,7 @@ def load_checkpoint(path: Path, fingerprint: str, settings: dict) -> dict[str, A
 
 def _read_manifest(path: Path) -> dict[str, Any]:
     """Parse and sanity-check ``checkpoint.json`` (JSON only: nothing in it can execute)."""
-    m = read_json(path, CheckpointError, f"the training checkpoint is damaged — delete the folder {path.parent} to "
-                  "start over")
-    if not isinstance(m, dict) or m.get("format") != FORMAT or m.get("version") != VERSION:
-        raise CheckpointError(f"{path} is not a version-{VERSION} lowbit training checkpoint; delete the folder "
-                              f"{path.parent} to start over")
+    m = SEAL.read(path.parent)
     ok = (isinstance(m.get("step"), int) and m["step"] >= 0 and isinstance(m.get("losses"), list)
           and all(isinstance(v, (int, float)) for v in m["losses"]) and isinstance(m.get("evals"), list))
     if not ok:
@@ -202,14 +199,9 @@ def _read_manifest(path: Path) -> dict[str, Any]:
 
 def _tensor_file(folder: Path, manifest: dict[str, Any]) -> Path:
     """The manifest's tensor file, checked against its sha256."""
-    f = file_inside(folder, manifest.get("tensors"), f"{folder / MANIFEST}")
-    if not f.is_file():
-        raise CheckpointError(f"{f} is missing; the checkpoint is incomplete — delete the folder {folder} "
-                              "to start over")
-    if sha256_file(f) != manifest.get("sha256"):
-        raise CheckpointError(f"{f} does not match its checksum (truncated or corrupted); delete the folder "
-                              f"{folder} to start over")
-    return f
+    name = manifest.get("tensors")
+    file_inside(folder, name, f"{folder / MANIFEST}")  # a name that is no plain file name: refused before use as a key
+    return SEAL.check(folder, {name: manifest.get("sha256")})[name]
 
 
 def _read_tensors(folder: Path, manifest: dict[str, Any]) -> dict[str, torch.Tensor]:

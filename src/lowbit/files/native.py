@@ -1,8 +1,9 @@
 """The native lowbit checkpoint: packed safetensors + JSON quant config + tokenizer.
 
-It is the model source lowbit writes itself (every job that produces a quantized model
-saves one, and every command loads one like any other model), so it lives with the
-other sources in `lowbit.models`; the engine formats are in `lowbit.export`.
+It is the model source lowbit writes itself: every job that produces a quantized model
+saves one, and every command loads one like any other model (`lowbit.models.load_model`
+reads it through this module). It lives with the other files users keep in `lowbit.files`;
+the checksums are a sealed folder (`lowbit.files.sealed`).
 
 Layout of a checkpoint folder::
 
@@ -30,7 +31,6 @@ which is how `require_tokenizer` tells users to give one a tokenizer.
 
 from __future__ import annotations
 
-import json
 import shutil
 import warnings
 from pathlib import Path
@@ -42,9 +42,10 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from lowbit.errors import CheckpointError, ConfigError, SchemeError
+from lowbit.files.sealed import Seal, digests
 from lowbit.formats import InputScheme, QTensor, Scheme
 from lowbit.formats.finite import require_finite
-from lowbit.io import atomic_dir, atomic_write_text, file_inside, read_json, sha256_file
+from lowbit.io import atomic_dir
 from lowbit.nn import QuantLinear, quant_layers, set_module
 from lowbit.nn.input_quant import InputQuantizer
 from lowbit.nn.input_rotation import InputRotation
@@ -60,6 +61,8 @@ _CONFIGS = ("config.json", "generation_config.json")
 _TOKENIZER_NAMES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
                     "tokenizer.model", "vocab.json", "vocab.txt", "merges.txt", "spiece.model",
                     "chat_template.jinja", "chat_template.json")
+SEAL = Seal("checkpoint", MANIFEST, FORMAT, VERSION, fix="re-create the checkpoint",
+            origin="pass a folder written by `lowbit quantize --out`")
 # what a writer refusing non-finite numbers tells the user (they come from training or the source, or are a bug)
 WRITE_FIX = ("nothing was written. A training run that diverged makes NaN (lower --lr); a quantizer writing "
              "one is a lowbit bug (please report it with the command)")
@@ -99,9 +102,9 @@ def save(model: nn.Module, tokenizer: Any, out: str | Path, meta: dict | None = 
                 (tmp / name).write_bytes(src)
             else:
                 shutil.copyfile(src, tmp / name)
-        manifest["files"] = {p.name: sha256_file(p) for p in sorted(tmp.iterdir()) if p.is_file()}
+        manifest["files"] = digests(tmp)
         manifest["checksums"] = EVERY_FILE
-        atomic_write_text(tmp / MANIFEST, json.dumps(manifest, indent=1))
+        SEAL.write(tmp, manifest, indent=1)
     return out
 
 
@@ -189,16 +192,8 @@ def read_manifest(path: str | Path) -> dict:
     path = Path(path)
     if not path.exists():
         raise CheckpointError(f"{path} does not exist; pass a folder written by `lowbit quantize --out`")
-    f = path / MANIFEST
-    if not f.is_file():
-        raise CheckpointError(f"{path} is not a lowbit checkpoint (no {MANIFEST}); "
-                              "pass a folder written by `lowbit quantize --out`")
-    m = read_json(f, CheckpointError, "it is corrupted — re-create the checkpoint")
-    if not isinstance(m, dict) or m.get("format") != FORMAT or m.get("version") != VERSION:
-        got = (m.get("format"), m.get("version")) if isinstance(m, dict) else (type(m).__name__, None)
-        raise CheckpointError(f"{f} has format {got[0]!r} version {got[1]!r}; "
-                              f"this lowbit reads {FORMAT!r} version {VERSION}")
-    _check_layers(f, m.get("layers"))
+    m = SEAL.read(path)
+    _check_layers(path / MANIFEST, m.get("layers"))
     return m
 
 
@@ -225,13 +220,7 @@ def verify(path: str | Path, manifest: dict) -> None:
     if not isinstance(files, dict) or not isinstance(files.get(WEIGHTS), str):
         raise CheckpointError(f"{path / MANIFEST} has no checksum for {WEIGHTS} (its 'files' map is missing or "
                               "incomplete), so the weights cannot be verified; re-create the checkpoint")
-    for name, digest in files.items():
-        f = file_inside(path, name, str(path / MANIFEST))
-        if not f.is_file():
-            raise CheckpointError(f"{f} is missing; the checkpoint is incomplete — re-create it")
-        if not isinstance(digest, str) or sha256_file(f) != digest:
-            raise CheckpointError(f"{f} does not match its checksum (truncated or corrupted, or edited); "
-                                  "re-create the checkpoint")
+    SEAL.check(path, files)
     _check_unlisted(path, files, manifest.get("checksums") == EVERY_FILE)
 
 
@@ -277,7 +266,7 @@ def _empty_model(path: Path) -> nn.Module:
     """
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from lowbit.models.lazy import params_on_meta
+    from lowbit.nn.meta import params_on_meta
 
     config = AutoConfig.from_pretrained(path)
     if hasattr(config, "quantization_config"):

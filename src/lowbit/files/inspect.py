@@ -11,6 +11,7 @@ decoder Linears a plan left in 16 bits count 16, as in `lowbit quantize`'s figur
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -121,8 +122,8 @@ def _dense_linear_weights(shapes: dict[str, list[int]], quantized: set[str]) -> 
 
 
 def inspect_native(folder: Path) -> tuple[list[LayerInfo], int]:
+    from lowbit.files.native import read_manifest, verify
     from lowbit.formats import InputScheme
-    from lowbit.models.native import read_manifest, verify
 
     manifest = read_manifest(folder)
     verify(folder, manifest)  # a report on a damaged checkpoint must not look like a good one
@@ -237,7 +238,7 @@ def _has(path: Path, key: str) -> bool:
 def inspect_gguf(path: Path) -> tuple[list[LayerInfo], int]:
     import gguf
 
-    from lowbit.models.loading import open_gguf
+    from lowbit.files.gguf_read import open_gguf
 
     reader = open_gguf(path)
     layers, total = [], 0
@@ -256,7 +257,7 @@ def _tensor_shapes(p: Path, fmt: str) -> dict[str, list[int]]:
     """name -> shape of every stored tensor (GGUF names, dims outermost first)."""
     if fmt != GGUF:
         return {k: s for k, (s, _) in _headers(p).items()}
-    from lowbit.models.loading import open_gguf
+    from lowbit.files.gguf_read import open_gguf
 
     return {t.name: [int(d) for d in reversed(t.shape)] for t in open_gguf(p).tensors
             if t.tensor_type.name in ("F32", "F16", "BF16")}
@@ -266,20 +267,22 @@ def _nominal_bits(p: Path, fmt: str, layers: list[LayerInfo], dense: int) -> flo
     """The schemes' nominal rate (native checkpoints, whose manifest names each layer's scheme)."""
     if fmt != NATIVE:
         return None
+    from lowbit.files.native import read_manifest
     from lowbit.formats import Scheme
-    from lowbit.models.native import read_manifest
 
     specs = read_manifest(p)["layers"]
     return average_bits(((i.shape[0] * i.shape[1], Scheme.from_dict(specs[i.name]["scheme"]).bits_per_weight(
         i.shape[1])) for i in layers), dense)
 
 
-def _matmul_weights(p: Path, fmt: str, layers: list[LayerInfo]) -> dict[str, Any]:
-    """Every stored matmul weight by kind, quantized or float (`lowbit.models.accounting`, from names and shapes)."""
-    from lowbit.models.accounting import account_tensors
+def stored_matmul_weights(p: Path, fmt: str, layers: list[LayerInfo]) -> list[tuple[str, tuple[int, ...], bool]]:
+    """Every stored weight as (name, shape, quantized): what the accounting of `lowbit.models.accounting` classifies.
 
+    The classification by kind lives with the models (it shares its rules with the accounting of a
+    built model); this layer only says what the file holds, so the caller passes the classifier in.
+    """
     if fmt == GGUF:
-        from lowbit.models.loading import open_gguf
+        from lowbit.files.gguf_read import open_gguf
 
         entries = [(t.name, tuple(int(d) for d in reversed(t.shape)), t.tensor_type.name not in ("F32", "F16", "BF16"))
                    for t in open_gguf(p).tensors]
@@ -288,11 +291,18 @@ def _matmul_weights(p: Path, fmt: str, layers: list[LayerInfo]) -> dict[str, Any
         entries = [(f"{i.name.removesuffix('.weight')}.weight", i.shape, True) for i in layers]
         entries += [(k, tuple(s), False) for k, (s, dtype) in _headers(p).items()
                     if k.rpartition(".")[0] not in quant and dtype in ("F16", "BF16", "F32", "F64")]
-    return account_tensors(entries).to_dict()
+    return entries
 
 
-def inspect(path: str | Path) -> dict[str, Any]:
-    """Summary of an export (see module docstring); ``layers`` holds the per-layer rows."""
+Accountant = Callable[[list[tuple[str, tuple[int, ...], bool]]], dict[str, Any]]
+
+
+def inspect(path: str | Path, account: Accountant | None = None) -> dict[str, Any]:
+    """Summary of an export (see module docstring); ``layers`` holds the per-layer rows.
+
+    ``account`` classifies the stored matmul weights by kind (``matmul_weights``); without it the
+    key is absent (the export job reads only formats and sizes).
+    """
     p = Path(path)
     fmt = detect(p)
     layers, params = {NATIVE: inspect_native, CT: inspect_ct, GGUF: inspect_gguf}[fmt](p)
@@ -309,7 +319,8 @@ def inspect(path: str | Path) -> dict[str, Any]:
     return {"format": fmt, "path": str(p), "quantized_layers": len(layers), "schemes": schemes, "inputs": inputs,
             "bits_per_weight": round(bits, 4), "bits_counted": COUNTED,
             **({} if nominal is None else {"bits_per_weight_nominal": round(nominal, 4), "nominal_counts": NOMINAL}),
-            "linears_16bit_weights": dense, "matmul_weights": _matmul_weights(p, fmt, layers),
+            "linears_16bit_weights": dense,
+            **({} if account is None else {"matmul_weights": account(stored_matmul_weights(p, fmt, layers))}),
             "params": params, "file_bytes": size, "fp16_bytes": 2 * params,
             "size_vs_fp16": round(size / max(2 * params, 1), 4),
             "layers": [asdict(i) | {"bits_per_weight": round(i.bits_per_weight, 4)} for i in layers]}

@@ -43,7 +43,7 @@ def from_model(model: nn.Module) -> list[LayerSpec]:
 
 
 def from_manifest(manifest: Mapping) -> list[LayerSpec]:
-    """The layers a checkpoint's ``lowbit.json`` lists (`models.native.read_manifest` checked its shape)."""
+    """The layers a checkpoint's ``lowbit.json`` lists (`files.native.read_manifest` checked its shape)."""
     specs = []
     for name, spec in manifest["layers"].items():
         try:

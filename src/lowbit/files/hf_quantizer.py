@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from lowbit.errors import CheckpointError
-from lowbit.models import native
+from lowbit.files import native
 
 METHOD = native.FORMAT
 _KNOWN_KEYS = {"quant_method", "format_version"}
@@ -37,8 +37,8 @@ class PackedSlot(nn.Module):
         self.bias = nn.Parameter(torch.empty(spec["shape"][0]), requires_grad=False) if bias else None
 
     def build(self) -> nn.Module:
+        from lowbit.files.native import input_quantizer, input_rotation
         from lowbit.formats import QTensor, Scheme
-        from lowbit.models.native import input_quantizer, input_rotation
         from lowbit.nn import QuantLinear
 
         scheme = Scheme.from_dict(self.spec["scheme"])

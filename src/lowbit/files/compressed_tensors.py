@@ -54,14 +54,14 @@ from safetensors.torch import save_file
 from torch import nn
 
 from lowbit.errors import SchemeError
-from lowbit.export.specs import LayerSpec, from_model, refuse_rotations
+from lowbit.files.compressed_read import load_decompressed, require_compressed_tensors
+from lowbit.files.fused import fused_groups
+from lowbit.files.native import WRITE_FIX
+from lowbit.files.specs import LayerSpec, from_model, refuse_rotations
 from lowbit.formats import InputScheme, QTensor, Scheme
 from lowbit.formats.finite import require_finite
 from lowbit.formats.inputs import encode_scale
 from lowbit.io import atomic_dir
-from lowbit.models.compressed import load_decompressed, require_compressed_tensors
-from lowbit.models.fused import fused_groups
-from lowbit.models.native import WRITE_FIX
 from lowbit.nn import QuantLinear, quant_layers
 from lowbit.nn.input_rotation import refuse_online_rotations
 

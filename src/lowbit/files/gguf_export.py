@@ -45,8 +45,8 @@ import torch
 from torch import nn
 
 from lowbit.errors import LowbitError, ModelError, SchemeError
-from lowbit.export.gguf_kquants import pack_kquant
-from lowbit.export.specs import LayerSpec, from_model, refuse_rotations
+from lowbit.files.gguf_kquants import pack_kquant
+from lowbit.files.specs import LayerSpec, from_model, refuse_rotations
 from lowbit.formats import QTensor, Scheme
 from lowbit.formats.finite import require_finite
 from lowbit.io import atomic_file

@@ -1,0 +1,120 @@
+"""Sealed folders: files lowbit wrote, and a JSON manifest holding their sha256, checked on every read.
+
+Five kinds of folder are sealed this way, each with the manifest layout it has always had
+(so folders written by an earlier lowbit still read):
+
+| kind | manifest | what it checksums |
+| --- | --- | --- |
+| native checkpoint (`lowbit.files.native`) | ``lowbit.json`` ``files`` | every file of the folder |
+| converted-GGUF cache entry (`lowbit.files.gguf_read`) | ``cache.json`` ``files`` | every file of the entry |
+| adapter folder (`lowbit.peft.store`) | ``adapter.json`` ``sha256`` | ``adapter.safetensors`` |
+| training checkpoint (`lowbit.train.checkpoint`) | ``checkpoint.json`` ``tensors`` + ``sha256`` | the current tensor file |
+| PTQ work folder (`lowbit.ptq`) | one ``block_NNNN.json`` per block | that block's file |
+
+What they share lives here, once: a `Seal` names a kind (manifest file, format, version,
+the error it raises and the fix its messages name); `Seal.read` is the one manifest
+reader (bounded JSON, an object of this format and version); `Seal.check` the one
+verification (each listed name a plain file inside the folder, present, matching its
+sha256); `damage` says what is wrong without raising, for folders lowbit rebuilds instead
+of refusing; `digests` and `Seal.write` seal a folder: the manifest is written last and
+atomically (temp file, then rename), after every file it covers, so a crash leaves either
+no manifest or one that matches complete files.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from lowbit.errors import CheckpointError, LowbitError
+from lowbit.io import atomic_write_text, file_inside, read_json, sha256_file
+
+
+@dataclass(frozen=True)
+class Seal:
+    """One kind of sealed folder, and what its messages say.
+
+    fix: what the user does about a damaged folder; ``{folder}`` is replaced by the folder.
+    origin: how a folder of this kind is made (named when a path holds no manifest at all).
+    """
+
+    kind: str
+    manifest: str
+    format: str
+    version: int
+    fix: str
+    origin: str = ""
+    error: type[LowbitError] = CheckpointError
+
+    def fix_for(self, folder: Path) -> str:
+        return self.fix.format(folder=folder)
+
+    def read(self, folder: str | Path) -> dict[str, Any]:
+        """The folder's manifest: a JSON object of this format and version, or one error naming the fix."""
+        folder = Path(folder)
+        f = folder / self.manifest
+        if not f.is_file():
+            raise self.error(f"{folder} is not a lowbit {self.kind} (no {self.manifest}); {self.origin}")
+        m = read_json(f, self.error, f"the {self.kind} is damaged or corrupted — {self.fix_for(folder)}")
+        if not isinstance(m, dict) or m.get("format") != self.format or m.get("version") != self.version:
+            got = (m.get("format"), m.get("version")) if isinstance(m, dict) else (type(m).__name__, None)
+            raise self.error(f"{f} has format {got[0]!r} version {got[1]!r}; this lowbit reads {self.format!r} "
+                             f"version {self.version} — {self.fix_for(folder)}")
+        return m
+
+    def check(self, folder: str | Path, digests: Mapping[str, object]) -> dict[str, Path]:
+        """Each file ``digests`` names (name -> sha256), verified; their paths. Anything wrong is one error."""
+        folder = Path(folder)
+        paths = {}
+        for name, digest in digests.items():
+            f = file_inside(folder, name, str(folder / self.manifest))
+            why = _file_damage(f, digest)
+            if why == "missing":
+                raise self.error(f"{f} is missing; the {self.kind} is incomplete — {self.fix_for(folder)}")
+            if why is not None:
+                raise self.error(f"{f} does not match its checksum (truncated or corrupted, or edited); "
+                                 f"{self.fix_for(folder)}")
+            paths[name] = f
+        return paths
+
+    def write(self, folder: Path, manifest: Mapping[str, Any], indent: int | None = None) -> Path:
+        """Write the manifest into ``folder`` atomically; call it after every file it covers is complete."""
+        path = Path(folder) / self.manifest
+        atomic_write_text(path, json.dumps(manifest, indent=indent))
+        return path
+
+
+def digests(folder: Path, names: Iterable[str] | None = None) -> dict[str, str]:
+    """sha256 of each named file of ``folder``; of every regular file in name order when ``names`` is None."""
+    folder = Path(folder)
+    if names is None:
+        names = sorted(p.name for p in folder.iterdir() if p.is_file())
+    return {n: sha256_file(folder / n) for n in names}
+
+
+def damage(folder: Path, digests: Mapping[str, object], manifest: str) -> str | None:
+    """Why a folder's listed files cannot be used (None when every one is present and matches).
+
+    For folders lowbit rebuilds rather than refuses (a cache entry): the reason goes into a
+    warning, so it names the file and never raises.
+    """
+    for name, digest in digests.items():
+        try:
+            f = file_inside(folder, name, str(Path(folder) / manifest))
+            if _file_damage(f, digest) is not None:
+                return f"{name} does not match its checksum"
+        except (LowbitError, OSError) as e:
+            return f"{name}: {str(e)[:80]}"
+    return None
+
+
+def _file_damage(f: Path, digest: object) -> str | None:
+    """``"missing"``, ``"mismatch"`` or None for one file and the sha256 its manifest gives."""
+    if not f.is_file():
+        return "missing"
+    if not isinstance(digest, str) or sha256_file(f) != digest:
+        return "mismatch"
+    return None
