@@ -36,10 +36,10 @@ def build(folder: Path, layers: int) -> None:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from lowbit.formats.plan import Plan
     from lowbit.models import linear_layers
     from lowbit.models.native import save
     from lowbit.nn import replace_linears
+    from lowbit.plans.plan import Plan
 
     torch.manual_seed(0)
     model = LlamaForCausalLM(LlamaConfig(num_hidden_layers=layers, **SHAPE)).float().eval()

@@ -13,9 +13,9 @@ from lowbit.errors import ConfigError, SchemeError  # noqa: E402
 from lowbit.export import compressed_tensors as ct  # noqa: E402
 from lowbit.export import limits, specs  # noqa: E402
 from lowbit.formats import Scheme  # noqa: E402
-from lowbit.formats.plan import Plan  # noqa: E402
 from lowbit.models import load_model  # noqa: E402
 from lowbit.nn import QuantLinear, set_module  # noqa: E402
+from lowbit.plans.plan import Plan  # noqa: E402
 
 
 def quantize(out, model_dir, scheme, **kw):

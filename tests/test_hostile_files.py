@@ -126,9 +126,9 @@ def test_a_cache_entry_with_an_added_file_is_rebuilt(two_ggufs):
 # ------------------------------------------------------------------ native checkpoints
 @pytest.fixture
 def checkpoint(tmp_path, tiny_tokenizer) -> Path:
-    from lowbit.formats.plan import Plan
     from lowbit.models.native import save
     from lowbit.nn import replace_linears
+    from lowbit.plans.plan import Plan
 
     model = make_llama(len(tiny_tokenizer), layers=1)
     names = [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and ".layers." in n]

@@ -91,11 +91,11 @@ def _adapter(tmp_path: Path) -> tuple:
 def _reader_cases():
     """(name, make the nested file and return a call that reads it, needle): the readers of issue 31."""
     from lowbit.export.inspect import inspect
-    from lowbit.formats.plan import Plan
     from lowbit.io import lowbit_folder_files
     from lowbit.models.lazy import ShardSource
     from lowbit.models.native import read_manifest
     from lowbit.peft import load_adapters
+    from lowbit.plans.plan import Plan
     from lowbit.ptq.pipeline import WorkDir
     from lowbit.train.checkpoint import load_checkpoint
     from lowbit.train.metrics import read_losses

@@ -17,6 +17,7 @@ LAYERS = [
     ("formats",),
     ("nn",),
     ("models", "data"),
+    ("plans",),
     ("ptq", "train"),
     ("qat", "peft"),
     ("eval", "export"),

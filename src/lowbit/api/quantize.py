@@ -23,10 +23,11 @@ from lowbit.api.common import Calibration, Evaluation, Phases, bits_summary, che
 from lowbit.api.export import TARGETS as EXPORT_TARGETS
 from lowbit.configs import check_fields
 from lowbit.errors import ConfigError
-from lowbit.formats import Recipe, Scheme, kmix
+from lowbit.formats import Recipe, Scheme
 from lowbit.formats.kquants import fit_width
-from lowbit.formats.plan import Plan
 from lowbit.io import WriteError, check_free_space
+from lowbit.plans import kmix
+from lowbit.plans.plan import Plan
 from lowbit.ptq.awq import AWQSettings
 from lowbit.ptq.methods import coerce_settings, get, make_settings
 from lowbit.ptq.mixed import MixedSettings

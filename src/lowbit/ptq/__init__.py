@@ -15,8 +15,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from lowbit.formats.plan import Plan
 from lowbit.models.lazy import materialize
+from lowbit.plans.plan import Plan
 from lowbit.ptq import gptq, rtn, signround  # noqa: F401  (register gptq, rtn, signround, signround2)
 from lowbit.ptq.awq import AWQSettings, awq_scale
 from lowbit.ptq.fit import fit_plan

@@ -44,9 +44,9 @@ from lowbit.configs import check_fields
 from lowbit.errors import ConfigError
 from lowbit.formats import QTensor, Scheme
 from lowbit.formats.groups import to_groups
-from lowbit.formats.plan import Plan
 from lowbit.models.activations import activation_stats
 from lowbit.models.fused import own_tensor_scale
+from lowbit.plans.plan import Plan
 from lowbit.ptq.gptq_grids import Grid, KGrid, Tensors, make_grid
 from lowbit.ptq.methods import Method, RunContext, register
 from lowbit.ptq.pipeline import BlockJob, PipelineOptions, quantize_blockwise

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from lowbit.errors import ConfigError
-from lowbit.formats.plan import Plan
+from lowbit.plans.plan import Plan
 
 
 @dataclass(frozen=True)

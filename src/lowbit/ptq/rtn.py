@@ -22,11 +22,11 @@ from torch import nn
 
 from lowbit.configs import check_fields
 from lowbit.errors import ConfigError
-from lowbit.formats.plan import Plan
 from lowbit.models.activations import collect
 from lowbit.models.fused import shared_amax, shared_tensor_scales
 from lowbit.models.placement import on_device
 from lowbit.nn import replace_linears
+from lowbit.plans.plan import Plan
 from lowbit.ptq.methods import Method, RunContext, register
 
 

@@ -29,10 +29,10 @@ from torch import nn
 from lowbit.configs import check_fields
 from lowbit.errors import ConfigError
 from lowbit.formats import QTensor
-from lowbit.formats.plan import Plan
 from lowbit.nn import set_module
 from lowbit.nn.input_rotation import rotation_of
 from lowbit.nn.precision import resolve_dtype
+from lowbit.plans.plan import Plan
 from lowbit.ptq.methods import Method, RunContext, register
 from lowbit.ptq.pipeline import (
     CACHE_DTYPES,

@@ -17,8 +17,8 @@ from collections.abc import Mapping
 
 from lowbit.errors import SchemeError
 from lowbit.formats.kquants import fit_width
-from lowbit.formats.plan import Plan
 from lowbit.formats.scheme import Scheme
+from lowbit.plans.plan import Plan
 
 MIXES = ("q2_k_s", "gguf:q2_k", "q3_k_s", "q3_k_m", "q3_k_l", "q4_k_s", "q4_k_m", "q5_k_s", "q5_k_m", "gguf:q6_k")
 _BASE = {"q2_k_s": 2, "gguf:q2_k": 2, "q3_k_s": 3, "q3_k_m": 3, "q3_k_l": 3, "q4_k_s": 4, "q4_k_m": 4,
