@@ -56,12 +56,13 @@ def export(job: ExportJob) -> dict[str, Any]:
             result["out"] = str(out)
         else:
             from lowbit.export import gguf_export
+            from lowbit.plans.kmix import mix_of
 
             source = _source_gguf(manifest)
             meta = manifest.get("meta", {})
             result |= gguf_export.export(model, tokenizer, out, force=True, allow_requant=job.allow_requant,
                                          source_gguf=source, name=str(meta.get("source") or "lowbit"),
-                                         file_type=gguf_export.FILE_TYPES.get(str(meta.get("plan")), 1))
+                                         file_type=gguf_export.FILE_TYPES.get(mix_of(meta) or "", 1))
             result["tokenizer_from"] = str(source) if source else "checkpoint tokenizer"
     info = inspect(out)
     # the same definition as quantize and inspect, measured on the exported file, whose format may store
