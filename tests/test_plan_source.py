@@ -103,3 +103,21 @@ def test_the_device_reaches_the_method_resolved_once(seen_context):
     with pytest.raises(ConfigError, match="unknown device 'gpu'"):
         quantize_model(model, plan, "spy", device="gpu", progress=False)
     assert len(seen_context) == 2  # refused before the method ran
+
+
+def test_a_mix_checkpoint_records_its_mix_and_its_gguf_says_so(tiny_hf_dir, tmp_path):
+    """quantize writes the mix as its own manifest entry; export reads it back for general.file_type."""
+    gguf = pytest.importorskip("gguf")
+    from lowbit import api
+    from lowbit.export.gguf_export import FILE_TYPES
+    from lowbit.models.native import read_manifest
+
+    job = QuantizeJob(out=tmp_path / "q", model=str(tiny_hf_dir), scheme="Q3_K_M", settings={"search": False},
+                      evaluation=None, progress=False)
+    assert api.quantize(job)["scheme"] == "q3_k_m"
+    meta = read_manifest(tmp_path / "q")["meta"]
+    assert meta[kmix.META_KEY] == "q3_k_m" and meta["plan"] == "q3_k_m"
+    api.export(api.ExportJob(checkpoint=str(tmp_path / "q"), to="gguf", out=str(tmp_path / "q.gguf"),
+                             allow_requant=True))  # 64-wide rows take Q5_1 fallbacks, rounded
+    field = gguf.GGUFReader(str(tmp_path / "q.gguf")).fields["general.file_type"]
+    assert field.contents() == FILE_TYPES["q3_k_m"]

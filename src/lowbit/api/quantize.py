@@ -44,8 +44,8 @@ class QuantizeJob:
 
     scheme / plan_file / mixed: where the per-layer schemes come from (one of them; none =
     w4g128 everywhere); parsed once into ``source`` (`lowbit.plans.source`: a uniform
-    recipe, a llama.cpp mix, a plan file or a mixed budget), which the run reads. settings: the method's settings dataclass (or a mapping of its
-    fields; None = defaults). calib: used when the method or the mixed plan needs data.
+    recipe, a llama.cpp mix, a plan file or a mixed budget), which the run reads.
+    settings: the method's settings dataclass (or a mapping of its fields; None = defaults). calib: used when the method or the mixed plan needs data.
     evaluation: None = no perplexity passes. workdir / offload_dir / cache_device: block-wise
     methods only (cache_device "cpu" keeps their cached activations in host memory).
     rotate / awq: float pre-steps before the method (True = their default settings): a

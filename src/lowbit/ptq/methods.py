@@ -1,7 +1,9 @@
 """The PTQ method registry: a method is a frozen settings dataclass plus a run function.
 
 Each method module registers itself beside its code (``register(Method(...))``), so
-adding one is one module. Settings are the method's own knobs only; what every method
+adding one is one module plus the line in ``lowbit/ptq/__init__.py`` that imports it:
+the fields it declares with `knob` become ``lowbit quantize`` flags (`method_flags`), and
+``--method`` lists it. Settings are the method's own knobs only; what every method
 shares (calibration tokens, device, work and offload folders, progress) travels in a
 `RunContext`. Settings from text (the CLI's flags) go through `make_settings`, which
 refuses any knob the chosen method does not have and names the methods that do: a flag
