@@ -97,8 +97,8 @@ def setup(nsamples: int, seqlen: int, model: str = "bundled"):
 
 
 def run_lowbit(spec: dict, lm, calib) -> dict:
-    from lowbit.formats.plan import Plan
     from lowbit.models import linear_layers
+    from lowbit.plans.plan import Plan
     from lowbit.ptq import MixedSettings, quantize_model
 
     layers = linear_layers(lm.model)

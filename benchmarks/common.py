@@ -405,8 +405,8 @@ def adapter_step_macs(model: Any, names: Sequence[str], rank: int, tokens: int, 
 def rtn_base(model: Any, names: Sequence[str], scheme: str) -> dict:
     """Quantize ``names`` of ``model`` in place with plain RTN (the adapters' base); returns their FP weights."""
     from lowbit.formats import Scheme
-    from lowbit.formats.plan import Plan
     from lowbit.nn import replace_linears
+    from lowbit.plans.plan import Plan
 
     fp = {n: model.get_submodule(n).weight.detach().clone() for n in names}
     replace_linears(model, Plan.uniform(names, Scheme.parse(scheme)))

@@ -37,9 +37,9 @@ def build(folder: Path, layers: int) -> None:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from lowbit.files.native import save
-    from lowbit.formats.plan import Plan
     from lowbit.models import linear_layers
     from lowbit.nn import replace_linears
+    from lowbit.plans.plan import Plan
 
     torch.manual_seed(0)
     model = LlamaForCausalLM(LlamaConfig(num_hidden_layers=layers, **SHAPE)).float().eval()

@@ -156,8 +156,8 @@ def plan_like(model, path: Path):
     """
     import gguf
 
-    from lowbit.formats.plan import Plan
     from lowbit.models import linear_layers
+    from lowbit.plans.plan import Plan
 
     types = {t.name: t.tensor_type.name for t in gguf.GGUFReader(str(path)).tensors}
     names = list(linear_layers(model))

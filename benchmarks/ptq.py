@@ -136,8 +136,8 @@ def with_iters(spec: dict, iters: int | None) -> dict:
 
 def lowbit_job(spec: dict, model):
     """(method, plan, settings, mixed) of a lowbit config row."""
-    from lowbit.formats.plan import Plan
     from lowbit.models import linear_layers
+    from lowbit.plans.plan import Plan
     from lowbit.ptq import MixedSettings
 
     layers = linear_layers(model)

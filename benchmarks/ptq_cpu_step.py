@@ -27,8 +27,8 @@ def child(iters: int) -> dict:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from lowbit.formats.plan import Plan
     from lowbit.models import linear_layers
+    from lowbit.plans.plan import Plan
     from lowbit.ptq.pipeline import PipelineOptions, quantize_blockwise
     from lowbit.ptq.signround import SignRoundSettings, SignRoundTuner
 

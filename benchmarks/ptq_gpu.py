@@ -118,8 +118,8 @@ def word_tokenizer():
 
 def block_plan(model, scheme: str):
     """``scheme`` on every decoder-block Linear (lm_head and embeddings stay float, as in auto-round)."""
-    from lowbit.formats.plan import Plan
     from lowbit.models import linear_layers
+    from lowbit.plans.plan import Plan
 
     return Plan.uniform({n: m for n, m in linear_layers(model).items() if ".layers." in n}, scheme)
 

@@ -147,8 +147,8 @@ def main(argv: list[str] | None = None) -> None:
     import torch
     import transformers  # noqa: F401  (imported before the baseline RSS is read)
 
-    from lowbit.formats.plan import Plan
     from lowbit.models import decoder_blocks, linear_layers
+    from lowbit.plans.plan import Plan
     from lowbit.ptq.pipeline import PipelineOptions, quantize_blockwise
     from lowbit.ptq.signround import SignRoundSettings, SignRoundTuner
 

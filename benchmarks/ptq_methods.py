@@ -136,8 +136,8 @@ def setup(model: str = "bundled"):
 
 
 def run_lowbit(spec: dict, lm: Any, calib: Any) -> dict:
-    from lowbit.formats.plan import Plan
     from lowbit.models import linear_layers
+    from lowbit.plans.plan import Plan
     from lowbit.ptq import AWQSettings, RotationSettings, quantize_model
 
     if spec["method"] is None:

@@ -72,8 +72,8 @@ def child(tool: str, blocks: int, scheme: str, iters: int, v2: bool, tune_dtype:
     work = tuning_gflop(lm.model, iters, BATCH * SEQLEN)
     t0 = time.perf_counter()
     if tool == "lowbit":
-        from lowbit.formats.plan import Plan
         from lowbit.models import linear_layers
+        from lowbit.plans.plan import Plan
         from lowbit.ptq import quantize_model
 
         plan = Plan.uniform(linear_layers(lm.model), scheme)

@@ -32,8 +32,8 @@ STARTS = ("rtn", "rtn-search", "signround2")
 
 def start_model(base, kind: str, scheme: str, calib, workdir: str | None, iters: int, tune_dtype: str):
     """A deep copy of ``base`` quantized by one start (the SignRound start replays ``workdir``)."""
-    from lowbit.formats.plan import Plan
     from lowbit.models import linear_layers
+    from lowbit.plans.plan import Plan
     from lowbit.ptq import quantize_model
 
     m = copy.deepcopy(base)

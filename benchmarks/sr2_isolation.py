@@ -31,8 +31,8 @@ def main(argv: list[str] | None = None) -> None:
 
     from lowbit.data import calibration_batches, eval_tokens
     from lowbit.eval import perplexity
-    from lowbit.formats.plan import Plan
     from lowbit.models import linear_layers, load_model
+    from lowbit.plans.plan import Plan
     from lowbit.ptq.rtn import rtn_quantize
     from lowbit.ptq.signround import make_config, signround_quantize
 

@@ -3,7 +3,7 @@
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from lowbit.formats.plan import Plan
+from lowbit.plans.plan import Plan
 
 
 def tiny_model(layers: int = 2, seed: int = 0, hidden: int = 64, inter: int = 128) -> LlamaForCausalLM:

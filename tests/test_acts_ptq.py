@@ -9,8 +9,8 @@ from ptq_helpers import block_names, calib, tiny_model, uniform
 
 from lowbit.errors import ConfigError, SchemeError
 from lowbit.formats import InputScheme, qdq_input
-from lowbit.formats.plan import Plan
 from lowbit.nn import QuantLinear, quant_layers
+from lowbit.plans.plan import Plan
 from lowbit.ptq import quantize_model
 
 

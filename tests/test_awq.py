@@ -7,7 +7,7 @@ import torch
 from ptq_helpers import calib, uniform
 
 from lowbit.errors import ModelError
-from lowbit.formats.plan import Plan
+from lowbit.plans.plan import Plan
 from lowbit.ptq import quantize_model
 from lowbit.ptq.awq import AWQSettings, awq_scale, scale_groups
 from lowbit.ptq.rotation import RotationSettings

@@ -290,7 +290,7 @@ def test_rtn_search_shows_its_calibration_pass(bars):
     """67-118 s of silence before the quantize bar: the importance pass over the calibration data."""
     import torch
 
-    from lowbit.formats.plan import Plan
+    from lowbit.plans.plan import Plan
     from lowbit.ptq.rtn import rtn_quantize
 
     model = _deep_llama(2)

@@ -14,9 +14,9 @@ from lowbit.files import compressed_tensors as ct  # noqa: E402
 from lowbit.files import specs  # noqa: E402
 from lowbit.files import targets as limits  # noqa: E402
 from lowbit.formats import Scheme  # noqa: E402
-from lowbit.formats.plan import Plan  # noqa: E402
 from lowbit.models import load_model  # noqa: E402
 from lowbit.nn import QuantLinear, set_module  # noqa: E402
+from lowbit.plans.plan import Plan  # noqa: E402
 
 
 def quantize(out, model_dir, scheme, **kw):

@@ -169,9 +169,9 @@ def test_quantized_model_saves_and_loads(tmp_path, name):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from lowbit.files import native
-    from lowbit.formats.plan import Plan
     from lowbit.models import linear_layers
     from lowbit.nn import replace_linears
+    from lowbit.plans.plan import Plan
 
     torch.manual_seed(0)
     cfg = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,

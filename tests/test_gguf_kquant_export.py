@@ -12,8 +12,8 @@ gguf = pytest.importorskip("gguf")
 from lowbit.api import build_plan  # noqa: E402
 from lowbit.errors import LowbitError, ModelError, SchemeError  # noqa: E402
 from lowbit.files import gguf_export as ge  # noqa: E402
-from lowbit.formats import kmix  # noqa: E402
 from lowbit.nn import quant_layers  # noqa: E402
+from lowbit.plans import kmix  # noqa: E402
 from lowbit.ptq.rtn import rtn_quantize  # noqa: E402
 
 HAVE_LLAMA_CPP = importlib.util.find_spec("llama_cpp") is not None

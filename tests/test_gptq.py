@@ -8,9 +8,9 @@ from ptq_helpers import calib, tiny_model, uniform
 
 from lowbit.errors import ConfigError
 from lowbit.formats import Scheme, quantize
-from lowbit.formats.plan import Plan
 from lowbit.models.fused import own_tensor_scale
 from lowbit.nn import quant_layers
+from lowbit.plans.plan import Plan
 from lowbit.ptq import quantize_model
 from lowbit.ptq.gptq import (
     GPTQSettings,

@@ -127,8 +127,8 @@ def test_a_cache_entry_with_an_added_file_is_rebuilt(two_ggufs):
 @pytest.fixture
 def checkpoint(tmp_path, tiny_tokenizer) -> Path:
     from lowbit.files.native import save
-    from lowbit.formats.plan import Plan
     from lowbit.nn import replace_linears
+    from lowbit.plans.plan import Plan
 
     model = make_llama(len(tiny_tokenizer), layers=1)
     names = [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and ".layers." in n]

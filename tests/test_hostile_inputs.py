@@ -184,8 +184,8 @@ def test_qat_cli_refuses_a_pickle_checkpoint(model_dir, tmp_path, capsys):
 
 # ------------------------------------------------------------------ native checkpoints
 def quantized_llama(vocab: int = 128):
-    from lowbit.formats.plan import Plan
     from lowbit.nn import replace_linears
+    from lowbit.plans.plan import Plan
 
     model = make_llama(vocab, layers=1)
     names = [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and ".layers." in n]
@@ -494,7 +494,7 @@ def test_bad_chat_records_are_one_line_in_finetune_and_quantize(chat_checkpoint,
 # ------------------------------------------------------------------ plan files
 def test_plan_file_accepts_scheme_names_and_fields(tmp_path):
     from lowbit.formats import Scheme
-    from lowbit.formats.plan import Plan
+    from lowbit.plans.plan import Plan
 
     f = tmp_path / "plan.json"
     f.write_text(json.dumps({"layers": {"a": "w4g128", "b": Scheme.parse("w2g64").to_dict()}}))
@@ -510,7 +510,7 @@ def test_plan_file_accepts_scheme_names_and_fields(tmp_path):
 ])
 def test_bad_plan_files_show_the_accepted_format(tmp_path, content, needle):
     from lowbit.errors import ConfigError
-    from lowbit.formats.plan import Plan
+    from lowbit.plans.plan import Plan
 
     f = tmp_path / "plan.json"
     f.write_text(content)
@@ -638,7 +638,7 @@ def test_plan_fields_of_the_wrong_kind_or_range_are_one_line(tiny_hf_dir, tmp_pa
 
 def test_whole_number_floats_in_plans_become_ints(tmp_path):
     from lowbit.formats import Scheme
-    from lowbit.formats.plan import Plan
+    from lowbit.plans.plan import Plan
 
     f = tmp_path / "plan.json"
     f.write_text(json.dumps({"layers": {"a": {**Scheme.parse("w4g32").to_dict(), "group_size": 32.0, "bits": 4.0}}}))

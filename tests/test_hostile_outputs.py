@@ -423,8 +423,8 @@ def _quantized_with_nan(where: str):
     """A tiny quantized Llama with one NaN, in a norm weight or in a quantized layer's scales."""
     from conftest import make_llama
 
-    from lowbit.formats.plan import Plan
     from lowbit.nn import replace_linears
+    from lowbit.plans.plan import Plan
 
     model = make_llama(128, layers=1)
     names = [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and ".layers." in n]

@@ -92,10 +92,10 @@ def _reader_cases():
     """(name, make the nested file and return a call that reads it, needle): the readers of issue 31."""
     from lowbit.files.inspect import inspect
     from lowbit.files.native import read_manifest
-    from lowbit.formats.plan import Plan
     from lowbit.io import lowbit_folder_files
     from lowbit.models.lazy import ShardSource
     from lowbit.peft import load_adapters
+    from lowbit.plans.plan import Plan
     from lowbit.ptq.pipeline import WorkDir
     from lowbit.train.checkpoint import load_checkpoint
     from lowbit.train.metrics import read_losses

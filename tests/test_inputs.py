@@ -9,8 +9,8 @@ from lowbit.errors import ConfigError, SchemeError
 from lowbit.formats import InputScheme, Recipe, qdq_input
 from lowbit.formats import fp8 as fp8mod
 from lowbit.formats.inputs import PRESETS, encode_scale, underflow_fraction
-from lowbit.formats.plan import Plan
 from lowbit.nn.input_quant import InputQuantizer
+from lowbit.plans.plan import Plan
 
 E2M1 = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0]
 

@@ -8,8 +8,8 @@ import torch
 from ptq_helpers import calib, tiny_model
 
 from lowbit.formats import Scheme, quantize
-from lowbit.formats.plan import Plan
 from lowbit.nn import quant_layers
+from lowbit.plans.plan import Plan
 from lowbit.ptq.kquant_rounder import KQuantRounder
 from lowbit.ptq.rtn import rtn_quantize
 from lowbit.ptq.signround import make_config, signround_quantize

@@ -18,6 +18,7 @@ LAYERS = [
     ("nn",),
     ("files",),
     ("models", "data"),
+    ("plans",),
     ("ptq", "train"),
     ("qat", "peft"),
     ("eval",),

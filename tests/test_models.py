@@ -122,8 +122,8 @@ def test_bundled_model_loads_in_float32():
 
 
 def test_blocks_found_on_a_fully_quantized_model():
-    from lowbit.formats.plan import Plan
     from lowbit.nn import replace_linears
+    from lowbit.plans.plan import Plan
 
     model = LlamaForCausalLM(LlamaConfig(**SMALL))
     replace_linears(model, Plan.uniform(linear_layers(model), "w4g32"))

@@ -9,8 +9,8 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from lowbit.errors import CheckpointError, LowbitError, SchemeError
 from lowbit.files.native import load, save
 from lowbit.formats import Scheme, qdq
-from lowbit.formats.plan import Plan
 from lowbit.nn import QuantLinear, fake_quant, quant_layers, replace_linears
+from lowbit.plans.plan import Plan
 
 
 def tiny(tie: bool = True, seed: int = 0) -> LlamaForCausalLM:

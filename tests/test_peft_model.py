@@ -8,7 +8,6 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from lowbit.errors import CheckpointError, ConfigError
 from lowbit.files.native import load, save
-from lowbit.formats.plan import Plan
 from lowbit.models.activations import second_moments
 from lowbit.nn import QuantLinear, quant_layers, replace_linears
 from lowbit.peft import (
@@ -25,6 +24,7 @@ from lowbit.peft import (
     unmerge,
 )
 from lowbit.peft.finetune import IGNORE, lm_rows, masked_lm_loss, train_adapters
+from lowbit.plans.plan import Plan
 from lowbit.train import TrainConfig
 
 VOCAB = 128

@@ -10,7 +10,7 @@ from ptq_helpers import block_names, calib, tiny_model
 
 from lowbit.errors import ConfigError
 from lowbit.formats import Scheme, qdq
-from lowbit.formats.plan import Plan
+from lowbit.plans.plan import Plan
 from lowbit.ptq.allocate import allocate, layer_bits, positional_plan, save_allocation, solve_mckp, tie_qkv
 from lowbit.ptq.sensitivity import delta_loss
 

@@ -226,8 +226,8 @@ def test_winq_run_resumes_bit_identically(tmp_path):
 def test_qat_starts_from_a_ptq_model_at_its_weights():
     """A PTQ result (QuantLinears) converts to QAT with the dequantized weights as latents;
     with the same scheme the fake-quantized start reproduces the PTQ model's outputs."""
-    from lowbit.formats.plan import Plan
     from lowbit.nn import replace_linears
+    from lowbit.plans.plan import Plan
 
     m = tiny_model()
     names = [n for n, mod in m.named_modules() if isinstance(mod, torch.nn.Linear) and "layers." in n]

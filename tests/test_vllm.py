@@ -25,7 +25,7 @@ vllm = pytest.importorskip("vllm", reason="vLLM is not installed in this environ
 pytest.importorskip("compressed_tensors")
 
 from lowbit.files import compressed_tensors as ct  # noqa: E402
-from lowbit.formats.plan import Plan  # noqa: E402
+from lowbit.plans.plan import Plan  # noqa: E402
 from lowbit.ptq.rtn import rtn_quantize  # noqa: E402
 
 VOCAB = 256

@@ -18,7 +18,7 @@ _EXPORTS = {
     "QTensor": "lowbit.formats",
     "quantize": "lowbit.formats",
     "qdq": "lowbit.formats",
-    "Plan": "lowbit.formats.plan",
+    "Plan": "lowbit.plans.plan",
     "QuantLinear": "lowbit.nn",
     "replace_linears": "lowbit.nn",
     "load_model": "lowbit.models",

@@ -15,7 +15,7 @@ from torch import nn
 
 from lowbit.configs import check_fields
 from lowbit.errors import ConfigError
-from lowbit.formats.plan import Plan
+from lowbit.plans.plan import Plan
 
 
 @dataclass(frozen=True)

@@ -51,8 +51,11 @@ def export(job: ExportJob) -> dict[str, Any]:
         size = sum(f.stat().st_size for f in Path(job.checkpoint).iterdir() if f.is_file())
         check_free_space(out, size + (1 << 20), f"the {job.to} export")
         model, tokenizer = load(job.checkpoint)
-        request = targets.WriteRequest(manifest.get("meta", {}), job.allow_requant,
-                                       _source_gguf(manifest) if target.source_tokenizer else None)
+        from lowbit.plans.kmix import mix_of
+
+        meta = manifest.get("meta", {})
+        request = targets.WriteRequest(meta, job.allow_requant,
+                                       _source_gguf(manifest) if target.source_tokenizer else None, mix_of(meta))
         result: dict[str, Any] = {"checkpoint": str(job.checkpoint), "to": job.to}
         result |= target.write(model, tokenizer, out, request)
     info = inspect(out)

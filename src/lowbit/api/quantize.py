@@ -23,57 +23,20 @@ from lowbit.api.common import Calibration, Evaluation, Phases, bits_summary, che
 from lowbit.api.export import TARGETS as EXPORT_TARGETS
 from lowbit.configs import check_fields
 from lowbit.errors import ConfigError
-from lowbit.formats import Recipe, Scheme, kmix
-from lowbit.formats.kquants import fit_width
-from lowbit.formats.plan import Plan
 from lowbit.io import WriteError, check_free_space
 from lowbit.models.accounting import keep_patterns
+from lowbit.plans import kmix, source
+from lowbit.plans.plan import Plan
+from lowbit.plans.source import DEFAULT_SCHEME, MixedBudget, PlanFile, PlanSource, build_plan
+from lowbit.ptq import methods as ptq_methods
 from lowbit.ptq.awq import AWQSettings
-from lowbit.ptq.methods import coerce_settings, get, make_settings
+from lowbit.ptq.conductor import PtqOutcome, PtqSpec, conduct, preflight
+from lowbit.ptq.methods import FlagSpec, RunContext, coerce_settings, get, make_settings
 from lowbit.ptq.mixed import MixedSettings
 from lowbit.ptq.rotation import RotationSettings
 
-__all__ = ["AWQSettings", "MixedSettings", "QuantizeJob", "RotationSettings", "build_plan", "make_settings",
-           "method_options", "quantize"]
-
-DEFAULT_SCHEME = "w4g128"
-
-
-def build_plan(model: nn.Module, scheme: str | Scheme | Recipe | None, plan_file: str | None = None,
-               lm_head: bool = False) -> Plan:
-    """The plan for a model: a uniform recipe over its decoder Linears, or a plan file."""
-    from lowbit.models import linear_layers
-
-    layers = linear_layers(model, include_lm_head=lm_head)
-    if kmix.is_mix(scheme):
-        sizes = {n: (m.out_features, m.in_features) for n, m in layers.items()}
-        return kmix.mix_plan(sizes, str(scheme), _n_gqa(model))
-    if plan_file:
-        plan = Plan.load(plan_file)
-        unknown = [n for n in plan if n not in layers and not _is_linear(model, n)]
-        if unknown:
-            raise ConfigError(f"plan {plan_file} names layers this model lacks or that are not Linear: "
-                              f"{unknown[:3]}; make the plan for this model")
-    else:
-        # a K-quant on rows that are not a multiple of 256 takes llama.cpp's fallback type
-        r0 = Recipe.parse(scheme or DEFAULT_SCHEME)
-        plan = Plan({n: fit_width(r0, m.in_features) for n, m in layers.items()})
-    for name, r in plan.items():
-        r.check_width(model.get_submodule(name).in_features, name)
-    return plan
-
-
-def _n_gqa(model: nn.Module) -> int:
-    cfg = getattr(model, "config", None)
-    heads = getattr(cfg, "num_attention_heads", None) or 1
-    return heads // (getattr(cfg, "num_key_value_heads", None) or heads)
-
-
-def _is_linear(model: nn.Module, name: str) -> bool:
-    try:
-        return isinstance(model.get_submodule(name), nn.Linear)
-    except AttributeError:
-        return False
+__all__ = ["DEFAULT_SCHEME", "AWQSettings", "FlagSpec", "MixedSettings", "QuantizeJob", "RotationSettings",
+           "build_plan", "make_settings", "method_flags", "method_names", "method_options", "quantize"]
 
 
 @dataclass(frozen=True)
@@ -81,8 +44,9 @@ class QuantizeJob:
     """One PTQ run.
 
     scheme / plan_file / mixed: where the per-layer schemes come from (one of them; none =
-    w4g128 everywhere). settings: the method's settings dataclass (or a mapping of its
-    fields; None = defaults). calib: used when the method or the mixed plan needs data.
+    w4g128 everywhere); parsed once into ``source`` (`lowbit.plans.source`: a uniform
+    recipe, a llama.cpp mix, a plan file or a mixed budget), which the run reads.
+    settings: the method's settings dataclass (or a mapping of its fields; None = defaults). calib: used when the method or the mixed plan needs data.
     evaluation: None = no perplexity passes. workdir / offload_dir / cache_device: block-wise
     methods only (cache_device "cpu" keeps their cached activations in host memory).
     rotate / awq: float pre-steps before the method (True = their default settings): a
@@ -112,6 +76,7 @@ class QuantizeJob:
     progress: bool = True
     export_to: str | None = None
     keep: tuple[str, ...] = ()
+    source: PlanSource = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         check_fields(self, ConfigError, "quantize setting")
@@ -122,15 +87,7 @@ class QuantizeJob:
         object.__setattr__(self, "keep", keep_patterns(self.keep))
         object.__setattr__(self, "rotate", _switch(self.rotate, RotationSettings, "rotate"))
         object.__setattr__(self, "awq", _switch(self.awq, AWQSettings, "awq"))
-        sources = [n for n, v in (("--scheme", self.scheme), ("--plan", self.plan_file),
-                                  ("--avg-bits/--options", self.mixed)) if v is not None]
-        if len(sources) > 1:
-            raise ConfigError(f"{' and '.join(sources)} both choose the layers' schemes; give only one")
-        if self.scheme is not None and not kmix.is_mix(self.scheme):
-            Recipe.parse(self.scheme)
-        if self.lm_head and self.plan_file is not None:
-            raise ConfigError("--lm-head adds the lm_head to a uniform plan; a plan file names its layers "
-                              "itself (add the lm_head there)")
+        object.__setattr__(self, "source", source.plan_source(self.scheme, self.plan_file, self.mixed, self.lm_head))
         if self.cache_device is not None and self.cache_device not in ("device", "cpu"):
             raise ConfigError(f"--cache-device must be device or cpu, got {self.cache_device!r}")
         for name, value in (("--workdir", self.workdir), ("--offload-dir", self.offload_dir),
@@ -147,13 +104,7 @@ class QuantizeJob:
     @property
     def static_inputs(self) -> bool:
         """Whether some recipe quantizes inputs with static scales (calibrated on the calibration split)."""
-        if self.plan_file is not None:
-            return bool(Plan.load(self.plan_file).needs_calibration())
-        if self.mixed is not None:
-            return any(Recipe.parse(o).needs_calibration for o in self.mixed.options)
-        if kmix.is_mix(self.scheme):
-            return False
-        return Recipe.parse(self.scheme or DEFAULT_SCHEME).needs_calibration
+        return source.needs_calibration(self.source)
 
     @property
     def loads_lazily(self) -> bool:
@@ -176,15 +127,23 @@ def _switch(value: Any, kind: type, name: str) -> Any:
     return value
 
 
+def method_flags() -> list[FlagSpec]:
+    """The method-settings flags of ``lowbit quantize``, from each registered method's settings dataclass."""
+    return ptq_methods.method_flags()
+
+
+def method_names() -> list[str]:
+    """The registered methods, in registration order (``--method``'s choices)."""
+    return list(ptq_methods.METHODS)
+
+
 def method_options(method: str) -> list[str]:
     """The settings fields method ``method`` takes (its command-line flags, underscores as dashes)."""
     return get(method).settable()
 
 
 def _block_methods() -> list[str]:
-    from lowbit.ptq.methods import METHODS
-
-    return sorted(n for n, m in METHODS.items() if m.blockwise)
+    return sorted(n for n, m in ptq_methods.METHODS.items() if m.blockwise)
 
 
 def quantize(job: QuantizeJob) -> dict[str, Any]:
@@ -254,36 +213,33 @@ class _Run:
     def __init__(self, job: QuantizeJob, lm: Any, device: torch.device | None, phases: Phases | None = None) -> None:
         self.job, self.lm, self.device = job, lm, device
         self.phases = phases or Phases()
-        first = job.mixed.options[0] if job.mixed is not None else job.scheme
-        self.plan = _keep(lm.model, build_plan(lm.model, first, job.plan_file, job.lm_head), job)
-        check = get(job.method).check_plan
-        if check is not None:
-            check(job.settings, self.plan)
-        if job.mixed is not None:
-            from lowbit.ptq.mixed import check_feasible
-
-            check_feasible(lm.model, self.plan, job.mixed)
-        self.allocation = None
+        self.plan = _keep(lm.model, build_plan(lm.model, job.source), job)
+        self.spec = PtqSpec(job.method, job.settings, job.mixed, job.rotate, job.awq)
+        preflight(lm.model, self.plan, self.spec)
+        self.outcome: PtqOutcome | None = None
         self.not_exportable = _export_limits(job, lm.model, self.plan)
         self._check_whole_model_fits()
         with self.phases("data"):
             self.ev = job.evaluation.tokens(lm.tokenizer) if job.evaluation is not None else None
             self.calib = job.calib.batches(lm.tokenizer) if job.needs_calib else None
-        self.source_digest: str | None = None
         self._check_resume()
 
     def _check_resume(self) -> None:
         """A --workdir holding a run with other settings is refused now, not after the float perplexity pass."""
-        from lowbit.ptq import RunContext, check_resume
+        from lowbit.ptq import check_resume
 
         job = self.job
         if job.workdir is None:
             return
         later = (("model",) if job.rotate is not None or job.awq is not None else ()) + \
                 (("plan", "shared_tensor_scales") if job.mixed is not None else ())
-        ctx = RunContext(device=None if self.device is None else str(self.device), workdir=job.workdir,
-                         offload_dir=job.offload_dir, cache_device=job.cache_device or "device")
-        check_resume(job.method, job.settings, self.plan, self.lm.model, self.calib, ctx, later)
+        check_resume(job.method, job.settings, self.plan, self.lm.model, self.calib, self._context(), later)
+
+    def _context(self) -> RunContext:
+        """What the method runs with: the device as resolved once by `quantize`, the job's folders."""
+        job = self.job
+        return RunContext(calib=self.calib, device=self.device, workdir=job.workdir, offload_dir=job.offload_dir,
+                          progress=job.progress, cache_device=job.cache_device or "device")
 
     def _check_whole_model_fits(self) -> None:
         """The whole-model passes (perplexities, RTN, DeltaLoss) must fit the device: checked before any work.
@@ -310,10 +266,6 @@ class _Run:
         from lowbit.models.accounting import account_model
         from lowbit.models.lazy import is_lazy
         from lowbit.models.placement import on_device
-        from lowbit.ptq import prepare_model, quantize_model
-        from lowbit.ptq.fit import fit_plan
-        from lowbit.ptq.mixed import mixed_plan
-
         job, model = self.job, self.lm.model
         result: dict[str, Any] = {"model": self.lm.source, "method": job.method}
         if self.ev is not None and not is_lazy(model):
@@ -322,28 +274,16 @@ class _Run:
         elif self.ev is not None:
             result["ppl_fp_skipped"] = "lazy load (--offload-dir): run `lowbit eval MODEL` for the float perplexity"
         t0 = time.perf_counter()
-        dev = None if self.device is None else str(self.device)
-        with self.phases("pre_steps" if job.rotate is not None or job.awq is not None else "quantize"):
-            self.prepared = prepare_model(model, self.plan, self.calib, job.rotate, job.awq, dev, job.progress)
-        result.update(self.prepared)
-        # the float weights the method quantizes (rotated / scaled): what a fine-tune's error init must match
-        self.source_digest = _float_digest(model, list(self.plan))
-        if job.mixed is not None:
-            with self.phases("mixed_plan"):
-                self.allocation = mixed_plan(model, self.plan, job.mixed, self.calib, self.device, job.progress)
-            self.plan = self.allocation.plan
-        with self.phases("quantize"):
-            self.plan, fallbacks = fit_plan(model, self.plan)
-            if fallbacks:  # layers whose weights the planned scales cannot hold (warned about with the reason)
-                result["range_fallbacks"] = {n: ("16 bits" if n not in self.plan else
-                                                 f"{self.plan.weight(n).scale} scales") for n in fallbacks}
-            self.plan = quantize_model(model, self.plan, job.method, job.settings, calib=self.calib,
-                                       device=None if self.device is None else str(self.device),
-                                       workdir=job.workdir, offload_dir=job.offload_dir, progress=job.progress,
-                                       cache_device=job.cache_device or "device", fit=False)
+        # digest: the float weights the method quantizes (rotated / scaled), what a fine-tune's error init must match
+        self.outcome = conduct(model, self.plan, self.spec, self._context(), self.phases, digest=True)
+        self.plan = self.outcome.plan
+        result.update(self.outcome.prepared)
+        if self.outcome.fallbacks:
+            result["range_fallbacks"] = dict(self.outcome.fallbacks)
         result["quantize_seconds"] = round(time.perf_counter() - t0, 2)
-        result["scheme"] = job.scheme if kmix.is_mix(job.scheme) else self.plan.describe()
-        if kmix.is_mix(job.scheme) or any(s.super_block for s in self.plan.weights().values()):
+        mix = source.mix_name(job.source)
+        result["scheme"] = mix or self.plan.describe()
+        if mix or any(s.super_block for s in self.plan.weights().values()):
             result |= _kquant_summary(model, self.plan)
         if self.ev is not None:
             with self.phases("ppl_q"), on_device(model, self.device):
@@ -358,9 +298,10 @@ class _Run:
     def save(self, out: Path, result: dict[str, Any]) -> None:
         from lowbit.files.native import save
 
-        meta = {"source": self.lm.source, "source_kind": self.lm.kind, "source_digest": self.source_digest,
-                "method": self.job.method,
-                "plan": self.job.scheme if kmix.is_mix(self.job.scheme) else self.plan.describe(),
+        mix = source.mix_name(self.job.source)
+        meta = {"source": self.lm.source, "source_kind": self.lm.kind,
+                "source_digest": self.outcome.float_digest if self.outcome is not None else None,
+                "method": self.job.method, "plan": mix or self.plan.describe(), **kmix.mix_meta(mix),
                 **{k: result[k] for k in ("ppl_fp", "ppl_q", "matmul_weights") if k in result},
                 **{k: s.to_dict() for k, s in (("rotation", self.job.rotate), ("awq", self.job.awq)) if s is not None}}
         try:
@@ -373,7 +314,7 @@ class _Run:
             raise WriteError(f"{e}{kept}") from None
 
     def _plan_files(self) -> dict[str, bytes]:
-        if self.allocation is None:
+        if self.outcome is None or self.outcome.allocation is None:
             return {}
         from lowbit.ptq.allocate import plot_bits
 
@@ -386,7 +327,7 @@ def _keep(model: nn.Module, plan: Plan, job: QuantizeJob) -> Plan:
     """The plan without the Linears --keep keeps in float; refused when it leaves more in float unasked."""
     from lowbit.models.accounting import gate
 
-    dropped = gate(model, list(plan), job.keep, explicit=job.plan_file is not None)
+    dropped = gate(model, list(plan), job.keep, explicit=isinstance(job.source, PlanFile))
     return Plan({n: r for n, r in plan.items() if n not in dropped}) if dropped else plan
 
 
@@ -400,7 +341,8 @@ def _export_limits(job: QuantizeJob, model: nn.Module, plan: Plan) -> dict[str, 
     from lowbit.files import specs
     from lowbit.files import targets as limits  # the export registry (files/targets.py)
 
-    options = [Plan({n: Recipe.parse(o) for n in plan}) for o in job.mixed.options] if job.mixed else [plan]
+    mixed = isinstance(job.source, MixedBudget)
+    options = [Plan({n: r for n in plan}) for r in job.source.options] if mixed else [plan]
     online = set(job.rotate.online) if job.rotate is not None else set()
     rotated = frozenset(n for n in plan if n.rpartition(".")[2] in online)
     shapes = {n: (model.get_submodule(n).out_features, model.get_submodule(n).in_features) for n in plan}
@@ -436,14 +378,3 @@ def _kquant_summary(model: nn.Module, plan: Plan) -> dict[str, Any]:
         out["kquant_fallbacks"] = (f"{len(fb)} layer(s) with rows not a multiple of 256 hold llama.cpp's "
                                    f"fallback type ({', '.join(sorted(set(fb.values())))}), as llama.cpp does")
     return out
-
-
-def _float_digest(model: nn.Module, names: list[str]) -> str | None:
-    """sha256 of the float weights of ``names`` (None for a lazily loaded model: not in memory)."""
-    from lowbit.models.lazy import is_lazy
-
-    if is_lazy(model):
-        return None
-    from lowbit.models.layers import weight_digest
-
-    return weight_digest(model, names)

@@ -8,9 +8,6 @@ from lowbit.api.export import TARGETS as EXPORT_TARGETS
 from lowbit.cli import common
 from lowbit.cli.common import UNSET
 
-# flags that set fields of the chosen method's settings dataclass (field = flag name)
-METHOD_FLAGS = ("search", "iters", "batch_size", "preset", "fp_inputs", "tune_dtype", "cache_dtype", "compile",
-                "damp", "act_order", "static_groups", "lazy_batch", "true_sequential")
 MIXED_FLAGS = ("avg_bits", "options", "delta_mode", "tie_qkv", "count_scales")
 CALIB_FLAGS = ("nsamples", "seqlen")
 
@@ -24,7 +21,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                    "q4_k (llama.cpp K-quants q2_k..q6_k), or a llama.cpp file-type mix (q4_k_m, q3_k_m, "
                    "q2_k_s, gguf:q2_k, ...: per-layer K types as llama.cpp picks them); default w4g128")
     p.add_argument("--plan", metavar="FILE", default=None, help="a plan JSON (layer -> scheme) instead of --scheme")
-    p.add_argument("--method", default="rtn", help="rtn | gptq | signround | signround2 (default rtn)")
+    from lowbit.api.quantize import method_flags, method_names
+
+    p.add_argument("--method", default="rtn", help=f"{' | '.join(method_names())} (default rtn)")
     p.add_argument("--lm-head", action="store_true", help="also quantize the lm_head (kept 16-bit by default)")
     common.add_keep(p)
     p.add_argument("--export-to", choices=EXPORT_TARGETS, default=None,
@@ -49,38 +48,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="AWQ: search activation-aware per-channel scales on the calibration data and fold them into "
                         "the preceding norm / Linear before the method quantizes")
     g = p.add_argument_group("method settings (each applies to the methods named)")
-    g.add_argument("--search", action=argparse.BooleanOptionalAction, default=UNSET,
-                   help="rtn, gptq: choose scales by the importance-weighted search on calibration activations "
-                        "(default on; rtn --no-search = plain round-to-nearest, no data needed)")
-    g.add_argument("--damp", type=float, default=UNSET,
-                   help="gptq: dampening added to the Hessian's diagonal, a fraction of its mean (0.01; raised "
-                        "with a warning for a layer whose Hessian stays singular)")
-    g.add_argument("--act-order", action=argparse.BooleanOptionalAction, default=UNSET,
-                   help="gptq: quantize columns by decreasing activation energy (default on)")
-    g.add_argument("--static-groups", action=argparse.BooleanOptionalAction, default=UNSET,
-                   help="gptq: fix every group's scale from the float weights before GPTQ runs (default on; "
-                        "needed with --act-order on grouped schemes)")
-    g.add_argument("--lazy-batch", type=common.positive("--lazy-batch"), default=UNSET,
-                   help="gptq: columns per lazy batch update (128)")
-    g.add_argument("--true-sequential", action=argparse.BooleanOptionalAction, default=UNSET,
-                   help="gptq: quantize a block's Linears in execution order, each from inputs through the ones "
-                        "before it (default on)")
-    g.add_argument("--iters", type=common.nonnegative("--iters"), default=UNSET,
-                   help="signround, signround2: tuning iterations per block (200)")
-    g.add_argument("--batch-size", type=common.positive("--batch-size"), default=UNSET,
-                   help="signround, signround2: tuning mini-batch (8)")
-    g.add_argument("--preset", default=UNSET, help="signround, signround2: light | default | best")
-    g.add_argument("--fp-inputs", action="store_true", default=UNSET,
-                   help="signround, signround2: tune each block on FP inputs instead of quantized ones")
-    g.add_argument("--tune-dtype", choices=("auto", "bf16", "fp32"), default=UNSET,
-                   help="signround, signround2: precision of the tuned layers' products (and of the DeltaLoss "
-                        "passes): auto (default) = bf16 where the CPU/GPU has bf16 dot products except for "
-                        "2-bit blocks, else fp32")
-    g.add_argument("--cache-dtype", choices=("auto", "bf16", "fp32"), default=UNSET,
-                   help="signround, signround2: storage of the cached block inputs and FP targets (auto = bf16 on "
-                        "a GPU, fp32 on the CPU; the block still computes in fp32)")
-    g.add_argument("--compile", action="store_true", default=UNSET,
-                   help="signround, signround2: torch.compile the tuned block (off by default)")
+    for spec in method_flags():  # generated from each method's settings dataclass
+        _add_method_flag(g, spec)
     g.add_argument("--cache-device", choices=("device", "cpu"), default=None,
                    help="signround, signround2: where the cached activations live: device (default) or cpu "
                         "(host memory streamed per mini-batch: the most memory-lean mode for large models on "
@@ -111,13 +80,35 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
+def _add_method_flag(group: argparse._ArgumentGroup, spec) -> None:
+    """One method-settings flag (`lowbit.api.quantize.FlagSpec`); absent from the namespace unless given."""
+    name = common.flag(spec.name)
+    kw: dict = {"default": UNSET, "help": spec.help.replace("%", "%%")}
+    if spec.kind == "bool":
+        kw["action"] = argparse.BooleanOptionalAction
+    elif spec.choices:
+        kw["choices"] = spec.choices
+    elif spec.kind == "int":
+        kw["type"] = {0: common.nonnegative(name), 1: common.positive(name)}.get(spec.minimum, int)
+    elif spec.kind == "float":
+        kw["type"] = float
+    group.add_argument(name, **kw)
+
+
+def method_flag_names() -> list[str]:
+    """The settings fields (and ``preset``) the method-settings flags set."""
+    from lowbit.api.quantize import method_flags
+
+    return [spec.name for spec in method_flags()]
+
+
 def build_job(args: argparse.Namespace):
     """The `QuantizeJob` the flags describe; a flag the chosen path cannot honour is an error."""
     from lowbit.api import Calibration, QuantizeJob
     from lowbit.api.quantize import make_settings, method_options
     from lowbit.errors import ConfigError
 
-    opts = common.given(args, *METHOD_FLAGS)
+    opts = common.given(args, *method_flag_names())
     calib = common.given(args, *CALIB_FLAGS, "seed")
     if "seed" in calib and "seed" in method_options(args.method):
         opts["seed"] = calib["seed"]

@@ -16,9 +16,9 @@ from torch import nn
 
 from lowbit.errors import CheckpointError, SchemeError
 from lowbit.formats import InputScheme, Scheme
-from lowbit.formats.plan import Plan
 from lowbit.nn import quant_layers
 from lowbit.nn.input_rotation import refuse_rotated
+from lowbit.plans.plan import Plan
 
 
 @dataclass(frozen=True)

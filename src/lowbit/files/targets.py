@@ -40,6 +40,7 @@ class WriteRequest:
     meta: Mapping[str, Any] = field(default_factory=dict)
     allow_requant: bool = False
     source_gguf: Path | None = None  # the GGUF the checkpoint came from (its tokenizer keys), when there is one
+    mix: str | None = None  # the llama.cpp mix the plan followed (GGUF's general.file_type), read by plans.kmix
 
 
 @dataclass(frozen=True)
@@ -92,7 +93,7 @@ def _gguf_write(model: Any, tokenizer: Any, out: Path, request: WriteRequest) ->
     meta = request.meta
     result = gguf_export.export(model, tokenizer, out, force=True, allow_requant=request.allow_requant,
                                 source_gguf=request.source_gguf, name=str(meta.get("source") or "lowbit"),
-                                file_type=gguf_export.FILE_TYPES.get(str(meta.get("plan")), 1))
+                                file_type=gguf_export.FILE_TYPES.get(request.mix or "", 1))
     result["tokenizer_from"] = str(request.source_gguf) if request.source_gguf else "checkpoint tokenizer"
     return result
 

@@ -299,10 +299,10 @@ def _base_scheme(base: str) -> Scheme:
 
 
 def _all_names() -> list[str]:
-    """Every name --scheme takes: weight schemes, recipes with quantized inputs, llama.cpp's K-quant mixes."""
-    from lowbit.formats import kmix, recipe  # both build on this module
+    """Every scheme and recipe name (``--scheme`` also takes llama.cpp's mixes: `lowbit.plans` suggests those)."""
+    from lowbit.formats import recipe  # builds on this module
 
-    return [*PRESETS, *recipe.PRESETS, *kmix.MIXES]
+    return [*PRESETS, *recipe.PRESETS]
 
 
 def _apply_options(scheme: Scheme, opts: str) -> Scheme:

@@ -1,4 +1,8 @@
-"""Swap a model's Linear layers for `QuantLinear` according to a `Plan` (weights and inputs)."""
+"""Swap a model's Linear layers for `QuantLinear` according to a plan (weights and inputs).
+
+A plan here is any layer name -> recipe (or weight scheme) mapping, a `lowbit.plans.Plan`
+included: nn/ sits below plans/, so it reads the mapping and never names the class.
+"""
 
 from __future__ import annotations
 
@@ -10,7 +14,6 @@ from tqdm.auto import tqdm
 
 from lowbit.errors import ConfigError, SchemeError
 from lowbit.formats import Recipe, Scheme
-from lowbit.formats.plan import Plan
 from lowbit.formats.recipe import as_recipe
 from lowbit.nn.input_quant import InputQuantizer
 from lowbit.nn.input_rotation import rotation_of
@@ -29,7 +32,7 @@ def set_module(model: nn.Module, name: str, module: nn.Module) -> None:
     setattr(parent, child, module)
 
 
-def replace_linears(model: nn.Module, plan: Plan | Mapping[str, Scheme | Recipe],
+def replace_linears(model: nn.Module, plan: Mapping[str, Scheme | Recipe],
                     imp: Mapping[str, torch.Tensor] | None = None, factory: LayerFactory | None = None,
                     progress: bool = False, amax: Mapping[str, torch.Tensor] | None = None,
                     tensor_scales: Mapping[str, torch.Tensor] | None = None) -> list[str]:

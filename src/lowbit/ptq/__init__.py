@@ -6,6 +6,7 @@ whenever ``lowbit.ptq`` is. Two pre-steps change the float model without changin
 function, before any method: a Hadamard rotation of the residual stream
 (`lowbit.ptq.rotation`) and AWQ's activation-aware channel scales (`lowbit.ptq.awq`).
 Mixed precision (`lowbit.ptq.mixed`) then chooses a plan; any method applies it.
+`lowbit.ptq.conductor.conduct` is the one place that runs these steps in order.
 """
 
 from __future__ import annotations
@@ -15,21 +16,21 @@ from typing import Any
 import torch
 from torch import nn
 
-from lowbit.formats.plan import Plan
-from lowbit.models.lazy import materialize
+from lowbit.models.placement import check_device
+from lowbit.plans.plan import Plan
 from lowbit.ptq import gptq, rtn, signround  # noqa: F401  (register gptq, rtn, signround, signround2)
-from lowbit.ptq.awq import AWQSettings, awq_scale
-from lowbit.ptq.fit import fit_plan
+from lowbit.ptq.awq import AWQSettings
+from lowbit.ptq.conductor import PtqOutcome, PtqSpec, conduct, prepare_model, round_unquantized_to_half
 from lowbit.ptq.gptq import GPTQSettings
 from lowbit.ptq.methods import RunContext, coerce_settings, get, make_settings, names
-from lowbit.ptq.mixed import MixedSettings, mixed_plan
-from lowbit.ptq.rotation import RotationSettings, rotate_model
+from lowbit.ptq.mixed import MixedSettings
+from lowbit.ptq.rotation import RotationSettings
 from lowbit.ptq.rtn import RTNSettings
 from lowbit.ptq.signround import SignRoundSettings
 
-__all__ = ["AWQSettings", "GPTQSettings", "MixedSettings", "RTNSettings", "RotationSettings", "RunContext",
-           "SignRoundSettings", "check_resume", "make_settings", "names", "prepare_model", "quantize_model",
-           "round_unquantized_to_half"]
+__all__ = ["AWQSettings", "GPTQSettings", "MixedSettings", "PtqOutcome", "PtqSpec", "RTNSettings",
+           "RotationSettings", "RunContext", "SignRoundSettings", "check_resume", "conduct", "make_settings", "names",
+           "prepare_model", "quantize_model", "round_unquantized_to_half"]
 
 
 def check_resume(method: str, settings: Any, plan: Plan, model: nn.Module, calib: torch.Tensor,
@@ -50,71 +51,26 @@ def check_resume(method: str, settings: Any, plan: Plan, model: nn.Module, calib
     check_work_folder(ctx.workdir, work_settings(recorded, applied, options, model, calib), later)
 
 
-def prepare_model(model: nn.Module, plan: Plan, calib: torch.Tensor | None = None,
-                  rotate: RotationSettings | None = None, awq: AWQSettings | None = None,
-                  device: str | None = None, progress: bool = True) -> dict[str, Any]:
-    """The float pre-steps, in this order: rotate the residual stream, then AWQ scales; returns what each did.
-
-    Both keep the float model's function (each checks it) and need the whole model, so a
-    lazily loaded one is loaded first. Nothing is done when neither is asked for.
-    """
-    done: dict[str, Any] = {}
-    if rotate is None and awq is None:
-        return done
-    materialize(model)
-    if rotate is not None:
-        done["rotation"] = rotate_model(model, rotate)
-    if awq is not None:
-        done["awq"] = awq_scale(model, plan, calib, awq, device=device, progress=progress)
-    return done
-
-
 def quantize_model(model: nn.Module, plan: Plan, method: str = "rtn", settings: Any = None, *,
                    calib: torch.Tensor | None = None, mixed: MixedSettings | None = None,
                    rotate: RotationSettings | None = None, awq: AWQSettings | None = None,
-                   device: str | None = None, workdir: str | None = None, offload_dir: str | None = None,
-                   progress: bool = True, keep16: bool = True, cache_device: str = "device",
-                   fit: bool = True) -> Plan:
-    """Quantize ``model`` in place with ``method``; returns the applied plan.
+                   device: str | torch.device | None = None, workdir: str | None = None,
+                   offload_dir: str | None = None, progress: bool = True, keep16: bool = True,
+                   cache_device: str = "device", fit: bool = True) -> Plan:
+    """Quantize ``model`` in place with ``method``; returns the applied plan (`conduct` runs the steps).
 
     settings: the method's settings dataclass, a mapping of its fields (checked strictly),
     or None for its defaults. mixed: choose the plan's schemes by DeltaLoss first (the
     plan's own schemes are then ignored; its layers are the ones allocated).
     rotate / awq: the float pre-steps of `prepare_model`, before everything else.
+    device: checked here, once (None = where the model is).
     keep16: round the embeddings and an unquantized lm_head to fp16 values, so the
     checkpoint stores them in 16 bits exactly (the numbers evaluated are the numbers saved).
     cache_device: block-wise methods' activation caches on the compute "device" or the "cpu".
     fit: first give each layer the scales its weights need (`lowbit.ptq.fit`: fp32 scales where
-    fp16 would overflow, 16 bits where the format cannot hold the layer), with a warning each;
-    False = the caller did so already (``lowbit.api`` does, to report the changes).
+    fp16 would overflow, 16 bits where the format cannot hold the layer), with a warning each.
     """
-    spec = get(method)
-    settings = coerce_settings(method, settings)
-    if spec.check_plan is not None:
-        spec.check_plan(settings, plan)
-    prepare_model(model, plan, calib, rotate, awq, device, progress)
-    if not spec.blockwise or mixed is not None:
-        materialize(model)  # a lazily loaded model, for passes that need all of it at once
-    if mixed is not None:
-        plan = mixed_plan(model, plan, mixed, calib, device=device, progress=progress).plan
-    if fit:
-        plan = fit_plan(model, plan)[0]
-    ctx = RunContext(calib=calib, device=device, workdir=workdir, offload_dir=offload_dir, progress=progress,
-                     cache_device=cache_device)
-    plan = spec.run(model, plan, settings, ctx)
-    if keep16:
-        round_unquantized_to_half(model)
-    return plan
-
-
-def round_unquantized_to_half(model: nn.Module) -> None:
-    """Embedding tables and a plain-Linear lm_head take fp16 values (dtype unchanged).
-
-    A table with values beyond fp16's range keeps its float32 values (fp16 would make them inf).
-    """
-    heads = [model.get_output_embeddings()] if hasattr(model, "get_output_embeddings") else []
-    for mod in [m for m in model.modules() if isinstance(m, nn.Embedding)] + heads:
-        if (isinstance(mod, (nn.Embedding, nn.Linear)) and mod.weight.dtype == torch.float32 and mod.weight.numel()
-                and bool(mod.weight.detach().abs().amax() <= torch.finfo(torch.float16).max)):
-            with torch.no_grad():
-                mod.weight.copy_(mod.weight.half().float())
+    spec = PtqSpec(method, settings, mixed, rotate, awq, keep16, fit)
+    ctx = RunContext(calib=calib, device=check_device(device), workdir=workdir, offload_dir=offload_dir,
+                     progress=progress, cache_device=cache_device)
+    return conduct(model, plan, spec, ctx).plan

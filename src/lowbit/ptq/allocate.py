@@ -23,9 +23,9 @@ import numpy as np
 from lowbit.errors import ConfigError
 from lowbit.formats import Recipe, Scheme
 from lowbit.formats.kquants import fit_width
-from lowbit.formats.plan import Plan
 from lowbit.formats.scheme import SCALE_BITS
 from lowbit.io import atomic_write_bytes
+from lowbit.plans.plan import Plan
 
 
 @dataclass(frozen=True)

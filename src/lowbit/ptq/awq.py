@@ -47,12 +47,12 @@ from lowbit.configs import check_fields
 from lowbit.errors import ConfigError, ModelError
 from lowbit.formats import Scheme, qdq
 from lowbit.formats.groups import to_groups
-from lowbit.formats.plan import Plan
 from lowbit.models.activations import activation_stats
 from lowbit.models.layers import decoder_blocks
 from lowbit.models.placement import check_device
 from lowbit.models.structure import BlockLayout, block_layout
 from lowbit.nn.input_rotation import rotation_of
+from lowbit.plans.plan import Plan
 from lowbit.ptq.pipeline import capture_inputs, module_names, run_block
 
 INPUTS = ("fp", "quantized")

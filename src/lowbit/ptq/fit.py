@@ -15,9 +15,9 @@ import torch
 from torch import nn
 
 from lowbit.formats import Recipe
-from lowbit.formats.plan import Plan
 from lowbit.formats.ranges import fit
 from lowbit.models.lazy import SOURCE_ATTR, is_lazy
+from lowbit.plans.plan import Plan
 
 
 def fit_plan(model: nn.Module, plan: Plan, warn: bool = True) -> tuple[Plan, dict[str, str]]:

@@ -44,11 +44,11 @@ from lowbit.configs import check_fields
 from lowbit.errors import ConfigError
 from lowbit.formats import QTensor, Scheme
 from lowbit.formats.groups import to_groups
-from lowbit.formats.plan import Plan
 from lowbit.models.activations import activation_stats
 from lowbit.models.fused import own_tensor_scale
+from lowbit.plans.plan import Plan
 from lowbit.ptq.gptq_grids import Grid, KGrid, Tensors, make_grid
-from lowbit.ptq.methods import Method, RunContext, register
+from lowbit.ptq.methods import Method, RunContext, knob, register
 from lowbit.ptq.pipeline import BlockJob, PipelineOptions, quantize_blockwise
 from lowbit.ptq.rtn import searched
 
@@ -72,12 +72,16 @@ class GPTQSettings:
         ``diag(H)``), as RTN's default; False = the scheme's own rule (abs-max).
     """
 
-    damp: float = 0.01
-    act_order: bool = True
-    static_groups: bool = True
-    lazy_batch: int = 128
-    true_sequential: bool = True
-    search: bool = True
+    damp: float = knob(0.01, "dampening added to the Hessian's diagonal, a fraction of its mean (raised with a "
+                             "warning for a layer whose Hessian stays singular)")
+    act_order: bool = knob(True, "quantize columns by decreasing activation energy")
+    static_groups: bool = knob(True, "fix every group's scale from the float weights before GPTQ runs (needed "
+                                     "with --act-order on grouped schemes)")
+    lazy_batch: int = knob(128, "columns per lazy batch update", minimum=1)
+    true_sequential: bool = knob(True, "quantize a block's Linears in execution order, each from inputs through "
+                                       "the ones before it")
+    search: bool = knob(True, "choose scales by the importance-weighted search on calibration activations; rtn --no-search = "
+                  "plain round-to-nearest, no data needed")
 
     def __post_init__(self) -> None:
         check_fields(self, ConfigError, "GPTQ setting")
@@ -418,10 +422,10 @@ def gptq_quantize(model: nn.Module, plan: Plan, settings: GPTQSettings, calib: t
     return plan, infos
 
 
-def pipeline_args(settings: GPTQSettings, plan: Plan, device: str | None, offload_dir: str | None
+def pipeline_args(settings: GPTQSettings, plan: Plan, device: str | torch.device | None, offload_dir: str | None
                   ) -> tuple[dict, PipelineOptions, Plan]:
     """What GPTQ hands the pipeline: recorded settings, options, and the plan it applies (searched rule)."""
-    opts = PipelineOptions(chunk=CHUNK, device=device or "cpu", offload_dir=offload_dir)
+    opts = PipelineOptions(chunk=CHUNK, device=str(device or "cpu"), offload_dir=offload_dir)
     return {"method": "gptq", "config": settings.to_dict()}, opts, searched(plan) if settings.search else plan
 
 

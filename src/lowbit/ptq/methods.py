@@ -1,7 +1,9 @@
 """The PTQ method registry: a method is a frozen settings dataclass plus a run function.
 
 Each method module registers itself beside its code (``register(Method(...))``), so
-adding one is one module. Settings are the method's own knobs only; what every method
+adding one is one module plus the line in ``lowbit/ptq/__init__.py`` that imports it:
+the fields it declares with `knob` become ``lowbit quantize`` flags (`method_flags`), and
+``--method`` lists it. Settings are the method's own knobs only; what every method
 shares (calibration tokens, device, work and offload folders, progress) travels in a
 `RunContext`. Settings from text (the CLI's flags) go through `make_settings`, which
 refuses any knob the chosen method does not have and names the methods that do: a flag
@@ -19,7 +21,7 @@ import torch
 from torch import nn
 
 from lowbit.errors import ConfigError
-from lowbit.formats.plan import Plan
+from lowbit.plans.plan import Plan
 
 
 @dataclass(frozen=True)
@@ -27,14 +29,15 @@ class RunContext:
     """What a method runs with, the same for every method.
 
     calib: LongTensor ``[n, seqlen]`` from the calibration split (None for data-free runs).
-    device: compute device (None = where the model is). workdir: per-block results, so an
+    device: compute device, resolved and checked once by the caller (None = where the model
+    is; the block-wise methods then tune on the CPU, where a loaded model is). workdir: per-block results, so an
     interrupted block-wise run resumes. offload_dir: keep FP blocks on disk (block-wise only).
     cache_device: where a block-wise method keeps its cached activations: "device" (the
     compute device) or "cpu" (host memory streamed per mini-batch, the leanest mode).
     """
 
     calib: torch.Tensor | None = None
-    device: str | None = None
+    device: torch.device | None = None
     workdir: str | None = None
     offload_dir: str | None = None
     progress: bool = True
@@ -94,6 +97,68 @@ def get(name: str) -> Method:
     if name not in METHODS:
         raise ConfigError(f"unknown method {name!r}; choose one of {names()}")
     return METHODS[name]
+
+
+def knob(default: Any, help: str, *, minimum: int | None = None, choices: tuple[str, ...] | None = None) -> Any:
+    """A settings field that is also a ``lowbit quantize`` flag (``--name-with-dashes``).
+
+    help: what it does, without the methods (prefixed from the registry) or the default
+    (appended from the field). minimum: the smallest value an int flag takes. choices:
+    the values a str flag takes. Fields declared without it have no flag.
+    """
+    return field(default=default, metadata={"flag": {"help": help, "minimum": minimum, "choices": choices}})
+
+
+@dataclass(frozen=True)
+class FlagSpec:
+    """One method-settings flag of ``lowbit quantize``, built from the registry (`method_flags`).
+
+    name: the settings field (``--name-with-dashes`` on the command line). kind: ``bool`` |
+    ``int`` | ``float`` | ``str``. help: with the methods that take it and its default.
+    """
+
+    name: str
+    kind: str
+    help: str
+    methods: tuple[str, ...]
+    minimum: int | None = None
+    choices: tuple[str, ...] | None = None
+
+
+def method_flags() -> list[FlagSpec]:
+    """Every flag the registered methods' settings declare (`knob`), in registration order, plus ``--preset``.
+
+    A field several methods share is one flag; its kind, help and limits must agree (a
+    registry that disagrees with itself is a bug, reported here rather than on a user's run).
+    """
+    found: dict[str, dict[str, Any]] = {}
+    for m in METHODS.values():
+        for f in dataclasses.fields(m.settings):
+            meta = f.metadata.get("flag")
+            if meta is None or f.name in m.fixed:
+                continue
+            kind = f.type if isinstance(f.type, str) else f.type.__name__
+            seen = found.setdefault(f.name, {"kind": kind, **meta, "defaults": {}})
+            if (seen["kind"], seen["help"], seen["minimum"], seen["choices"]) != (kind, *meta.values()):
+                raise TypeError(f"settings field {f.name!r} of {m.name} disagrees with another method's")
+            seen["defaults"][m.name] = f.default
+    out = [FlagSpec(name, d["kind"], f"{', '.join(d['defaults'])}: {d['help']} ({_default_text(d['defaults'])})",
+                    tuple(d["defaults"]), d["minimum"], d["choices"]) for name, d in found.items()]
+    presets = {m.name: tuple(m.presets) for m in METHODS.values() if m.presets}
+    if presets:
+        names = list(dict.fromkeys(p for ps in presets.values() for p in ps))
+        out.append(FlagSpec("preset", "str", f"{', '.join(presets)}: {' | '.join(names)}", tuple(presets)))
+    return out
+
+
+def _default_text(defaults: Mapping[str, Any]) -> str:
+    def text(v: Any) -> str:
+        return ("on" if v else "off") if isinstance(v, bool) else str(v)
+
+    values = list(dict.fromkeys(text(v) for v in defaults.values()))
+    if len(values) == 1:
+        return f"default {values[0]}"
+    return "default " + ", ".join(f"{text(v)} for {n}" for n, v in defaults.items())
 
 
 def flag(name: str) -> str:

@@ -19,9 +19,9 @@ from lowbit.configs import check_fields
 from lowbit.errors import ConfigError
 from lowbit.formats import Recipe
 from lowbit.formats.kquants import fit_width
-from lowbit.formats.plan import Plan
 from lowbit.models.placement import model_device, on_device
 from lowbit.nn.precision import resolve_dtype
+from lowbit.plans.plan import Plan
 from lowbit.ptq.allocate import Allocation, allocate, tie_qkv
 from lowbit.ptq.sensitivity import DTYPES, MODES, delta_loss
 

@@ -41,7 +41,6 @@ from lowbit.configs import check_fields
 from lowbit.errors import CheckpointError, ConfigError
 from lowbit.formats import QTensor, Scheme
 from lowbit.formats.finite import require_finite
-from lowbit.formats.plan import Plan
 from lowbit.io import atomic_write_bytes, atomic_write_text, read_json
 from lowbit.models.activations import activation_stats
 from lowbit.models.attention import tuning_attention
@@ -52,6 +51,7 @@ from lowbit.models.placement import check_device
 from lowbit.nn import QuantLinear, replace_linears, set_module
 from lowbit.nn.input_quant import InputQuantizer
 from lowbit.nn.input_rotation import rotation_of
+from lowbit.plans.plan import Plan
 
 _DROP_KWARGS = ("cache", "past_key_values", "past_key_value", "layer_past")
 # one block's planned layers (full name -> (relative name, scheme)) and their (out, in) shapes

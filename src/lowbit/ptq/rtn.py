@@ -22,19 +22,20 @@ from torch import nn
 
 from lowbit.configs import check_fields
 from lowbit.errors import ConfigError
-from lowbit.formats.plan import Plan
 from lowbit.models.activations import collect
 from lowbit.models.fused import shared_amax, shared_tensor_scales
 from lowbit.models.placement import on_device
 from lowbit.nn import replace_linears
-from lowbit.ptq.methods import Method, RunContext, register
+from lowbit.plans.plan import Plan
+from lowbit.ptq.methods import Method, RunContext, knob, register
 
 
 @dataclass(frozen=True)
 class RTNSettings:
     """search: pick each group's scale by the importance-weighted search (needs calibration data)."""
 
-    search: bool = True
+    search: bool = knob(True, "choose scales by the importance-weighted search on calibration activations; rtn --no-search = "
+                  "plain round-to-nearest, no data needed")
 
     def __post_init__(self) -> None:
         check_fields(self, ConfigError, "RTN setting")

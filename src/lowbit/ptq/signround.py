@@ -29,11 +29,11 @@ from torch import nn
 from lowbit.configs import check_fields
 from lowbit.errors import ConfigError
 from lowbit.formats import QTensor
-from lowbit.formats.plan import Plan
 from lowbit.nn import set_module
 from lowbit.nn.input_rotation import rotation_of
 from lowbit.nn.precision import resolve_dtype
-from lowbit.ptq.methods import Method, RunContext, register
+from lowbit.plans.plan import Plan
+from lowbit.ptq.methods import Method, RunContext, knob, register
 from lowbit.ptq.pipeline import (
     CACHE_DTYPES,
     BlockJob,
@@ -88,19 +88,22 @@ class SignRoundSettings:
         default: whether it pays is measured on the GPU by benchmarks/gpu_session.sh).
     """
 
-    iters: int = 200
+    iters: int = knob(200, "tuning iterations per block", minimum=0)
     lr: float | None = None
     lr_low_bits: float | None = None
-    batch_size: int = 8
+    batch_size: int = knob(8, "tuning mini-batch", minimum=1)
     seed: int = 0
     v2: bool = False
     loss_filter: bool | None = None
     filter_frac: float = 1e-3
     fp_scale_lr: float = 0.1
-    fp_inputs: bool = False
-    tune_dtype: str = "auto"
-    cache_dtype: str = "auto"
-    compile: bool = False
+    fp_inputs: bool = knob(False, "tune each block on FP inputs instead of quantized ones")
+    tune_dtype: str = knob("auto", "precision of the tuned layers' products (and of the DeltaLoss passes): auto = "
+                                   "bf16 where the CPU/GPU has bf16 dot products except for 2-bit blocks, else fp32",
+                           choices=("auto", "bf16", "fp32"))
+    cache_dtype: str = knob("auto", "storage of the cached block inputs and FP targets (auto = bf16 on a GPU, fp32 "
+                                    "on the CPU; the block still computes in fp32)", choices=("auto", "bf16", "fp32"))
+    compile: bool = knob(False, "torch.compile the tuned block")
 
     def __post_init__(self) -> None:
         check_fields(self, ConfigError, "SignRound setting")
@@ -471,11 +474,11 @@ def signround_quantize(model: nn.Module, plan: Plan, settings: SignRoundSettings
                               progress=progress)
 
 
-def pipeline_args(settings: SignRoundSettings, device: str | None, offload_dir: str | None,
+def pipeline_args(settings: SignRoundSettings, device: str | torch.device | None, offload_dir: str | None,
                   cache_device: str = "device") -> tuple[dict, PipelineOptions]:
     """What SignRound hands the pipeline: the settings its work folder records, and the pipeline options."""
     method = "signround2" if settings.v2 else "signround"
-    opts = PipelineOptions(fp_inputs=settings.fp_inputs, chunk=settings.batch_size, device=device or "cpu",
+    opts = PipelineOptions(fp_inputs=settings.fp_inputs, chunk=settings.batch_size, device=str(device or "cpu"),
                            offload_dir=offload_dir, cache_dtype=settings.storage_dtype(device or "cpu"),
                            cache_device=cache_device)
     return {"method": method, "config": settings.to_dict()}, opts

@@ -17,8 +17,8 @@ from collections.abc import Mapping
 
 from lowbit.errors import SchemeError
 from lowbit.formats.kquants import fit_width
-from lowbit.formats.plan import Plan
 from lowbit.formats.scheme import Scheme
+from lowbit.plans.plan import Plan
 
 MIXES = ("q2_k_s", "gguf:q2_k", "q3_k_s", "q3_k_m", "q3_k_l", "q4_k_s", "q4_k_m", "q5_k_s", "q5_k_m", "gguf:q6_k")
 _BASE = {"q2_k_s": 2, "gguf:q2_k": 2, "q3_k_s": 3, "q3_k_m": 3, "q3_k_l": 3, "q4_k_s": 4, "q4_k_m": 4,
@@ -27,8 +27,26 @@ _ROLE = {"q_proj": "attn_q", "k_proj": "attn_k", "v_proj": "attn_v", "o_proj": "
          "gate_proj": "ffn_gate", "up_proj": "ffn_up", "down_proj": "ffn_down"}
 
 
+# the key of a checkpoint manifest's ``meta`` naming the mix its plan reproduces (GGUF's general.file_type)
+META_KEY = "llama_cpp_mix"
+
+
 def is_mix(name: str | Scheme | None) -> bool:
     return isinstance(name, str) and name.strip().lower() in MIXES
+
+
+def mix_meta(mix: str | None) -> dict[str, str]:
+    """The manifest ``meta`` entry recording ``mix`` (nothing when the plan is not a mix)."""
+    return {} if mix is None else {META_KEY: mix}
+
+
+def mix_of(meta: Mapping[str, object]) -> str | None:
+    """The mix a checkpoint's manifest ``meta`` records (None: not a mix, or a value that names none).
+
+    Checkpoints written before the key existed carry the mix name as their ``plan`` label.
+    """
+    value = meta.get(META_KEY, meta.get("plan"))
+    return value if isinstance(value, str) and value in MIXES else None
 
 
 def _more_bits(i: int, n: int) -> bool:

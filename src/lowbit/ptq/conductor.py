@@ -1,0 +1,176 @@
+"""The one place that sequences a PTQ run: pre-steps -> mixed precision -> fit -> method -> 16-bit rest.
+
+Every caller (the quantize job in `lowbit.api`, `lowbit.ptq.quantize_model` for library
+users, the benchmarks) goes through `conduct`, so the order of the steps, and what each
+receives, is written once:
+
+1. the method's plan check (before anything changes the model);
+2. the float pre-steps (`prepare_model`: rotation, then AWQ scales), which keep the
+   model's function;
+3. the digest of the float weights the method will quantize (what a fine-tune's error
+   initialization must match), when asked;
+4. mixed precision: the knapsack over DeltaLoss scores picks each layer's recipe;
+5. each layer's scales fitted to its weights' range (`lowbit.ptq.fit`);
+6. the method, from the registry;
+7. embeddings and an unquantized lm_head rounded to fp16 values (what is saved).
+
+The device arrives resolved (a `torch.device` or None = where the model is): it is
+checked once, by the caller that parsed it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from lowbit.models.lazy import is_lazy, materialize
+from lowbit.plans.plan import Plan
+from lowbit.ptq.allocate import Allocation
+from lowbit.ptq.awq import AWQSettings, awq_scale
+from lowbit.ptq.fit import fit_plan
+from lowbit.ptq.methods import RunContext, coerce_settings, get
+from lowbit.ptq.mixed import MixedSettings, check_feasible, mixed_plan
+from lowbit.ptq.rotation import RotationSettings, rotate_model
+
+Phase = Callable[[str], contextlib.AbstractContextManager[Any]]
+
+
+@dataclass(frozen=True)
+class PtqSpec:
+    """What a run does to the model: the method and its settings, the pre-steps, mixed precision.
+
+    settings: the method's settings dataclass, a mapping of its fields, or None = defaults.
+    mixed: choose the plan's recipes by DeltaLoss + knapsack (the plan's own are then
+    ignored; its layers are the ones allocated). keep16: round the embeddings and an
+    unquantized lm_head to fp16 values. fit: give each layer the scales its weights need
+    (False = the caller did so already).
+    """
+
+    method: str = "rtn"
+    settings: Any = None
+    mixed: MixedSettings | None = None
+    rotate: RotationSettings | None = None
+    awq: AWQSettings | None = None
+    keep16: bool = True
+    fit: bool = True
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "settings", coerce_settings(self.method, self.settings))
+
+    @property
+    def has_pre_steps(self) -> bool:
+        return self.rotate is not None or self.awq is not None
+
+
+@dataclass(frozen=True)
+class PtqOutcome:
+    """What a run did: the applied plan and each step's record.
+
+    prepared: what the pre-steps did (``rotation`` / ``awq`` keys). allocation: the mixed
+    plan's accounting (None without mixed precision). fallbacks: layers whose weights the
+    planned scales could not hold -> what they got instead ("16 bits", "fp32 scales": `lowbit.ptq.fit`). float_digest: sha256
+    of the planned layers' float weights after the pre-steps (when asked, and the model
+    is in memory).
+    """
+
+    plan: Plan
+    prepared: dict[str, Any] = field(default_factory=dict)
+    allocation: Allocation | None = None
+    fallbacks: Mapping[str, str] = field(default_factory=dict)
+    float_digest: str | None = None
+
+
+def preflight(model: nn.Module, plan: Plan, spec: PtqSpec) -> None:
+    """Refuse what the model and plan alone show cannot run: the method's plan check, an unreachable budget.
+
+    Cheap, and run before any data is read or any weight changes (`conduct` repeats the
+    method's check on a plan that mixed precision or a fit changed).
+    """
+    method = get(spec.method)
+    if method.check_plan is not None:
+        method.check_plan(spec.settings, plan)
+    if spec.mixed is not None:
+        check_feasible(model, plan, spec.mixed)
+
+
+def _no_phase(_name: str) -> contextlib.AbstractContextManager[Any]:
+    return contextlib.nullcontext()
+
+
+def conduct(model: nn.Module, plan: Plan, spec: PtqSpec, ctx: RunContext, phase: Phase = _no_phase,
+            digest: bool = False) -> PtqOutcome:
+    """Quantize ``model`` in place from the starting ``plan``; returns what was applied and done.
+
+    phase: wraps each step for timing (``phase("pre_steps")``, ``"mixed_plan"``, ``"quantize"``).
+    digest: record the float weights' sha256 after the pre-steps (`PtqOutcome.float_digest`).
+    """
+    method, first = get(spec.method), plan
+    if method.check_plan is not None:
+        method.check_plan(spec.settings, plan)
+    with phase("pre_steps" if spec.has_pre_steps else "quantize"):
+        prepared = prepare_model(model, plan, ctx.calib, spec.rotate, spec.awq, ctx.device, ctx.progress)
+    float_digest = _float_digest(model, list(plan)) if digest else None
+    if not method.blockwise or spec.mixed is not None:
+        materialize(model)  # a lazily loaded model, for passes that need all of it at once
+    allocation = None
+    if spec.mixed is not None:
+        with phase("mixed_plan"):
+            allocation = mixed_plan(model, plan, spec.mixed, ctx.calib, ctx.device, ctx.progress)
+        plan = allocation.plan
+    fallbacks: dict[str, str] = {}
+    with phase("quantize"):
+        if spec.fit:  # layers whose weights the planned scales cannot hold (warned about with the reason)
+            plan, fell = fit_plan(model, plan)
+            fallbacks = {n: "16 bits" if n not in plan else f"{plan.weight(n).scale} scales" for n in fell}
+        if method.check_plan is not None and plan is not first:  # mixed precision or a fit changed it
+            method.check_plan(spec.settings, plan)
+        plan = method.run(model, plan, spec.settings, ctx)
+        if spec.keep16:
+            round_unquantized_to_half(model)
+    return PtqOutcome(plan, prepared, allocation, fallbacks, float_digest)
+
+
+def prepare_model(model: nn.Module, plan: Plan, calib: torch.Tensor | None = None,
+                  rotate: RotationSettings | None = None, awq: AWQSettings | None = None,
+                  device: torch.device | None = None, progress: bool = True) -> dict[str, Any]:
+    """The float pre-steps, in this order: rotate the residual stream, then AWQ scales; returns what each did.
+
+    Both keep the float model's function (each checks it) and need the whole model, so a
+    lazily loaded one is loaded first. Nothing is done when neither is asked for.
+    """
+    done: dict[str, Any] = {}
+    if rotate is None and awq is None:
+        return done
+    materialize(model)
+    if rotate is not None:
+        done["rotation"] = rotate_model(model, rotate)
+    if awq is not None:
+        done["awq"] = awq_scale(model, plan, calib, awq, device=device, progress=progress)
+    return done
+
+
+def round_unquantized_to_half(model: nn.Module) -> None:
+    """Embedding tables and a plain-Linear lm_head take fp16 values (dtype unchanged).
+
+    A table with values beyond fp16's range keeps its float32 values (fp16 would make them inf).
+    """
+    heads = [model.get_output_embeddings()] if hasattr(model, "get_output_embeddings") else []
+    for mod in [m for m in model.modules() if isinstance(m, nn.Embedding)] + heads:
+        if (isinstance(mod, (nn.Embedding, nn.Linear)) and mod.weight.dtype == torch.float32 and mod.weight.numel()
+                and bool(mod.weight.detach().abs().amax() <= torch.finfo(torch.float16).max)):
+            with torch.no_grad():
+                mod.weight.copy_(mod.weight.half().float())
+
+
+def _float_digest(model: nn.Module, names: list[str]) -> str | None:
+    """sha256 of the float weights of ``names`` (None for a lazily loaded model: not in memory)."""
+    if is_lazy(model):
+        return None
+    from lowbit.models.layers import weight_digest
+
+    return weight_digest(model, names)
