@@ -39,8 +39,8 @@ import torch
 
 from lowbit.configs import check_fields, from_dict_strict
 from lowbit.errors import ConfigError, SchemeError, did_you_mean
-from lowbit.formats import fp8, rules
-from lowbit.formats.fp4 import ELEM_GRIDS, round_e2m1_mag
+from lowbit.formats import minifloat, rules
+from lowbit.formats.float_blocks import ELEM_GRIDS, round_e2m1_mag
 from lowbit.formats.scheme import Scheme, check_tensor_max
 
 ELEMS = ("int", "e2m1", "e4m3")
@@ -326,10 +326,10 @@ def mx_scale(amax: torch.Tensor, s: InputScheme) -> torch.Tensor:
     """E8M0 block scales of ``amax`` by the scheme's log2 rounding (see the module docstring)."""
     elem = ELEM_GRIDS[s.elem]
     if s.e8m0_round == "floor":
-        return fp8.round_e8m0(amax / 2.0**elem.emax, "floor")
+        return minifloat.round_e8m0(amax / 2.0**elem.emax, "floor")
     if s.e8m0_round == "even":  # floor(log2 amax) after amax is rounded to 1 mantissa bit, half up
-        return fp8.round_e8m0(amax / (1.75 * 2.0 ** (elem.emax - 1)), "floor")
-    return fp8.round_e8m0(amax / elem.max, s.e8m0_round)
+        return minifloat.round_e8m0(amax / (1.75 * 2.0 ** (elem.emax - 1)), "floor")
+    return minifloat.round_e8m0(amax / elem.max, s.e8m0_round)
 
 
 def _nv_scale(xb: torch.Tensor, amax: torch.Tensor, s: InputScheme, enc: torch.Tensor | None) -> torch.Tensor:
@@ -341,7 +341,7 @@ def _nv_scale(xb: torch.Tensor, amax: torch.Tensor, s: InputScheme, enc: torch.T
         a, hp = a * enc, hp * enc  # (amax / 6) * enc: the order of the NVFP4 recipe (and compressed-tensors)
     sc = rules.choose_scales(a, bs, elem, None, rules.BRUTE_WINDOW, hp)
     if s.guard:
-        sc = torch.where((amax > 0) & (sc == 0), torch.full_like(sc, fp8.smallest_scale(s.scale)), sc)
+        sc = torch.where((amax > 0) & (sc == 0), torch.full_like(sc, minifloat.smallest_scale(s.scale)), sc)
     return sc if enc is None else sc / enc
 
 

@@ -12,7 +12,7 @@ import torch
 
 from lowbit.errors import SchemeError
 from lowbit.formats import kquants
-from lowbit.formats.fp4 import quantize_fp
+from lowbit.formats.float_blocks import quantize_fp
 from lowbit.formats.integer import quantize_int
 from lowbit.formats.qtensor import QTensor
 from lowbit.formats.scheme import Scheme

@@ -32,8 +32,8 @@ from dataclasses import dataclass
 
 import torch
 
-from lowbit.formats import fp8, rules
-from lowbit.formats.fp4 import ELEM_GRIDS
+from lowbit.formats import minifloat, rules
+from lowbit.formats.float_blocks import ELEM_GRIDS
 from lowbit.formats.groups import to_groups
 from lowbit.formats.integer import group_range
 from lowbit.formats.scheme import Scheme
@@ -78,7 +78,7 @@ def capacity(s: Scheme) -> float:
 
         kt = ktype(s.bits)
         return 65504.0 * max(abs(kt.sc_lo), kt.sc_hi)
-    return fp8.max_scale(s.scale)
+    return minifloat.max_scale(s.scale)
 
 
 def needed_scale(w: torch.Tensor, s: Scheme) -> float:
@@ -130,5 +130,5 @@ def _what_scale(s: Scheme) -> str:
 
 
 def _span(fmt: str) -> str:
-    lo, hi = fp8.smallest_scale(fmt), fp8.max_scale(fmt)
+    lo, hi = minifloat.smallest_scale(fmt), minifloat.max_scale(fmt)
     return f"{lo:.3g}..{hi:.6g}"

@@ -198,7 +198,7 @@ def check_tensor_max(tensor_max: float, scale: str, tensor_scale: bool) -> None:
     ``smax=inf``, ``1e38`` or ``1e-42`` every weight dequantizes to about 0. Without a
     tensor scale the field is unused, but must still be a positive number.
     """
-    from lowbit.formats import fp8
+    from lowbit.formats import minifloat
 
     _check(isinstance(tensor_max, numbers.Real) and not isinstance(tensor_max, bool),
            f"tensor_max (smax) must be a number, got {tensor_max!r}")
@@ -206,7 +206,7 @@ def check_tensor_max(tensor_max: float, scale: str, tensor_scale: bool) -> None:
         _check(math.isfinite(tensor_max) and tensor_max > 0, f"tensor_max (smax) must be a finite positive number, "
                                                                f"got {tensor_max}")
         return
-    lo, hi = fp8.smallest_normal(scale), fp8.max_scale(scale)
+    lo, hi = minifloat.smallest_normal(scale), minifloat.max_scale(scale)
     _check(lo <= tensor_max <= hi,
            f"smax (the S_max of the tensor scale) must lie in [{lo:g}, {hi:g}] for {scale} block scales, got "
            f"{tensor_max:g}: above {hi:g} the largest blocks' scales saturate, below {lo:g} the block scales "

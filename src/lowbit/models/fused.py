@@ -22,7 +22,7 @@ from collections.abc import Iterable, Mapping
 import torch
 
 from lowbit.formats import Scheme, rules
-from lowbit.formats.fp4 import ELEM_GRIDS
+from lowbit.formats.float_blocks import ELEM_GRIDS
 
 # the parts of each fused matmul, as vLLM's llama-family models name them
 FUSED_PARTS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))

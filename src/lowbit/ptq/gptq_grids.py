@@ -19,8 +19,8 @@ from __future__ import annotations
 
 import torch
 
-from lowbit.formats import Scheme, fp8, kquants, rules
-from lowbit.formats.fp4 import ELEM_GRIDS, encode_codes
+from lowbit.formats import Scheme, kquants, minifloat, rules
+from lowbit.formats.float_blocks import ELEM_GRIDS, encode_codes
 from lowbit.formats.groups import to_groups
 from lowbit.formats.integer import int_codes, int_dequant, int_params, search_int_params
 
@@ -58,7 +58,7 @@ class Grid:
         weight = imp_g if s.rule == "search" else None
         sc = rules.choose_scales(a, s, self.elem, weight, rules.BRUTE_WINDOW, hp)
         if s.guard:
-            sc = torch.where((amax > 0) & (sc == 0), torch.full_like(sc, fp8.smallest_scale(s.scale)), sc)
+            sc = torch.where((amax > 0) & (sc == 0), torch.full_like(sc, minifloat.smallest_scale(s.scale)), sc)
         return sc, None
 
     def qdq(self, w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None) -> torch.Tensor:

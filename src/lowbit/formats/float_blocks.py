@@ -14,12 +14,12 @@ from __future__ import annotations
 import torch
 
 from lowbit.errors import SchemeError
-from lowbit.formats import fp8, rules
+from lowbit.formats import minifloat, rules
 from lowbit.formats.groups import to_groups
 from lowbit.formats.qtensor import QTensor
 from lowbit.formats.scheme import Scheme
 
-E2M1_FMT = fp8.Minifloat(ebits=2, mbits=1, bias=1, max=6.0, signed=True)
+E2M1_FMT = minifloat.Minifloat(ebits=2, mbits=1, bias=1, max=6.0, signed=True)
 
 
 def round_e2m1_mag(a: torch.Tensor) -> torch.Tensor:
@@ -43,7 +43,7 @@ def e2m1_index(r: torch.Tensor) -> torch.Tensor:
 
 
 def round_e4m3_mag(a: torch.Tensor) -> torch.Tensor:
-    return fp8.round_minifloat(a, fp8.E4M3)
+    return minifloat.round_minifloat(a, minifloat.E4M3)
 
 
 E2M1 = rules.ElemGrid("e2m1", 6.0, 0.5, round_e2m1_mag)
@@ -56,7 +56,7 @@ def encode_codes(x: torch.Tensor, r: torch.Tensor, elem: str) -> torch.Tensor:
     neg = (x < 0) & (r > 0)
     if elem == "e2m1":
         return e2m1_index(r) | (neg.to(torch.uint8) << 3)
-    return fp8.minifloat_to_code(torch.where(neg, -r, r), fp8.E4M3)
+    return minifloat.minifloat_to_code(torch.where(neg, -r, r), minifloat.E4M3)
 
 
 def _block_weight(imp: torch.Tensor | None, cols: int, g: int, s: Scheme) -> torch.Tensor | None:
@@ -91,7 +91,7 @@ def quantize_fp(w: torch.Tensor, s: Scheme, imp: torch.Tensor | None = None,
     sc = torch.cat([rules.choose_scales(c, s, elem, weight, window, h) for c, h in zip(a.split(n), hp.split(n),
                                                                                       strict=True)])
     if s.guard:  # judged on the unscaled weights: x * enc can flush float32 subnormals to 0
-        sc = torch.where((amax > 0) & (sc == 0), torch.full_like(sc, fp8.smallest_scale(s.scale)), sc)
+        sc = torch.where((amax > 0) & (sc == 0), torch.full_like(sc, minifloat.smallest_scale(s.scale)), sc)
     r = rules.elem_mags(a, sc, elem, s.guard)
     if s.guard:
         r = _revive_underflowed(x.abs(), amax, r, elem)
