@@ -339,7 +339,7 @@ class _Run:
                                        cache_device=job.cache_device or "device", fit=False)
         result["quantize_seconds"] = round(time.perf_counter() - t0, 2)
         result["scheme"] = job.scheme if kmix.is_mix(job.scheme) else self.plan.describe()
-        if kmix.is_mix(job.scheme) or any(s.super_block for s in self.plan.weights().values()):
+        if kmix.is_mix(job.scheme) or any(s.family.name == "kquant" for s in self.plan.weights().values()):
             result |= _kquant_summary(model, self.plan)
         if self.ev is not None:
             with self.phases("ppl_q"), on_device(model, self.device):

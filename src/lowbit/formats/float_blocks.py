@@ -1,4 +1,4 @@
-"""FP block quantizers: NVFP4, MXFP4, NVFP4 with UE5M3 scales (E2M1) and MXFP8 / FP8 (E4M3).
+"""The float-block family: NVFP4, MXFP4, NVFP4 with UE5M3 scales (E2M1) and MXFP8 / FP8 (E4M3).
 
 One path serves every FP block format: split ``w [out, in]`` into blocks along the input
 axis (ragged last block zero-padded), multiply by the per-tensor scale ``enc`` if the
@@ -7,17 +7,31 @@ scale on the scale format's grid (rules.py), then round ``x * enc / s_b`` to the
 grid. The QTensor holds E2M1 codes ``sign<<3 | magnitude index`` or raw E4M3 bytes,
 the block scales as float32 grid values, and ``enc`` as ``tensor_scale``:
 ``dequant = q * s_b / enc`` (QTensor.dequantize).
+
+Each element grid is one `Element`: its rounding (what the scale rules need), its width,
+and its codes both ways. A new element (an OCP MX type, say) is one `Element` in
+``ELEMENTS`` and, if users should name it, a preset: every rule, rounder, GPTQ grid and
+activation path of the family works from the `Element` alone.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
 import torch
 
 from lowbit.errors import SchemeError
-from lowbit.formats import minifloat, rules
+from lowbit.formats import blocks, minifloat, rules
+from lowbit.formats.args import check
+from lowbit.formats.grids import decode_e2m1, decode_e4m3, e2m1_table
 from lowbit.formats.groups import to_groups
 from lowbit.formats.qtensor import QTensor
-from lowbit.formats.scheme import Scheme
+
+if TYPE_CHECKING:
+    from lowbit.formats.inputs import InputScheme
+    from lowbit.formats.scheme import Scheme
 
 E2M1_FMT = minifloat.Minifloat(ebits=2, mbits=1, bias=1, max=6.0, signed=True)
 
@@ -48,15 +62,45 @@ def round_e4m3_mag(a: torch.Tensor) -> torch.Tensor:
 
 E2M1 = rules.ElemGrid("e2m1", 6.0, 0.5, round_e2m1_mag)
 E4M3_ELEM = rules.ElemGrid("e4m3", 448.0, 2.0**-9, round_e4m3_mag)
-ELEM_GRIDS = {"e2m1": E2M1, "e4m3": E4M3_ELEM}
+
+
+@dataclass(frozen=True)
+class Element:
+    """One FP element grid of the family.
+
+    grid: what the scale rules need (largest and smallest magnitude, rounding of magnitudes).
+    bits: code width. encode: ``(x, r) -> uint8 codes`` of grid magnitudes ``r`` with the signs
+    of ``x`` (zero is code 0). decode: codes -> float32 values. cast: signed values (already
+    divided by their scale) -> the nearest grid values, saturating (the activation path).
+    table: the value of every code, indexed by code (NaN for a code that is no number).
+    """
+
+    grid: rules.ElemGrid
+    bits: int
+    encode: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+    decode: Callable[[torch.Tensor], torch.Tensor]
+    cast: Callable[[torch.Tensor], torch.Tensor]
+    table: Callable[[], torch.Tensor]
+
+
+def _neg(x: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
+    return (x < 0) & (r > 0)
+
+
+E2M1_ELEMENT = Element(
+    E2M1, 4, lambda x, r: e2m1_index(r) | (_neg(x, r).to(torch.uint8) << 3), decode_e2m1,
+    lambda t: torch.copysign(round_e2m1_mag(t.abs()), t), e2m1_table)
+E4M3_ELEMENT = Element(
+    E4M3_ELEM, 8, lambda x, r: minifloat.minifloat_to_code(torch.where(_neg(x, r), -r, r), minifloat.E4M3),
+    decode_e4m3, lambda t: t.clamp(-448.0, 448.0).to(torch.float8_e4m3fn).float(),
+    lambda: decode_e4m3(torch.arange(256, dtype=torch.int32).to(torch.uint8)))
+ELEMENTS: dict[str, Element] = {"e2m1": E2M1_ELEMENT, "e4m3": E4M3_ELEMENT}
+ELEM_GRIDS = {k: e.grid for k, e in ELEMENTS.items()}
 
 
 def encode_codes(x: torch.Tensor, r: torch.Tensor, elem: str) -> torch.Tensor:
     """Codes of chosen magnitudes ``r`` with the signs of ``x`` (zero is code 0)."""
-    neg = (x < 0) & (r > 0)
-    if elem == "e2m1":
-        return e2m1_index(r) | (neg.to(torch.uint8) << 3)
-    return minifloat.minifloat_to_code(torch.where(neg, -r, r), minifloat.E4M3)
+    return ELEMENTS[elem].encode(x, r)
 
 
 def _block_weight(imp: torch.Tensor | None, cols: int, g: int, s: Scheme) -> torch.Tensor | None:
@@ -123,3 +167,133 @@ def _rows_per_chunk(a: torch.Tensor, elems: int = 1 << 22) -> int:
     """Rows per chunk so rule temporaries stay near ``elems`` floats (cache and RAM friendly)."""
     per_row = max(1, a.shape[1] * a.shape[2])
     return max(1, elems // per_row)
+
+
+class FloatBlockFamily:
+    """FP elements (`ELEMENTS`) in blocks of 4..256 with an E4M3 / UE5M3 / E8M0 / float block scale."""
+
+    name = "fp"
+
+    @property
+    def elements(self) -> tuple[str, ...]:
+        return tuple(ELEMENTS)
+
+    def claims(self, elem: str, super_block: int) -> bool:
+        return elem in ELEMENTS and not super_block
+
+    def weight_presets(self) -> dict[str, dict[str, Any]]:
+        nv = {"elem": "e2m1", "bits": 4, "group_size": 16, "scale": "e4m3", "tensor_scale": True}
+        return {
+            "nvfp4": nv,
+            "nvfp4-46": nv | {"rule": "4over6", "guard": True, "tensor_max": 256.0},
+            "nvfp4-ue5m3": nv | {"scale": "ue5m3", "tensor_scale": False, "guard": True},
+            "mxfp4": {"elem": "e2m1", "bits": 4, "group_size": 32, "scale": "e8m0"},
+            "mxfp8": {"elem": "e4m3", "bits": 8, "group_size": 32, "scale": "e8m0"},
+            "fp8": {"elem": "e4m3", "bits": 8, "group_size": -1, "scale": "fp32"},  # per output channel (W8A8 FP8)
+        }
+
+    def input_presets(self) -> dict[str, dict[str, Any]]:
+        nv = {"elem": "e2m1", "bits": 4, "group_size": 16, "scale": "e4m3", "tensor_scale": True}
+        return {
+            "fp8": {"elem": "e4m3", "bits": 8},
+            "fp8-static": {"elem": "e4m3", "bits": 8, "static": True},
+            "mxfp8": {"elem": "e4m3", "bits": 8, "group_size": 32, "scale": "e8m0"},
+            "mxfp4": {"elem": "e2m1", "bits": 4, "group_size": 32, "scale": "e8m0"},
+            "nvfp4": nv,
+            "nvfp4-46": nv | {"rule": "4over6", "guard": True, "tensor_max": 256.0},
+            "nvfp4-ue5m3": nv | {"scale": "ue5m3", "tensor_scale": False, "guard": True},
+        }
+
+    def check(self, s: Scheme) -> None:
+        want = ELEMENTS[s.elem].bits
+        check(s.bits == want, f"{s.elem} elements have {want} bits, got {s.bits}")
+        check(s.sym, "floating-point elements are symmetric; drop sym=0")
+        check(s.group_size == -1 or 4 <= s.group_size <= 256, f"FP block size must be 4..256, got {s.group_size}")
+        if s.rule == "4over6":
+            check(s.elem == "e2m1", "4-over-6 needs E2M1 (FP4) elements")
+
+    def check_input(self, s: InputScheme) -> None:
+        want = ELEMENTS[s.elem].bits
+        check(s.bits == want, f"{s.elem} elements have {want} bits, got {s.bits}")
+        if want < 8:  # a few levels only: a per-token scale would flatten every token
+            check(s.scale != "fp32", f"FP{want} inputs need block scales (e8m0 for MXFP{want}"
+                                     + (", e4m3 / ue5m3 for NVFP4)" if s.elem == "e2m1" else ")"))
+            check(s.group_size != -1, f"FP{want} inputs need a block size (32 for MXFP{want}"
+                                      + (", 16 for NVFP4)" if s.elem == "e2m1" else ")"))
+
+    def check_width(self, s: Scheme, in_features: int, where: str) -> None:
+        blocks.check_width(s, in_features, where)
+
+    scale_noun = "block scales"
+
+    def scale_capacity(self, s: Scheme) -> float:
+        return minifloat.max_scale(s.scale)
+
+    def needed_scale(self, w: torch.Tensor, s: Scheme) -> float:
+        """The largest abs-max block scale (before rounding); with a tensor scale at most S_max by construction (0)."""
+        if s.tensor_scale:
+            return 0.0
+        return float(rules.absmax_hp(w.abs().max().reshape(1), s, ELEM_GRIDS[s.elem]).max())
+
+    def wider_scale(self, s: Scheme) -> str | None:
+        return None  # the scale format is part of the format
+
+    def lost_rows(self, w: torch.Tensor, s: Scheme) -> int:
+        return lost_rows(w, s)
+
+    def bits_per_weight(self, s: Scheme, in_features: int | None, count_scales: bool) -> float:
+        return blocks.bits_per_weight(s, in_features, count_scales)
+
+    def storage_bits(self, s: Scheme, shape: tuple[int, int], count_scales: bool) -> int:
+        return blocks.storage_bits(s, shape, count_scales)
+
+    def grid(self, s: Scheme | InputScheme) -> torch.Tensor:
+        return ELEMENTS[s.elem].table()
+
+    def elem_max(self, s: Scheme | InputScheme) -> float:
+        return ELEMENTS[s.elem].grid.max
+
+    def round_input(self, t: torch.Tensor, s: InputScheme) -> torch.Tensor:
+        return ELEMENTS[s.elem].cast(t)
+
+    def quantize(self, w: torch.Tensor, s: Scheme, imp: torch.Tensor | None = None,
+                 tensor_scale: torch.Tensor | None = None) -> QTensor:
+        return quantize_fp(w, s, imp, tensor_scale=tensor_scale)
+
+    def dequantize(self, q: QTensor, dtype: torch.dtype) -> torch.Tensor:
+        return blocks.dequantize(q, ELEMENTS[q.scheme.elem].decode(q.codes), dtype)
+
+    def pack(self, q: QTensor) -> dict[str, torch.Tensor]:
+        return blocks.pack(q)
+
+    def unpack(self, d: dict[str, torch.Tensor], shape: tuple[int, int], s: Scheme) -> QTensor:
+        return blocks.unpack(d, shape, s)
+
+    def packed_shapes(self, shape: tuple[int, int], s: Scheme) -> dict[str, tuple[int, ...]]:
+        return blocks.packed_shapes(shape, s)
+
+
+FAMILY = FloatBlockFamily()
+
+
+NEGLIGIBLE_ROW = 1 / 8  # a dead row below this fraction of the median row maximum is not a loss
+
+
+def lost_rows(w: torch.Tensor, s: Scheme) -> int:
+    """Rows of ``w`` whose every block would get a zero E4M3 / UE5M3 scale, not counting negligible rows.
+
+    A row's largest block has its largest scale, so the row is lost exactly when that
+    scale rounds to zero; that needs the row maxima only, not a quantization.
+    """
+    if s.scale not in ("e4m3", "ue5m3"):
+        return 0
+    elem = ELEM_GRIDS[s.elem]
+    rowmax = w.abs().amax(1)
+    enc = rules.tensor_encode(rowmax.max(), s, elem)
+    hp = rules.absmax_hp(rowmax, s, elem) * (1.0 if enc is None else enc)
+    dead = (rowmax > 0) & (rules.cast(hp, s) == 0)
+    if not bool(dead.any()):
+        return 0
+    live = rowmax[rowmax > 0]
+    typical = live.median() * NEGLIGIBLE_ROW
+    return int((dead & (rowmax >= typical)).sum())

@@ -33,12 +33,15 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from lowbit.errors import SchemeError
 from lowbit.formats import minifloat
-from lowbit.formats.scheme import Scheme
+
+if TYPE_CHECKING:
+    from lowbit.formats.scheme import Scheme
 
 BRUTE_WINDOW = 8  # codes each side of the abs-max scale (one octave of E4M3 normals)
 SEARCH_RANGE = (0.50, 1.51)  # NVFP4 block-max multipliers of the importance search
