@@ -1,11 +1,11 @@
-"""The float-block family: NVFP4, MXFP4, NVFP4 with UE5M3 scales (E2M1) and MXFP8 / FP8 (E4M3).
+"""The float-block family: NVFP4, MXFP4, NVFP4 with UE5M3 scales (E2M1), MXFP8 / FP8 (E4M3), MXFP6 (E2M3, E3M2).
 
 One path serves every FP block format: split ``w [out, in]`` into blocks along the input
 axis (ragged last block zero-padded), multiply by the per-tensor scale ``enc`` if the
 scheme has one (NVFP4: ``enc = 6 * S_max / amax``), let the scheme's rule pick a block
 scale on the scale format's grid (rules.py), then round ``x * enc / s_b`` to the element
-grid. The QTensor holds E2M1 codes ``sign<<3 | magnitude index`` or raw E4M3 bytes,
-the block scales as float32 grid values, and ``enc`` as ``tensor_scale``:
+grid. The QTensor holds E2M1 codes ``sign<<3 | magnitude index``, raw E4M3 bytes or FP6
+codes ``sign<<5 | exponent<<mbits | mantissa`` (the OCP MX bit layout), the block scales as float32 grid values, and ``enc`` as ``tensor_scale``:
 ``dequant = q * s_b / enc`` (QTensor.dequantize).
 
 Each element grid is one `Element`: its rounding (what the scale rules need), its width,
@@ -94,7 +94,35 @@ E4M3_ELEMENT = Element(
     E4M3_ELEM, 8, lambda x, r: minifloat.minifloat_to_code(torch.where(_neg(x, r), -r, r), minifloat.E4M3),
     decode_e4m3, lambda t: t.clamp(-448.0, 448.0).to(torch.float8_e4m3fn).float(),
     lambda: decode_e4m3(torch.arange(256, dtype=torch.int32).to(torch.uint8)))
-ELEMENTS: dict[str, Element] = {"e2m1": E2M1_ELEMENT, "e4m3": E4M3_ELEMENT}
+
+
+def mx_fp6(name: str, ebits: int, mbits: int, bias: int, max_: float) -> Element:
+    """An OCP MX FP6 element (v1.0: E2M3 bias 1, max 7.5; E3M2 bias 3, max 28): no inf or NaN,
+    subnormals, the sign in bit 5 above the 5-bit magnitude code, round to nearest even, saturating."""
+    fmt = minifloat.Minifloat(ebits=ebits, mbits=mbits, bias=bias, max=max_, signed=False)
+    mag_bits = ebits + mbits
+
+    def round_mag(a: torch.Tensor) -> torch.Tensor:
+        return minifloat.round_minifloat(a, fmt)
+
+    def table() -> torch.Tensor:
+        mags = minifloat.minifloat_from_code(torch.arange(1 << mag_bits, dtype=torch.int32), fmt)
+        return torch.cat([mags, -mags])
+
+    def encode(x: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
+        return minifloat.minifloat_to_code(r, fmt) | (_neg(x, r).to(torch.uint8) << mag_bits)
+
+    def decode(codes: torch.Tensor) -> torch.Tensor:
+        return table().to(codes.device)[codes.long()]
+
+    def cast(t: torch.Tensor) -> torch.Tensor:
+        return torch.copysign(round_mag(t.abs()), t)
+
+    return Element(rules.ElemGrid(name, max_, fmt.smallest, round_mag), 1 + mag_bits, encode, decode, cast, table)
+
+
+ELEMENTS: dict[str, Element] = {"e2m1": E2M1_ELEMENT, "e4m3": E4M3_ELEMENT,
+                                "e2m3": mx_fp6("e2m3", 2, 3, 1, 7.5), "e3m2": mx_fp6("e3m2", 3, 2, 3, 28.0)}
 ELEM_GRIDS = {k: e.grid for k, e in ELEMENTS.items()}
 
 
@@ -169,6 +197,10 @@ def _rows_per_chunk(a: torch.Tensor, elems: int = 1 << 22) -> int:
     return max(1, elems // per_row)
 
 
+# OCP MX FP6: blocks of 32 under one E8M0 scale 2^(floor(log2 amax) - emax), emax 2 (E2M3) or 4 (E3M2)
+MXFP6 = {f"mxfp6-{e}": {"elem": e, "bits": 6, "group_size": 32, "scale": "e8m0"} for e in ("e2m3", "e3m2")}
+
+
 class FloatBlockFamily:
     """FP elements (`ELEMENTS`) in blocks of 4..256 with an E4M3 / UE5M3 / E8M0 / float block scale."""
 
@@ -190,6 +222,7 @@ class FloatBlockFamily:
             "mxfp4": {"elem": "e2m1", "bits": 4, "group_size": 32, "scale": "e8m0"},
             "mxfp8": {"elem": "e4m3", "bits": 8, "group_size": 32, "scale": "e8m0"},
             "fp8": {"elem": "e4m3", "bits": 8, "group_size": -1, "scale": "fp32"},  # per output channel (W8A8 FP8)
+            **MXFP6,
         }
 
     def input_presets(self) -> dict[str, dict[str, Any]]:
@@ -202,6 +235,7 @@ class FloatBlockFamily:
             "nvfp4": nv,
             "nvfp4-46": nv | {"rule": "4over6", "guard": True, "tensor_max": 256.0},
             "nvfp4-ue5m3": nv | {"scale": "ue5m3", "tensor_scale": False, "guard": True},
+            **MXFP6,
         }
 
     def check(self, s: Scheme) -> None:
