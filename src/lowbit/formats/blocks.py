@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from lowbit.errors import CheckpointError, SchemeError
-from lowbit.formats import packing
+from lowbit.formats import minifloat, packing
 from lowbit.formats.groups import from_groups
 from lowbit.formats.minifloat import SCALE_BITS
 from lowbit.formats.qtensor import QTensor
@@ -122,3 +122,28 @@ def _store_scales(scales: torch.Tensor, s: Scheme) -> torch.Tensor:
     if s.scale == "e4m3":
         return scales.to(torch.float8_e4m3fn)
     return scales.float()  # ue5m3 / e8m0 / fp32: exported as codes by the exporters
+
+
+class OneLevelBlocks:
+    """What a family with this layout inherits: width check, bit counts, storage and the scale's capacity."""
+
+    def check_width(self, s: Scheme, in_features: int, where: str) -> None:
+        check_width(s, in_features, where)
+
+    def bits_per_weight(self, s: Scheme, in_features: int | None, count_scales: bool) -> float:
+        return bits_per_weight(s, in_features, count_scales)
+
+    def storage_bits(self, s: Scheme, shape: tuple[int, int], count_scales: bool) -> int:
+        return storage_bits(s, shape, count_scales)
+
+    def scale_capacity(self, s: Scheme) -> float:
+        return minifloat.max_scale(s.scale)
+
+    def pack(self, q: QTensor) -> dict[str, torch.Tensor]:
+        return pack(q)
+
+    def unpack(self, d: dict[str, torch.Tensor], shape: tuple[int, int], s: Scheme) -> QTensor:
+        return unpack(d, shape, s)
+
+    def packed_shapes(self, shape: tuple[int, int], s: Scheme) -> dict[str, tuple[int, ...]]:
+        return packed_shapes(shape, s)

@@ -201,7 +201,7 @@ def _rows_per_chunk(a: torch.Tensor, elems: int = 1 << 22) -> int:
 MXFP6 = {f"mxfp6-{e}": {"elem": e, "bits": 6, "group_size": 32, "scale": "e8m0"} for e in ("e2m3", "e3m2")}
 
 
-class FloatBlockFamily:
+class FloatBlockFamily(blocks.OneLevelBlocks):
     """FP elements (`ELEMENTS`) in blocks of 4..256 with an E4M3 / UE5M3 / E8M0 / float block scale."""
 
     name = "fp"
@@ -255,13 +255,7 @@ class FloatBlockFamily:
             check(s.group_size != -1, f"FP{want} inputs need a block size (32 for MXFP{want}"
                                       + (", 16 for NVFP4)" if s.elem == "e2m1" else ")"))
 
-    def check_width(self, s: Scheme, in_features: int, where: str) -> None:
-        blocks.check_width(s, in_features, where)
-
     scale_noun = "block scales"
-
-    def scale_capacity(self, s: Scheme) -> float:
-        return minifloat.max_scale(s.scale)
 
     def needed_scale(self, w: torch.Tensor, s: Scheme) -> float:
         """The largest abs-max block scale (before rounding); with a tensor scale at most S_max by construction (0)."""
@@ -274,12 +268,6 @@ class FloatBlockFamily:
 
     def lost_rows(self, w: torch.Tensor, s: Scheme) -> int:
         return lost_rows(w, s)
-
-    def bits_per_weight(self, s: Scheme, in_features: int | None, count_scales: bool) -> float:
-        return blocks.bits_per_weight(s, in_features, count_scales)
-
-    def storage_bits(self, s: Scheme, shape: tuple[int, int], count_scales: bool) -> int:
-        return blocks.storage_bits(s, shape, count_scales)
 
     def grid(self, s: Scheme | InputScheme) -> torch.Tensor:
         return ELEMENTS[s.elem].table()
@@ -296,15 +284,6 @@ class FloatBlockFamily:
 
     def dequantize(self, q: QTensor, dtype: torch.dtype) -> torch.Tensor:
         return blocks.dequantize(q, ELEMENTS[q.scheme.elem].decode(q.codes), dtype)
-
-    def pack(self, q: QTensor) -> dict[str, torch.Tensor]:
-        return blocks.pack(q)
-
-    def unpack(self, d: dict[str, torch.Tensor], shape: tuple[int, int], s: Scheme) -> QTensor:
-        return blocks.unpack(d, shape, s)
-
-    def packed_shapes(self, shape: tuple[int, int], s: Scheme) -> dict[str, tuple[int, ...]]:
-        return blocks.packed_shapes(shape, s)
 
 
 FAMILY = FloatBlockFamily()

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from lowbit.formats import blocks, minifloat
+from lowbit.formats import blocks
 from lowbit.formats.args import check
 from lowbit.formats.groups import to_groups
 from lowbit.formats.qtensor import QTensor
@@ -194,7 +194,7 @@ def quantize_int(w: torch.Tensor, s: Scheme, imp: torch.Tensor | None = None) ->
     return QTensor(codes, scale, zero, None, (out, cols), s)
 
 
-class IntegerFamily:
+class IntegerFamily(blocks.OneLevelBlocks):
     """Integers of 2..8 bits in groups with an fp16 / bf16 / fp32 scale, and a zero point when asymmetric.
 
     Codes are stored unsigned (``u = q - qmin``) so every family packs the same way.
@@ -227,13 +227,7 @@ class IntegerFamily:
         check(2 <= s.bits <= 8, f"integer inputs have 2..8 bits, got {s.bits}")
         check(s.scale == "fp32", f"integer inputs use fp32 scales, not {s.scale}")
 
-    def check_width(self, s: Scheme, in_features: int, where: str) -> None:
-        blocks.check_width(s, in_features, where)
-
     scale_noun = "group scales"
-
-    def scale_capacity(self, s: Scheme) -> float:
-        return minifloat.max_scale(s.scale)
 
     def needed_scale(self, w: torch.Tensor, s: Scheme) -> float:
         return needed_scale(w, s)
@@ -244,12 +238,6 @@ class IntegerFamily:
 
     def lost_rows(self, w: torch.Tensor, s: Scheme) -> int:
         return 0
-
-    def bits_per_weight(self, s: Scheme, in_features: int | None, count_scales: bool) -> float:
-        return blocks.bits_per_weight(s, in_features, count_scales)
-
-    def storage_bits(self, s: Scheme, shape: tuple[int, int], count_scales: bool) -> int:
-        return blocks.storage_bits(s, shape, count_scales)
 
     def grid(self, s: Scheme | InputScheme) -> torch.Tensor:
         """The signed level of each unsigned code ``u``: ``u + qmin``."""
@@ -270,15 +258,6 @@ class IntegerFamily:
 
     def dequantize(self, q: QTensor, dtype: torch.dtype) -> torch.Tensor:
         return blocks.dequantize(q, q.codes.float() + q.scheme.qmin, dtype)
-
-    def pack(self, q: QTensor) -> dict[str, torch.Tensor]:
-        return blocks.pack(q)
-
-    def unpack(self, d: dict[str, torch.Tensor], shape: tuple[int, int], s: Scheme) -> QTensor:
-        return blocks.unpack(d, shape, s)
-
-    def packed_shapes(self, shape: tuple[int, int], s: Scheme) -> dict[str, tuple[int, ...]]:
-        return blocks.packed_shapes(shape, s)
 
 
 FAMILY = IntegerFamily()
