@@ -147,3 +147,29 @@ def test_signround_and_gptq_take_it_through_the_family():
     assert torch.equal(r.codes, rtn.codes) and torch.equal(r.scales, rtn.scales)
     grid = make_grid(s, None, 64)
     assert isinstance(grid, FpGrid) and not grid.zeros
+
+
+def test_a_model_saves_and_loads_bit_for_bit(tmp_path):
+    """W6A6 MXFP6 through the Linear, the native checkpoint and its loader, with no code of its own."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from lowbit.formats import Recipe
+    from lowbit.formats.plan import Plan
+    from lowbit.models.native import load, save
+    from lowbit.nn import quant_layers, replace_linears
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=1, num_attention_heads=4,
+                      num_key_value_heads=2, vocab_size=128)
+    model = LlamaForCausalLM(cfg).eval()
+    names = [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and ".layers." in n]
+    replace_linears(model, Plan.uniform(names, Recipe.parse("mxfp6-e2m3@mxfp6-e3m2")))
+    ids = torch.randint(0, 128, (2, 16))
+    with torch.no_grad():
+        before = model(ids).logits
+    save(model, None, tmp_path / "ck")
+    loaded, _ = load(tmp_path / "ck")
+    with torch.no_grad():
+        assert torch.equal(loaded(ids).logits, before)
+    layer = quant_layers(loaded)[names[0]]
+    assert layer.scheme.name == "mxfp6-e2m3" and layer.input_quant.scheme.name == "mxfp6-e3m2"
