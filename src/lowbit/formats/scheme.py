@@ -45,7 +45,8 @@ _FIELD_TO_KEY = {"group_size": "block", "bits": "bits", "rule": "rule", "criteri
 class Scheme(FormatArgs):
     """A weight quantization format.
 
-    elem: element grid: ``int`` (``bits`` wide), ``e2m1`` (FP4) or ``e4m3`` (FP8).
+    elem: element grid: ``int`` (``bits`` wide), ``e2m1`` (FP4), ``e4m3`` (FP8), ``e2m3`` / ``e3m2``
+        (MXFP6); the elements each family takes are its own (`lowbit.formats.families`).
     group_size: columns sharing one scale along the input axis; -1 = one per row.
     sym / full_range: INT only. Full range maps the largest-magnitude value of a group
         to -2^(b-1) (one more level than the classic max -> 2^(b-1)-1).
