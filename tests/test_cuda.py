@@ -19,7 +19,7 @@ import pytest
 import torch
 from ptq_helpers import calib, tiny_model, uniform
 
-from lowbit.formats import Scheme, fp8, qdq
+from lowbit.formats import Scheme, minifloat, qdq
 from lowbit.nn import QuantLinear, quant_layers, replace_linears
 
 DEVICE = os.environ.get("LOWBIT_TEST_DEVICE") or ("cuda" if torch.cuda.is_available() else "")
@@ -59,14 +59,14 @@ def test_e4m3_cast_on_device_matches_torch_float8():
     CUDA cast turned 1e6 into NaN where the CPU cast (2.13) gives 448. A scale must stay
     finite, so lowbit saturates everywhere.
     """
-    grid = fp8.minifloat_grid(fp8.E4M3)
+    grid = minifloat.minifloat_grid(minifloat.E4M3)
     mids = (grid[1:] + grid[:-1]) / 2
     x = torch.cat([grid, mids, -mids, torch.rand(4096) * 463.9, torch.tensor([0.0, 448.0, 463.9])])
-    got = fp8.round_minifloat(x.to(DEVICE), fp8.E4M3).cpu()
+    got = minifloat.round_minifloat(x.to(DEVICE), minifloat.E4M3).cpu()
     assert torch.equal(got, x.to(DEVICE).to(torch.float8_e4m3fn).float().cpu())
     big = torch.tensor([464.0, 500.0, 1e6, float("inf")])
-    assert torch.equal(fp8.round_minifloat(big.to(DEVICE), fp8.E4M3).cpu(), torch.full((4,), 448.0))
-    assert torch.equal(fp8.round_minifloat(-big.to(DEVICE), fp8.E4M3).cpu(), torch.full((4,), -448.0))
+    assert torch.equal(minifloat.round_minifloat(big.to(DEVICE), minifloat.E4M3).cpu(), torch.full((4,), 448.0))
+    assert torch.equal(minifloat.round_minifloat(-big.to(DEVICE), minifloat.E4M3).cpu(), torch.full((4,), -448.0))
 
 
 def code_agreement(a, b) -> float:

@@ -74,7 +74,7 @@ def test_limits_from_manifest_and_plan_agree(tiny_hf_dir, tmp_path):
     assert {s.scheme for s in got} == {Scheme.parse("w4g32")} and all(s.input is None for s in got)
     assert limits.refusals(got, "llama") == {}
     assert "gguf" in limits.refusals(got, "gpt2")  # an architecture the GGUF export does not write
-    rotated = specs.from_plan(Plan({s.name: "w4g32" for s in got}), {s.name: s.shape for s in got},
+    rotated = specs.from_plan(Plan({s.name: "w4g32" for s in got}).layers, {s.name: s.shape for s in got},
                               frozenset([got[0].name]))
     assert set(limits.refusals(rotated, "llama")) == {"compressed-tensors", "gguf"}
 

@@ -7,7 +7,7 @@ import torch
 
 from lowbit.errors import ConfigError, SchemeError
 from lowbit.formats import InputScheme, Recipe, qdq_input
-from lowbit.formats import fp8 as fp8mod
+from lowbit.formats import minifloat as fp8mod
 from lowbit.formats.inputs import PRESETS, encode_scale, underflow_fraction
 from lowbit.nn.input_quant import InputQuantizer
 from lowbit.plans.plan import Plan

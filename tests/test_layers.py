@@ -14,7 +14,7 @@ SRC = Path(__file__).resolve().parents[1] / "src" / "lowbit"
 LAYERS = [
     ("errors",),
     ("configs", "io"),
-    ("formats",),
+    ("formats", "transforms"),
     ("nn",),
     ("files",),
     ("models", "data"),

@@ -10,12 +10,12 @@ from test_rotation import llama, same_function
 from lowbit.errors import ConfigError, SchemeError
 from lowbit.formats import Scheme, quantize
 from lowbit.formats.inputs import InputScheme
-from lowbit.formats.wht import hadamard
 from lowbit.nn import QuantLinear, quant_layers
 from lowbit.nn.input_quant import InputQuantizer
 from lowbit.nn.input_rotation import InputRotation, attach
 from lowbit.ptq import quantize_model
 from lowbit.ptq.rotation import RotationSettings, rotate_model
+from lowbit.transforms.hadamard import hadamard
 
 ONLINE = RotationSettings(residual=False, online=("down_proj",))
 

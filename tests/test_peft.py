@@ -271,8 +271,8 @@ def test_host_layer_folding_matches_separate_delta(kind):
 def test_training_after_an_inference_mode_eval(kind):
     """Caches filled during an inference_mode eval (dequantized base, WHT factors) must not
     break the next training step."""
-    from lowbit.formats.wht import _factor_matrix
     from lowbit.nn import QuantLinear
+    from lowbit.transforms.hadamard import _factor_matrix
 
     _factor_matrix.cache_clear()  # so the eval below is what fills the WHT factor cache
     layer = QuantLinear.from_linear(torch.nn.Linear(48, 24), "w4g16")

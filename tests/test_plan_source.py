@@ -108,10 +108,9 @@ def test_the_device_reaches_the_method_resolved_once(seen_context):
 def test_a_mix_checkpoint_records_its_mix_and_its_gguf_says_so(tiny_hf_dir, tmp_path):
     """quantize writes the mix as its own manifest entry; export reads it back for general.file_type."""
     gguf = pytest.importorskip("gguf")
+    from lowbit import api
     from lowbit.files.gguf_export import FILE_TYPES
     from lowbit.files.native import read_manifest
-
-    from lowbit import api
 
     job = QuantizeJob(out=tmp_path / "q", model=str(tiny_hf_dir), scheme="Q3_K_M", settings={"search": False},
                       evaluation=None, progress=False)

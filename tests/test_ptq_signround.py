@@ -200,7 +200,7 @@ FP_SCHEMES = ["nvfp4", "nvfp4-46", "mxfp4", "mxfp8", "nvfp4-ue5m3"]
 
 @pytest.mark.parametrize("scheme", FP_SCHEMES)
 def test_fp_rounder_is_rtn_at_init_and_exports_its_forward(scheme):
-    pytest.importorskip("lowbit.formats.fp4")
+    pytest.importorskip("lowbit.formats.float_blocks")
     from lowbit.ptq.fp_rounders import FpRounder
 
     s = Scheme.parse(scheme)
@@ -218,7 +218,7 @@ def test_fp_rounder_is_rtn_at_init_and_exports_its_forward(scheme):
 
 @pytest.mark.parametrize("scheme", ["nvfp4-46", "mxfp4"])
 def test_fp_tuning_beats_rtn(scheme):
-    pytest.importorskip("lowbit.formats.fp4")
+    pytest.importorskip("lowbit.formats.float_blocks")
     m = tiny_model(layers=1)
     c = calib(16, 32)
     rtn, sr = copy.deepcopy(m), copy.deepcopy(m)

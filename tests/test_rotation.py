@@ -258,7 +258,7 @@ def test_channels_a_norm_switches_off_stay_out_of_the_rotation():
 
 
 def factor_ok(n: int) -> bool:
-    from lowbit.formats.wht import factor
+    from lowbit.transforms.hadamard import factor
 
     return factor(n) is not None
 

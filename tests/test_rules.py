@@ -7,8 +7,8 @@ from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
 from lowbit.errors import SchemeError
-from lowbit.formats import Scheme, fp8, quantize, rules
-from lowbit.formats.fp4 import E2M1, quantize_fp
+from lowbit.formats import Scheme, minifloat, quantize, rules
+from lowbit.formats.float_blocks import E2M1, quantize_fp
 from lowbit.formats.groups import to_groups
 
 BLOCK = 8
@@ -65,7 +65,7 @@ def test_guard_before_and_after_rounding_agree():
     amax[:10] = 0
     hp = amax / 6
     for fmt in ("e4m3", "ue5m3"):
-        after = rules.guard_scale(fp8.cast_scale(hp, fmt), amax, fmt, "after")
+        after = rules.guard_scale(minifloat.cast_scale(hp, fmt), amax, fmt, "after")
         before = rules.guard_scale(None, amax, fmt, "before", hp=hp)
         assert torch.equal(after, before)
         assert (after[amax > 0] > 0).all() and (after[amax == 0] == 0).all()
@@ -87,8 +87,8 @@ def test_absmax_candidate_is_first_and_counts():
     amax = torch.tensor([[1.0, 3.0]])
     s = Scheme.parse("nvfp4-46")
     c46 = list(rules.candidates(amax, s, E2M1))
-    assert len(c46) == 2 and torch.equal(c46[0], fp8.cast_scale(amax / 6, "e4m3"))
-    assert torch.equal(c46[1], fp8.cast_scale(amax / 4, "e4m3"))
+    assert len(c46) == 2 and torch.equal(c46[0], minifloat.cast_scale(amax / 6, "e4m3"))
+    assert torch.equal(c46[1], minifloat.cast_scale(amax / 4, "e4m3"))
     span = list(rules.candidates(amax * 100, s.replace(rule="span"), E2M1))
     assert 5 <= len(span) <= 10  # about 4.7 E4M3 codes between the "6" and "4" scales, +-1
     mx = list(rules.candidates(amax, Scheme.parse("mxfp4:rule=search"), E2M1))

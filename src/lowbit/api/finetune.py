@@ -252,7 +252,7 @@ class _Finetune:
         made = apply_adapters(model, job.peft, fp, xtx, progress=job.progress)
         padded = {n: [a.plan.width, a.plan.n] for n, a in made.items() if getattr(a, "plan", None) and a.plan.padded}
         if padded:
-            result["padded_widths"] = padded  # no Hadamard construction: zero-padded (see lowbit.formats.wht)
+            result["padded_widths"] = padded  # no Hadamard construction: zero-padded (see lowbit.transforms.hadamard)
         result["init_seconds"] = round(time.perf_counter() - t0, 2)
         result["trainable_params"] = count_trainable(model)
         if ppl:

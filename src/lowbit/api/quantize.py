@@ -283,7 +283,7 @@ class _Run:
         result["quantize_seconds"] = round(time.perf_counter() - t0, 2)
         mix = source.mix_name(job.source)
         result["scheme"] = mix or self.plan.describe()
-        if mix or any(s.super_block for s in self.plan.weights().values()):
+        if mix or any(s.family.name == "kquant" for s in self.plan.weights().values()):
             result |= _kquant_summary(model, self.plan)
         if self.ev is not None:
             with self.phases("ppl_q"), on_device(model, self.device):
@@ -349,7 +349,7 @@ def _export_limits(job: QuantizeJob, model: nn.Module, plan: Plan) -> dict[str, 
     kind = getattr(getattr(model, "config", None), "model_type", None)
     found: dict[str, str] = {}
     for p in options:
-        layer_specs = specs.from_plan(p, shapes, rotated)
+        layer_specs = specs.from_plan(p.layers, shapes, rotated)
         for to, why in limits.refusals(layer_specs, kind).items():
             found.setdefault(to, why)
         if "compressed-tensors" not in found:

@@ -105,7 +105,8 @@ class Target:
 
 def target_for(scheme: Scheme, in_features: int, where: str = "layer") -> Target:
     """The compressed-tensors format and QuantizationArgs fields for ``scheme``; refuses the rest."""
-    if scheme.super_block:
+    family = scheme.family.name
+    if family == "kquant":
         raise SchemeError(f"{where}: {scheme.name} is a llama.cpp K-quant (sub-block scale codes under fp16 "
                           f"super-block scales), which compressed-tensors cannot hold; export it with --to gguf, "
                           f"or re-quantize with one of: {HOLDS}")
@@ -116,7 +117,7 @@ def target_for(scheme: Scheme, in_features: int, where: str = "layer") -> Target
                           f"re-quantize with a group that divides "
                           f"every row (here {dividing_group(g, in_features)}, e.g. "
                           f"{scheme.replace(group_size=dividing_group(g, in_features)).name})")
-    if scheme.elem == "int":
+    if family == "int":
         strategy = "channel" if scheme.group_size == -1 else "group"
         return Target(PACK, {"num_bits": scheme.bits, "type": "int", "symmetric": scheme.sym,
                              "strategy": strategy, "group_size": None if strategy == "channel" else g})
@@ -144,12 +145,12 @@ def dividing_group(g: int, cols: int) -> int:
 
 def input_args(inp: InputScheme, where: str = "layer") -> dict[str, Any]:
     """compressed-tensors ``input_activations`` fields for ``inp``; refuses what it cannot express."""
-    kind = "int" if inp.elem == "int" else "float"
+    kind = "int" if inp.family.name == "int" else "float"
     if inp.static and inp.bits == 8:
         return {"num_bits": 8, "type": kind, "symmetric": True, "strategy": "tensor", "dynamic": False}
     if inp.group_size == -1 and not inp.static and inp.bits == 8 and inp.scale == "fp32":
         return {"num_bits": 8, "type": kind, "symmetric": True, "strategy": "token", "dynamic": True}
-    if inp.scale == "e8m0" and inp.group_size == 32 and inp.e8m0_round == "even":
+    if inp.scale == "e8m0" and inp.group_size == 32 and inp.e8m0_round == "even" and inp.elem in ("e2m1", "e4m3"):
         return {"num_bits": inp.bits, "type": "float", "symmetric": True, "strategy": "group", "group_size": 32,
                 "dynamic": True, "scale_dtype": torch.uint8}
     if (inp.elem == "e2m1" and inp.scale == "e4m3" and inp.group_size == 16 and inp.tensor_scale
@@ -216,7 +217,7 @@ def input_tensors(layer: QuantLinear) -> dict[str, torch.Tensor]:
     enc = encode_scale(iq.scheme, iq.amax).float().reshape(1)
     if iq.scheme.tensor_scale:
         return {"input_global_scale": enc}
-    zdt = torch.int8 if iq.scheme.elem == "int" else torch.float8_e4m3fn
+    zdt = torch.int8 if iq.scheme.family.name == "int" else torch.float8_e4m3fn
     return {"input_scale": enc, "input_zero_point": torch.zeros(1, dtype=zdt)}
 
 

@@ -93,15 +93,16 @@ def _gguf():
 # ------------------------------------------------------------------ mapping
 def exact_type(scheme: Scheme, in_features: int) -> str | None:
     """The GGUF type that holds ``scheme`` exactly (None: no such type)."""
-    if scheme.super_block:
+    family = scheme.family.name
+    if family == "kquant":
         return f"Q{scheme.bits}_K" if in_features % 256 == 0 else None
     if in_features % 32 or scheme.group_for(in_features) != 32:
         return None
-    if scheme.elem == "int" and scheme.scale != "fp16":  # the legacy types store fp16 scales (fp32: a wide layer)
+    if family == "int" and scheme.scale != "fp16":  # the legacy types store fp16 scales (fp32: a wide layer)
         return None
-    if scheme.elem == "int" and scheme.bits in (4, 5):
+    if family == "int" and scheme.bits in (4, 5):
         return f"Q{scheme.bits}_0" if scheme.sym else f"Q{scheme.bits}_1"
-    if scheme.elem == "int" and scheme.bits == 8 and scheme.sym:
+    if family == "int" and scheme.bits == 8 and scheme.sym:
         return "Q8_0"
     if scheme.elem == "e2m1" and scheme.scale == "e8m0" and not scheme.tensor_scale:
         return "MXFP4"
@@ -143,7 +144,7 @@ def pack_blocks(q: QTensor, qtype: str, where: str = "layer") -> np.ndarray:
     Exact for every type but Q4_1, whose fp16 minimum may round (see `q4_1_exact`).
     """
     out = q.shape[0]
-    if q.scheme.super_block:
+    if q.scheme.family.name == "kquant":
         return pack_kquant(q)
     if qtype == "Q5_0":
         blocks = torch.cat([_f16_bytes(q.scales), _high_bits(q.codes), _nibbles(q.codes & 0xF)], -1)
@@ -181,7 +182,7 @@ def rope_rows(out: int, n_head: int) -> torch.Tensor:
 
 def permute_qtensor(q: QTensor, rows: torch.Tensor) -> QTensor:
     """Rows reordered; the K-quants' super-block scales are per row too, NVFP4's tensor scale is not."""
-    ts = q.tensor_scale[rows] if q.scheme.super_block else q.tensor_scale
+    ts = q.tensor_scale[rows] if q.scheme.family.name == "kquant" else q.tensor_scale
     return QTensor(q.codes[rows], q.scales[rows], None if q.zeros is None else q.zeros[rows], ts, q.shape, q.scheme)
 
 
@@ -485,7 +486,8 @@ def export(model: nn.Module, tokenizer: Any, out: str | Path, force: bool = Fals
     result = {"out": str(out), "arch": arch.gguf, "types": counts, "verified": sum(p.exact for p in types.values()),
               "requantized": sorted(n for n, p in types.items() if not p.exact)}
     fallback = sorted(n for n, layer in qlayers.items() if layer.in_features % 256 and
-                      any(lay.scheme.super_block for lay in qlayers.values()) and not layer.scheme.super_block)
+                      any(lay.scheme.family.name == "kquant" for lay in qlayers.values())
+                      and layer.scheme.family.name != "kquant")
     if fallback:
         result["fallback"] = (f"{len(fallback)} tensor(s) with rows not a multiple of 256 hold llama.cpp's 32-block "
                               "fallback types (Q2_K/Q3_K -> Q4_0, Q4_K -> Q5_0, Q5_K -> Q5_1, Q6_K -> Q8_0), "

@@ -66,7 +66,7 @@ def _q3_scale_bytes(sc: torch.Tensor) -> torch.Tensor:
 def pack_kquant(q: QTensor) -> np.ndarray:
     """GGUF block bytes ``uint8 [out, (in / 256) * block_bytes]`` of a K-quant QTensor."""
     s = q.scheme
-    if not s.super_block:
+    if s.family.name != "kquant":
         raise SchemeError(f"{s.name} is not a K-quant scheme")
     kt = ktype(s.bits)
     out, cols = q.shape

@@ -15,10 +15,9 @@ from dataclasses import dataclass
 from torch import nn
 
 from lowbit.errors import CheckpointError, SchemeError
-from lowbit.formats import InputScheme, Scheme
+from lowbit.formats import InputScheme, Recipe, Scheme
 from lowbit.nn import quant_layers
 from lowbit.nn.input_rotation import refuse_rotated
-from lowbit.plans.plan import Plan
 
 
 @dataclass(frozen=True)
@@ -55,9 +54,10 @@ def from_manifest(manifest: Mapping) -> list[LayerSpec]:
     return specs
 
 
-def from_plan(plan: Plan, shapes: Mapping[str, tuple[int, int]], rotated: frozenset[str] = frozenset()
-              ) -> list[LayerSpec]:
-    """The layers a plan will make, with their ``(out, in)`` shapes (``rotated``: inputs rotated online)."""
+def from_plan(plan: Mapping[str, Recipe], shapes: Mapping[str, tuple[int, int]],
+              rotated: frozenset[str] = frozenset()) -> list[LayerSpec]:
+    """The layers a plan (``Plan.layers``: layer -> recipe) will make, with their ``(out, in)`` shapes
+    (``rotated``: inputs rotated online). A mapping, not a ``plans.Plan``: files sit below plans."""
     return [LayerSpec(n, r.weight, r.input, tuple(shapes[n]), n in rotated) for n, r in plan.items()]
 
 

@@ -27,14 +27,3 @@ def decode_e2m1(codes: torch.Tensor) -> torch.Tensor:
 
 def decode_e4m3(codes: torch.Tensor) -> torch.Tensor:
     return codes.view(torch.float8_e4m3fn).float()
-
-
-def decode_elements(codes: torch.Tensor, elem: str, qmin: int = 0) -> torch.Tensor:
-    """Float32 element values of ``codes`` (scales not applied)."""
-    if elem == "int":
-        return codes.float() + qmin
-    if elem == "e2m1":
-        return decode_e2m1(codes)
-    if elem == "e4m3":
-        return decode_e4m3(codes)
-    raise ValueError(f"unknown element grid {elem!r}")

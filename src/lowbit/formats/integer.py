@@ -1,4 +1,4 @@
-"""Group-wise integer quantization: symmetric (full range or classic) and asymmetric.
+"""The integer family: group-wise integer quantization, symmetric (full range or classic) and asymmetric.
 
 Full range maps the largest-magnitude value of a group to the most negative code
 ``-2^(b-1)`` (its sign decides the scale's sign), which gains one level over the classic
@@ -9,13 +9,21 @@ one the codes were chosen for.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Any
+
 import torch
 
+from lowbit.formats import blocks
+from lowbit.formats.args import check
 from lowbit.formats.groups import to_groups
 from lowbit.formats.qtensor import QTensor
-from lowbit.formats.scheme import Scheme
+
+if TYPE_CHECKING:
+    from lowbit.formats.inputs import InputScheme
+    from lowbit.formats.scheme import Scheme
 
 _SCALE_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
+WIDER = {"fp16": "fp32", "bf16": "fp32"}  # group scales with a wider storage dtype (`lowbit.formats.ranges`)
 
 
 def cast_scale(scale: torch.Tensor, fmt: str) -> torch.Tensor:
@@ -184,3 +192,82 @@ def quantize_int(w: torch.Tensor, s: Scheme, imp: torch.Tensor | None = None) ->
     q = int_codes(wg, scale, zero, s)
     codes = (q - s.qmin).to(torch.uint8)
     return QTensor(codes, scale, zero, None, (out, cols), s)
+
+
+class IntegerFamily(blocks.OneLevelBlocks):
+    """Integers of 2..8 bits in groups with an fp16 / bf16 / fp32 scale, and a zero point when asymmetric.
+
+    Codes are stored unsigned (``u = q - qmin``) so every family packs the same way.
+    """
+
+    name = "int"
+    elements = ("int",)
+
+    def claims(self, elem: str, super_block: int) -> bool:
+        return elem == "int" and not super_block
+
+    def weight_presets(self) -> dict[str, dict[str, Any]]:
+        def w(bits: int, group: int = -1, asym: bool = False) -> dict[str, Any]:
+            return {"elem": "int", "bits": bits, "group_size": group, "sym": not asym}
+
+        return {"w4g128": w(4, 128), "w4g128a": w(4, 128, asym=True), "w4g32": w(4, 32),
+                "w4g32a": w(4, 32, asym=True), "w3g128": w(3, 128), "w2g64": w(2, 64), "w2g128": w(2, 128),
+                "w8": w(8, -1), "w8g32": w(8, 32), "w4": w(4, -1)}
+
+    def input_presets(self) -> dict[str, dict[str, Any]]:
+        return {"int8": {"elem": "int", "bits": 8}, "int8-static": {"elem": "int", "bits": 8, "static": True}}
+
+    def check(self, s: Scheme) -> None:
+        check(2 <= s.bits <= 8, f"integer bits must be 2..8, got {s.bits}")
+        check(s.scale in ("fp32", "fp16", "bf16"), f"integer groups store fp32/fp16/bf16 scales, not {s.scale}")
+        check(s.rule in ("absmax", "search"), f"rule {s.rule} applies to FP4 blocks only")
+        check(not s.tensor_scale, "integer schemes have no tensor scale")
+
+    def check_input(self, s: InputScheme) -> None:
+        check(2 <= s.bits <= 8, f"integer inputs have 2..8 bits, got {s.bits}")
+        check(s.scale == "fp32", f"integer inputs use fp32 scales, not {s.scale}")
+
+    scale_noun = "group scales"
+
+    def needed_scale(self, w: torch.Tensor, s: Scheme) -> float:
+        return needed_scale(w, s)
+
+    def wider_scale(self, s: Scheme) -> str | None:
+        """fp32 for fp16 / bf16 group scales: 16 more bits per group for a layer beyond them."""
+        return WIDER.get(s.scale)
+
+    def lost_rows(self, w: torch.Tensor, s: Scheme) -> int:
+        return 0
+
+    def grid(self, s: Scheme | InputScheme) -> torch.Tensor:
+        """The signed level of each unsigned code ``u``: ``u + qmin``."""
+        lo = -(2 ** (s.bits - 1)) if getattr(s, "sym", True) else 0
+        return torch.arange(2**s.bits, dtype=torch.float32) + lo
+
+    def elem_max(self, s: Scheme | InputScheme) -> float:
+        return float(2 ** (s.bits - 1) - 1)
+
+    def round_input(self, t: torch.Tensor, s: InputScheme) -> torch.Tensor:
+        """Activations (already divided by their scale) to the nearest symmetric level, clamped."""
+        lim = 2 ** (s.bits - 1)
+        return t.round().clamp(-lim, lim - 1)
+
+    def quantize(self, w: torch.Tensor, s: Scheme, imp: torch.Tensor | None = None,
+                 tensor_scale: torch.Tensor | None = None) -> QTensor:
+        return quantize_int(w, s, imp)
+
+    def dequantize(self, q: QTensor, dtype: torch.dtype) -> torch.Tensor:
+        return blocks.dequantize(q, q.codes.float() + q.scheme.qmin, dtype)
+
+
+FAMILY = IntegerFamily()
+
+
+def needed_scale(w: torch.Tensor, s: Scheme) -> float:
+    """The largest unrounded group scale any group of ``w`` needs under ``s`` (rows in slices)."""
+    best = 0.0
+    for part in w.split(max(1, (1 << 22) // max(1, w.shape[1]))):
+        lo_hi = group_range(to_groups(part, s.group_for(w.shape[1])), s)
+        scale = lo_hi[0].abs() if lo_hi[1] is None else (lo_hi[1] - lo_hi[0]) / s.qmax
+        best = max(best, float(scale.max()))
+    return best

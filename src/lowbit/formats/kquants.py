@@ -31,8 +31,18 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+from lowbit.errors import CheckpointError, SchemeError
+from lowbit.formats import blocks, integer, packing
+from lowbit.formats.args import check
+from lowbit.formats.groups import from_groups
+from lowbit.formats.qtensor import QTensor
+
+if TYPE_CHECKING:
+    from lowbit.formats.scheme import Scheme
 
 QK_K = 256
 
@@ -322,6 +332,140 @@ def fit_width(scheme, in_features: int):
         return dataclasses.replace(scheme, weight=fit_width(weight, in_features))
     if not getattr(scheme, "super_block", 0) or in_features % QK_K == 0:
         return scheme
-    from lowbit.formats.scheme import Scheme
+    return scheme.parse(FALLBACK[scheme.bits]).replace(rule=scheme.rule)
 
-    return Scheme.parse(FALLBACK[scheme.bits]).replace(rule=scheme.rule)
+
+# --------------------------------------------------------------------- the family
+KQUANT_NAMES = tuple(f"q{b}_k" for b in KTYPES)
+
+
+class KQuantFamily:
+    """llama.cpp's Q2_K ... Q6_K: integer elements under integer sub-block scales under fp16 super-block scales."""
+
+    name = "kquant"
+    elements = ("int",)
+
+    def claims(self, elem: str, super_block: int) -> bool:
+        return bool(super_block)
+
+    def weight_presets(self) -> dict[str, dict[str, Any]]:
+        return {f"q{b}_k": {"elem": "int", "bits": b, "group_size": kt.sub, "sym": kt.sym, "scale": "fp16",
+                            "super_block": QK_K} for b, kt in KTYPES.items()}
+
+    def input_presets(self) -> dict[str, dict[str, Any]]:
+        return {}
+
+    def check(self, s: Scheme) -> None:
+        integer.FAMILY.check(s)
+        kt = KTYPES.get(s.bits) if s.elem == "int" else None
+        check(s.super_block == QK_K and kt is not None and (s.group_size, s.sym, s.scale) == (kt.sub, kt.sym, "fp16")
+              and s.full_range, f"super-block schemes are llama.cpp's K-quants only ({', '.join(KQUANT_NAMES)}); "
+              "their sub-block, symmetry and scales are fixed")
+
+    def check_input(self, s: Any) -> None:
+        raise SchemeError("K-quants are weight formats; inputs cannot use them")
+
+    def check_width(self, s: Scheme, in_features: int, where: str) -> None:
+        if in_features % QK_K:
+            raise SchemeError(
+                f"{s.name} needs rows that are a multiple of {QK_K} weights; {where} has "
+                f"{in_features} input columns. llama.cpp falls back to {FALLBACK_GGUF[s.bits]} for such "
+                f"tensors: use {FALLBACK[s.bits]} for this layer (the K-quant mixes such as "
+                f"{s.name}_m do so by themselves)"
+            )
+        blocks.check_width(s, in_features, where)
+
+    scale_noun = "super-block scales"
+
+    def scale_capacity(self, s: Scheme) -> float:
+        """The largest fp16 super-block scale times the largest sub-scale code."""
+        kt = ktype(s.bits)
+        return 65504.0 * max(abs(kt.sc_lo), kt.sc_hi)
+
+    def needed_scale(self, w: torch.Tensor, s: Scheme) -> float:
+        """The sub-block scale the largest weight needs (asymmetric: the min code under dmin)."""
+        kt = ktype(s.bits)
+        levels = max(abs(kt.qmin), kt.qmax) if kt.sym else 1
+        return float(w.abs().max()) / levels
+
+    def wider_scale(self, s: Scheme) -> str | None:
+        return None  # fp16 super-block scales are part of the format
+
+    def lost_rows(self, w: torch.Tensor, s: Scheme) -> int:
+        return 0
+
+    def bits_per_weight(self, s: Scheme, in_features: int | None, count_scales: bool) -> float:
+        """llama.cpp's bytes per 256-weight super-block, scales included."""
+        return ktype(s.bits).bits_per_weight if count_scales else float(s.bits)
+
+    def storage_bits(self, s: Scheme, shape: tuple[int, int], count_scales: bool) -> int:
+        out, cols = shape
+        return int(self.bits_per_weight(s, cols, True) * out * cols) if count_scales else s.bits * out * cols
+
+    def grid(self, s: Scheme) -> torch.Tensor:
+        kt = ktype(s.bits)
+        return torch.arange(2**s.bits, dtype=torch.float32) + kt.qmin
+
+    def elem_max(self, s: Any) -> float:
+        raise SchemeError("K-quants are weight formats; inputs cannot use them")
+
+    def round_input(self, t: torch.Tensor, s: Any) -> torch.Tensor:
+        raise SchemeError("K-quants are weight formats; inputs cannot use them")
+
+    def quantize(self, w: torch.Tensor, s: Scheme, imp: torch.Tensor | None = None,
+                 tensor_scale: torch.Tensor | None = None) -> QTensor:
+        """``rule='search'`` = weighted least squares + refined double quantization (importance-weighted
+        when ``imp`` is given), ``absmax`` = plain ranges."""
+        kt = ktype(s.bits)
+        parts = quantize_parts(w, kt, imp if s.rule == "search" else None, search=s.rule == "search")
+        codes, sc, m, sup = parts_to_tensors(parts, kt)
+        return QTensor(codes, sc, m, sup, tuple(w.shape), s)
+
+    def dequantize(self, q: QTensor, dtype: torch.dtype) -> torch.Tensor:
+        w = dequantize(q.codes, q.scales, q.zeros, q.tensor_scale, ktype(q.scheme.bits))
+        return from_groups(w, q.shape[1]).to(dtype)
+
+    def packed_shapes(self, shape: tuple[int, int], s: Scheme) -> dict[str, tuple[int, ...]]:
+        out, cols = shape
+        kt = ktype(s.bits)
+        if cols % QK_K:
+            raise CheckpointError(f"{s.name} weight of {cols} columns: K-quant rows are multiples of 256")
+        nsub, nsup = cols // kt.sub, cols // QK_K
+        d = {"codes": (out, packing.packed_bytes(nsub * kt.sub, kt.bits)), "scales": (out, nsub),
+             "tensor_scale": (out, nsup, kt.nsuper_scales)}
+        return d | ({} if kt.sym else {"zeros": (out, nsub)})
+
+    def pack(self, q: QTensor) -> dict[str, torch.Tensor]:
+        """Codes bit-packed, sub-scale codes int8 (they span -128..127 at most), min codes uint8,
+        super-block scales fp16: every value stored exactly, nothing recomputed on load."""
+        out = q.shape[0]
+        d = {"codes": packing.pack(q.codes.reshape(out, -1), q.scheme.bits),
+             "scales": q.scales.to(torch.int8), "tensor_scale": q.tensor_scale.to(torch.float16)}
+        if q.zeros is not None:
+            d["zeros"] = q.zeros.to(torch.uint8)
+        return d
+
+    def unpack(self, d: dict[str, torch.Tensor], shape: tuple[int, int], s: Scheme) -> QTensor:
+        kt = ktype(s.bits)
+        out, cols = shape
+        nsub = cols // kt.sub
+        dtypes = {"codes": torch.uint8, "scales": torch.int8, "tensor_scale": torch.float16, "zeros": torch.uint8}
+        want = {k: (dtypes[k], shp) for k, shp in self.packed_shapes(shape, s).items()}
+        extra = sorted(set(d) - set(want))
+        if extra:
+            raise CheckpointError(f"stored {s.name} weight has unexpected parts {extra}; the file was edited")
+        for k, (dt, shp) in want.items():
+            t = d.get(k)
+            if t is None or t.dtype != dt or tuple(t.shape) != shp:
+                got = "missing" if t is None else f"{t.dtype} {tuple(t.shape)}"
+                raise CheckpointError(f"{s.name} {k} is {got}, expected {dt} {shp} for shape {shape}")
+        codes = packing.unpack(d["codes"], kt.bits, nsub * kt.sub).reshape(out, nsub, kt.sub)
+        sc = d["scales"].float()
+        m = d["zeros"].float() if "zeros" in d else None
+        if codes.numel() and (int(codes.max()) > kt.qmax - kt.qmin or int(sc.min()) < kt.sc_lo or
+                              int(sc.max()) > kt.sc_hi or (m is not None and int(m.max()) > kt.m_hi)):
+            raise CheckpointError(f"{s.name} codes out of range; the file was edited or damaged")
+        return QTensor(codes, sc, m, d["tensor_scale"].float(), (out, cols), s)
+
+
+FAMILY = KQuantFamily()

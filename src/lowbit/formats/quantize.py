@@ -1,29 +1,16 @@
 """Entry points: ``quantize(w, scheme) -> QTensor`` and ``qdq(w, scheme) -> Tensor``.
 
-A plain dict maps each element grid to its quantizer (no class hierarchy), so a new
-format is one function and one registry line.
+The scheme's family (`lowbit.formats.families`) does the work, so a new format is a
+change to its family's module and nothing here.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 
 from lowbit.errors import SchemeError
-from lowbit.formats import kquants
-from lowbit.formats.fp4 import quantize_fp
-from lowbit.formats.integer import quantize_int
 from lowbit.formats.qtensor import QTensor
 from lowbit.formats.scheme import Scheme
-
-Quantizer = Callable[[torch.Tensor, Scheme, "torch.Tensor | None"], QTensor]
-
-QUANTIZERS: dict[str, Quantizer] = {"int": quantize_int, "e2m1": quantize_fp, "e4m3": quantize_fp}
-
-
-def register(elem: str, fn: Quantizer) -> None:
-    QUANTIZERS[elem] = fn
 
 
 def quantize(w: torch.Tensor, scheme: Scheme | str, imp: torch.Tensor | None = None,
@@ -39,26 +26,9 @@ def quantize(w: torch.Tensor, scheme: Scheme | str, imp: torch.Tensor | None = N
     if w.dim() != 2:
         raise SchemeError(f"can quantize 2-D weights only, got shape {tuple(w.shape)}")
     scheme.check_width(w.shape[1])
-    if tensor_scale is not None:
-        if not scheme.tensor_scale:
-            raise SchemeError(f"scheme {scheme.name} has no tensor scale; quantize it without one")
-        return quantize_fp(w, scheme, imp, tensor_scale=tensor_scale)
-    if scheme.super_block:
-        return quantize_kquant(w, scheme, imp)
-    try:
-        fn = QUANTIZERS[scheme.elem]
-    except KeyError:
-        raise SchemeError(f"no quantizer registered for {scheme.elem} elements") from None
-    return fn(w, scheme, imp)
-
-
-def quantize_kquant(w: torch.Tensor, scheme: Scheme, imp: torch.Tensor | None = None) -> QTensor:
-    """llama.cpp K-quant layout: ``rule='search'`` = weighted least squares + refined double
-    quantization (importance-weighted when ``imp`` is given), ``absmax`` = plain ranges."""
-    kt = kquants.ktype(scheme.bits)
-    parts = kquants.quantize_parts(w, kt, imp if scheme.rule == "search" else None, search=scheme.rule == "search")
-    codes, sc, m, sup = kquants.parts_to_tensors(parts, kt)
-    return QTensor(codes, sc, m, sup, tuple(w.shape), scheme)
+    if tensor_scale is not None and not scheme.tensor_scale:
+        raise SchemeError(f"scheme {scheme.name} has no tensor scale; quantize it without one")
+    return scheme.family.quantize(w, scheme, imp, tensor_scale)
 
 
 def qdq(w: torch.Tensor, scheme: Scheme | str, imp: torch.Tensor | None = None,

@@ -23,7 +23,7 @@ Every stored scale has a finite range, and a finite model can exceed it:
 reports every layer it changed (``range_fallbacks``) and warns with the reason. Rows
 that die because they are themselves tiny (below 1/8 of the layer's median row maximum)
 do not count: losing them costs nothing that matters, and keeping a whole layer in 16
-bits for them would.
+bits for them would (``NEGLIGIBLE_ROW`` in `lowbit.formats.float_blocks`).
 """
 
 from __future__ import annotations
@@ -32,14 +32,8 @@ from dataclasses import dataclass
 
 import torch
 
-from lowbit.formats import fp8, rules
-from lowbit.formats.fp4 import ELEM_GRIDS
-from lowbit.formats.groups import to_groups
-from lowbit.formats.integer import group_range
+from lowbit.formats import minifloat
 from lowbit.formats.scheme import Scheme
-
-NEGLIGIBLE_ROW = 1 / 8  # a dead row below this fraction of the median row maximum is not a loss
-WIDER = {"fp16": "fp32", "bf16": "fp32"}  # INT group scales with a wider storage dtype
 
 
 @dataclass(frozen=True)
@@ -51,19 +45,23 @@ class Fit:
 
 
 def fit(w: torch.Tensor, s: Scheme) -> Fit:
-    """The scheme that holds ``w [out, in]``: ``s`` itself, ``s`` with fp32 scales, or None (16 bits)."""
+    """The scheme that holds ``w [out, in]``: ``s`` itself, ``s`` with fp32 scales, or None (16 bits).
+
+    What the scales need and hold, and whether a wider scale exists, is the scheme's family's.
+    """
     w = w.detach().float()
     if w.numel() == 0:
         return Fit(s)
-    need, cap = needed_scale(w, s), capacity(s)
+    fam = s.family
+    need, cap = fam.needed_scale(w, s), fam.scale_capacity(s)
     if need > cap:
-        wider = WIDER.get(s.scale) if s.elem == "int" and not s.super_block else None
-        why = (f"its weights reach {w.abs().max().item():.3g} and need {_what_scale(s)} up to {need:.3g}, "
+        wider = fam.wider_scale(s)
+        why = (f"its weights reach {w.abs().max().item():.3g} and need {fam.scale_noun} up to {need:.3g}, "
                f"beyond the {cap:.6g} that {s.scale} holds")
         if wider is not None:
             return Fit(s.replace(scale=wider), f"{why}: it keeps {wider} scales ({s.replace(scale=wider).name})")
         return Fit(None, f"{why}, and {s.name} has no wider scales: it stays in 16 bits")
-    lost = lost_rows(w, s)
+    lost = fam.lost_rows(w, s)
     if lost:
         return Fit(None, f"{lost} of its {w.shape[0]} rows would get only zero {s.scale} block scales (the tensor "
                          f"scale follows its largest weight, {w.abs().max().item():.3g}, and {s.scale} spans "
@@ -71,64 +69,6 @@ def fit(w: torch.Tensor, s: Scheme) -> Fit:
     return Fit(s)
 
 
-def capacity(s: Scheme) -> float:
-    """The largest scale value the scheme stores (K-quants: the largest fp16 super-block scale times codes)."""
-    if s.super_block:
-        from lowbit.formats.kquants import ktype
-
-        kt = ktype(s.bits)
-        return 65504.0 * max(abs(kt.sc_lo), kt.sc_hi)
-    return fp8.max_scale(s.scale)
-
-
-def needed_scale(w: torch.Tensor, s: Scheme) -> float:
-    """The largest abs-max scale (before rounding) any group of ``w`` needs under ``s``.
-
-    With a tensor scale the block scales are at most S_max by construction (0 here); the
-    K-quants count their sub-block scales, whose fp16 super-block scale must hold them.
-    """
-    if s.tensor_scale:
-        return 0.0
-    if s.super_block:
-        from lowbit.formats.kquants import ktype
-
-        kt = ktype(s.bits)
-        levels = max(abs(kt.qmin), kt.qmax) if kt.sym else 1  # asymmetric: the min code under dmin
-        return float(w.abs().max()) / levels
-    if s.elem == "int":
-        best = 0.0
-        for part in w.split(max(1, (1 << 22) // max(1, w.shape[1]))):
-            lo_hi = group_range(to_groups(part, s.group_for(w.shape[1])), s)
-            scale = lo_hi[0].abs() if lo_hi[1] is None else (lo_hi[1] - lo_hi[0]) / s.qmax
-            best = max(best, float(scale.max()))
-        return best
-    return float(rules.absmax_hp(w.abs().max().reshape(1), s, ELEM_GRIDS[s.elem]).max())
-
-
-def lost_rows(w: torch.Tensor, s: Scheme) -> int:
-    """Rows of ``w`` whose every block would get a zero E4M3 / UE5M3 scale, not counting negligible rows.
-
-    A row's largest block has its largest scale, so the row is lost exactly when that
-    scale rounds to zero; that needs the row maxima only, not a quantization.
-    """
-    if s.elem == "int" or s.scale not in ("e4m3", "ue5m3"):
-        return 0
-    elem = ELEM_GRIDS[s.elem]
-    rowmax = w.abs().amax(1)
-    enc = rules.tensor_encode(rowmax.max(), s, elem)
-    hp = rules.absmax_hp(rowmax, s, elem) * (1.0 if enc is None else enc)
-    dead = (rowmax > 0) & (rules.cast(hp, s) == 0)
-    if not bool(dead.any()):
-        return 0
-    live = rowmax[rowmax > 0]
-    typical = live.median() * NEGLIGIBLE_ROW
-    return int((dead & (rowmax >= typical)).sum())
-
-
-def _what_scale(s: Scheme) -> str:
-    return "super-block scales" if s.super_block else "group scales" if s.elem == "int" else "block scales"
-
-
 def _span(fmt: str) -> str:
-    lo, hi = fp8.smallest_scale(fmt), fp8.max_scale(fmt)
+    lo, hi = minifloat.smallest_scale(fmt), minifloat.max_scale(fmt)
     return f"{lo:.3g}..{hi:.6g}"

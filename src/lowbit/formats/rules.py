@@ -33,12 +33,15 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from lowbit.errors import SchemeError
-from lowbit.formats import fp8
-from lowbit.formats.scheme import Scheme
+from lowbit.formats import minifloat
+
+if TYPE_CHECKING:
+    from lowbit.formats.scheme import Scheme
 
 BRUTE_WINDOW = 8  # codes each side of the abs-max scale (one octave of E4M3 normals)
 SEARCH_RANGE = (0.50, 1.51)  # NVFP4 block-max multipliers of the importance search
@@ -67,11 +70,11 @@ def guard_scale(s: torch.Tensor, amax: torch.Tensor, fmt: str, when: str = "afte
     ``when="after"`` fixes the rounded scale ``s``; ``when="before"`` re-rounds the
     unrounded scale ``hp`` clamped from below (same result, both are tested).
     """
-    tiny = fp8.smallest_scale(fmt)
+    tiny = minifloat.smallest_scale(fmt)
     if when == "before":
         if hp is None:
             raise ValueError("guard before rounding needs the unrounded scale hp")
-        return fp8.cast_scale(torch.where(amax > 0, hp.clamp_min(tiny), hp), fmt, e8m0_round)
+        return minifloat.cast_scale(torch.where(amax > 0, hp.clamp_min(tiny), hp), fmt, e8m0_round)
     return torch.where((s <= 0) & (amax > 0), torch.full_like(s, tiny), s)
 
 
@@ -97,7 +100,7 @@ def absmax_hp(amax: torch.Tensor, s: Scheme, elem: ElemGrid) -> torch.Tensor:
 
 
 def cast(x: torch.Tensor, s: Scheme) -> torch.Tensor:
-    return fp8.cast_scale(x, s.scale, s.e8m0_round)
+    return minifloat.cast_scale(x, s.scale, s.e8m0_round)
 
 
 def absmax_scale(amax: torch.Tensor, s: Scheme, elem: ElemGrid, hp: torch.Tensor | None = None
@@ -193,7 +196,7 @@ def candidates(amax: torch.Tensor, s: Scheme, elem: ElemGrid, window: int | None
             return
         raise SchemeError(f"rule {s.rule} needs a scale format with a code grid (e4m3, ue5m3, e8m0), "
                           f"not {s.scale}")
-    grid = fp8.scale_grid(s.scale).to(amax.device)
+    grid = minifloat.scale_grid(s.scale).to(amax.device)
     i6, i4 = _grid_index(grid, s6), _grid_index(grid, s4)
     last = torch.full_like(i6, grid.numel() - 1)
     if s.rule == "span":

@@ -23,7 +23,7 @@ import torch
 
 from lowbit.files.fused import fused_groups
 from lowbit.formats import Scheme, rules
-from lowbit.formats.fp4 import ELEM_GRIDS
+from lowbit.formats.float_blocks import ELEM_GRIDS
 
 
 def group_of(names: Iterable[str]) -> dict[str, list[str]]:
@@ -33,7 +33,7 @@ def group_of(names: Iterable[str]) -> dict[str, list[str]]:
 
 def own_tensor_scale(w: torch.Tensor, scheme: Scheme) -> torch.Tensor | None:
     """The per-tensor scale ``enc`` a weight would get alone (None for schemes without one)."""
-    if not scheme.tensor_scale or scheme.elem not in ELEM_GRIDS:
+    if not scheme.tensor_scale:  # only FP block schemes have one
         return None
     return rules.tensor_encode(w.detach().abs().amax(), scheme, ELEM_GRIDS[scheme.elem])
 

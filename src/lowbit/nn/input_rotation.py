@@ -6,7 +6,7 @@ outlier input channel over every channel, which is what an input quantizer needs
 heavy-tailed activations (down_proj's input, the product of SwiGLU's two branches, is the
 classic case; QuaRot rotates it online). Unlike the residual-stream rotation
 (`lowbit.ptq.rotation`), nothing upstream can absorb ``R`` here, so it runs in the forward:
-``R = H^T / sqrt(n)`` with the fast Walsh-Hadamard transform of `lowbit.formats.wht`
+``R = H^T / sqrt(n)`` with the fast Walsh-Hadamard transform of `lowbit.transforms.hadamard`
 (widths ``m * 2^k``, e.g. 1536 = 12 * 128), O(n log n) per token.
 
 A float Linear carries it as a forward pre-hook (`attach`), registered before any other
@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from lowbit.errors import ConfigError, SchemeError
-from lowbit.formats.wht import factor, wht
+from lowbit.transforms.hadamard import factor, wht
 
 KINDS = ("hadamard",)
 

@@ -10,7 +10,6 @@ Typical use::
     merge_and_requantize(qmodel)                    # or: a plain quantized model again
 """
 
-from lowbit.formats.wht import hadamard, plan_width, wht
 from lowbit.peft.adaalloc import allocate, lora_budget
 from lowbit.peft.apply import (
                                KINDS,
@@ -32,6 +31,7 @@ from lowbit.peft.lora import LoRAAdapter
 from lowbit.peft.qwha import QWHAAdapter
 from lowbit.peft.refine import init_qwha
 from lowbit.peft.store import fingerprint, load_adapters, save_adapters
+from lowbit.transforms.hadamard import hadamard, plan_width, wht
 
 __all__ = ["KINDS", "Adapter", "FourierFTAdapter", "LoRAAdapter", "LoftQAdapter", "PeftConfig", "QWHAAdapter",
            "adapters_of", "allocate", "apply_adapters", "build_adapter", "count_trainable",

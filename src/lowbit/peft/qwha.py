@@ -23,9 +23,9 @@ import torch
 from torch import nn
 
 from lowbit.errors import ConfigError
-from lowbit.formats.wht import kron_factors, pad_last, plan_width, wht, wht_columns
 from lowbit.peft.base import Adapter
 from lowbit.peft.sparse import SparseIndex, sparse_index, sparse_product, transpose
+from lowbit.transforms.hadamard import kron_factors, pad_last, plan_width, wht, wht_columns
 
 PATHS = ("auto", "dense", "sparse")
 # Costs in units of one GEMM multiply-add, fitted to the extra forward+backward time of

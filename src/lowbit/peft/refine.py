@@ -20,8 +20,8 @@ from dataclasses import dataclass
 
 import torch
 
-from lowbit.formats.wht import pad_last, plan_width, wht
 from lowbit.peft.adaalloc import allocate
+from lowbit.transforms.hadamard import pad_last, plan_width, wht
 
 SOLVE_CHUNK = 1 << 24  # elements of the batched k x k systems solved at once
 

@@ -114,4 +114,4 @@ def mix_plan(sizes: Mapping[str, tuple[int, int]], mix: str, n_gqa: int) -> Plan
 
 def fallbacks(plan: Plan, sizes: Mapping[str, tuple[int, int]]) -> dict[str, str]:
     """Layers of a K-quant plan that hold a legacy 32-block type because of their width."""
-    return {n: s.name for n, s in plan.weights().items() if not s.super_block and sizes[n][1] % 256}
+    return {n: s.name for n, s in plan.weights().items() if s.family.name != "kquant" and sizes[n][1] % 256}

@@ -23,7 +23,6 @@ import numpy as np
 from lowbit.errors import ConfigError
 from lowbit.formats import Recipe, Scheme
 from lowbit.formats.kquants import fit_width
-from lowbit.formats.scheme import SCALE_BITS
 from lowbit.io import atomic_write_bytes
 from lowbit.plans.plan import Plan
 
@@ -50,14 +49,7 @@ def layer_bits(scheme: Scheme | Recipe, shape: tuple[int, int], count_scales: bo
     """
     scheme = scheme.weight if isinstance(scheme, Recipe) else scheme
     out, cols = shape
-    scheme = fit_width(scheme, cols)
-    if scheme.super_block:  # llama.cpp's bytes per 256-weight super-block, scales included
-        return int(scheme.bits_per_weight(cols) * out * cols) if count_scales else scheme.bits * out * cols
-    bits = scheme.bits * out * cols
-    if count_scales:
-        per_group = SCALE_BITS[scheme.scale] + (0 if scheme.sym else scheme.bits)
-        bits += per_group * out * scheme.groups_for(cols)
-    return bits
+    return fit_width(scheme, cols).storage_bits((out, cols), count_scales)
 
 
 def solve_mckp(costs: Sequence[Sequence[int]], values: Sequence[Sequence[float]], budget: int,

@@ -7,7 +7,7 @@ importance-weighted search) times a learned factor, re-cast to the scale grid (E
 E8M0, UE5M3) with a straight-through cast. V1 learns a clip factor in [0, 1], V2 a
 multiplier in [0, 2]. The per-tensor scale ``enc`` of NVFP4 is fixed (a fused
 group's shared one when given). With V = 0 and the
-factor at 1 this is exactly the RTN quantizer of `formats.fp4`.
+factor at 1 this is exactly the RTN quantizer of `formats.float_blocks`.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from lowbit.formats import QTensor, Scheme, rules
-from lowbit.formats.fp4 import ELEM_GRIDS, encode_codes, given_encode
+from lowbit.formats.float_blocks import ELEM_GRIDS, encode_codes, given_encode
 from lowbit.formats.groups import from_groups, pad_mask, to_groups
 
 

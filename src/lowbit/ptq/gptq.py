@@ -168,8 +168,7 @@ def gptq_matrix(w: torch.Tensor, h: torch.Tensor, scheme: Scheme, settings: GPTQ
     u, d = inverse_factor(h[perm][:, perm], settings.damp, where)
     ng = -(-n // grid.round_g)
     scale = torch.zeros(rows, ng, device=w.device)
-    asym = scheme.elem == "int" and not scheme.sym
-    zero = torch.zeros(rows, ng, device=w.device) if asym else None
+    zero = torch.zeros(rows, ng, device=w.device) if grid.zeros else None
     static = settings.static_groups or n <= grid.param_g
     if static:
         scale, zero = grid.params(to_groups(w.float(), grid.param_g), to_groups(imp.reshape(1, -1), grid.param_g)[0])

@@ -5,22 +5,26 @@ things: the parameters of a group of columns (chosen when GPTQ reaches the group
 front with static groups), the rounding of one column under them, and the stored tensors
 of the finished weight. Two grids differ in where those parameters live:
 
-* `Grid` (INT and FP block schemes): one scale (and zero) per group of consecutive
-  columns; parameters are chosen and rounded per group.
+* `Grid` (INT and FP block schemes: `IntGrid`, `FpGrid`): one scale (and zero) per group
+  of consecutive columns; parameters are chosen and rounded per group.
 * `KGrid` (llama.cpp's K-quants): a column is rounded under its sub-block's effective
   scale ``d*sc`` (and min ``dmin*m``), but those come from a 256-column super-block whose
   fp16 ``d`` / ``dmin`` and integer sub-block codes are chosen together
   (`lowbit.formats.kquants.quantize_parts`), so parameters are chosen per super-block
   and rounding happens per sub-block. The grid values are the fp32 products ggml forms,
   so the stored blocks dequantize to exactly what GPTQ fed back as error.
+
+``GRIDS`` registers one grid class per number-format family (`lowbit.formats.families`),
+keyed by the family's name: the formats never know GPTQ, and GPTQ never tests a scheme's fields.
 """
 
 from __future__ import annotations
 
 import torch
 
-from lowbit.formats import Scheme, fp8, kquants, rules
-from lowbit.formats.fp4 import ELEM_GRIDS, encode_codes
+from lowbit.errors import SchemeError
+from lowbit.formats import Scheme, kquants, minifloat, rules
+from lowbit.formats.float_blocks import ELEM_GRIDS, encode_codes
 from lowbit.formats.groups import to_groups
 from lowbit.formats.integer import int_codes, int_dequant, int_params, search_int_params
 
@@ -28,16 +32,21 @@ Tensors = tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | 
 
 
 class Grid:
-    """One INT / FP scheme's grid for a stack of weight rows.
+    """One INT / FP scheme's grid for a stack of weight rows (the two subclasses hold the element rounding).
 
     enc: NVFP4's per-tensor scale per row (each row keeps its own layer's), else None.
     round_g / param_g: columns per rounding group and per parameter choice (equal here).
+    zeros: whether the grid has zero points (asymmetric INT).
     """
 
     def __init__(self, scheme: Scheme, enc: torch.Tensor | None, in_features: int) -> None:
         self.s, self.enc = scheme, enc
-        self.elem = ELEM_GRIDS.get(scheme.elem)
         self.round_g = self.param_g = scheme.group_for(in_features)
+        self.zeros = not scheme.sym
+
+
+class IntGrid(Grid):
+    """Integer groups: scales (and zeros) by abs-max / range or the importance search."""
 
     def params(self, wg: torch.Tensor, imp_g: torch.Tensor, first: int = 0
                ) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -46,10 +55,31 @@ class Grid:
         first: index of the first parameter group in ``wg`` (unused: nothing is kept).
         """
         s = self.s
-        if s.elem == "int":
-            parts = [search_int_params(c, s, imp_g) if s.rule == "search" else int_params(c, s)
-                     for c in wg.split(1024)]
-            return torch.cat([p[0] for p in parts]), (None if s.sym else torch.cat([p[1] for p in parts]))
+        parts = [search_int_params(c, s, imp_g) if s.rule == "search" else int_params(c, s) for c in wg.split(1024)]
+        return torch.cat([p[0] for p in parts]), (None if s.sym else torch.cat([p[1] for p in parts]))
+
+    def qdq(self, w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None) -> torch.Tensor:
+        """Column ``w [rows]`` rounded on the grid of its group: the values `QTensor.dequantize` gives."""
+        return int_dequant(int_codes(w.unsqueeze(-1), scale, zero, self.s), scale, zero).squeeze(-1)
+
+    def tensors(self, deq: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None) -> Tensors:
+        """(uint8 codes ``[rows, ng, g]``, scales, zeros, None) of grid values ``deq`` (exact: ``deq`` lies on the grid)."""
+        s = self.s
+        x = to_groups(deq, s.group_for(deq.shape[1]))
+        return (int_codes(x, scale, zero, s) - s.qmin).to(torch.uint8), scale, zero, None
+
+
+class FpGrid(Grid):
+    """FP element blocks: block scales by the scheme's rule, under NVFP4's per-row tensor scale if any."""
+
+    def __init__(self, scheme: Scheme, enc: torch.Tensor | None, in_features: int) -> None:
+        super().__init__(scheme, enc, in_features)
+        self.elem = ELEM_GRIDS[scheme.elem]
+
+    def params(self, wg: torch.Tensor, imp_g: torch.Tensor, first: int = 0
+               ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Block scales ``[rows, ng]`` for blocks ``wg [rows, ng, g]`` by the scheme's rule (no zeros)."""
+        s = self.s
         a = wg.abs()
         amax = a.amax(-1)
         hp = rules.absmax_hp(amax, s, self.elem)
@@ -58,27 +88,23 @@ class Grid:
         weight = imp_g if s.rule == "search" else None
         sc = rules.choose_scales(a, s, self.elem, weight, rules.BRUTE_WINDOW, hp)
         if s.guard:
-            sc = torch.where((amax > 0) & (sc == 0), torch.full_like(sc, fp8.smallest_scale(s.scale)), sc)
+            sc = torch.where((amax > 0) & (sc == 0), torch.full_like(sc, minifloat.smallest_scale(s.scale)), sc)
         return sc, None
 
     def qdq(self, w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None) -> torch.Tensor:
-        """Column ``w [rows]`` rounded on the grid of its group: the values `QTensor.dequantize` gives."""
-        if self.s.elem == "int":
-            return int_dequant(int_codes(w.unsqueeze(-1), scale, zero, self.s), scale, zero).squeeze(-1)
+        """Column ``w [rows]`` rounded on the grid of its block: the values `QTensor.dequantize` gives."""
         a = w.abs() if self.enc is None else w.abs() * self.enc
         r = rules.elem_mags(a.unsqueeze(-1), scale, self.elem, False).squeeze(-1)
         step = scale if self.enc is None else scale / self.enc
         return torch.where((w < 0) & (r > 0), -r, r) * step
 
     def tensors(self, deq: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None) -> Tensors:
-        """(uint8 codes ``[rows, ng, g]``, scales, zeros, per-row tensor scale or None) of grid values ``deq``.
+        """(uint8 codes ``[rows, ng, g]``, scales, None, None) of grid values ``deq``.
 
         Exact: ``deq`` lies on the grid. The per-tensor NVFP4 scale is the caller's (one per layer).
         """
         s = self.s
         x = to_groups(deq, s.group_for(deq.shape[1]))
-        if s.elem == "int":
-            return (int_codes(x, scale, zero, s) - s.qmin).to(torch.uint8), scale, zero, None
         a = x.abs() if self.enc is None else x.abs() * self.enc[:, None, None]
         return encode_codes(x, rules.elem_mags(a, scale, self.elem, False), s.elem), scale, zero, None
 
@@ -91,9 +117,10 @@ class KGrid:
     from, per super-block, for `tensors`.
     """
 
-    def __init__(self, scheme: Scheme, in_features: int) -> None:
+    def __init__(self, scheme: Scheme, enc: torch.Tensor | None, in_features: int) -> None:
         self.s, self.kt = scheme, kquants.ktype(scheme.bits)
         self.round_g, self.param_g = self.kt.sub, kquants.QK_K
+        self.zeros = not self.kt.sym
         self.parts: dict[int, kquants.KParts] = {}  # first super-block index -> its parts
 
     def params(self, wg: torch.Tensor, imp_g: torch.Tensor, first: int = 0
@@ -128,6 +155,14 @@ class KGrid:
         return codes, sc, m, sup
 
 
+GRIDS: dict[str, type[Grid] | type[KGrid]] = {"int": IntGrid, "fp": FpGrid, "kquant": KGrid}
+
+
 def make_grid(scheme: Scheme, enc: torch.Tensor | None, in_features: int) -> Grid | KGrid:
-    """The grid GPTQ rounds ``scheme``'s columns onto."""
-    return KGrid(scheme, in_features) if scheme.super_block else Grid(scheme, enc, in_features)
+    """The grid GPTQ rounds ``scheme``'s columns onto (its family's)."""
+    try:
+        cls = GRIDS[scheme.family.name]
+    except KeyError:
+        raise SchemeError(f"GPTQ has no grid for {scheme.name} (a {scheme.family.name} format); use one of the "
+                          f"families {sorted(GRIDS)} or --method rtn") from None
+    return cls(scheme, enc, in_features)

@@ -9,7 +9,7 @@ so each norm's scale is first folded into the Linears that read it and then set 
 Nothing is added at inference: the rotated model is a model of the same architecture,
 whose weights have no outlier channels left for the quantizer to clip (the point).
 
-``R = diag(s) H^T / sqrt(n)`` with the Walsh-Hadamard construction of `lowbit.formats.wht`
+``R = diag(s) H^T / sqrt(n)`` with the Walsh-Hadamard construction of `lowbit.transforms.hadamard`
 (any width ``m * 2^k``, e.g. SmolLM2's 576 = 36 * 16) and ``s`` random signs
 (``kind="random"``, QuaRot's randomized Hadamard) or all ones (``kind="hadamard"``).
 ``kind="haar"`` is a dense orthogonal matrix drawn from the Haar measure instead (QR of a
@@ -53,10 +53,10 @@ from torch import nn
 
 from lowbit.configs import check_fields
 from lowbit.errors import ConfigError, ModelError
-from lowbit.formats.wht import factor, wht, wht_columns
 from lowbit.models.layers import block_path, decoder_blocks, linear_layers
 from lowbit.models.structure import ResidualMap, residual_map
 from lowbit.nn.input_rotation import attach
+from lowbit.transforms.hadamard import factor, wht, wht_columns
 
 KINDS = ("random", "hadamard", "haar")
 QUIET = 0.02  # a norm scale below this fraction of the norm's median switches its channel off

@@ -1,4 +1,7 @@
-"""Which learnable rounder tunes which element grid (INT groups, FP4 / FP8 blocks, K-quants).
+"""Which learnable rounder tunes which number-format family (INT groups, FP blocks, K-quants).
+
+``ROUNDERS`` is keyed by the family's name (`lowbit.formats.families`): a new element of a
+family is tuned by that family's rounder with no change here.
 
 Every rounder starts from its grid's own rounding: offsets ``v`` at 0 and every other
 parameter (clip factors, scale multipliers) at 1. `restart_` puts a rounder back there.
@@ -15,7 +18,7 @@ from lowbit.ptq.fp_rounders import FpRounder
 from lowbit.ptq.int_rounder import IntRounder
 from lowbit.ptq.kquant_rounder import KQuantRounder
 
-ROUNDERS: dict[str, type[nn.Module]] = {"int": IntRounder, "e2m1": FpRounder, "e4m3": FpRounder}
+ROUNDERS: dict[str, type[nn.Module]] = {"int": IntRounder, "fp": FpRounder, "kquant": KQuantRounder}
 
 
 def make_rounder(w: torch.Tensor, scheme: Scheme, imp: torch.Tensor | None, v2: bool,
@@ -26,12 +29,11 @@ def make_rounder(w: torch.Tensor, scheme: Scheme, imp: torch.Tensor | None, v2: 
     """
     if tensor_scale is not None:
         return FpRounder(w, scheme, imp, v2, tensor_scale)
-    if scheme.super_block:  # llama.cpp K-quants: tuned through the double-quantized scales
-        return KQuantRounder(w, scheme, imp, v2)
-    if scheme.elem not in ROUNDERS:
-        raise SchemeError(f"SignRound has no rounder for {scheme.elem} elements; "
-                          f"use one of {sorted(ROUNDERS)} or --method rtn")
-    return ROUNDERS[scheme.elem](w, scheme, imp, v2)
+    family = scheme.family.name  # K-quants are tuned through their double-quantized scales
+    if family not in ROUNDERS:
+        raise SchemeError(f"SignRound has no rounder for {scheme.name} (a {family} format); "
+                          f"use one of the families {sorted(ROUNDERS)} or --method rtn")
+    return ROUNDERS[family](w, scheme, imp, v2)
 
 
 def restart_(rounder: nn.Module, where: torch.Tensor | bool = True) -> None:

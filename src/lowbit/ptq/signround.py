@@ -33,6 +33,7 @@ from lowbit.nn import set_module
 from lowbit.nn.input_rotation import rotation_of
 from lowbit.nn.precision import resolve_dtype
 from lowbit.plans.plan import Plan
+from lowbit.ptq.fp_rounders import FpRounder
 from lowbit.ptq.methods import Method, RunContext, knob, register
 from lowbit.ptq.pipeline import (
     CACHE_DTYPES,
@@ -334,7 +335,7 @@ class SignRoundTuner:
         """(parameters, lr multiplier): rounding offsets at lr, FP block-scale factors at fp_scale_lr."""
         groups = []
         for r in rounders.values():
-            if r.scheme.is_fp:
+            if isinstance(r, FpRounder):
                 groups.append(([r.v], 1.0))
                 groups.append(([p for p in r.parameters() if p is not r.v], self.config.fp_scale_lr))
             else:

@@ -255,7 +255,7 @@ def resolve(scheme: str, kind: str = "auto") -> Quantizer:
                               f"use --quantizer auto or {alias}")
         return Sign() if alias == "sign" else StretchedElastic(ternary=True)
     s = _parse(scheme)
-    per_row_int = s.elem == "int" and s.group_size == -1 and s.sym
+    per_row_int = s.family.name == "int" and s.group_size == -1 and s.sym
     if kind == "auto":
         if per_row_int and s.bits == 2:
             return StretchedElastic()

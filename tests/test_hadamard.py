@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from lowbit.errors import ConfigError
-from lowbit.formats.wht import METHODS, factor, hadamard, kron_factors, pad_last, plan_width, wht
+from lowbit.transforms.hadamard import METHODS, factor, hadamard, kron_factors, pad_last, plan_width, wht
 
 # widths of SmolLM2 (576, 1536, 192), Gemma-3-270M (640), each Paley order, and powers of two
 WIDTHS = [1, 2, 4, 8, 64, 12, 20, 24, 28, 36, 44, 48, 72, 192, 576, 640, 1536]

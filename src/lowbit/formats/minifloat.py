@@ -47,6 +47,7 @@ E4M3 = Minifloat(ebits=4, mbits=3, bias=7, max=448.0, signed=True)
 UE5M3 = Minifloat(ebits=5, mbits=3, bias=15, max=114688.0, signed=False)
 E8M0_MIN_EXP, E8M0_MAX_EXP = -127, 127
 E8M0_ROUNDING = ("floor", "ceil", "nearest")
+SCALE_BITS = {"fp32": 32, "fp16": 16, "bf16": 16, "e4m3": 8, "ue5m3": 8, "e8m0": 8}  # storage bits of each scale format
 
 
 # ------------------------------------------------------------------ minifloats

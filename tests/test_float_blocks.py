@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from lowbit.formats import QTensor, Scheme, fp8, qdq, quantize, relative_error
-from lowbit.formats.fp4 import e2m1_index, round_e2m1_mag
+from lowbit.formats import QTensor, Scheme, minifloat, qdq, quantize, relative_error
+from lowbit.formats.float_blocks import e2m1_index, round_e2m1_mag
 from lowbit.formats.grids import E2M1_MAGNITUDES, decode_e2m1
 from lowbit.formats.groups import to_groups
 
@@ -100,7 +100,7 @@ def test_ue5m3_without_tensor_scale():
     w = heavy(32, 128, seed=1) * 1e-3
     q = quantize(w, "nvfp4-ue5m3")
     assert q.tensor_scale is None
-    assert torch.equal(fp8.cast_scale(q.scales, "ue5m3"), q.scales)
+    assert torch.equal(minifloat.cast_scale(q.scales, "ue5m3"), q.scales)
     with_ts = quantize(w, "nvfp4-ue5m3:tensor=1")
     assert with_ts.tensor_scale is not None
     plain = quantize(w, "nvfp4")
