@@ -29,7 +29,7 @@ def child(iters: int) -> dict:
 
     from lowbit.formats.plan import Plan
     from lowbit.models import linear_layers
-    from lowbit.ptq.pipeline import PipelineOptions, quantize_blockwise
+    from lowbit.ptq.blockwise import PipelineOptions, quantize_blockwise
     from lowbit.ptq.signround import SignRoundSettings, SignRoundTuner
 
     torch.set_num_threads(1)

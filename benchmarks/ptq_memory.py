@@ -149,7 +149,7 @@ def main(argv: list[str] | None = None) -> None:
 
     from lowbit.formats.plan import Plan
     from lowbit.models import decoder_blocks, linear_layers
-    from lowbit.ptq.pipeline import PipelineOptions, quantize_blockwise
+    from lowbit.ptq.blockwise import PipelineOptions, quantize_blockwise
     from lowbit.ptq.signround import SignRoundSettings, SignRoundTuner
 
     torch.set_num_threads(1)

@@ -10,8 +10,10 @@ from lowbit.errors import ConfigError
 from lowbit.formats import Scheme, quantize
 from lowbit.formats.plan import Plan
 from lowbit.models.fused import own_tensor_scale
+from lowbit.models.layers import decoder_blocks
 from lowbit.nn import quant_layers
 from lowbit.ptq import quantize_model
+from lowbit.ptq.blockwise import BlockJob, PipelineOptions, capture_inputs, quantize_blockwise
 from lowbit.ptq.gptq import (
     GPTQSettings,
     GPTQTuner,
@@ -20,7 +22,6 @@ from lowbit.ptq.gptq import (
     gptq_matrix,
     input_groups,
 )
-from lowbit.ptq.pipeline import BlockJob, PipelineOptions, capture_inputs, decoder_blocks, quantize_blockwise
 
 ALL_SCHEMES = ["w4g32", "w3g32a", "w2g64", "w8", "nvfp4", "nvfp4-46", "mxfp4", "mxfp8", "nvfp4-ue5m3"]
 

@@ -206,7 +206,7 @@ def test_a_block_file_that_is_not_safetensors_is_retuned(tmp_path):
     from ptq_helpers import calib, tiny_model, uniform
     from test_ptq_pipeline import same_weights
 
-    from lowbit.ptq.pipeline import PipelineOptions, quantize_blockwise
+    from lowbit.ptq.blockwise import PipelineOptions, quantize_blockwise
     from lowbit.ptq.signround import SignRoundTuner, make_config
 
     def run(model, workdir):

@@ -549,7 +549,7 @@ def test_short_calibration_text_message(tmp_path, words, needle):
 def test_pickles_in_a_ptq_work_folder_never_run(tmp_path):
     from ptq_helpers import calib, tiny_model, uniform
 
-    from lowbit.ptq.pipeline import PipelineOptions, quantize_blockwise
+    from lowbit.ptq.blockwise import PipelineOptions, quantize_blockwise
     from lowbit.ptq.signround import SignRoundTuner, make_config
 
     def run(workdir):

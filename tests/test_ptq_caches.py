@@ -10,7 +10,7 @@ from ptq_helpers import calib, tiny_model, uniform
 
 from lowbit.errors import ConfigError
 from lowbit.nn import quant_layers
-from lowbit.ptq.pipeline import PipelineOptions, quantize_blockwise
+from lowbit.ptq.blockwise import PipelineOptions, quantize_blockwise
 from lowbit.ptq.signround import SignRoundTuner, make_config
 
 
@@ -54,7 +54,7 @@ def test_bf16_caches_store_bf16_and_tune_like_fp32(fp_inputs):
 def test_in_place_caches_hold_exactly_the_block_outputs():
     """Targets and quantized inputs, written in place, equal the block outputs computed afresh."""
     from lowbit.models.layers import decoder_blocks
-    from lowbit.ptq.pipeline import capture_inputs, run_block
+    from lowbit.ptq.blockwise import capture_inputs, run_block
 
     class Keep(SignRoundTuner):
         def __init__(self, cfg) -> None:

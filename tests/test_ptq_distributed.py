@@ -73,7 +73,7 @@ def test_two_processes_tune_as_one(tmp_path, v2):
 def test_filtered_loss_parts_add_up_to_the_whole(monkeypatch):
     """The ranks' parts of the filtered MSE sum to the one-process loss, dropping the same k errors."""
     from lowbit.ptq import signround
-    from lowbit.ptq.pipeline import Shard
+    from lowbit.ptq.blockwise import Shard
 
     g = torch.Generator().manual_seed(0)
     pred, ref = torch.randn(4, 16, 8, generator=g), torch.randn(4, 16, 8, generator=g)
@@ -91,12 +91,11 @@ def test_filtered_loss_parts_add_up_to_the_whole(monkeypatch):
 
 @pytest.mark.parametrize("nsamples,batch,msg", [(7, 4, "do not split over 2"), (8, 3, "mini-batch of 3")])
 def test_a_world_that_does_not_divide_is_one_error_before_any_work(monkeypatch, nsamples, batch, msg):
-    from lowbit.ptq import pipeline
-    from lowbit.ptq.pipeline import Shard
+    from lowbit.ptq.blockwise import Shard, loop, shards
     from lowbit.ptq.signround import make_config, signround_quantize
 
-    monkeypatch.setattr(pipeline, "current_shard", lambda: Shard(0, 2))
-    monkeypatch.setattr(pipeline, "capture_inputs", lambda *a, **k: pytest.fail("work started"))
+    monkeypatch.setattr(shards, "current_shard", lambda: Shard(0, 2))
+    monkeypatch.setattr(loop, "capture_inputs", lambda *a, **k: pytest.fail("work started"))
     m = tiny_model(layers=1)
     before = copy.deepcopy(m.state_dict())
     with pytest.raises(ConfigError, match=msg):

@@ -53,7 +53,7 @@ from lowbit.models.layers import decoder_blocks
 from lowbit.models.placement import check_device
 from lowbit.models.structure import BlockLayout, block_layout
 from lowbit.nn.input_rotation import rotation_of
-from lowbit.ptq.pipeline import capture_inputs, module_names, run_block
+from lowbit.ptq.blockwise import capture_inputs, module_names, run_block
 
 INPUTS = ("fp", "quantized")
 CHUNK = 8

@@ -21,7 +21,7 @@ the float weights, one per group of Linears an engine fuses, `lowbit.models.fuse
   ``static_groups`` chooses every scale up front from the float weights (the classic
   static groups). Act-order without static groups would need that index and is refused.
 
-Sequential through the model (`lowbit.ptq.pipeline`): each block's Hessians come from its
+Sequential through the model (`lowbit.ptq.blockwise`): each block's Hessians come from its
 inputs through the already quantized blocks, and with ``true_sequential`` a block's
 Linears are quantized in the order they run (q/k/v, o, gate/up, down: layers reading the
 same input share one Hessian and one factorisation), each group's Hessian taken with the
@@ -47,9 +47,9 @@ from lowbit.formats.groups import to_groups
 from lowbit.formats.plan import Plan
 from lowbit.models.activations import activation_stats
 from lowbit.models.fused import own_tensor_scale
+from lowbit.ptq.blockwise import BlockJob, PipelineOptions, quantize_blockwise
 from lowbit.ptq.gptq_grids import Grid, KGrid, Tensors, make_grid
 from lowbit.ptq.methods import Method, RunContext, register
-from lowbit.ptq.pipeline import BlockJob, PipelineOptions, quantize_blockwise
 from lowbit.ptq.rtn import searched
 
 DAMP_RETRIES = (0.01, 0.1, 1.0)  # dampening tried, in order, when a Hessian is not positive definite

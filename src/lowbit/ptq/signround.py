@@ -11,7 +11,7 @@ is no worse than the start's: tuning never returns a rounding worse on its own l
 where it began. With ``iters=0`` the result is exactly round-to-nearest (V1) or the
 searched RTN (V2, its least-squares refit included); the step after the last loss is
 never measured, so ``iters=1`` keeps the start too. The block-wise pipeline
-(`lowbit.ptq.pipeline`) supplies the inputs, targets, importance, device placement,
+(`lowbit.ptq.blockwise`) supplies the inputs, targets, importance, device placement,
 offloading and resume.
 """
 
@@ -33,8 +33,7 @@ from lowbit.formats.plan import Plan
 from lowbit.nn import set_module
 from lowbit.nn.input_rotation import rotation_of
 from lowbit.nn.precision import resolve_dtype
-from lowbit.ptq.methods import Method, RunContext, register
-from lowbit.ptq.pipeline import (
+from lowbit.ptq.blockwise import (
     CACHE_DTYPES,
     BlockJob,
     PipelineOptions,
@@ -42,6 +41,7 @@ from lowbit.ptq.pipeline import (
     quantize_blockwise,
     reduce_tensor,
 )
+from lowbit.ptq.methods import Method, RunContext, register
 from lowbit.ptq.rounders import make_rounder, restart_
 
 TUNE_DTYPES = ("auto", "bf16", "fp32")
@@ -459,12 +459,12 @@ def signround_quantize(model: nn.Module, plan: Plan, settings: SignRoundSettings
     cache_device: "device" keeps the cached activations on the compute device, "cpu" in
     (page-locked) host memory, streamed per mini-batch: the most memory-lean mode.
     """
-    from lowbit.ptq.pipeline import check_world, current_shard
+    from lowbit.ptq.blockwise import shards
 
     if calib is None or calib.numel() == 0:
         raise ConfigError("SignRound needs calibration batches (LongTensor [nsamples, seqlen])")
-    shard = current_shard()
-    check_world(len(calib), shard)
+    shard = shards.current_shard()
+    shards.check_world(len(calib), shard)
     check_batch_split(settings, len(calib), shard.world)
     recorded, opts = pipeline_args(settings, device, offload_dir, cache_device)
     return quantize_blockwise(model, plan, calib, SignRoundTuner(settings), recorded, opts, workdir=workdir,
