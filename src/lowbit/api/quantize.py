@@ -306,7 +306,7 @@ class _Run:
     def execute(self) -> dict[str, Any]:
         from lowbit.models.lazy import is_lazy
         from lowbit.models.placement import on_device
-        from lowbit.ptq import prepare_model, quantize_model
+        from lowbit.ptq import RunContext, prepare_model, quantize_model
         from lowbit.ptq.fit import fit_plan
         from lowbit.ptq.mixed import mixed_plan
 
@@ -320,7 +320,9 @@ class _Run:
         t0 = time.perf_counter()
         dev = None if self.device is None else str(self.device)
         with self.phases("pre_steps" if job.rotate is not None or job.awq is not None else "quantize"):
-            self.prepared = prepare_model(model, self.plan, self.calib, job.rotate, job.awq, dev, job.progress)
+            ctx = RunContext(calib=self.calib, device=dev, workdir=job.workdir, offload_dir=job.offload_dir,
+                             progress=job.progress, cache_device=job.cache_device or "device")
+            self.prepared = prepare_model(model, self.plan, rotate=job.rotate, awq=job.awq, ctx=ctx)
         result.update(self.prepared)
         # the float weights the method quantizes (rotated / scaled): what a fine-tune's error init must match
         self.source_digest = _float_digest(model, list(self.plan))

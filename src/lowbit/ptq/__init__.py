@@ -18,7 +18,7 @@ from torch import nn
 from lowbit.formats.plan import Plan
 from lowbit.models.lazy import materialize
 from lowbit.ptq import gptq, rtn, signround  # noqa: F401  (register gptq, rtn, signround, signround2)
-from lowbit.ptq.awq import AWQSettings, awq_scale
+from lowbit.ptq.awq import AWQSettings, awq_run
 from lowbit.ptq.fit import fit_plan
 from lowbit.ptq.gptq import GPTQSettings
 from lowbit.ptq.methods import RunContext, coerce_settings, get, make_settings, names
@@ -52,12 +52,15 @@ def check_resume(method: str, settings: Any, plan: Plan, model: nn.Module, calib
 
 def prepare_model(model: nn.Module, plan: Plan, calib: torch.Tensor | None = None,
                   rotate: RotationSettings | None = None, awq: AWQSettings | None = None,
-                  device: str | None = None, progress: bool = True) -> dict[str, Any]:
+                  device: str | None = None, progress: bool = True, ctx: RunContext | None = None) -> dict[str, Any]:
     """The float pre-steps, in this order: rotate the residual stream, then AWQ scales; returns what each did.
 
     Both keep the float model's function (each checks it) and need the whole model, so a
     lazily loaded one is loaded first. Nothing is done when neither is asked for.
+    ctx: the run's context, whole (AWQ walks the blocks on the block-wise engine with its
+    work folder, offload folder and cache placement); None = one from calib, device, progress.
     """
+    ctx = ctx or RunContext(calib=calib, device=device, progress=progress)
     done: dict[str, Any] = {}
     if rotate is None and awq is None:
         return done
@@ -65,7 +68,7 @@ def prepare_model(model: nn.Module, plan: Plan, calib: torch.Tensor | None = Non
     if rotate is not None:
         done["rotation"] = rotate_model(model, rotate)
     if awq is not None:
-        done["awq"] = awq_scale(model, plan, calib, awq, device=device, progress=progress)
+        done["awq"] = awq_run(model, plan, awq, ctx)
     return done
 
 
@@ -92,15 +95,15 @@ def quantize_model(model: nn.Module, plan: Plan, method: str = "rtn", settings: 
     settings = coerce_settings(method, settings)
     if spec.check_plan is not None:
         spec.check_plan(settings, plan)
-    prepare_model(model, plan, calib, rotate, awq, device, progress)
+    ctx = RunContext(calib=calib, device=device, workdir=workdir, offload_dir=offload_dir, progress=progress,
+                     cache_device=cache_device)
+    prepare_model(model, plan, rotate=rotate, awq=awq, ctx=ctx)
     if not spec.blockwise or mixed is not None:
         materialize(model)  # a lazily loaded model, for passes that need all of it at once
     if mixed is not None:
         plan = mixed_plan(model, plan, mixed, calib, device=device, progress=progress).plan
     if fit:
         plan = fit_plan(model, plan)[0]
-    ctx = RunContext(calib=calib, device=device, workdir=workdir, offload_dir=offload_dir, progress=progress,
-                     cache_device=cache_device)
     plan = spec.run(model, plan, settings, ctx)
     if keep16:
         round_unquantized_to_half(model)

@@ -3,7 +3,9 @@
 With an offload folder the FP weights of every block are written to disk first
 (``fp_NNNN.safetensors``) and the blocks emptied, so memory holds one block at a time; a
 lazily loaded model (`lowbit.models.lazy`) is read from its own checkpoint instead, with
-nothing copied. Without either the blocks simply stay in memory.
+nothing copied. Without either the blocks simply stay in memory. A pass that changes the
+float weights (AWQ) writes each block back after it and, at the end, loads every block
+into memory again for the steps after it.
 """
 
 from __future__ import annotations
@@ -26,9 +28,17 @@ class DiskOffload:
         self.path = Path(path)
         self.path.mkdir(parents=True, exist_ok=True)
         for i, b in enumerate(blocks):  # always rewritten: files of another model must never be reused
-            tensors = {k: v.detach().contiguous().cpu() for k, v in _tensors(b).items()}
-            atomic_write_bytes(self.path / f"fp_{i:04d}.safetensors", save(tensors))
-            b.to_empty(device="meta")
+            self.store(i, b)
+
+    def store(self, i: int, block: nn.Module) -> None:
+        """Write block ``i``'s tensors as they are now to its file, then free them (the block goes to meta).
+
+        A pass that changes float weights (AWQ's scales) stores each block back after it, so
+        the folder always holds the model as the pass has left it.
+        """
+        tensors = {k: v.detach().contiguous().cpu() for k, v in _tensors(block).items()}
+        atomic_write_bytes(self.path / f"fp_{i:04d}.safetensors", save(tensors))
+        block.to_empty(device="meta")
 
     def load(self, i: int, block: nn.Module, device: torch.device) -> None:
         """Put block ``i``'s FP tensors back, each in memory of its own.

@@ -24,15 +24,16 @@ from safetensors.torch import save
 from torch import nn
 
 from lowbit.errors import CheckpointError, ConfigError
-from lowbit.formats import QTensor, Scheme
 from lowbit.formats.finite import require_finite
 from lowbit.formats.plan import Plan
 from lowbit.io import atomic_write_bytes, atomic_write_text, read_json
 from lowbit.models.fused import fused_groups
-from lowbit.ptq.blockwise.access import BlockLayout
 from lowbit.ptq.blockwise.options import PipelineOptions
 from lowbit.ptq.blockwise.shards import Shard, rank0_first
 
+# a pass's reader of one block's saved tensors: (block index, tensors, file) -> its result, or
+# CheckpointError / ConfigError when the tensors are not what that block's result must be
+Decoder = Callable[[int, Mapping[str, torch.Tensor], Path], Any]
 
 def fingerprint(model: nn.Module, calib: torch.Tensor) -> dict[str, str]:
     """Cheap identity of the model (shapes + a sample of every tensor) and of the tokens."""
@@ -102,18 +103,18 @@ class WorkDir:
     def sidecar(self, i: int) -> Path:
         return self.path / f"block_{i:04d}.json"
 
-    def done(self, nblocks: int, expect: Callable[[int], BlockLayout] | None = None) -> int:
+    def done(self, nblocks: int, decode: Decoder | None = None) -> int:
         """Number of leading blocks whose saved result is intact; results after it are removed.
 
         Every block is tuned on the outputs of the blocks before it, so once block k must
         be redone (missing, truncated, corrupted, unreadable) the saved blocks after it are
         stale too: they are deleted, so that a run interrupted while redoing them can never
         pick them up. A damaged block is reported with ``warnings.warn`` and recorded in
-        ``damaged``. expect: block index -> its layers and shapes, to decode each file now.
+        ``damaged``. decode: the pass's reader of a block's tensors, to decode each file now.
         """
         k = 0
         while k < nblocks and self.block_file(k).exists():
-            why = self._check(k, expect)
+            why = self._check(k, decode)
             if why:
                 self.damaged[k] = why
                 warnings.warn(f"work folder {self.path}: block {k}'s saved result is {why}; tuning block {k} "
@@ -123,7 +124,7 @@ class WorkDir:
         self._prune(k)
         return k
 
-    def _check(self, i: int, expect: Callable[[int], BlockLayout] | None = None) -> str | None:
+    def _check(self, i: int, decode: Decoder | None = None) -> str | None:
         """Why block ``i``'s file cannot be used (None when it matches its checksum and decodes)."""
         if not self.sidecar(i).exists():
             return f"unverified (no {self.sidecar(i).name}: interrupted while saving, or an older lowbit)"
@@ -139,9 +140,9 @@ class WorkDir:
         data = self.block_file(i).read_bytes()
         if hashlib.sha256(data).hexdigest() != meta["sha256"]:
             return "corrupted (checksum mismatch)"
-        if expect is not None:
+        if decode is not None:
             try:
-                self._decode(i, data, *expect(i))
+                self._decode(i, data, decode)
             except (CheckpointError, ConfigError) as e:
                 return f"unreadable ({str(e)[:120]})"
         return None
@@ -153,40 +154,28 @@ class WorkDir:
             if index.isdigit() and int(index) >= first:
                 f.unlink(missing_ok=True)
 
-    def save_block(self, i: int, qts: Mapping[str, QTensor]) -> None:
-        tensors = {f"{n}::{k}": v.detach().cpu().contiguous() for n, q in qts.items() for k, v in q.pack().items()}
+    def save_block(self, i: int, tensors: Mapping[str, torch.Tensor]) -> None:
+        """Block ``i``'s result (the pass's tensors, finite), then its sidecar: the block is finished."""
         require_finite(tensors.items(), f"block {i}'s result", "nothing was written: a quantizer made NaN or inf "
                        "from finite weights, which is a lowbit bug (please report it with the command)")
-        data = save(tensors)
+        data = save(dict(tensors))
         atomic_write_bytes(self.block_file(i), data)
         atomic_write_text(self.sidecar(i), json.dumps({"sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data)}))
 
-    def load_block(self, i: int, layers: Mapping[str, tuple[str, Scheme]],
-                   shapes: Mapping[str, tuple[int, int]]) -> dict[str, QTensor]:
+    def load_block(self, i: int, decode: Decoder) -> Any:
         data = self.block_file(i).read_bytes()
         if hashlib.sha256(data).hexdigest() != _read_json(self.sidecar(i)).get("sha256"):  # changed since done()
             raise CheckpointError(f"{self.block_file(i)} changed while the run was resuming; rerun to tune it again")
-        return self._decode(i, data, layers, shapes)
+        return self._decode(i, data, decode)
 
-    def _decode(self, i: int, data: bytes, layers: Mapping[str, tuple[str, Scheme]],
-                shapes: Mapping[str, tuple[int, int]]) -> dict[str, QTensor]:
-        """Block ``i``'s saved bytes as QTensors of its layers; anything else is a `CheckpointError`."""
+    def _decode(self, i: int, data: bytes, decode: Decoder) -> Any:
+        """Block ``i``'s saved bytes through the pass's reader; anything else is a `CheckpointError`."""
         try:
             raw = st_load(data)
         except SafetensorError as e:
             raise CheckpointError(f"{self.block_file(i)} is not a safetensors file ({str(e)[:80]}); delete the "
                                   "work folder and rerun") from None
-        out = {}
-        for name, (_rel, scheme) in layers.items():
-            d = {k.split("::", 1)[1]: v for k, v in raw.items() if k.split("::", 1)[0] == name}
-            if not d:
-                raise ConfigError(f"{self.block_file(i)} lacks layer {name}; delete the work folder and rerun")
-            try:
-                out[name] = QTensor.from_packed(d, shapes[name], scheme)
-            except CheckpointError as e:
-                raise CheckpointError(f"{self.block_file(i)}, layer {name}: {e}; delete the work folder and "
-                                      "rerun") from None
-        return out
+        return decode(i, raw, self.block_file(i))
 
 
 def _read_json(path: Path) -> dict[str, Any]:
@@ -216,9 +205,8 @@ def open_workdir(path: str | Path | None, settings: dict[str, Any], shard: Shard
     return rank0_first(shard, lambda: WorkDir(path, settings))
 
 
-def resume_point(wd: WorkDir | None, nblocks: int, shard: Shard,
-                 layout: Callable[[int], BlockLayout] | None = None) -> int:
+def resume_point(wd: WorkDir | None, nblocks: int, shard: Shard, decode: Decoder | None = None) -> int:
     """Blocks already finished; rank 0 checks (and prunes) the folder before the other ranks read it."""
     if wd is None:
         return 0
-    return rank0_first(shard, lambda: wd.done(nblocks, layout))
+    return rank0_first(shard, lambda: wd.done(nblocks, decode))
