@@ -80,7 +80,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--compile", action="store_true", default=UNSET,
                    help="signround, signround2: torch.compile the tuned block (off by default)")
     g.add_argument("--cache-device", choices=("device", "cpu"), default=None,
-                   help="signround, signround2: where the cached activations live: device (default) or cpu "
+                   help="gptq, signround, signround2 (and --awq): where the cached activations live: device "
+                        "(default) or cpu "
                         "(host memory streamed per mini-batch: the most memory-lean mode for large models on "
                         "small GPUs)")
     g.add_argument("--workdir", default=None,
