@@ -239,7 +239,7 @@ class AWQPass:
         if mods:
             mean = reduce_across(st.result("sumabs", torch.float64, w.device), w.shard)
             xtx = reduce_across(sx.result("xtx", torch.float64, w.device), w.shard) if linear else {}
-            tokens = {n: int(reduce_tensor(torch.tensor(st.tokens[n]), w.shard)) for n in mods}
+            tokens = {n: int(reduce_tensor(torch.tensor(st.tokens[n], device=w.device), w.shard)) for n in mods}
             out = {n: (mean[n].float() / tokens[n], xtx[n].float() / tokens[n] if n in xtx else None) for n in mods}
         return y, out
 

@@ -54,14 +54,19 @@ def check_world(nsamples: int, shard: Shard) -> None:
 
 
 def reduce_tensor(x: torch.Tensor, shard: Shard, op: str = "sum") -> torch.Tensor:
-    """``x`` summed (or, ``op="max"``, maxed) over the ranks, as a new tensor (``x`` itself in one process)."""
+    """``x`` summed (or, ``op="max"``, maxed) over the ranks, as a new tensor (``x`` itself in one process).
+
+    NCCL reduces only GPU tensors: a host tensor (statistics are gathered on the CPU) goes
+    through this rank's GPU and comes back.
+    """
     if shard.world == 1:
         return x
     import torch.distributed as dist
 
-    x = x.clone()
-    dist.all_reduce(x, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM)
-    return x
+    comm = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else x.device
+    y = x.to(comm, copy=True)
+    dist.all_reduce(y, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM)
+    return y.to(x.device)
 
 
 def reduce_across(stats: Mapping[str, torch.Tensor], shard: Shard, op: str = "sum") -> dict[str, torch.Tensor]:
