@@ -80,10 +80,11 @@ class WorkDir:
     """Per-block results on disk: ``run.json`` (settings), ``block_NNNN.safetensors`` + ``block_NNNN.json``.
 
     The small JSON sidecar holds the block file's sha256 and is written after it, so a
-    block counts as finished only when both exist and agree and the file decodes to the
-    block's layers: a crash between the two, a truncated file, a flipped byte or a file
-    that is not safetensors at all read as "not finished" and the block is tuned again
-    (with a warning) instead of being installed with wrong codes.
+    block counts as finished only when both exist and agree and the pass's decoder reads
+    the file as that block's result (the tuned layers' codes, AWQ's scales): a crash
+    between the two, a truncated file, a flipped byte or a file that is not safetensors at
+    all read as "not finished" and the block is done again (with a warning) instead of
+    being installed with wrong codes.
     """
 
     def __init__(self, path: str | Path, settings: dict[str, Any]) -> None:
