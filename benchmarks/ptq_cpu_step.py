@@ -29,7 +29,8 @@ def child(iters: int) -> dict:
 
     from lowbit.models import linear_layers
     from lowbit.plans.plan import Plan
-    from lowbit.ptq.pipeline import PipelineOptions, quantize_blockwise
+    from lowbit.ptq.blockwise import PipelineOptions, quantize_blockwise
+    from lowbit.ptq.methods import RunContext
     from lowbit.ptq.signround import SignRoundSettings, SignRoundTuner
 
     torch.set_num_threads(1)
@@ -40,7 +41,8 @@ def child(iters: int) -> dict:
     calib = torch.randint(0, 1000, (32, 256), generator=torch.Generator().manual_seed(0))
     plan = Plan.uniform({n: m for n, m in linear_layers(model).items() if ".layers." in n}, "w4g128")
     s = SignRoundSettings(iters=iters, v2=True, tune_dtype="fp32")
-    infos = quantize_blockwise(model, plan, calib, SignRoundTuner(s), {}, PipelineOptions(chunk=8), progress=False)
+    infos = quantize_blockwise(model, plan, SignRoundTuner(s), {}, RunContext(calib=calib, progress=False),
+                               PipelineOptions(chunk=8))
     return {"seconds": infos[0]["seconds"], "iters": iters}
 
 

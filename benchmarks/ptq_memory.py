@@ -149,7 +149,8 @@ def main(argv: list[str] | None = None) -> None:
 
     from lowbit.models import decoder_blocks, linear_layers
     from lowbit.plans.plan import Plan
-    from lowbit.ptq.pipeline import PipelineOptions, quantize_blockwise
+    from lowbit.ptq.blockwise import PipelineOptions, quantize_blockwise
+    from lowbit.ptq.methods import RunContext
     from lowbit.ptq.signround import SignRoundSettings, SignRoundTuner
 
     torch.set_num_threads(1)
@@ -168,9 +169,10 @@ def main(argv: list[str] | None = None) -> None:
     laps: list[float] = []
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp, Sampler() as s:
-        opts = PipelineOptions(chunk=min(args.nsamples, 8), offload_dir=None if args.no_offload or args.lazy else tmp,
+        opts = PipelineOptions(chunk=min(args.nsamples, 8),
                                **({"cache_dtype": cfg.storage_dtype("cpu")} if args.cache_dtype else {}))
-        quantize_blockwise(model, plan, calib, SignRoundTuner(cfg), {"method": "signround2"}, opts,
+        ctx = RunContext(calib=calib, offload_dir=None if args.no_offload or args.lazy else tmp)
+        quantize_blockwise(model, plan, SignRoundTuner(cfg), {"method": "signround2"}, ctx, opts,
                            on_block=lambda i: laps.append(s.lap()))
     seconds = time.perf_counter() - t0
     if ckpt:

@@ -62,7 +62,7 @@ def test_signround_tunes_with_quantized_inputs(method):
 
 def test_tuned_linear_sees_quantized_inputs_and_loss_filter_on_at_4_bits():
     from lowbit.nn.input_quant import InputQuantizer
-    from lowbit.ptq.pipeline import BlockJob
+    from lowbit.ptq.blockwise import BlockJob
     from lowbit.ptq.signround import SignRoundSettings, SignRoundTuner, TunedLinear
 
     lin = torch.nn.Linear(64, 32, bias=False)

@@ -170,6 +170,24 @@ def test_gptq_with_rotation_and_awq_round_trips_and_offloads(tmp_path, capsys, t
     assert meta["awq"]["grid"] == 20
 
 
+def test_gptq_with_awq_resumes_from_the_workdir_with_host_caches(tmp_path, capsys, tiny_tokenizer):
+    """--method gptq --awq --cache-device cpu --workdir: accepted and honoured; the rerun replays AWQ's blocks
+    (WORKDIR/awq) and GPTQ's, and writes the same checkpoint."""
+    import torch
+    from safetensors.torch import load_file
+
+    _save_tiny_qwen(tmp_path / "qwen", tiny_tokenizer)
+    common = ["--scheme", "w4g32", "--method", "gptq", "--awq", "--nsamples", "4", "--seqlen", "32", "--no-eval",
+              "--cache-device", "cpu", "--workdir", str(tmp_path / "wd"), "--json"]
+    for name in ("a", "b"):
+        code = main(["quantize", str(tmp_path / "qwen"), *common, "--out", str(tmp_path / name)])
+        assert code == 0, capsys.readouterr().err
+    assert sorted(p.name for p in (tmp_path / "wd" / "awq").glob("block_*.safetensors")) == [
+        "block_0000.safetensors", "block_0001.safetensors"]
+    a, b = (load_file(str(next((tmp_path / n).glob("*.safetensors")))) for n in ("a", "b"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
 def test_cli_warnings_are_one_line_naming_the_command():
     """The CLI changes only the text of warnings, so callers that record them still get them."""
     import warnings

@@ -312,6 +312,20 @@ def test_host_caches_tune_like_device_caches():
     assert code_agreement(host, dev) == 1.0
 
 
+def test_gptq_and_awq_with_host_caches_equal_device_caches():
+    """--cache-device cpu reaches GPTQ and AWQ (GPTQ once dropped it): host caches give the device-cache result."""
+    from lowbit.ptq import quantize_model
+    from lowbit.ptq.awq import AWQSettings
+
+    runs = []
+    for where in ("cpu", "device"):
+        m = tiny_model(layers=2)
+        quantize_model(m, uniform(m, "w4g32"), "gptq", calib=calib(), awq=AWQSettings(grid=4), device=DEVICE,
+                       cache_device=where, progress=False)
+        runs.append(m)
+    assert code_agreement(*runs) == 1.0
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="host syncs are a GPU matter (the CPU test counts reads)")
 def test_tuning_loop_never_syncs_the_host(monkeypatch):
     """No cudaStreamSynchronize or blocking copy anywhere in SignRound's descent (torch's sync debug mode)."""

@@ -9,9 +9,11 @@ from ptq_helpers import calib, tiny_model, uniform
 from lowbit.errors import ConfigError
 from lowbit.formats import Scheme, quantize
 from lowbit.models.fused import own_tensor_scale
+from lowbit.models.layers import decoder_blocks
 from lowbit.nn import quant_layers
 from lowbit.plans.plan import Plan
 from lowbit.ptq import quantize_model
+from lowbit.ptq.blockwise import BlockJob, PipelineOptions, capture_inputs, quantize_blockwise
 from lowbit.ptq.gptq import (
     GPTQSettings,
     GPTQTuner,
@@ -20,7 +22,7 @@ from lowbit.ptq.gptq import (
     gptq_matrix,
     input_groups,
 )
-from lowbit.ptq.pipeline import BlockJob, PipelineOptions, capture_inputs, decoder_blocks, quantize_blockwise
+from lowbit.ptq.methods import RunContext
 
 ALL_SCHEMES = ["w4g32", "w3g32a", "w2g64", "w8", "nvfp4", "nvfp4-46", "mxfp4", "mxfp8", "nvfp4-ue5m3"]
 
@@ -194,9 +196,9 @@ def _run(model, workdir, stop_after=None):
             raise Interrupt
 
     s = GPTQSettings()
-    return quantize_blockwise(model, uniform(model, "w3g32"), calib(), GPTQTuner(s),
-                              {"method": "gptq", "config": s.to_dict()}, PipelineOptions(), workdir=workdir,
-                              progress=False, on_block=on_block)
+    return quantize_blockwise(model, uniform(model, "w3g32"), GPTQTuner(s), {"method": "gptq", "config": s.to_dict()},
+                              RunContext(calib=calib(), workdir=workdir, progress=False), PipelineOptions(),
+                              on_block=on_block)
 
 
 def test_resume_after_interrupt_gives_the_same_model(tmp_path):
@@ -285,8 +287,8 @@ def test_gptq_skips_the_fp_chain_and_gets_the_same_model():
         block0 = decoder_blocks(q)[0]
         count = []
         hd = block0.register_forward_hook(lambda *_, seen=count: seen.append(1))
-        quantize_blockwise(q, uniform(q, "w3g32"), calib(), tuner, {"method": "gptq"}, PipelineOptions(chunk=4),
-                           progress=False)
+        quantize_blockwise(q, uniform(q, "w3g32"), tuner, {"method": "gptq"}, RunContext(calib=calib(), progress=False),
+                           PipelineOptions(chunk=4))
         hd.remove()
         forwards[targets] = len(count)
         assert all((y is None) != targets for y in tuner.ys)

@@ -206,14 +206,14 @@ def test_a_block_file_that_is_not_safetensors_is_retuned(tmp_path):
     from ptq_helpers import calib, tiny_model, uniform
     from test_ptq_pipeline import same_weights
 
-    from lowbit.ptq.pipeline import PipelineOptions, quantize_blockwise
+    from lowbit.ptq.blockwise import PipelineOptions, quantize_blockwise
+    from lowbit.ptq.methods import RunContext
     from lowbit.ptq.signround import SignRoundTuner, make_config
 
     def run(model, workdir):
         cfg = make_config(iters=2, batch_size=4)
-        return quantize_blockwise(model, uniform(model, "w4g32"), calib(), SignRoundTuner(cfg),
-                                  {"config": cfg.to_dict()}, PipelineOptions(chunk=4), workdir=workdir,
-                                  progress=False)
+        return quantize_blockwise(model, uniform(model, "w4g32"), SignRoundTuner(cfg), {"config": cfg.to_dict()},
+                                  RunContext(calib=calib(), workdir=workdir, progress=False), PipelineOptions(chunk=4))
 
     m = tiny_model(layers=2)
     full = copy.deepcopy(m)

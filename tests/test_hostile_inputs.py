@@ -549,14 +549,15 @@ def test_short_calibration_text_message(tmp_path, words, needle):
 def test_pickles_in_a_ptq_work_folder_never_run(tmp_path):
     from ptq_helpers import calib, tiny_model, uniform
 
-    from lowbit.ptq.pipeline import PipelineOptions, quantize_blockwise
+    from lowbit.ptq.blockwise import PipelineOptions, quantize_blockwise
+    from lowbit.ptq.methods import RunContext
     from lowbit.ptq.signround import SignRoundTuner, make_config
 
     def run(workdir):
         m = tiny_model(layers=2)
         cfg = make_config(iters=2, batch_size=4)
-        return quantize_blockwise(m, uniform(m, "w4g32"), calib(), SignRoundTuner(cfg), {"config": cfg.to_dict()},
-                                  PipelineOptions(chunk=4), workdir=workdir, progress=False)
+        return quantize_blockwise(m, uniform(m, "w4g32"), SignRoundTuner(cfg), {"config": cfg.to_dict()},
+                                  RunContext(calib=calib(), workdir=workdir, progress=False), PipelineOptions(chunk=4))
 
     run(tmp_path / "w")
     marker = tmp_path / "pwned"

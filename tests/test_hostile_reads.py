@@ -96,7 +96,7 @@ def _reader_cases():
     from lowbit.models.lazy import ShardSource
     from lowbit.peft import load_adapters
     from lowbit.plans.plan import Plan
-    from lowbit.ptq.pipeline import WorkDir
+    from lowbit.ptq.blockwise import WorkDir
     from lowbit.train.checkpoint import load_checkpoint
     from lowbit.train.metrics import read_losses
 
@@ -172,7 +172,7 @@ def test_every_json_reader_turns_deep_nesting_into_one_error(tmp_path, case):
 
 
 def test_block_sidecar_nested_deeply_means_retune(tmp_path):
-    from lowbit.ptq.pipeline import WorkDir
+    from lowbit.ptq.blockwise import WorkDir
 
     wd = WorkDir(tmp_path / "wd", {"method": "x"})
     wd.block_file(0).write_bytes(b"x")

@@ -10,7 +10,8 @@ from ptq_helpers import calib, tiny_model, uniform
 
 from lowbit.errors import ConfigError
 from lowbit.nn import quant_layers
-from lowbit.ptq.pipeline import PipelineOptions, quantize_blockwise
+from lowbit.ptq.blockwise import PipelineOptions, quantize_blockwise
+from lowbit.ptq.methods import RunContext
 from lowbit.ptq.signround import SignRoundTuner, make_config
 
 
@@ -29,9 +30,9 @@ class Recording(SignRoundTuner):
 def run(model, cache_dtype: str, fp_inputs: bool = False, iters: int = 4):
     cfg = make_config(iters=iters, batch_size=4, v2=True, tune_dtype="fp32", fp_inputs=fp_inputs)
     tuner = Recording(cfg)
-    infos = quantize_blockwise(model, uniform(model, "w4g32"), calib(), tuner, {"config": cfg.to_dict()},
-                               PipelineOptions(chunk=4, cache_dtype=cache_dtype, fp_inputs=fp_inputs),
-                               progress=False)
+    infos = quantize_blockwise(model, uniform(model, "w4g32"), tuner, {"config": cfg.to_dict()},
+                               RunContext(calib=calib(), progress=False),
+                               PipelineOptions(chunk=4, cache_dtype=cache_dtype, fp_inputs=fp_inputs))
     return infos, tuner.seen
 
 
@@ -54,7 +55,7 @@ def test_bf16_caches_store_bf16_and_tune_like_fp32(fp_inputs):
 def test_in_place_caches_hold_exactly_the_block_outputs():
     """Targets and quantized inputs, written in place, equal the block outputs computed afresh."""
     from lowbit.models.layers import decoder_blocks
-    from lowbit.ptq.pipeline import capture_inputs, run_block
+    from lowbit.ptq.blockwise import capture_inputs, run_block
 
     class Keep(SignRoundTuner):
         def __init__(self, cfg) -> None:
@@ -69,7 +70,8 @@ def test_in_place_caches_hold_exactly_the_block_outputs():
     fp = copy.deepcopy(m)
     cfg = make_config(iters=2, batch_size=4, v2=True, tune_dtype="fp32")
     keep = Keep(cfg)
-    quantize_blockwise(m, uniform(m, "w4g32"), calib(), keep, {}, PipelineOptions(chunk=4), progress=False)
+    quantize_blockwise(m, uniform(m, "w4g32"), keep, {}, RunContext(calib=calib(), progress=False),
+                       PipelineOptions(chunk=4))
     x0, kw = capture_inputs(fp, decoder_blocks(fp)[0], calib(), torch.device("cpu"))
     with torch.no_grad():
         y0 = run_block(decoder_blocks(fp)[0], x0, kw, 4)
@@ -82,8 +84,10 @@ def test_in_place_caches_hold_exactly_the_block_outputs():
 def test_unknown_cache_settings_are_errors():
     with pytest.raises(ConfigError, match="cache dtype"):
         PipelineOptions(cache_dtype="fp16")
+    m = tiny_model(layers=1)
     with pytest.raises(ConfigError, match="--cache-device"):
-        PipelineOptions(cache_device="gpu")
+        quantize_blockwise(m, uniform(m, "w4g32"), SignRoundTuner(make_config(iters=0)), {},
+                           RunContext(calib=calib(), cache_device="gpu", progress=False))
     with pytest.raises(ConfigError, match="cache_dtype"):
         make_config(cache_dtype="int8")
 
@@ -156,3 +160,31 @@ def test_tuning_attention_swaps_sdpa_and_restores_it():
     m.config._attn_implementation = "eager"
     with tuning_attention(m):
         assert m.config._attn_implementation == "eager"  # only sdpa is swapped
+
+
+@pytest.mark.parametrize("method", ["gptq", "signround", "signround2"])
+def test_cache_device_cpu_reaches_the_engine_for_every_blockwise_method(monkeypatch, method):
+    """``--cache-device cpu`` puts the caches in host memory for every block-wise method (GPTQ dropped it once).
+
+    The compute device is made to read as one that is not the host, and the capture is
+    stopped as soon as the engine asks where the cache goes.
+    """
+    from lowbit.ptq import quantize_model
+    from lowbit.ptq.blockwise import loop
+
+    class Stop(Exception):
+        pass
+
+    seen = []
+
+    def capture(model, block0, calib, device, dtype=None, where=None, shard=None):
+        seen.append((device, where))
+        raise Stop
+
+    monkeypatch.setattr(loop, "check_device", lambda _d: torch.device("meta"))
+    monkeypatch.setattr(loop, "capture_inputs", capture)
+    m = tiny_model(layers=1)
+    settings = {"iters": 0} if method.startswith("signround") else None
+    with pytest.raises(Stop):
+        quantize_model(m, uniform(m, "w4g32"), method, settings, calib=calib(), cache_device="cpu", progress=False)
+    assert seen == [(torch.device("meta"), torch.device("cpu"))]

@@ -73,7 +73,7 @@ def test_two_processes_tune_as_one(tmp_path, v2):
 def test_filtered_loss_parts_add_up_to_the_whole(monkeypatch):
     """The ranks' parts of the filtered MSE sum to the one-process loss, dropping the same k errors."""
     from lowbit.ptq import signround
-    from lowbit.ptq.pipeline import Shard
+    from lowbit.ptq.blockwise import Shard
 
     g = torch.Generator().manual_seed(0)
     pred, ref = torch.randn(4, 16, 8, generator=g), torch.randn(4, 16, 8, generator=g)
@@ -91,15 +91,51 @@ def test_filtered_loss_parts_add_up_to_the_whole(monkeypatch):
 
 @pytest.mark.parametrize("nsamples,batch,msg", [(7, 4, "do not split over 2"), (8, 3, "mini-batch of 3")])
 def test_a_world_that_does_not_divide_is_one_error_before_any_work(monkeypatch, nsamples, batch, msg):
-    from lowbit.ptq import pipeline
-    from lowbit.ptq.pipeline import Shard
+    from lowbit.ptq.blockwise import Shard, loop, shards
     from lowbit.ptq.signround import make_config, signround_quantize
 
-    monkeypatch.setattr(pipeline, "current_shard", lambda: Shard(0, 2))
-    monkeypatch.setattr(pipeline, "capture_inputs", lambda *a, **k: pytest.fail("work started"))
+    monkeypatch.setattr(shards, "current_shard", lambda: Shard(0, 2))
+    monkeypatch.setattr(loop, "capture_inputs", lambda *a, **k: pytest.fail("work started"))
     m = tiny_model(layers=1)
     before = copy.deepcopy(m.state_dict())
     with pytest.raises(ConfigError, match=msg):
         signround_quantize(m, uniform(m, "w4g32"), make_config(iters=2, batch_size=batch), calib(nsamples),
                            progress=False)
     assert all(torch.equal(before[k], v) for k, v in m.state_dict().items())
+
+
+def _awq(model, workdir: str | None = None):
+    from lowbit.ptq.awq import AWQSettings, awq_scale
+
+    return awq_scale(model, uniform(model, "w3g32"), calib(), AWQSettings(grid=4, inputs="quantized"), progress=False,
+                     workdir=workdir)
+
+
+def _awq_rank(rank: int, world: int, port: int, out: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    try:
+        m = tiny_model(layers=2)
+        info = _awq(m, workdir=out + ".work")
+        torch.save({"state": m.state_dict(), "info": info}, f"{out}.{rank}")
+    finally:
+        dist.destroy_process_group()
+
+
+def test_awq_two_processes_scale_as_one(tmp_path):
+    """AWQ on the engine under torchrun: each rank propagates half the samples, statistics are summed over
+    the ranks, and every rank folds the scales one process folds (rank 0 alone writes the work folder)."""
+    torch.set_num_threads(1)
+    single = tiny_model(layers=2)
+    ref = _awq(single)
+    out = str(tmp_path / "r")
+    mp.spawn(_awq_rank, args=(2, _free_port(), out), nprocs=2, join=True)
+    got = [torch.load(f"{out}.{r}") for r in range(2)]
+    for k, v in single.state_dict().items():
+        assert torch.equal(got[0]["state"][k], got[1]["state"][k]), k  # the ranks agree exactly
+        torch.testing.assert_close(got[0]["state"][k], v, rtol=1e-5, atol=1e-6)
+    assert got[0]["info"]["scaled"] == ref["scaled"]
+    assert got[0]["info"]["mean_error_ratio"] == pytest.approx(ref["mean_error_ratio"], rel=1e-4)
+    assert sorted(p.name for p in (tmp_path / "r.work" / "awq").glob("block_*.safetensors")) == [
+        "block_0000.safetensors", "block_0001.safetensors"]

@@ -9,8 +9,9 @@ from ptq_helpers import calib, tiny_model, uniform
 
 from lowbit.errors import ConfigError
 from lowbit.models.activations import importance as collect_importance
+from lowbit.models.layers import decoder_blocks
 from lowbit.nn import QuantLinear, quant_layers
-from lowbit.ptq.pipeline import capture_inputs, decoder_blocks
+from lowbit.ptq.blockwise import capture_inputs
 from lowbit.ptq.rtn import rtn_quantize
 from lowbit.ptq.signround import SignRoundTuner, make_config, signround_quantize
 
@@ -74,12 +75,13 @@ def run_sr(model, plan, workdir, stop_after=None, iters=4, device="cpu"):
         if stop_after is not None and i == stop_after:
             raise Interrupt
 
-    from lowbit.ptq.pipeline import PipelineOptions, quantize_blockwise
+    from lowbit.ptq.blockwise import PipelineOptions, quantize_blockwise
+    from lowbit.ptq.methods import RunContext
 
     cfg = make_config(iters=iters, batch_size=4)
-    return quantize_blockwise(model, plan, calib(), SignRoundTuner(cfg), {"method": "signround", "config": cfg.to_dict()},
-                              PipelineOptions(chunk=4, device=device), workdir=workdir, progress=False,
-                              on_block=on_block)
+    return quantize_blockwise(model, plan, SignRoundTuner(cfg), {"method": "signround", "config": cfg.to_dict()},
+                              RunContext(calib=calib(), device=device, workdir=workdir, progress=False),
+                              PipelineOptions(chunk=4), on_block=on_block)
 
 
 def test_resume_after_interrupt_is_bit_identical(tmp_path):
@@ -165,11 +167,13 @@ def test_disk_offload_keeps_one_fp_block_in_memory(tmp_path):
 
     counting.needs_importance = False
     counting.needs_targets = True
-    from lowbit.ptq.pipeline import PipelineOptions, quantize_blockwise
+    from lowbit.ptq.blockwise import PipelineOptions, quantize_blockwise
+    from lowbit.ptq.methods import RunContext
 
     cfg = make_config(iters=2, batch_size=4)
-    quantize_blockwise(m, plan, calib(), counting, {"config": cfg.to_dict()},
-                       PipelineOptions(chunk=4, offload_dir=str(tmp_path / "off")), progress=False)
+    quantize_blockwise(m, plan, counting, {"config": cfg.to_dict()},
+                       RunContext(calib=calib(), offload_dir=str(tmp_path / "off"), progress=False),
+                       PipelineOptions(chunk=4))
     one_block = sum(mod.weight.numel() for mod in ref.model.layers[0].modules() if isinstance(mod, QuantLinear))
     assert seen == [one_block] * 4
     assert same_weights(ref, m)

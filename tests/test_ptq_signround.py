@@ -9,9 +9,10 @@ from ptq_helpers import calib, tiny_model, uniform
 
 from lowbit.errors import ConfigError, SchemeError
 from lowbit.formats import Scheme, qdq
+from lowbit.models.layers import decoder_blocks
 from lowbit.ptq import MixedSettings, quantize_model
+from lowbit.ptq.blockwise import capture_inputs
 from lowbit.ptq.int_rounder import IntRounder
-from lowbit.ptq.pipeline import capture_inputs, decoder_blocks
 from lowbit.ptq.rtn import rtn_quantize
 from lowbit.ptq.signround import (
     epoch_batches,

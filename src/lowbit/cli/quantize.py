@@ -51,7 +51,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     for spec in method_flags():  # generated from each method's settings dataclass
         _add_method_flag(g, spec)
     g.add_argument("--cache-device", choices=("device", "cpu"), default=None,
-                   help="signround, signround2: where the cached activations live: device (default) or cpu "
+                   help="gptq, signround, signround2 (and --awq): where the cached activations live: device "
+                        "(default) or cpu "
                         "(host memory streamed per mini-batch: the most memory-lean mode for large models on "
                         "small GPUs)")
     g.add_argument("--workdir", default=None,

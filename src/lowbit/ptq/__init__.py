@@ -37,12 +37,12 @@ def check_resume(method: str, settings: Any, plan: Plan, model: nn.Module, calib
                  ctx: RunContext, later: tuple[str, ...] = ()) -> None:
     """Refuse a work folder (``ctx.workdir``) that holds a run with other settings, before any heavy work.
 
-    Builds what the method's pipeline will record (`lowbit.ptq.pipeline.work_settings`)
+    Builds what the method's pipeline will record (`lowbit.ptq.blockwise.work_settings`)
     from the model and calibration tokens as they are now. later: recorded keys that only
     the run itself can know (``model`` after a pre-step changes the weights, ``plan`` of
     a mixed-precision run); the pipeline compares those when it opens the folder.
     """
-    from lowbit.ptq.pipeline import check_work_folder, work_settings
+    from lowbit.ptq.blockwise import check_work_folder, work_settings
 
     spec = get(method)
     if ctx.workdir is None or spec.work is None or calib is None:

@@ -26,37 +26,49 @@ post_attention_layernorm -> gate/up, up -> down, and v -> o when their widths ag
 with grouped-query attention, where v has fewer output channels than o has inputs).
 
 This is a pre-step: the model stays float, each block keeps its function (checked), and
-then RTN, GPTQ or SignRoundV2 quantizes the scaled weights. It walks the blocks once,
-like the PTQ pipeline, with each block's inputs taken from the blocks before it: float
-(``inputs="fp"``) or round-to-nearest quantized with the plan's schemes (``"quantized"``,
-the inputs a quantized model really gives).
+then RTN, GPTQ or SignRoundV2 quantizes the scaled weights. It walks the blocks once on
+the block-wise engine (`lowbit.ptq.blockwise`, as the methods do: one block on the
+compute device, offload folder, resume from a work folder, torchrun shards), with each
+block's inputs taken from the blocks before it: float (``inputs="fp"``) or
+round-to-nearest quantized with the plan's schemes (``"quantized"``, the inputs a
+quantized model really gives).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
-from tqdm.auto import tqdm
 
 from lowbit.configs import check_fields
-from lowbit.errors import ConfigError, ModelError
+from lowbit.errors import CheckpointError, ConfigError, ModelError
 from lowbit.formats import Scheme, qdq
 from lowbit.formats.groups import to_groups
 from lowbit.models.activations import activation_stats
-from lowbit.models.layers import decoder_blocks
-from lowbit.models.placement import check_device
 from lowbit.models.structure import BlockLayout, block_layout
 from lowbit.nn.input_rotation import rotation_of
 from lowbit.plans.plan import Plan
-from lowbit.ptq.pipeline import capture_inputs, module_names, run_block
+from lowbit.ptq.blockwise import (
+    Walk,
+    fingerprint,
+    map_block,
+    new_cache,
+    reduce_across,
+    reduce_tensor,
+    run_block,
+    walk_blocks,
+)
+from lowbit.ptq.methods import RunContext
 
 INPUTS = ("fp", "quantized")
 CHUNK = 8
+GroupResult = tuple["torch.Tensor | None", float]  # one scale group's scales (None = the identity) and error ratio
 
 
 class _Stop(Exception):
@@ -112,60 +124,150 @@ def scale_groups(block: nn.Module, layout: BlockLayout) -> list[ScaleGroup]:
     return [g for g in groups if all(rotation_of(block.get_submodule(n)) is None for n in g.layers)]
 
 
-def awq_scale(model: nn.Module, plan: Plan, calib: torch.Tensor, settings: AWQSettings = AWQSettings(),
-              device: str | None = None, progress: bool = True) -> dict[str, Any]:
-    """Search and fold AWQ scales into ``model`` (float, in place), block by block; returns a summary."""
-    if calib is None or calib.numel() == 0:
+def awq_scale(model: nn.Module, plan: Plan, calib: torch.Tensor, settings: AWQSettings | None = None,
+              **context: Any) -> dict[str, Any]:
+    """Search and fold AWQ scales into ``model`` (float, in place), block by block; returns a summary.
+
+    context: the other `RunContext` fields (device, workdir, offload_dir, cache_device, progress).
+    """
+    return awq_run(model, plan, settings or AWQSettings(), RunContext(calib=calib, **context))
+
+
+def awq_run(model: nn.Module, plan: Plan, settings: AWQSettings, ctx: RunContext) -> dict[str, Any]:
+    """`awq_scale` under a run context: the block-wise engine walks the blocks (offload, resume, shards).
+
+    With a work folder, each block's scales go to ``WORKDIR/awq`` (beside the method's own
+    blocks), so an interrupted run replays them instead of searching again.
+    """
+    if ctx.calib is None or ctx.calib.numel() == 0:
         raise ConfigError("AWQ needs calibration batches (LongTensor [nsamples, seqlen])")
     t0 = time.perf_counter()
-    layout = block_layout(model, "AWQ")
-    blocks = decoder_blocks(model)
-    names = module_names(model)
-    dev = check_device(device) or torch.device("cpu")
-    x, kwargs = capture_inputs(model, blocks[0], calib, dev)
-    gains: list[float] = []
-    scaled: list[bool] = []
-    for block in tqdm(blocks, desc="awq blocks", unit="block", disable=not progress):
-        home = next(block.parameters()).device
-        block.to(dev)
-        prefix = names[id(block)] + "."
-        schemes = {rel[len(prefix):]: r.weight for rel, r in plan.items() if rel.startswith(prefix)}
-        groups = [g for g in scale_groups(block, layout) if any(n in schemes for n in g.layers)]
-        y, stats = _block_stats(block, groups, x, kwargs)
-        probe = _Probe(block, x[:settings.samples], kwargs)
-        for g in groups:
-            s, gain = search_scales(block, g, schemes, stats[g.layers[0]], settings, probe)
-            if s is not None:
-                fold(block, g, s)
-            gains.append(gain)
-            scaled.append(s is not None)
-        _check_same(block, x, y, kwargs, names[id(block)])
-        x = _propagate(block, x, kwargs, schemes) if settings.inputs == "quantized" else y
-        block.to(home)
+    task = AWQPass(plan, settings, block_layout(model, "AWQ"))
+    record = {"step": "awq", "config": settings.to_dict(), "plan": plan.to_dict(), **fingerprint(model, ctx.calib)}
+    workdir = None if ctx.workdir is None else str(Path(ctx.workdir) / "awq")
+    walk_blocks(model, task, record, dataclasses.replace(ctx, workdir=workdir), CHUNK)
+    gains, scaled = task.gains, task.scaled
     return {**settings.to_dict(), "groups": len(gains), "scaled": sum(scaled),
             "mean_error_ratio": round(sum(gains) / max(len(gains), 1), 4), "seconds": round(time.perf_counter() - t0, 2)}
 
 
-def _block_stats(block: nn.Module, groups: list[ScaleGroup], x: torch.Tensor, kwargs: Mapping[str, Any]
-                 ) -> tuple[torch.Tensor, dict[str, tuple[torch.Tensor, torch.Tensor | None]]]:
-    """The block's float output, and per group's first Linear: (mean |x| [in], X^T X / tokens or None)."""
-    mods = {g.layers[0]: block.get_submodule(g.layers[0]) for g in groups}
-    linear = {g.layers[0]: mods[g.layers[0]] for g in groups if g.probe is None}
-    with torch.no_grad(), activation_stats(mods, ("sumabs",)) as st, activation_stats(linear, ("xtx",)) as sx:
-        y = run_block(block, x, kwargs, CHUNK)
-    out: dict[str, tuple[torch.Tensor, torch.Tensor | None]] = {}
-    if mods:
-        mean = st.result("sumabs", device=x.device)
-        xtx = sx.result("xtx", device=x.device) if linear else {}
-        out = {n: (mean[n] / st.tokens[n], xtx[n] / st.tokens[n] if n in xtx else None) for n in mods}
-    return y, out
+class AWQPass:
+    """AWQ's `BlockPass`: per block, the float pass with statistics, the search, the fold, the check.
+
+    The inputs of the next block are the float outputs (``inputs="fp"``) or the outputs
+    with the block's planned Linears round-to-nearest quantized (``"quantized"``). A
+    block's result (per scale group: its scales, or none, and the error ratio) is what the
+    work folder keeps; a resumed block folds its saved scales instead of searching.
+    """
+
+    desc = "awq blocks"
+    changes_float = True
+    cache_dtype = None  # the model's own dtype
+
+    def __init__(self, plan: Plan, settings: AWQSettings, layout: BlockLayout) -> None:
+        self.plan, self.settings, self.layout = plan, settings, layout
+        self.gains: list[float] = []
+        self.scaled: list[bool] = []
+
+    def begin(self, walk: Walk, x: torch.Tensor) -> None:
+        self.walk, self.x = walk, x
+        self.homes = [_device_of(b) for b in walk.blocks]
+        self.y: torch.Tensor | None = None
+
+    def home(self, i: int) -> torch.device:
+        return self.homes[i]
+
+    def _groups(self, block: nn.Module) -> tuple[dict[str, Scheme], list[ScaleGroup]]:
+        """The block's planned Linears (relative name -> scheme) and the scale groups that hold one."""
+        prefix = self.walk.names[id(block)] + "."
+        schemes = {rel[len(prefix):]: r.weight for rel, r in self.plan.items() if rel.startswith(prefix)}
+        return schemes, [g for g in scale_groups(block, self.layout) if any(n in schemes for n in g.layers)]
+
+    def decode(self, i: int, raw: Mapping[str, torch.Tensor], path: Path) -> dict[str, GroupResult]:
+        _, groups = self._groups(self.walk.blocks[i])
+        block = self.walk.blocks[i]
+        out: dict[str, GroupResult] = {}
+        for g in groups:
+            gain, s = raw.get(f"{g.prev}::gain"), raw.get(f"{g.prev}::scale")
+            width = block.get_submodule(g.layers[0]).in_features
+            if gain is None or gain.numel() != 1 or (s is not None and tuple(s.shape) != (width,)):
+                raise CheckpointError(f"{path} does not hold the AWQ scales of {g.prev}; delete the work folder "
+                                      "and rerun")
+            out[g.prev] = (s, float(gain))
+        if len(raw) != sum(1 + (s is not None) for s, _ in out.values()):
+            raise CheckpointError(f"{path} holds tensors of other scale groups; delete the work folder and rerun")
+        return out
+
+    def pack(self, result: Mapping[str, GroupResult]) -> dict[str, torch.Tensor]:
+        out = {f"{prev}::gain": torch.tensor(gain, dtype=torch.float64) for prev, (_, gain) in result.items()}
+        out |= {f"{prev}::scale": s.detach().cpu().contiguous() for prev, (s, _) in result.items() if s is not None}
+        return out
+
+    def step(self, i: int, block: nn.Module, saved: dict[str, GroupResult] | None
+             ) -> tuple[dict[str, GroupResult], dict[str, float]]:
+        w = self.walk
+        schemes, groups = self._groups(block)
+        y, stats = self._block_stats(block, groups if saved is None else [])
+        self.y = y
+        result: dict[str, GroupResult] = {}
+        probe = _Probe(block, self.x[:self.settings.samples], w.kwargs, w.device, w.dtype)
+        for g in groups:
+            if saved is None:
+                result[g.prev] = search_scales(block, g, schemes, stats[g.layers[0]], self.settings, probe)
+            else:
+                result[g.prev] = saved[g.prev]
+            s, gain = result[g.prev]
+            if s is not None:
+                fold(block, g, s.to(w.device))
+            self.gains.append(gain)
+            self.scaled.append(s is not None)
+        return result, {"resumed": 1.0} if saved is not None else {}
+
+    def _block_stats(self, block: nn.Module, groups: list[ScaleGroup]
+                     ) -> tuple[torch.Tensor, dict[str, tuple[torch.Tensor, torch.Tensor | None]]]:
+        """The block's float output, and per group's first Linear: (mean |x| [in], X^T X / tokens or None).
+
+        Sums are taken over this rank's samples and added over the ranks before they are averaged.
+        """
+        w, x = self.walk, self.x
+        mods = {g.layers[0]: block.get_submodule(g.layers[0]) for g in groups}
+        linear = {g.layers[0]: mods[g.layers[0]] for g in groups if g.probe is None}
+        y = new_cache(x.shape, x.dtype, x.device, w.device)
+        with torch.no_grad(), activation_stats(mods, ("sumabs",)) as st, activation_stats(linear, ("xtx",)) as sx:
+            map_block(block, x, y, w.kwargs, CHUNK, w.device, w.dtype, w.shard)
+        out: dict[str, tuple[torch.Tensor, torch.Tensor | None]] = {}
+        if mods:
+            mean = reduce_across(st.result("sumabs", torch.float64, w.device), w.shard)
+            xtx = reduce_across(sx.result("xtx", torch.float64, w.device), w.shard) if linear else {}
+            tokens = {n: int(reduce_tensor(torch.tensor(st.tokens[n], device=w.device), w.shard)) for n in mods}
+            out = {n: (mean[n].float() / tokens[n], xtx[n].float() / tokens[n] if n in xtx else None) for n in mods}
+        return y, out
+
+    def finish(self, i: int, block: nn.Module, result: Mapping[str, GroupResult]) -> None:
+        w, y = self.walk, self.y
+        _check_same(block, self.x, y, w.kwargs, w.names[id(block)], w.device, w.dtype)  # type: ignore[arg-type]
+        if self.settings.inputs == "quantized":
+            _propagate(block, self.x, w, self._groups(block)[0])
+        else:
+            self.x = y  # type: ignore[assignment]
+        self.y = None
+
+    def end(self) -> None:
+        pass
+
+
+def _device_of(block: nn.Module) -> torch.device:
+    """Where a block's weights are (the CPU for one still on meta: that is where loading puts it)."""
+    p = next(block.parameters(), None)
+    return torch.device("cpu") if p is None or p.device.type == "meta" else p.device
 
 
 class _Probe:
     """The output of one module of the block on a few samples, the block stopping right after it."""
 
-    def __init__(self, block: nn.Module, x: torch.Tensor, kwargs: Mapping[str, Any]) -> None:
-        self.block, self.x, self.kwargs = block, x, kwargs
+    def __init__(self, block: nn.Module, x: torch.Tensor, kwargs: Mapping[str, Any], device: torch.device,
+                 dtype: torch.dtype) -> None:
+        self.block, self.x, self.kwargs, self.device, self.dtype = block, x, kwargs, device, dtype
         self.refs: dict[str, torch.Tensor] = {}
 
     def output(self, name: str) -> torch.Tensor:
@@ -180,7 +282,7 @@ class _Probe:
             with torch.no_grad():
                 for part in self.x.split(CHUNK):
                     try:
-                        self.block(part, **self.kwargs)
+                        self.block(part.to(self.device).to(self.dtype), **self.kwargs)
                     except _Stop:
                         pass
         finally:
@@ -289,20 +391,21 @@ def fold(block: nn.Module, group: ScaleGroup, s: torch.Tensor) -> None:
         prev.weight.copy_((prev.weight.double() / sd).to(prev.weight.dtype))
 
 
-def _check_same(block: nn.Module, x: torch.Tensor, y: torch.Tensor, kwargs: Mapping[str, Any], name: str) -> None:
+def _check_same(block: nn.Module, x: torch.Tensor, y: torch.Tensor, kwargs: Mapping[str, Any], name: str,
+                device: torch.device, dtype: torch.dtype) -> None:
     """The scaled block must compute what the float block computed (on the first samples)."""
     with torch.no_grad():
-        got = run_block(block, x[:CHUNK], kwargs, CHUNK)
-    ref = y[:CHUNK]
+        got = run_block(block, x[:CHUNK].to(device).to(dtype), kwargs, CHUNK)
+    ref = y[:CHUNK].to(got.device)
     err = float((got - ref).abs().max() / ref.abs().max().clamp_min(1e-30))
     if not err < 1e-3:
         raise ModelError(f"AWQ scaling changed the output of {name} (relative difference {err:.3g}): its blocks do "
                          "not have the llama-style structure lowbit scales; quantize without --awq")
 
 
-def _propagate(block: nn.Module, x: torch.Tensor, kwargs: Mapping[str, Any], schemes: Mapping[str, Scheme]
-               ) -> torch.Tensor:
-    """The block's output with its planned Linears round-to-nearest quantized (float weights put back)."""
+def _propagate(block: nn.Module, x: torch.Tensor, walk: Walk, schemes: Mapping[str, Scheme]) -> None:
+    """``x`` becomes the block's output with its planned Linears round-to-nearest quantized (float weights put
+    back), in place."""
     weights = {n: qdq(block.get_submodule(n).weight.detach().float(), _plain_rule(s)) for n, s in schemes.items()}
     with _swapped(block, weights), torch.no_grad():
-        return run_block(block, x, kwargs, CHUNK)
+        map_block(block, x, x, walk.kwargs, CHUNK, walk.device, walk.dtype, walk.shard)

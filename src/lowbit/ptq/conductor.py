@@ -31,7 +31,7 @@ from torch import nn
 from lowbit.models.lazy import is_lazy, materialize
 from lowbit.plans.plan import Plan
 from lowbit.ptq.allocate import Allocation
-from lowbit.ptq.awq import AWQSettings, awq_scale
+from lowbit.ptq.awq import AWQSettings, awq_run
 from lowbit.ptq.fit import fit_plan
 from lowbit.ptq.methods import RunContext, coerce_settings, get
 from lowbit.ptq.mixed import MixedSettings, check_feasible, mixed_plan
@@ -113,7 +113,7 @@ def conduct(model: nn.Module, plan: Plan, spec: PtqSpec, ctx: RunContext, phase:
     if method.check_plan is not None:
         method.check_plan(spec.settings, plan)
     with phase("pre_steps" if spec.has_pre_steps else "quantize"):
-        prepared = prepare_model(model, plan, ctx.calib, spec.rotate, spec.awq, ctx.device, ctx.progress)
+        prepared = prepare_model(model, plan, rotate=spec.rotate, awq=spec.awq, ctx=ctx)
     float_digest = _float_digest(model, list(plan)) if digest else None
     if not method.blockwise or spec.mixed is not None:
         materialize(model)  # a lazily loaded model, for passes that need all of it at once
@@ -137,12 +137,16 @@ def conduct(model: nn.Module, plan: Plan, spec: PtqSpec, ctx: RunContext, phase:
 
 def prepare_model(model: nn.Module, plan: Plan, calib: torch.Tensor | None = None,
                   rotate: RotationSettings | None = None, awq: AWQSettings | None = None,
-                  device: torch.device | None = None, progress: bool = True) -> dict[str, Any]:
+                  device: torch.device | None = None, progress: bool = True,
+                  ctx: RunContext | None = None) -> dict[str, Any]:
     """The float pre-steps, in this order: rotate the residual stream, then AWQ scales; returns what each did.
 
     Both keep the float model's function (each checks it) and need the whole model, so a
     lazily loaded one is loaded first. Nothing is done when neither is asked for.
+    ctx: the run's context, whole (AWQ walks the blocks on the block-wise engine with its
+    work folder, offload folder and cache placement); None = one from calib, device, progress.
     """
+    ctx = ctx or RunContext(calib=calib, device=device, progress=progress)
     done: dict[str, Any] = {}
     if rotate is None and awq is None:
         return done
@@ -150,7 +154,7 @@ def prepare_model(model: nn.Module, plan: Plan, calib: torch.Tensor | None = Non
     if rotate is not None:
         done["rotation"] = rotate_model(model, rotate)
     if awq is not None:
-        done["awq"] = awq_scale(model, plan, calib, awq, device=device, progress=progress)
+        done["awq"] = awq_run(model, plan, awq, ctx)
     return done
 
 

@@ -21,7 +21,7 @@ the float weights, one per group of Linears an engine fuses, `lowbit.models.fuse
   ``static_groups`` chooses every scale up front from the float weights (the classic
   static groups). Act-order without static groups would need that index and is refused.
 
-Sequential through the model (`lowbit.ptq.pipeline`): each block's Hessians come from its
+Sequential through the model (`lowbit.ptq.blockwise`): each block's Hessians come from its
 inputs through the already quantized blocks, and with ``true_sequential`` a block's
 Linears are quantized in the order they run (q/k/v, o, gate/up, down: layers reading the
 same input share one Hessian and one factorisation), each group's Hessian taken with the
@@ -47,9 +47,9 @@ from lowbit.formats.groups import to_groups
 from lowbit.models.activations import activation_stats
 from lowbit.models.fused import own_tensor_scale
 from lowbit.plans.plan import Plan
+from lowbit.ptq.blockwise import BlockJob, PipelineOptions, quantize_blockwise
 from lowbit.ptq.gptq_grids import Grid, KGrid, Tensors, make_grid
 from lowbit.ptq.methods import Method, RunContext, knob, register
-from lowbit.ptq.pipeline import BlockJob, PipelineOptions, quantize_blockwise
 from lowbit.ptq.rtn import searched
 
 DAMP_RETRIES = (0.01, 0.1, 1.0)  # dampening tried, in order, when a Hessian is not positive definite
@@ -350,7 +350,7 @@ def hessians(block: nn.Module, mods: Mapping[str, nn.Module], x: torch.Tensor, k
         finally:
             for hd in handles:
                 hd.remove()
-    return st.result("xtx", torch.float64, x.device)
+    return st.result("xtx", torch.float64, device or x.device)  # with the weights, wherever the cache is
 
 
 class GPTQTuner:
@@ -405,36 +405,33 @@ def _input_hook(quantizer: nn.Module):
 
 
 def gptq_quantize(model: nn.Module, plan: Plan, settings: GPTQSettings, calib: torch.Tensor,
-                  device: str | None = None, workdir: str | None = None, offload_dir: str | None = None,
-                  progress: bool = True) -> tuple[Plan, list[dict[str, float]]]:
+                  **context: Any) -> tuple[Plan, list[dict[str, float]]]:
     """Quantize ``model`` in place with GPTQ block by block; returns the plan applied and per-block info.
 
-    With ``search`` the plan's schemes take the ``search`` rule (as RTN's), which is
-    what their stored scales were chosen by.
+    context: the other `RunContext` fields (device, workdir, offload_dir, cache_device,
+    progress). With ``search`` the plan's schemes take the ``search`` rule (as RTN's),
+    which is what their stored scales were chosen by.
     """
-    if calib is None or calib.numel() == 0:
+    return _quantize(model, plan, settings, RunContext(calib=calib, **context))
+
+
+def _quantize(model: nn.Module, plan: Plan, settings: GPTQSettings, ctx: RunContext
+              ) -> tuple[Plan, list[dict[str, float]]]:
+    if ctx.calib is None or ctx.calib.numel() == 0:
         raise ConfigError("GPTQ needs calibration batches (LongTensor [nsamples, seqlen])")
     check_plan(settings, plan)
-    recorded, opts, plan = pipeline_args(settings, plan, device, offload_dir)
-    infos = quantize_blockwise(model, plan, calib, GPTQTuner(settings), recorded, opts, workdir=workdir,
-                               progress=progress)
-    return plan, infos
+    recorded, opts, plan = _work(settings, plan, ctx)
+    return plan, quantize_blockwise(model, plan, GPTQTuner(settings), recorded, ctx, opts)
 
 
-def pipeline_args(settings: GPTQSettings, plan: Plan, device: str | torch.device | None, offload_dir: str | None
-                  ) -> tuple[dict, PipelineOptions, Plan]:
-    """What GPTQ hands the pipeline: recorded settings, options, and the plan it applies (searched rule)."""
-    opts = PipelineOptions(chunk=CHUNK, device=str(device or "cpu"), offload_dir=offload_dir)
+def _work(settings: GPTQSettings, plan: Plan, _ctx: RunContext) -> tuple[dict, PipelineOptions, Plan]:
+    """What GPTQ hands the engine: recorded settings, options, and the plan it applies (searched rule)."""
+    opts = PipelineOptions(chunk=CHUNK)
     return {"method": "gptq", "config": settings.to_dict()}, opts, searched(plan) if settings.search else plan
 
 
-def _work(settings: GPTQSettings, plan: Plan, ctx: RunContext) -> tuple[dict, PipelineOptions, Plan]:
-    return pipeline_args(settings, plan, ctx.device, ctx.offload_dir)
-
-
 def _run(model: nn.Module, plan: Plan, settings: GPTQSettings, ctx: RunContext) -> Plan:
-    return gptq_quantize(model, plan, settings, ctx.calib, device=ctx.device, workdir=ctx.workdir,
-                         offload_dir=ctx.offload_dir, progress=ctx.progress)[0]
+    return _quantize(model, plan, settings, ctx)[0]
 
 
 register(Method("gptq", GPTQSettings, _run, blockwise=True, needs_calib=lambda _s: True,

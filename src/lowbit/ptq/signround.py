@@ -11,7 +11,7 @@ is no worse than the start's: tuning never returns a rounding worse on its own l
 where it began. With ``iters=0`` the result is exactly round-to-nearest (V1) or the
 searched RTN (V2, its least-squares refit included); the step after the last loss is
 never measured, so ``iters=1`` keeps the start too. The block-wise pipeline
-(`lowbit.ptq.pipeline`) supplies the inputs, targets, importance, device placement,
+(`lowbit.ptq.blockwise`) supplies the inputs, targets, importance, device placement,
 offloading and resume.
 """
 
@@ -33,9 +33,7 @@ from lowbit.nn import set_module
 from lowbit.nn.input_rotation import rotation_of
 from lowbit.nn.precision import resolve_dtype
 from lowbit.plans.plan import Plan
-from lowbit.ptq.fp_rounders import FpRounder
-from lowbit.ptq.methods import Method, RunContext, knob, register
-from lowbit.ptq.pipeline import (
+from lowbit.ptq.blockwise import (
     CACHE_DTYPES,
     BlockJob,
     PipelineOptions,
@@ -43,6 +41,8 @@ from lowbit.ptq.pipeline import (
     quantize_blockwise,
     reduce_tensor,
 )
+from lowbit.ptq.fp_rounders import FpRounder
+from lowbit.ptq.methods import Method, RunContext, knob, register
 from lowbit.ptq.rounders import make_rounder, restart_
 
 TUNE_DTYPES = ("auto", "bf16", "fp32")
@@ -456,42 +456,38 @@ def check_batch_split(settings: SignRoundSettings, nsamples: int, world: int) ->
 
 
 def signround_quantize(model: nn.Module, plan: Plan, settings: SignRoundSettings, calib: torch.Tensor,
-                       device: str | None = None, workdir: str | None = None, offload_dir: str | None = None,
-                       progress: bool = True, cache_device: str = "device") -> list[dict[str, float]]:
+                       **context: Any) -> list[dict[str, float]]:
     """Quantize ``model`` in place with SignRound (``settings.v2`` for V2); returns per-block info.
 
+    context: the other `RunContext` fields (device, workdir, offload_dir, progress, and
     cache_device: "device" keeps the cached activations on the compute device, "cpu" in
-    (page-locked) host memory, streamed per mini-batch: the most memory-lean mode.
+    (page-locked) host memory, streamed per mini-batch: the most memory-lean mode).
     """
-    from lowbit.ptq.pipeline import check_world, current_shard
+    return _quantize(model, plan, settings, RunContext(calib=calib, **context))
 
-    if calib is None or calib.numel() == 0:
+
+def _quantize(model: nn.Module, plan: Plan, settings: SignRoundSettings, ctx: RunContext) -> list[dict[str, float]]:
+    from lowbit.ptq.blockwise import shards
+
+    if ctx.calib is None or ctx.calib.numel() == 0:
         raise ConfigError("SignRound needs calibration batches (LongTensor [nsamples, seqlen])")
-    shard = current_shard()
-    check_world(len(calib), shard)
-    check_batch_split(settings, len(calib), shard.world)
-    recorded, opts = pipeline_args(settings, device, offload_dir, cache_device)
-    return quantize_blockwise(model, plan, calib, SignRoundTuner(settings), recorded, opts, workdir=workdir,
-                              progress=progress)
-
-
-def pipeline_args(settings: SignRoundSettings, device: str | torch.device | None, offload_dir: str | None,
-                  cache_device: str = "device") -> tuple[dict, PipelineOptions]:
-    """What SignRound hands the pipeline: the settings its work folder records, and the pipeline options."""
-    method = "signround2" if settings.v2 else "signround"
-    opts = PipelineOptions(fp_inputs=settings.fp_inputs, chunk=settings.batch_size, device=str(device or "cpu"),
-                           offload_dir=offload_dir, cache_dtype=settings.storage_dtype(device or "cpu"),
-                           cache_device=cache_device)
-    return {"method": method, "config": settings.to_dict()}, opts
+    shard = shards.current_shard()
+    shards.check_world(len(ctx.calib), shard)
+    check_batch_split(settings, len(ctx.calib), shard.world)
+    recorded, opts, plan = _work(settings, plan, ctx)
+    return quantize_blockwise(model, plan, SignRoundTuner(settings), recorded, ctx, opts)
 
 
 def _work(settings: SignRoundSettings, plan: Plan, ctx: RunContext) -> tuple[dict, PipelineOptions, Plan]:
-    return (*pipeline_args(settings, ctx.device, ctx.offload_dir, ctx.cache_device), plan)
+    """What SignRound hands the engine: the settings its work folder records, the walk's options, the plan."""
+    method = "signround2" if settings.v2 else "signround"
+    opts = PipelineOptions(fp_inputs=settings.fp_inputs, chunk=settings.batch_size,
+                           cache_dtype=settings.storage_dtype(ctx.device or "cpu"))
+    return {"method": method, "config": settings.to_dict()}, opts, plan
 
 
 def _run(model: nn.Module, plan: Plan, settings: SignRoundSettings, ctx: RunContext) -> Plan:
-    signround_quantize(model, plan, settings, ctx.calib, device=ctx.device, workdir=ctx.workdir,
-                       offload_dir=ctx.offload_dir, progress=ctx.progress, cache_device=ctx.cache_device)
+    _quantize(model, plan, settings, ctx)
     return plan
 
 
