@@ -47,10 +47,11 @@ from torch import nn
 from lowbit.errors import LowbitError, ModelError, SchemeError
 from lowbit.files.gguf_kquants import pack_kquant
 from lowbit.files.specs import LayerSpec, from_model, refuse_rotations
-from lowbit.formats import QTensor, Scheme
+from lowbit.formats import QTensor, Scheme, quantize
 from lowbit.formats.finite import require_finite
 from lowbit.io import atomic_file
 from lowbit.nn import quant_layers
+from lowbit.files import gguf_types, targets
 from lowbit.nn.input_rotation import refuse_online_rotations
 
 # every GGUF lowbit writes carries this key, so --force can tell its own files from others
@@ -81,7 +82,8 @@ ARCH_MAP = {
 ARCHS = tuple(ARCH_MAP)
 # general.file_type of llama.cpp's mixes (gguf.LlamaFileType), for readers that show it
 FILE_TYPES = {"q2_k_s": 21, "gguf:q2_k": 10, "q3_k_s": 11, "q3_k_m": 12, "q3_k_l": 13, "q4_k_s": 14, "q4_k_m": 15,
-              "q5_k_s": 16, "q5_k_m": 17, "gguf:q6_k": 18}
+              "q5_k_s": 16, "q5_k_m": 17, "gguf:q6_k": 18, "q4_0": 2, "q4_1": 3, "q8_0": 7, "q5_0": 8, "q5_1": 9}
+EMBEDDINGS = targets.EMBEDDINGS  # what `export(embeddings=...)` accepts
 
 
 def _gguf():
@@ -454,11 +456,16 @@ def _tensor_name_map(arch: Arch, config: Any) -> Any:
 
 
 def export(model: nn.Module, tokenizer: Any, out: str | Path, force: bool = False, allow_requant: bool = False,
-           source_gguf: str | Path | None = None, name: str = "lowbit", file_type: int = 1) -> dict[str, Any]:
+           source_gguf: str | Path | None = None, name: str = "lowbit", file_type: int = 1,
+           embeddings: str = "llama.cpp") -> dict[str, Any]:
     """Write ``model`` as a GGUF file atomically; returns per-type counts and what was not exact.
 
     Checks the architecture, the output path and every layer's GGUF type before writing;
     each quantized tensor is verified against gguf-py's dequantization while it is packed.
+    ``file_type`` (a `FILE_TYPES` number) names llama.cpp's file type; with ``embeddings``
+    "llama.cpp" the token embedding and a float output tensor take that file type's types
+    (`embedding_plan`), "f16" keeps them 16-bit. A uniform legacy plan (every layer Q4_0,
+    Q8_0, ...) is that legacy file type.
     """
     gguf = _gguf()
     out = Path(out)
@@ -467,8 +474,13 @@ def export(model: nn.Module, tokenizer: Any, out: str | Path, force: bool = Fals
     if out.exists() and not (force and written_by_lowbit(out)):
         raise LowbitError(f"{out} already exists and is not a GGUF lowbit wrote; choose another --out"
                           if force else f"{out} already exists; choose another --out or pass --force to replace it")
+    if embeddings not in EMBEDDINGS:
+        raise SchemeError(f"embeddings={embeddings!r}: choose one of {', '.join(EMBEDDINGS)}")
     types = plan_types(model, allow_requant)
     qlayers = quant_layers(model)
+    ftype = file_type_of(file_type, types)
+    file_type = FILE_TYPES.get(ftype or "", file_type)
+    embeds = embedding_plan(model, ftype) if embeddings == "llama.cpp" else {}
     name_map = _tensor_name_map(arch, config)
     # asked again at the rename: a file that appeared (or was swapped in) meanwhile is replaced only if lowbit's
     with atomic_file(out, may_replace=lambda p: force and written_by_lowbit(p)) as tmp:
@@ -478,12 +490,13 @@ def export(model: nn.Module, tokenizer: Any, out: str | Path, force: bool = Fals
             copy_tokenizer_fields(writer, Path(source_gguf))
         elif tokenizer is not None:
             add_hf_tokenizer(writer, tokenizer, arch.pre_tokenizer)
-        counts, rounded = _add_tensors(writer, model, qlayers, types, name_map, arch, allow_requant)
+        counts, rounded = _add_tensors(writer, model, qlayers, types, name_map, arch, allow_requant, embeds)
         writer.write_header_to_file()
         writer.write_kv_data_to_file()
         writer.write_tensors_to_file(progress=False)
         writer.close()
-    result = {"out": str(out), "arch": arch.gguf, "types": counts, "verified": sum(p.exact for p in types.values()),
+    result = {"out": str(out), "arch": arch.gguf, "types": counts,
+              "verified": sum(p.exact for p in types.values()) + len(embeds),
               "requantized": sorted(n for n, p in types.items() if not p.exact)}
     fallback = sorted(n for n, layer in qlayers.items() if layer.in_features % 256 and
                       any(lay.scheme.family.name == "kquant" for lay in qlayers.values())
@@ -494,11 +507,70 @@ def export(model: nn.Module, tokenizer: Any, out: str | Path, force: bool = Fals
                               "as llama.cpp does")
     if rounded:
         result["rounded_to_f16"] = rounded
+    result["embeddings"] = _embeddings_note(model, embeds, ftype, embeddings)
     return result
 
 
+def file_type_of(file_type: int, types: dict[str, TensorPlan]) -> str | None:
+    """llama.cpp's file type of this export: the one ``file_type`` names, else the legacy type every
+    layer holds exactly (a uniform w4g32 plan is llama.cpp's Q4_0), else None (no llama.cpp rule)."""
+    named = {v: k for k, v in FILE_TYPES.items()}.get(file_type)
+    if named is not None:
+        return named
+    held = {p.qtype for p in types.values() if p.exact}
+    if len(held) == 1 and all(p.exact for p in types.values()) and held <= {t.upper() for t in gguf_types.LEGACY}:
+        return held.pop().lower()
+    return None
+
+
+def embedding_plan(model: nn.Module, ftype: str | None) -> dict[str, str]:
+    """state_dict key -> GGUF type of the token embedding and a float output tensor in file type ``ftype``.
+
+    Tied (the lm_head is the embedding's own tensor, or there is none): one ``token_embd``
+    that llama.cpp also uses as the output, typed by the output rule. A quantized lm_head is
+    ``output.weight`` already, so the embedding is untied. Tables whose rows no block type
+    fits (F16 by llama.cpp's fallback) are left out: they stay 16-bit.
+    """
+    if ftype is None:
+        return {}
+    emb, head = model.get_input_embeddings(), model.get_output_embeddings()
+    names = {id(m): n for n, m in model.named_modules(remove_duplicate=False)}
+    tied = head is None or (isinstance(head, nn.Linear) and head.weight is emb.weight)
+    got = gguf_types.embedding_types(ftype, emb.weight.shape[1], tied)
+    plan = {f"{names[id(emb)]}.weight": got["token_embd"]}
+    if "output" in got and isinstance(head, nn.Linear):  # a QuantLinear head is in the layer plan
+        plan[f"{names[id(head)]}.weight"] = got["output"]
+    return {k: t for k, t in plan.items() if t != "F16"}
+
+
+def _embeddings_note(model: nn.Module, embeds: dict[str, str], ftype: str | None, embeddings: str) -> str:
+    if embeds:
+        head = model.get_output_embeddings()
+        tied = head is None or (isinstance(head, nn.Linear) and head.weight is model.get_input_embeddings().weight)
+        return (", ".join(f"{k}: {t}" for k, t in embeds.items())
+                + (" (tied: llama.cpp also uses it as the output)" if tied else "")
+                + f", llama.cpp's {ftype} types, quantized here by lowbit's search")
+    if embeddings == "f16":
+        return "16-bit (kept as asked); llama.cpp's own file would quantize them"
+    if ftype is None:
+        return "16-bit: the plan follows no llama.cpp file type (a mix such as q4_k_m, or a uniform Q4_0/Q8_0 ...)"
+    return "16-bit: no GGUF block type fits their rows (llama.cpp's fallback keeps F16 too)"
+
+
+def embedding_array(key: str, t: torch.Tensor, qtype: str) -> np.ndarray:
+    """The GGUF blocks of an embedding table in ``qtype``, quantized by lowbit's search and verified."""
+    require_finite([(key, t)], "GGUF export", "nothing was written: the checkpoint's weights are not finite")
+    q = quantize(t.detach().float(), gguf_types.gguf_scheme(qtype))
+    raw = pack_blocks(q, qtype, key)
+    if qtype in ("Q4_1", "Q5_1") and not q4_1_exact(q):  # the fp16 block minimum rounds: what llama.cpp reads
+        written_values(raw, qtype, q.shape, key)
+    else:
+        verify_blocks(raw, qtype, q.dequantize(), key)
+    return raw
+
+
 def _add_tensors(writer: Any, model: nn.Module, qlayers: dict, types: dict[str, TensorPlan], name_map: Any,
-                 arch: Arch, allow_f16: bool) -> tuple[dict[str, int], list[str]]:
+                 arch: Arch, allow_f16: bool, embeds: dict[str, str]) -> tuple[dict[str, int], list[str]]:
     gguf = _gguf()
     counts: dict[str, int] = {}
     rounded: list[str] = []
@@ -509,6 +581,11 @@ def _add_tensors(writer: Any, model: nn.Module, qlayers: dict, types: dict[str, 
         if key in own or (t.numel() and ident in seen) or "rotary_emb" in key:
             continue
         seen.add(ident)
+        if key in embeds:
+            raw = embedding_array(key, t, embeds[key])
+            writer.add_tensor(_gguf_name(name_map, key), raw, raw_dtype=gguf.GGMLQuantizationType[embeds[key]])
+            counts[embeds[key]] = counts.get(embeds[key], 0) + 1
+            continue
         arr, kind = _dense_tensor(key, t, model.config, arch, allow_f16)
         require_finite([(key, t), (key, arr)], "GGUF export", "nothing was written: "
                        + ("F16 cannot hold this tensor's values; drop --allow-requant" if kind.endswith("(rounded)")

@@ -1,0 +1,131 @@
+"""token_embd and output in llama.cpp's types for each file type (issue 39), exact through gguf-py."""
+
+import numpy as np
+import pytest
+import torch
+import transformers
+
+gguf = pytest.importorskip("gguf")
+
+from lowbit.api import build_plan  # noqa: E402
+from lowbit.errors import ConfigError  # noqa: E402
+from lowbit.files import gguf_export as ge  # noqa: E402
+from lowbit.files.gguf_types import embedding_types, gguf_scheme  # noqa: E402
+from lowbit.formats import quantize  # noqa: E402
+from lowbit.ptq.rtn import rtn_quantize  # noqa: E402
+
+# llama.cpp's rule, read from src/llama-quant.cpp (llama_tensor_get_type_impl: the OUTPUT category, and
+# TOKEN_EMBD when has_tied_embeddings, take Q8_0 if ne[0] % blck_size(default_type) else Q6_K unless the
+# default is Q8_0; an untied TOKEN_EMBD keeps default_type; then tensor_type_fallback: Q2_K/Q3_K -> Q4_0,
+# Q4_K -> Q5_0, Q5_K -> Q5_1, Q6_K -> Q8_0 on rows not a multiple of 256), written out by hand per file type:
+# file type: (tied 576, tied 1024, untied 4096 (token_embd, output), untied 576 (token_embd, output))
+RULE = {
+    "gguf:q2_k": ("Q8_0", "Q6_K", ("Q2_K", "Q6_K"), ("Q4_0", "Q8_0")),
+    "q2_k_s": ("Q8_0", "Q6_K", ("Q2_K", "Q6_K"), ("Q4_0", "Q8_0")),
+    "q3_k_s": ("Q8_0", "Q6_K", ("Q3_K", "Q6_K"), ("Q4_0", "Q8_0")),
+    "q3_k_m": ("Q8_0", "Q6_K", ("Q3_K", "Q6_K"), ("Q4_0", "Q8_0")),
+    "q3_k_l": ("Q8_0", "Q6_K", ("Q3_K", "Q6_K"), ("Q4_0", "Q8_0")),
+    "q4_k_s": ("Q8_0", "Q6_K", ("Q4_K", "Q6_K"), ("Q5_0", "Q8_0")),
+    "q4_k_m": ("Q8_0", "Q6_K", ("Q4_K", "Q6_K"), ("Q5_0", "Q8_0")),
+    "q5_k_s": ("Q8_0", "Q6_K", ("Q5_K", "Q6_K"), ("Q5_1", "Q8_0")),
+    "q5_k_m": ("Q8_0", "Q6_K", ("Q5_K", "Q6_K"), ("Q5_1", "Q8_0")),
+    "gguf:q6_k": ("Q8_0", "Q6_K", ("Q6_K", "Q6_K"), ("Q8_0", "Q8_0")),
+    # legacy types: block 32 divides 576, so the output rule says Q6_K, which falls back to Q8_0 at 576
+    "q4_0": ("Q8_0", "Q6_K", ("Q4_0", "Q6_K"), ("Q4_0", "Q8_0")),
+    "q4_1": ("Q8_0", "Q6_K", ("Q4_1", "Q6_K"), ("Q4_1", "Q8_0")),
+    "q5_0": ("Q8_0", "Q6_K", ("Q5_0", "Q6_K"), ("Q5_0", "Q8_0")),
+    "q5_1": ("Q8_0", "Q6_K", ("Q5_1", "Q6_K"), ("Q5_1", "Q8_0")),
+    "q8_0": ("Q8_0", "Q8_0", ("Q8_0", "Q8_0"), ("Q8_0", "Q8_0")),
+}
+
+
+@pytest.mark.parametrize("ftype", sorted(RULE))
+def test_embedding_types_are_llama_cpps(ftype):
+    tied576, tied1024, (emb4096, out4096), (emb576, out576) = RULE[ftype]
+    assert embedding_types(ftype, 576, tied=True) == {"token_embd": tied576}
+    assert embedding_types(ftype, 1024, tied=True) == {"token_embd": tied1024}
+    assert embedding_types(ftype, 4096, tied=False) == {"token_embd": emb4096, "output": out4096}
+    assert embedding_types(ftype, 576, tied=False) == {"token_embd": emb576, "output": out576}
+    assert embedding_types(ftype, 100, tied=True) == {"token_embd": "F16"}  # no block fits: llama.cpp keeps F16
+
+
+def tiny(vocab: int, hidden: int, tie: bool, seed: int = 0):
+    torch.manual_seed(seed)
+    cfg = transformers.LlamaConfig(hidden_size=hidden, intermediate_size=512, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, vocab_size=vocab,
+                                   max_position_embeddings=256, tie_word_embeddings=tie)
+    return transformers.AutoModelForCausalLM.from_config(cfg).eval()
+
+
+def tensors(path):
+    r = gguf.GGUFReader(str(path))
+    return {t.name: (t.tensor_type.name, gguf.quants.dequantize(t.data, t.tensor_type)) for t in r.tensors}
+
+
+def lowbit_values(w: torch.Tensor, qtype: str) -> np.ndarray:
+    return quantize(w.detach().float(), gguf_scheme(qtype)).dequantize().numpy()
+
+
+def test_tied_embedding_is_the_output_type_bit_exact_and_loads(tmp_path, tiny_tokenizer):
+    vocab = len(tiny_tokenizer)
+    model = tiny(vocab, 256, tie=True)
+    rtn_quantize(model, build_plan(model, "q4_k_m"), progress=False)
+    path = tmp_path / "m.gguf"
+    r = ge.export(model, tiny_tokenizer, path, file_type=ge.FILE_TYPES["q4_k_m"])
+    got = tensors(path)
+    assert "output.weight" not in got and got["token_embd.weight"][0] == "Q6_K"
+    emb = model.get_input_embeddings().weight
+    want = lowbit_values(emb, "Q6_K")
+    assert np.array_equal(got["token_embd.weight"][1].reshape(want.shape), want)  # gguf-py reads lowbit's codes
+    assert "Q6_K" in r["embeddings"] and "tied" in r["embeddings"]
+    f16 = ge.export(model, tiny_tokenizer, tmp_path / "f.gguf", file_type=ge.FILE_TYPES["q4_k_m"],
+                    embeddings="f16")
+    assert tensors(tmp_path / "f.gguf")["token_embd.weight"][0] in ("F16", "F32") and "kept" in f16["embeddings"]
+    assert path.stat().st_size < (tmp_path / "f.gguf").stat().st_size
+    # transformers' GGUF loader dequantizes the Q6_K table: the model with that table is what it runs
+    back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file=path.name).eval()
+    with torch.no_grad():
+        emb.copy_(torch.from_numpy(want))
+        ids = torch.randint(0, vocab, (1, 12), generator=torch.Generator().manual_seed(1))
+        torch.testing.assert_close(back(ids).logits, model(ids).logits, rtol=1e-4, atol=1e-4)
+
+
+def test_untied_output_and_width_fallbacks(tmp_path, tiny_tokenizer):
+    model = tiny(len(tiny_tokenizer), 288, tie=False)  # 288 % 256: Q4_K -> Q5_0 for token_embd, output Q8_0
+    rtn_quantize(model, build_plan(model, "q4_k_m"), progress=False)
+    path = tmp_path / "u.gguf"
+    ge.export(model, tiny_tokenizer, path, file_type=ge.FILE_TYPES["q4_k_m"])
+    got = tensors(path)
+    assert got["token_embd.weight"][0] == "Q5_0" and got["output.weight"][0] == "Q8_0"
+    for key, name in (("token_embd.weight", "model.embed_tokens"), ("output.weight", "lm_head")):
+        w = model.get_submodule(name).weight
+        want = lowbit_values(w, got[key][0])
+        assert np.array_equal(got[key][1].reshape(want.shape), want)
+
+
+def test_a_quantized_lm_head_unties_the_embedding(tmp_path, tiny_tokenizer):
+    model = tiny(len(tiny_tokenizer), 256, tie=True)
+    rtn_quantize(model, build_plan(model, "q4_k_m", lm_head=True), progress=False)
+    path = tmp_path / "h.gguf"
+    ge.export(model, tiny_tokenizer, path, file_type=ge.FILE_TYPES["q4_k_m"])
+    got = tensors(path)  # output.weight exists (Q6_K, from the plan), so token_embd keeps the base type
+    assert got["output.weight"][0] == "Q6_K" and got["token_embd.weight"][0] == "Q4_K"
+
+
+def test_a_uniform_legacy_plan_is_llama_cpps_legacy_file_type(tmp_path, tiny_tokenizer):
+    model = tiny(len(tiny_tokenizer), 256, tie=True)
+    rtn_quantize(model, build_plan(model, "w8g32"), progress=False)
+    path = tmp_path / "q8.gguf"
+    r = ge.export(model, tiny_tokenizer, path)
+    reader = gguf.GGUFReader(str(path))
+    assert reader.fields["general.file_type"].contents() == 7  # LlamaFileType.MOSTLY_Q8_0
+    assert tensors(path)["token_embd.weight"][0] == "Q8_0" and "q8_0" in r["embeddings"]
+
+
+def test_embeddings_flag_is_refused_where_it_means_nothing(tmp_path):
+    from lowbit.api import ExportJob
+
+    with pytest.raises(ConfigError, match="--embeddings applies to --to gguf"):
+        ExportJob(tmp_path / "q", "compressed-tensors", tmp_path / "o", embeddings="f16")
+    with pytest.raises(ConfigError, match="choose one of"):
+        ExportJob(tmp_path / "q", "gguf", tmp_path / "o.gguf", embeddings="q8_0")
