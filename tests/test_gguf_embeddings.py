@@ -129,3 +129,35 @@ def test_embeddings_flag_is_refused_where_it_means_nothing(tmp_path):
         ExportJob(tmp_path / "q", "compressed-tensors", tmp_path / "o", embeddings="f16")
     with pytest.raises(ConfigError, match="choose one of"):
         ExportJob(tmp_path / "q", "gguf", tmp_path / "o.gguf", embeddings="q8_0")
+
+
+def test_qwen3_head_dim_is_said_at_export_and_read_by_lowbits_loader(tmp_path, tiny_tokenizer, monkeypatch):
+    """head_dim 32 != hidden / heads (64) and != Qwen3's default (128): transformers' own GGUF loader rebuilds
+    128-wide heads (it ignores qwen3.attention.key_length); llama.cpp and lowbit read key_length."""
+    from lowbit.models import load_model
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))  # the converted copy stays in this test
+    vocab = len(tiny_tokenizer)
+    torch.manual_seed(0)
+    cfg = transformers.Qwen3Config(hidden_size=256, intermediate_size=512, num_hidden_layers=2, vocab_size=vocab,
+                                   num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                                   max_position_embeddings=256, tie_word_embeddings=True)
+    model = transformers.AutoModelForCausalLM.from_config(cfg).eval()
+    rtn_quantize(model, build_plan(model, "q4_k_m"), progress=False)
+    path = tmp_path / "q3.gguf"
+    with pytest.warns(UserWarning, match="transformers' own GGUF loader cannot read this file back"):
+        r = ge.export(model, tiny_tokenizer, path, file_type=ge.FILE_TYPES["q4_k_m"])
+    assert "heads of 128, not 32" in r["transformers_readback"]
+    lm = load_model(path)  # what `lowbit eval` loads
+    assert lm.model.config.head_dim == 32
+    with torch.no_grad():
+        emb = model.get_input_embeddings().weight
+        emb.copy_(torch.from_numpy(tensors(path)["token_embd.weight"][1]).reshape(emb.shape))
+        ids = torch.randint(0, vocab, (1, 12), generator=torch.Generator().manual_seed(1))
+        torch.testing.assert_close(lm.model(ids).logits, model(ids).logits, rtol=1e-4, atol=1e-4)
+
+
+def test_a_file_transformers_reads_back_gets_no_readback_note(tmp_path, tiny_tokenizer):
+    model = tiny(len(tiny_tokenizer), 256, tie=True)
+    rtn_quantize(model, build_plan(model, "q4_k_m"), progress=False)
+    assert "transformers_readback" not in ge.export(model, tiny_tokenizer, tmp_path / "l.gguf")

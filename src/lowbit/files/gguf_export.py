@@ -36,6 +36,7 @@ them and transformers' GGUF loader undoes it, so the same permutation is applied
 from __future__ import annotations
 
 import json
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -45,13 +46,14 @@ import torch
 from torch import nn
 
 from lowbit.errors import LowbitError, ModelError, SchemeError
+from lowbit.files import gguf_types, targets
 from lowbit.files.gguf_kquants import pack_kquant
+from lowbit.files.gguf_read import head_dim
 from lowbit.files.specs import LayerSpec, from_model, refuse_rotations
 from lowbit.formats import QTensor, Scheme, quantize
 from lowbit.formats.finite import require_finite
 from lowbit.io import atomic_file
 from lowbit.nn import quant_layers
-from lowbit.files import gguf_types, targets
 from lowbit.nn.input_rotation import refuse_online_rotations
 
 # every GGUF lowbit writes carries this key, so --force can tell its own files from others
@@ -221,10 +223,6 @@ def arch_for(kind: str | None) -> Arch:
         raise ModelError(f"GGUF export supports {', '.join(ARCHS)} models, not {kind!r}; export this model "
                          "with --to compressed-tensors, or quantize a model of a supported architecture")
     return ARCH_MAP[kind]
-
-
-def head_dim(config: Any) -> int:
-    return int(getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads)
 
 
 def add_model_metadata(writer: Any, config: Any, name: str, arch: Arch | None = None, file_type: int = 1) -> None:
@@ -508,7 +506,35 @@ def export(model: nn.Module, tokenizer: Any, out: str | Path, force: bool = Fals
     if rounded:
         result["rounded_to_f16"] = rounded
     result["embeddings"] = _embeddings_note(model, embeds, ftype, embeddings)
+    unread = transformers_readback(out, config)
+    if unread is not None:
+        warnings.warn(unread, stacklevel=2)
+        result["transformers_readback"] = unread
     return result
+
+
+def transformers_readback(path: Path, config: Any) -> str | None:
+    """Why transformers' own GGUF loader would rebuild the written file wrongly (None: it restores the heads).
+
+    Asked of transformers itself (its config from the file's metadata): a qwen3 whose head
+    size is not the config class's default comes back with the wrong head size, because
+    transformers does not read ``attention.key_length`` for it; llama.cpp does, and so does
+    lowbit's loader (`lowbit.files.gguf_read.restored_config`).
+    """
+    from transformers import AutoConfig
+
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            got = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
+    except (OSError, ValueError, KeyError, ImportError) as e:
+        return f"transformers' own GGUF loader cannot read this file's config ({str(e).splitlines()[0][:100]})"
+    theirs, ours = head_dim(got), head_dim(config)
+    if theirs == ours:
+        return None
+    return (f"transformers' own GGUF loader cannot read this file back: it ignores "
+            f"attention.key_length for {config.model_type} and rebuilds heads of {theirs}, not {ours}; "
+            "llama.cpp reads it, and `lowbit eval` / `lowbit quantize` load it with the head size from key_length")
 
 
 def file_type_of(file_type: int, types: dict[str, TensorPlan]) -> str | None:
