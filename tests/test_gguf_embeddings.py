@@ -161,3 +161,34 @@ def test_a_file_transformers_reads_back_gets_no_readback_note(tmp_path, tiny_tok
     model = tiny(len(tiny_tokenizer), 256, tie=True)
     rtn_quantize(model, build_plan(model, "q4_k_m"), progress=False)
     assert "transformers_readback" not in ge.export(model, tiny_tokenizer, tmp_path / "l.gguf")
+
+
+def test_inspect_prices_the_file_against_llama_cpps_own_mix(tmp_path, tiny_tokenizer):
+    from lowbit.api import inspect
+
+    model = tiny(len(tiny_tokenizer), 256, tie=True)
+    rtn_quantize(model, build_plan(model, "q4_k_m"), progress=False)
+    ge.export(model, tiny_tokenizer, tmp_path / "d.gguf", file_type=ge.FILE_TYPES["q4_k_m"])
+    ge.export(model, tiny_tokenizer, tmp_path / "f.gguf", file_type=ge.FILE_TYPES["q4_k_m"], embeddings="f16")
+    same, wide = inspect(tmp_path / "d.gguf"), inspect(tmp_path / "f.gguf")
+    assert {t["name"]: t["type"] for t in same["tensors"]}["token_embd.weight"] == "Q6_K"
+    assert same["llama_cpp"]["file_type"] == "q4_k_m" and same["llama_cpp"]["types_differ"] == {}
+    assert same["llama_cpp"]["expected_bytes"] == same["file_bytes"]
+    assert wide["llama_cpp"]["types_differ"] == {"token_embd.weight": "F32 (llama.cpp: Q6_K)"}
+    assert wide["llama_cpp"]["expected_bytes"] == same["file_bytes"] < wide["file_bytes"]
+
+
+def test_llama_cpp_types_of_a_files_tensors():
+    """8 blocks, 4096 wide, untied: llama.cpp's Q4_K_M (use_more_bits: attn_v / ffn_down of blocks 0, 3, 6, 7)."""
+    from lowbit.plans.kmix import llama_cpp_types
+
+    shapes = {"token_embd.weight": (32000, 4096), "output.weight": (32000, 4096), "output_norm.weight": (4096,)}
+    for i in range(8):
+        shapes |= {f"blk.{i}.attn_v.weight": (1024, 4096), f"blk.{i}.ffn_down.weight": (4096, 11008 // 256 * 256),
+                   f"blk.{i}.attn_q.weight": (4096, 4096), f"blk.{i}.attn_norm.weight": (4096,)}
+    got = llama_cpp_types("q4_k_m", shapes, n_gqa=4)
+    assert got["token_embd.weight"] == "Q4_K" and got["output.weight"] == "Q6_K" and "output_norm.weight" not in got
+    assert [got[f"blk.{i}.attn_v.weight"] for i in range(8)] == ["Q6_K", "Q4_K", "Q4_K", "Q6_K", "Q4_K", "Q4_K",
+                                                                 "Q6_K", "Q6_K"]
+    assert got["blk.0.ffn_down.weight"] == "Q6_K" and got["blk.1.attn_q.weight"] == "Q4_K"
+    assert llama_cpp_types("q8_0", shapes, 4)["blk.3.attn_v.weight"] == "Q8_0"

@@ -62,3 +62,21 @@ def gguf_scheme(qtype: str) -> Scheme:
     """The lowbit scheme whose codes a GGUF type holds exactly, with lowbit's importance-weighted search rule."""
     name = f"q{qtype[1]}_k" if qtype.endswith("_K") else _LEGACY_SCHEME[qtype]
     return Scheme.parse(name).replace(rule="search")
+
+
+def tensor_bytes(qtype: str, shape: tuple[int, ...]) -> int:
+    """Bytes of a tensor of ``shape`` (outermost first) in GGUF type ``qtype`` (gguf-py's block sizes)."""
+    import gguf
+
+    block, size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[qtype]]
+    n = 1
+    for d in shape:
+        n *= int(d)
+    return n // block * size
+
+
+def file_type_name(number: int) -> str | None:
+    """The lowbit name of a GGUF ``general.file_type`` number (None: not one lowbit reproduces)."""
+    from lowbit.files.gguf_export import FILE_TYPES
+
+    return {v: k for k, v in FILE_TYPES.items()}.get(int(number))
