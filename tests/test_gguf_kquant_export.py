@@ -174,6 +174,7 @@ def test_a_kquant_file_lowbit_wrote_is_an_input_to_every_command(tmp_path, tiny_
     r = quantize(QuantizeJob(out=tmp_path / "q", model=str(hf), scheme="q4_k_m", evaluation=None, progress=False,
                              settings={"search": False}))
     assert r["scheme"] == "q4_k_m" and r["layer_schemes"] == {"q4_k": 12, "q6_k": 2}
+    assert r["gguf_embeddings"].startswith("model.embed_tokens: Q6_K in `lowbit export --to gguf`")
     e = export(ExportJob(tmp_path / "q", "gguf", tmp_path / "m.gguf"))
     # + the tied token_embd in llama.cpp's output type
     assert e["types"]["Q4_K"] == 12 and e["types"]["Q6_K"] == 3 and e["verified"] == 15

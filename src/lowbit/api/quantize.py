@@ -285,6 +285,8 @@ class _Run:
         result["scheme"] = mix or self.plan.describe()
         if mix or any(s.family.name == "kquant" for s in self.plan.weights().values()):
             result |= _kquant_summary(model, self.plan)
+        if mix:
+            result["gguf_embeddings"] = _gguf_embeddings(model, mix)
         if self.ev is not None:
             with self.phases("ppl_q"), on_device(model, self.device):
                 r = job.evaluation.perplexity(model, self.ev, job.progress)
@@ -364,6 +366,18 @@ def _export_limits(job: QuantizeJob, model: nn.Module, plan: Plan) -> dict[str, 
         what = "its compressed-tensors export would not load in vLLM" if to == "vllm" else f"--to {to} cannot hold it"
         warnings.warn(f"this plan cannot be exported as it is: {what}: {why}", stacklevel=2)
     return found
+
+
+def _gguf_embeddings(model: nn.Module, mix: str) -> str:
+    """What `lowbit export --to gguf` will make of the embedding / output tables of a mix (llama.cpp's types)."""
+    from lowbit.files.gguf_export import embedding_plan
+
+    types = embedding_plan(model, mix)
+    if not types:
+        return "16-bit in the GGUF (no block type fits their rows, as in llama.cpp's file)"
+    return (", ".join(f"{k.removesuffix('.weight')}: {t}" for k, t in types.items())
+            + f" in `lowbit export --to gguf` (llama.cpp's {mix} types; --embeddings f16 keeps them 16-bit); "
+            "the perplexity here has them in 16 bits")
 
 
 def _kquant_summary(model: nn.Module, plan: Plan) -> dict[str, Any]:
