@@ -192,3 +192,29 @@ def test_llama_cpp_types_of_a_files_tensors():
                                                                  "Q6_K", "Q6_K"]
     assert got["blk.0.ffn_down.weight"] == "Q6_K" and got["blk.1.attn_q.weight"] == "Q4_K"
     assert llama_cpp_types("q8_0", shapes, 4)["blk.3.attn_v.weight"] == "Q8_0"
+
+
+def test_quantize_records_the_output_importance_and_export_searches_with_it(tmp_path, tiny_tokenizer):
+    """quantize (q4_k_m, searched RTN) records the final hidden states' mean squares; export weights the tied
+    table by them (64 columns: every Linear falls back to a 32-block type and the table is Q8_0, which keeps
+    the searched RTN quick)."""
+    from lowbit.api import Calibration, ExportJob, QuantizeJob, export
+    from lowbit.api import quantize as quantize_job
+    from lowbit.files.native import load, read_manifest
+
+    hf = tmp_path / "hf"
+    tiny(len(tiny_tokenizer), 64, tie=True).save_pretrained(hf)
+    tiny_tokenizer.save_pretrained(hf)
+    r = quantize_job(QuantizeJob(out=tmp_path / "q", model=str(hf), scheme="q4_k_m", evaluation=None, progress=False,
+                                 calib=Calibration(nsamples=4, seqlen=64)))
+    assert r["gguf_embeddings"].startswith("model.embed_tokens: Q8_0")
+    imp = read_manifest(tmp_path / "q")["meta"]["gguf_output_importance"]
+    assert len(imp) == 64 and min(imp) >= 0 and max(imp) > 0
+    e = export(ExportJob(tmp_path / "q", "gguf", tmp_path / "m.gguf"))
+    assert "weighted by the calibration" in e["embeddings"]
+    model, _ = load(tmp_path / "q")
+    w = model.get_input_embeddings().weight.detach().float()
+    want = quantize(w, gguf_scheme("Q8_0"), torch.tensor(imp)).dequantize().numpy()
+    got = tensors(tmp_path / "m.gguf")["token_embd.weight"][1].reshape(want.shape)
+    assert np.array_equal(got, want)  # gguf-py reads the importance-searched codes
+    assert not np.array_equal(got, lowbit_values(w, "Q8_0"))  # and they are not the unweighted search's

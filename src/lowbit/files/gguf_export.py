@@ -455,7 +455,7 @@ def _tensor_name_map(arch: Arch, config: Any) -> Any:
 
 def export(model: nn.Module, tokenizer: Any, out: str | Path, force: bool = False, allow_requant: bool = False,
            source_gguf: str | Path | None = None, name: str = "lowbit", file_type: int = 1,
-           embeddings: str = "llama.cpp") -> dict[str, Any]:
+           embeddings: str = "llama.cpp", output_importance: torch.Tensor | None = None) -> dict[str, Any]:
     """Write ``model`` as a GGUF file atomically; returns per-type counts and what was not exact.
 
     Checks the architecture, the output path and every layer's GGUF type before writing;
@@ -463,7 +463,8 @@ def export(model: nn.Module, tokenizer: Any, out: str | Path, force: bool = Fals
     ``file_type`` (a `FILE_TYPES` number) names llama.cpp's file type; with ``embeddings``
     "llama.cpp" the token embedding and a float output tensor take that file type's types
     (`embedding_plan`), "f16" keeps them 16-bit. A uniform legacy plan (every layer Q4_0,
-    Q8_0, ...) is that legacy file type.
+    Q8_0, ...) is that legacy file type. ``output_importance`` (``[hidden]`` mean squared final
+    hidden state, recorded by `lowbit quantize`) weights the search on the output table.
     """
     gguf = _gguf()
     out = Path(out)
@@ -479,6 +480,9 @@ def export(model: nn.Module, tokenizer: Any, out: str | Path, force: bool = Fals
     ftype = file_type_of(file_type, types)
     file_type = FILE_TYPES.get(ftype or "", file_type)
     embeds = embedding_plan(model, ftype) if embeddings == "llama.cpp" else {}
+    key = output_table(model)[0]
+    imps = {} if output_importance is None or key is None or output_importance.numel() != \
+        model.get_output_embeddings().in_features else {key: output_importance}
     name_map = _tensor_name_map(arch, config)
     # asked again at the rename: a file that appeared (or was swapped in) meanwhile is replaced only if lowbit's
     with atomic_file(out, may_replace=lambda p: force and written_by_lowbit(p)) as tmp:
@@ -488,7 +492,7 @@ def export(model: nn.Module, tokenizer: Any, out: str | Path, force: bool = Fals
             copy_tokenizer_fields(writer, Path(source_gguf))
         elif tokenizer is not None:
             add_hf_tokenizer(writer, tokenizer, arch.pre_tokenizer)
-        counts, rounded = _add_tensors(writer, model, qlayers, types, name_map, arch, allow_requant, embeds)
+        counts, rounded = _add_tensors(writer, model, qlayers, types, name_map, arch, allow_requant, embeds, imps)
         writer.write_header_to_file()
         writer.write_kv_data_to_file()
         writer.write_tensors_to_file(progress=False)
@@ -505,7 +509,7 @@ def export(model: nn.Module, tokenizer: Any, out: str | Path, force: bool = Fals
                               "as llama.cpp does")
     if rounded:
         result["rounded_to_f16"] = rounded
-    result["embeddings"] = _embeddings_note(model, embeds, ftype, embeddings)
+    result["embeddings"] = _embeddings_note(model, embeds, ftype, embeddings, bool(imps.keys() & embeds.keys()))
     unread = transformers_readback(out, config)
     if unread is not None:
         warnings.warn(unread, stacklevel=2)
@@ -569,13 +573,36 @@ def embedding_plan(model: nn.Module, ftype: str | None) -> dict[str, str]:
     return {k: t for k, t in plan.items() if t != "F16"}
 
 
-def _embeddings_note(model: nn.Module, embeds: dict[str, str], ftype: str | None, embeddings: str) -> str:
+def recorded_importance(meta: Any) -> torch.Tensor | None:
+    """The output table's importance `lowbit quantize` recorded in a checkpoint's manifest (None: none, or not
+    a list of finite non-negative numbers)."""
+    got = meta.get("gguf_output_importance") if hasattr(meta, "get") else None
+    if not isinstance(got, list) or not got or not all(isinstance(v, (int, float)) for v in got):
+        return None
+    t = torch.tensor(got, dtype=torch.float32)
+    return t if bool(torch.isfinite(t).all()) and bool((t >= 0).all()) else None
+
+
+def output_table(model: nn.Module) -> tuple[str | None, str | None]:
+    """(state_dict key of the float table llama.cpp multiplies the final hidden states by, the head's module
+    name): the tied embedding or a float lm_head; (None, None) when the head is quantized (a plan layer) or absent."""
+    emb, head = model.get_input_embeddings(), model.get_output_embeddings()
+    if not isinstance(head, nn.Linear):
+        return None, None
+    names = {id(m): n for n, m in model.named_modules(remove_duplicate=False)}
+    table = emb if head.weight is emb.weight else head
+    return f"{names[id(table)]}.weight", names[id(head)]
+
+
+def _embeddings_note(model: nn.Module, embeds: dict[str, str], ftype: str | None, embeddings: str,
+                     weighted: bool = False) -> str:
     if embeds:
         head = model.get_output_embeddings()
         tied = head is None or (isinstance(head, nn.Linear) and head.weight is model.get_input_embeddings().weight)
         return (", ".join(f"{k}: {t}" for k, t in embeds.items())
                 + (" (tied: llama.cpp also uses it as the output)" if tied else "")
-                + f", llama.cpp's {ftype} types, quantized here by lowbit's search")
+                + f", llama.cpp's {ftype} types, quantized here by lowbit's search"
+                + ("" if not weighted else " (the output table weighted by the calibration's final hidden states)"))
     if embeddings == "f16":
         return "16-bit (kept as asked); llama.cpp's own file would quantize them"
     if ftype is None:
@@ -583,10 +610,13 @@ def _embeddings_note(model: nn.Module, embeds: dict[str, str], ftype: str | None
     return "16-bit: no GGUF block type fits their rows (llama.cpp's fallback keeps F16 too)"
 
 
-def embedding_array(key: str, t: torch.Tensor, qtype: str) -> np.ndarray:
-    """The GGUF blocks of an embedding table in ``qtype``, quantized by lowbit's search and verified."""
+def embedding_array(key: str, t: torch.Tensor, qtype: str, imp: torch.Tensor | None = None) -> np.ndarray:
+    """The GGUF blocks of an embedding table in ``qtype``, quantized by lowbit's search and verified.
+
+    imp: ``[cols]`` importance of the table's columns as the output matmul's inputs (None: every column alike,
+    the weights' own magnitudes still weighting the K-quant search)."""
     require_finite([(key, t)], "GGUF export", "nothing was written: the checkpoint's weights are not finite")
-    q = quantize(t.detach().float(), gguf_types.gguf_scheme(qtype))
+    q = quantize(t.detach().float(), gguf_types.gguf_scheme(qtype), imp)
     raw = pack_blocks(q, qtype, key)
     if qtype in ("Q4_1", "Q5_1") and not q4_1_exact(q):  # the fp16 block minimum rounds: what llama.cpp reads
         written_values(raw, qtype, q.shape, key)
@@ -596,7 +626,8 @@ def embedding_array(key: str, t: torch.Tensor, qtype: str) -> np.ndarray:
 
 
 def _add_tensors(writer: Any, model: nn.Module, qlayers: dict, types: dict[str, TensorPlan], name_map: Any,
-                 arch: Arch, allow_f16: bool, embeds: dict[str, str]) -> tuple[dict[str, int], list[str]]:
+                 arch: Arch, allow_f16: bool, embeds: dict[str, str], imps: dict[str, torch.Tensor]
+                 ) -> tuple[dict[str, int], list[str]]:
     gguf = _gguf()
     counts: dict[str, int] = {}
     rounded: list[str] = []
@@ -608,7 +639,7 @@ def _add_tensors(writer: Any, model: nn.Module, qlayers: dict, types: dict[str, 
             continue
         seen.add(ident)
         if key in embeds:
-            raw = embedding_array(key, t, embeds[key])
+            raw = embedding_array(key, t, embeds[key], imps.get(key))
             writer.add_tensor(_gguf_name(name_map, key), raw, raw_dtype=gguf.GGMLQuantizationType[embeds[key]])
             counts[embeds[key]] = counts.get(embeds[key], 0) + 1
             continue

@@ -99,7 +99,8 @@ def _gguf_write(model: Any, tokenizer: Any, out: Path, request: WriteRequest) ->
     result = gguf_export.export(model, tokenizer, out, force=True, allow_requant=request.allow_requant,
                                 source_gguf=request.source_gguf, name=str(meta.get("source") or "lowbit"),
                                 file_type=gguf_export.FILE_TYPES.get(request.mix or "", 1),
-                                embeddings=request.embeddings or "llama.cpp")
+                                embeddings=request.embeddings or "llama.cpp",
+                                output_importance=gguf_export.recorded_importance(meta))
     result["tokenizer_from"] = str(request.source_gguf) if request.source_gguf else "checkpoint tokenizer"
     return result
 
