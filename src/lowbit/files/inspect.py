@@ -253,6 +253,24 @@ def inspect_gguf(path: Path) -> tuple[list[LayerInfo], int]:
     return layers, total
 
 
+def gguf_layout(path: Path) -> dict[str, Any]:
+    """A GGUF file's llama.cpp file type, head grouping, and every tensor: name, type, shape (outermost first), bytes."""
+    from lowbit.files.gguf_read import open_gguf
+
+    reader = open_gguf(path)
+
+    def field(key: str) -> Any:
+        f = reader.fields.get(key)
+        return None if f is None else f.contents()
+
+    arch = field("general.architecture")
+    heads, kv = field(f"{arch}.attention.head_count"), field(f"{arch}.attention.head_count_kv")
+    tensors = [{"name": t.name, "type": t.tensor_type.name, "shape": [int(d) for d in reversed(t.shape)],
+                "bytes": int(t.n_bytes)} for t in reader.tensors]
+    return {"file_type": field("general.file_type"), "n_gqa": (heads // kv) if heads and kv else 1,
+            "tensors": tensors}
+
+
 def _tensor_shapes(p: Path, fmt: str) -> dict[str, list[int]]:
     """name -> shape of every stored tensor (GGUF names, dims outermost first)."""
     if fmt != GGUF:

@@ -33,6 +33,10 @@ if TYPE_CHECKING:
     from lowbit.files.specs import LayerSpec
 
 
+# GGUF's embedding choices: token_embd / output in llama.cpp's types for the file's mix, or kept 16-bit
+EMBEDDINGS = ("llama.cpp", "f16")
+
+
 @dataclass(frozen=True)
 class WriteRequest:
     """What a writer needs beyond the model: the checkpoint's metadata and the user's choices."""
@@ -41,6 +45,7 @@ class WriteRequest:
     allow_requant: bool = False
     source_gguf: Path | None = None  # the GGUF the checkpoint came from (its tokenizer keys), when there is one
     mix: str | None = None  # the llama.cpp mix the plan followed (GGUF's general.file_type), read by plans.kmix
+    embeddings: str | None = None  # GGUF: "llama.cpp" (its types for the file type, the default) or "f16"
 
 
 @dataclass(frozen=True)
@@ -93,7 +98,9 @@ def _gguf_write(model: Any, tokenizer: Any, out: Path, request: WriteRequest) ->
     meta = request.meta
     result = gguf_export.export(model, tokenizer, out, force=True, allow_requant=request.allow_requant,
                                 source_gguf=request.source_gguf, name=str(meta.get("source") or "lowbit"),
-                                file_type=gguf_export.FILE_TYPES.get(request.mix or "", 1))
+                                file_type=gguf_export.FILE_TYPES.get(request.mix or "", 1),
+                                embeddings=request.embeddings or "llama.cpp",
+                                output_importance=gguf_export.recorded_importance(meta))
     result["tokenizer_from"] = str(request.source_gguf) if request.source_gguf else "checkpoint tokenizer"
     return result
 
