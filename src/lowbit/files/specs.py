@@ -17,8 +17,8 @@ from torch import nn
 from lowbit.errors import CheckpointError, SchemeError
 from lowbit.formats import InputScheme, Recipe, Scheme
 from lowbit.nn import quant_layers
-from lowbit.nn.quant_experts import quant_stacks
 from lowbit.nn.input_rotation import refuse_rotated
+from lowbit.nn.quant_experts import quant_stacks
 
 
 @dataclass(frozen=True)

@@ -89,7 +89,6 @@ def _ct_write(model: Any, tokenizer: Any, out: Path, request: WriteRequest) -> d
 
 def _gguf_check(specs: list[LayerSpec], model_type: str | None, allow_requant: bool) -> None:
     from lowbit.files import gguf_export
-
     from lowbit.files.specs import refuse_experts
 
     refuse_experts(specs, "GGUF")
