@@ -175,9 +175,10 @@ def build_plan(model: nn.Module, source: PlanSource | str | Scheme | Recipe | No
         if isinstance(source, Uniform):
             widths |= {n: t.in_features for n, t in expert_tensors(model).items()}
         plan = Plan({n: fit_width(first, w) for n, w in widths.items()})
-    experts = expert_tensors(model)
+    experts = expert_tensors(model)  # their widths are checked once --keep has had its say (`lowbit.ptq.experts`)
     for name, r in plan.items():
-        r.check_width(experts[name].in_features if name in experts else model.get_submodule(name).in_features, name)
+        if name not in experts:
+            r.check_width(model.get_submodule(name).in_features, name)
     return plan
 
 

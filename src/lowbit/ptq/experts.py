@@ -44,12 +44,14 @@ def split(model: nn.Module, plan: Plan) -> tuple[Plan, Plan]:
 
 
 def check_experts(model: nn.Module, plan: Plan, method: str, pre_steps: tuple[str, ...] = ()) -> None:
-    """Refuse, in one line, a run that plans experts but cannot quantize them as asked."""
+    """Refuse, in one line, a run that plans experts but cannot quantize them as asked (or whose widths do not fit)."""
     experts = planned_experts(model, plan)
     if not experts:
         return
     first = next(iter(experts))
     keep = "or pass --keep experts to keep them in float"
+    for name, t in experts.items():
+        plan[name].check_width(t.in_features, name)
     if method not in EXPERT_METHODS:
         raise ConfigError(f"--method {method} does not quantize mixture-of-experts experts yet ({first}, ...); "
                           f"--method rtn does today, {keep}")
