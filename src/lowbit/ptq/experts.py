@@ -50,8 +50,6 @@ def check_experts(model: nn.Module, plan: Plan, method: str, pre_steps: tuple[st
         return
     first = next(iter(experts))
     keep = "or pass --keep experts to keep them in float"
-    for name, t in experts.items():
-        plan[name].check_width(t.in_features, name)
     if method not in EXPERT_METHODS:
         raise ConfigError(f"--method {method} does not quantize mixture-of-experts experts yet ({first}, ...); "
                           f"--method rtn does today, {keep}")
@@ -63,6 +61,8 @@ def check_experts(model: nn.Module, plan: Plan, method: str, pre_steps: tuple[st
     if pre_steps:
         raise ConfigError(f"{' and '.join(pre_steps)} do not handle mixture-of-experts experts yet ({first}, ...); "
                           f"drop {' / '.join(pre_steps)}, {keep}")
+    for name, t in experts.items():
+        plan[name].check_width(t.in_features, name)
 
 
 def quantize_experts(model: nn.Module, plan: Plan) -> list[str]:
