@@ -202,3 +202,21 @@ def test_experts_with_input_recipe_refused_by_the_library_entry_too():
     plan = Plan(build_plan(model, "w4a4-nvfp4").layers)
     with pytest.raises(ConfigError, match="per-expert input scales"):
         quantize_model(model, plan, "rtn", {"search": False}, progress=False)
+
+
+def test_exports_and_transformers_loader_refuse_quantized_experts_by_name(moe_dir, tmp_path, capsys):
+    out = tmp_path / "q"
+    assert main(["quantize", str(moe_dir), "--scheme", "w4g16", *FAST, "--out", str(out)]) == 0
+    capsys.readouterr()
+    for to, path in (("gguf", tmp_path / "m.gguf"), ("compressed-tensors", tmp_path / "ct")):
+        assert main(["export", str(out), "--to", to, "--out", str(path)]) == 2
+        err = [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("lowbit")]
+        assert len(err) == 1 and "cannot hold quantized mixture-of-experts experts yet" in err[0]
+        assert not path.exists()
+    from transformers import AutoModelForCausalLM
+
+    import lowbit  # noqa: F401  (registers the loader)
+    from lowbit.errors import CheckpointError
+
+    with pytest.raises(CheckpointError, match="quantized mixture-of-experts experts"):
+        AutoModelForCausalLM.from_pretrained(str(out))
