@@ -7,8 +7,8 @@ the targets hold (GGUF's 3-D ``ffn_*_exps`` tensors carry one type; vLLM's MoE n
 scheme for all experts of a layer), it keeps a 128-expert model's plan at two entries per
 layer instead of 384, and it is the name the accounting reports.
 
-Found by structure (`lowbit.models.accounting.is_fused_experts`: a module inside the decoder
-blocks owning 3-D parameters), in the float module's layout; gpt-oss's transposed ones
+Found by structure (`lowbit.models.accounting.is_fused_experts`: a module owning 3-D
+parameters), in the float module's layout; gpt-oss's transposed ones
 (``is_transposed``) are read as ``[E, out, in]`` here, so every caller sees Linear matrices.
 """
 
@@ -20,7 +20,6 @@ import torch
 from torch import nn
 
 from lowbit.models.accounting import is_fused_experts
-from lowbit.models.layers import block_path
 
 
 @dataclass(frozen=True)
@@ -44,11 +43,13 @@ class ExpertTensor:
 
 
 def expert_tensors(model: nn.Module) -> dict[str, ExpertTensor]:
-    """Plan name -> `ExpertTensor` for every float fused experts parameter in the decoder blocks."""
-    prefix = block_path(model) + "."
+    """Plan name -> `ExpertTensor` for every float fused experts parameter of the model.
+
+    Any model is walked (no decoder blocks needed): a model without experts simply has none.
+    """
     out: dict[str, ExpertTensor] = {}
     for mname, mod in model.named_modules():
-        if not mname.startswith(prefix) or not is_fused_experts(mod):
+        if not is_fused_experts(mod) or isinstance(mod, nn.modules.conv._ConvNd):  # a Conv1d's [out, in, k] is no stack
             continue
         transposed = bool(getattr(mod, "is_transposed", False))
         for pname, p in mod.named_parameters(recurse=False):
