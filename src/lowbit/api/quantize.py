@@ -363,16 +363,21 @@ def _export_limits(job: QuantizeJob, model: nn.Module, plan: Plan) -> dict[str, 
     """
     from lowbit.files import specs
     from lowbit.files import targets as limits  # the export registry (files/targets.py)
+    from lowbit.models.experts import expert_tensors
 
     mixed = isinstance(job.source, MixedBudget)
     options = [Plan({n: r for n in plan}) for r in job.source.options] if mixed else [plan]
     online = set(job.rotate.online) if job.rotate is not None else set()
     rotated = frozenset(n for n in plan if n.rpartition(".")[2] in online)
-    shapes = {n: (model.get_submodule(n).out_features, model.get_submodule(n).in_features) for n in plan}
+    experts = {n: t for n, t in expert_tensors(model).items() if n in plan}
+    shapes = {n: (t.out_features, t.in_features) for n, t in experts.items()}
+    shapes |= {n: (model.get_submodule(n).out_features, model.get_submodule(n).in_features)
+               for n in plan if n not in experts}
+    counts = {n: t.count for n, t in experts.items()}
     kind = getattr(getattr(model, "config", None), "model_type", None)
     found: dict[str, str] = {}
     for p in options:
-        layer_specs = specs.from_plan(p.layers, shapes, rotated)
+        layer_specs = specs.from_plan(p.layers, shapes, rotated, counts)
         for to, why in limits.refusals(layer_specs, kind).items():
             found.setdefault(to, why)
         if "compressed-tensors" not in found:

@@ -11,9 +11,9 @@ named, the run is refused instead).
 | target | loaded by | holds | written by |
 | --- | --- | --- | --- |
 | ``native`` | lowbit | every layer lowbit quantizes | `lowbit quantize` (`lowbit.files.native`) |
-| ``transformers`` | ``from_pretrained`` after ``import lowbit`` | what ``native`` holds (it reads that folder) | the same folder (`lowbit.files.hf_quantizer`) |
-| ``compressed-tensors`` | vLLM, transformers | INT and FP weight recipes vLLM runs, their input schemes | `lowbit export --to compressed-tensors` |
-| ``gguf`` | llama.cpp | weight-only schemes with an exact GGUF type (others with ``--allow-requant``) | `lowbit export --to gguf` |
+| ``transformers`` | ``from_pretrained`` after ``import lowbit`` | what ``native`` holds (it reads that folder), quantized experts not yet | the same folder (`lowbit.files.hf_quantizer`) |
+| ``compressed-tensors`` | vLLM, transformers | INT and FP weight recipes vLLM runs, their input schemes; quantized experts not yet | `lowbit export --to compressed-tensors` |
+| ``gguf`` | llama.cpp | weight-only schemes with an exact GGUF type (others with ``--allow-requant``); quantized experts not yet | `lowbit export --to gguf` |
 
 A new target is one entry here plus its writer module. This module stays light (no torch
 at import): the command line reads the names for its ``--to`` / ``--export-to`` choices;
@@ -71,9 +71,17 @@ def _holds_every_layer(specs: list[LayerSpec], model_type: str | None, allow_req
     """Native checkpoints store every QuantLinear lowbit builds (weights, inputs, online rotations)."""
 
 
+def _hf_check(specs: list[LayerSpec], model_type: str | None, allow_requant: bool) -> None:
+    from lowbit.files.specs import refuse_experts
+
+    refuse_experts(specs, "transformers' loader of lowbit checkpoints")
+
+
 def _ct_check(specs: list[LayerSpec], model_type: str | None, allow_requant: bool) -> None:
     from lowbit.files import compressed_tensors
+    from lowbit.files.specs import refuse_experts
 
+    refuse_experts(specs, "compressed-tensors")
     compressed_tensors.check_specs(specs)
 
 
@@ -86,7 +94,9 @@ def _ct_write(model: Any, tokenizer: Any, out: Path, request: WriteRequest) -> d
 
 def _gguf_check(specs: list[LayerSpec], model_type: str | None, allow_requant: bool) -> None:
     from lowbit.files import gguf_export
+    from lowbit.files.specs import refuse_experts
 
+    refuse_experts(specs, "GGUF")
     if model_type is not None:
         gguf_export.arch_for(model_type)
     gguf_export.check_specs(specs, allow_requant)
@@ -107,7 +117,7 @@ def _gguf_write(model: Any, tokenizer: Any, out: Path, request: WriteRequest) ->
 
 REGISTRY: dict[str, Target] = {t.name: t for t in (
     Target("native", "lowbit", _holds_every_layer),
-    Target("transformers", "transformers (after import lowbit)", _holds_every_layer),
+    Target("transformers", "transformers (after import lowbit)", _hf_check),
     Target("compressed-tensors", "vLLM, transformers", _ct_check, _ct_write),
     Target("gguf", "llama.cpp", _gguf_check, _gguf_write, file_output=True, requant=True, source_tokenizer=True),
 )}
