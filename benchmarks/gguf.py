@@ -5,10 +5,13 @@
                               [--model offgrid]   (the off-grid copy; its files go in a subfolder of --keep)
 
 Every file has the same per-tensor types, hence the same size: lowbit's mix plans reproduce
-llama.cpp's ``llama_tensor_get_type`` and width fallbacks, and the tied token embedding is
-F16 in every file (lowbit keeps embeddings 16-bit; llama.cpp's quantizer is told
-``token_embedding_type = output_tensor_type = F16``). Rows (merged into
-benchmarks/results/gguf.json as they finish):
+llama.cpp's ``llama_tensor_get_type`` and width fallbacks. With ``--embeddings f16`` (the
+default, the rows before issue 39) the tied token embedding is F16 in every file (lowbit's
+export is told ``embeddings="f16"``, llama.cpp's quantizer ``token_embedding_type =
+output_tensor_type = F16``); with ``--embeddings llama.cpp`` every file has llama.cpp's own
+default embedding types (the bundled model's tied 576-wide table: Q8_0), lowbit's
+quantized by its search at export. Rows (merged into benchmarks/results/gguf.json as they
+finish; ``embeddings`` is part of a row's identity):
 
 - ``rtn``: lowbit's importance-weighted K-quant search (no tuning).
 - ``signround2``: lowbit SignRoundV2 through the double-quantized scales, per seed.
@@ -63,14 +66,14 @@ def llamacpp_ppl(path: Path, windows: torch.Tensor, threads: int) -> float:
     return math.exp(nll / n)
 
 
-def lowbit_file(model, tokenizer, out: Path, mix: str) -> dict:
+def lowbit_file(model, tokenizer, out: Path, mix: str, embeddings: str = "f16") -> dict:
     from lowbit.files import gguf_export
     from lowbit.models.loading import bundled_gguf
 
     # allow_requant: the float32 token embedding (dequantized Q4_1) is rounded to F16, as in
     # llama.cpp's files here; Q5_1 fallback mins are rounded to fp16 (llama.cpp's Q5_1 format)
     return gguf_export.export(model, tokenizer, out, allow_requant=True, source_gguf=bundled_gguf(),
-                              file_type=gguf_export.FILE_TYPES.get(mix, 1))
+                              file_type=gguf_export.FILE_TYPES.get(mix, 1), embeddings=embeddings)
 
 
 # auto-round's GGUF presets for lowbit's mixes (auto-round has no plain Q2_K file type: its q2_k_s)
@@ -182,14 +185,15 @@ def float_file(model, out: Path) -> None:
     gguf_export.export(model, None, out, source_gguf=bundled_gguf())
 
 
-def llamacpp_quantize(src: Path, out: Path, mix: str, threads: int) -> None:
+def llamacpp_quantize(src: Path, out: Path, mix: str, threads: int, embeddings: str = "f16") -> None:
     import llama_cpp
 
     p = llama_cpp.llama_model_quantize_default_params()
     p.ftype = FTYPES[mix]
     p.nthread = threads
-    p.token_embedding_type = GGML_F16
-    p.output_tensor_type = GGML_F16
+    if embeddings == "f16":  # otherwise llama.cpp's own choice (its default file)
+        p.token_embedding_type = GGML_F16
+        p.output_tensor_type = GGML_F16
     rc = llama_cpp.llama_model_quantize(str(src).encode(), str(out).encode(), ctypes.byref(p))
     if rc != 0:
         raise RuntimeError(f"llama_model_quantize failed ({rc})")
@@ -300,7 +304,8 @@ def weight_errors(model, imatrix: dict[str, np.ndarray], nmap_names: dict[str, s
 def _key(r: dict) -> tuple:
     """A row's identity; rows older than the per-row calibration size were all 16 x 256, rows older than the
     off-grid model all on the bundled one."""
-    return r.get("mix"), r.get("method"), r.get("seed"), r.get("nsamples", 16), r.get("model", "bundled")
+    return (r.get("mix"), r.get("method"), r.get("seed"), r.get("nsamples", 16), r.get("model", "bundled"),
+            r.get("embeddings", "f16"))
 
 
 def table(data: dict, model: str = "bundled") -> str:
@@ -350,6 +355,8 @@ def main(argv: list[str] | None = None) -> dict:
                         "types (one --mixes entry; rows recorded as MIX~FILE)")
     p.add_argument("--peer-python", default=None, help="python of a venv with auto-round 0.16 (autoround rows)")
     p.add_argument("--model", choices=common.MODELS, default="bundled", help=common.MODEL_HELP)
+    p.add_argument("--embeddings", choices=("f16", "llama.cpp"), default="f16",
+                   help="token_embd / output: F16 in every file, or llama.cpp's default types in every file")
     p.add_argument("--autoround-child", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.autoround_child:
@@ -390,6 +397,8 @@ def main(argv: list[str] | None = None) -> dict:
 
     def record(row: dict) -> None:
         row.setdefault("nsamples", args.nsamples)
+        if args.embeddings != "f16" and row.get("method") not in ("float", "weight-error"):
+            row.setdefault("embeddings", args.embeddings)
         row.update(common.model_fields(args.model))
         if args.model == "bundled":
             common.merge_row(NAME, row, _key, setup=setup)
@@ -419,17 +428,19 @@ def main(argv: list[str] | None = None) -> dict:
         for row in weight_errors(lm.model, imatrix, gguf_names(lm.model, names)):
             record(row)
     like = None if args.like is None else folder / args.like
+    if args.embeddings != "f16" and "autoround" in methods:
+        raise SystemExit("autoround rows keep F16 embeddings (its export is patched so): run them with --embeddings f16")
     if like is not None and ("," in args.mixes or not like.is_file()):
         raise SystemExit("--like takes a GGUF file in the --keep folder and one --mixes entry")
     for mix in args.mixes.split(","):
-        tag = mix.replace(":", "-")
+        tag = mix.replace(":", "-") + ("" if args.embeddings == "f16" else "-emb")
         label = mix  # the mix as rows name it: with --like, the other file's types
         if like is not None:
             tag, label = f"{tag}~{like.stem}", f"{mix}~{like.stem}"
         ref = folder / f"llamacpp-{tag}.gguf"
         if "llamacpp" in methods or ("llamacpp-imatrix" in methods and like is None):
             t0 = time.perf_counter()
-            llamacpp_quantize(float_path, ref, mix, args.threads)
+            llamacpp_quantize(float_path, ref, mix, args.threads, args.embeddings)
             if "llamacpp" in methods:
                 record({"mix": mix, "method": "llamacpp", "seed": None, "file_bytes": ref.stat().st_size,
                         "seconds": round(time.perf_counter() - t0, 1),
@@ -473,7 +484,7 @@ def main(argv: list[str] | None = None) -> dict:
                                    progress=False)
             seconds = round(time.perf_counter() - t0, 1)
             out = folder / f"lowbit-{method}-{seed}-{tag}.gguf"
-            info = lowbit_file(model, lm.tokenizer, out, mix)
+            info = lowbit_file(model, lm.tokenizer, out, mix, args.embeddings)
             row = {"mix": label, "method": method, "seed": seed, "file": out.name, "file_bytes": out.stat().st_size,
                    "seconds": seconds, **({"iters": args.iters} if method == "signround2" else {}),
                    "ppl_lowbit": perplexity(model, tokens, args.seqlen, args.windows, progress=False).ppl,

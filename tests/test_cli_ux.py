@@ -308,6 +308,7 @@ def test_gguf_conversion_reports_its_stages(bars, tmp_path, monkeypatch):
 
     model = _deep_llama(1)
     monkeypatch.setattr(loading, "open_gguf", lambda *a, **k: None)
+    monkeypatch.setattr(loading, "restored_config", lambda *a, **k: None)  # the head size read from the file
     monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", lambda *a, **k: model)
     monkeypatch.setattr(AutoTokenizer, "from_pretrained", lambda *a, **k: "tok")
     assert loading._convert_gguf(tmp_path / "m.gguf", None) == (model, "tok")

@@ -83,7 +83,7 @@ def test_dense_tensors_use_the_narrowest_exact_float(tmp_path):
     with torch.no_grad():
         emb.copy_(emb.to(torch.bfloat16).float())  # a bf16 checkpoint: exact in BF16, not all in F16
         emb[0, 0] = 2.0**-30  # below fp16 range, exact in bf16
-    r = ge.export(model, None, tmp_path / "m.gguf")
+    r = ge.export(model, None, tmp_path / "m.gguf", embeddings="f16")  # a uniform w4g32 is Q4_0: Q8_0 embeddings
     assert r["types"]["BF16"] == 1 and r["types"]["F32"] == 5  # norms stay F32
     qtype, w = read_weights(tmp_path / "m.gguf")["token_embd.weight"]
     assert qtype == "BF16" and torch.equal(w, emb)
@@ -229,7 +229,8 @@ def test_bundled_model_gguf_same_perplexity_in_transformers(tmp_path, bundled_w4
     from lowbit.models.loading import bundled_gguf
 
     lm, tokens, ours = bundled_w4g32
-    r = ge.export(lm.model, lm.tokenizer, tmp_path / "m.gguf", source_gguf=bundled_gguf())
+    # the embeddings as lowbit evaluated them (16-bit); by default llama.cpp's Q4_0 file type holds them in Q8_0
+    r = ge.export(lm.model, lm.tokenizer, tmp_path / "m.gguf", source_gguf=bundled_gguf(), embeddings="f16")
     assert r["types"]["Q4_0"] == 210 and r["requantized"] == []
     hf = AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file="m.gguf", dtype=torch.float32)
     for name, layer in list(quant_layers(lm.model).items())[:14]:

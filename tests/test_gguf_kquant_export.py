@@ -62,8 +62,13 @@ def test_kquant_mix_round_trips_through_gguf_py_and_transformers(tmp_path, tiny_
     rtn_quantize(model, plan, progress=False)
     path = tmp_path / f"{kind}.gguf"
     r = ge.export(model, tiny_tokenizer, path, file_type=ge.FILE_TYPES["q4_k_m"])
-    assert r["verified"] == len(quant_layers(model)) and not r["requantized"]
+    assert r["verified"] == len(quant_layers(model)) + 1 and not r["requantized"]  # + the tied token_embd
     got = read_weights(path)
+    kind_e, e = got["token_embd.weight"]
+    emb = model.get_input_embeddings().weight
+    assert kind_e == "Q6_K"  # llama.cpp's output type (tied embeddings, 256 columns)
+    with torch.no_grad():  # what the file holds: the model with that table, compared below
+        emb.copy_(torch.from_numpy(e.reshape(emb.shape)))
     arch = ge.ARCH_MAP[model.config.model_type]
     assert gguf.GGUFReader(str(path)).fields["general.architecture"].contents() == arch.gguf
     # v_proj is never permuted: its blocks dequantize to lowbit's weight exactly
@@ -169,15 +174,19 @@ def test_a_kquant_file_lowbit_wrote_is_an_input_to_every_command(tmp_path, tiny_
     r = quantize(QuantizeJob(out=tmp_path / "q", model=str(hf), scheme="q4_k_m", evaluation=None, progress=False,
                              settings={"search": False}))
     assert r["scheme"] == "q4_k_m" and r["layer_schemes"] == {"q4_k": 12, "q6_k": 2}
+    assert r["gguf_embeddings"].startswith("model.embed_tokens: Q6_K in `lowbit export --to gguf`")
     e = export(ExportJob(tmp_path / "q", "gguf", tmp_path / "m.gguf"))
-    assert e["types"]["Q4_K"] == 12 and e["types"]["Q6_K"] == 2 and e["verified"] == 14
+    # + the tied token_embd in llama.cpp's output type
+    assert e["types"]["Q4_K"] == 12 and e["types"]["Q6_K"] == 3 and e["verified"] == 15
     assert e["file_bytes"] < 0.5 * e["fp16_bytes"] or e["size_vs_fp16"] < 1
     lm = load_model(tmp_path / "m.gguf")  # transformers' GGUF loader, K-quant blocks dequantized by gguf-py
     from lowbit.files.native import load
 
     model, _ = load(tmp_path / "q")
     x = ids(len(tiny_tokenizer))
-    with torch.no_grad():
+    with torch.no_grad():  # the checkpoint with the file's Q6_K table is what the file holds
+        emb = model.get_input_embeddings().weight
+        emb.copy_(torch.from_numpy(read_weights(tmp_path / "m.gguf")["token_embd.weight"][1]).reshape(emb.shape))
         torch.testing.assert_close(lm.model(x).logits, model(x).logits, rtol=1e-4, atol=1e-4)
     with pytest.raises(LowbitError, match="already exists"):
         export(ExportJob(tmp_path / "q", "gguf", tmp_path / "m.gguf"))

@@ -63,8 +63,10 @@ def model_dir(tmp_path_factory) -> Path:
 def one_error_line(capsys, *needles: str) -> str:
     """The CLI's stderr is exactly one ``lowbit CMD: error: ...`` line holding every needle."""
     text = capsys.readouterr().err
-    # progress bars may precede it, and warnings are lines of their own ("lowbit CMD: warning: ...")
-    err = [ln for ln in text.splitlines() if ln.startswith("lowbit ") and ": warning: " not in ln]
+    # progress bars may precede it; warnings and an earlier successful run's busy-machine note are lines
+    # of their own ("lowbit CMD: warning: ...", "lowbit CMD: note: ...")
+    err = [ln for ln in text.splitlines()
+           if ln.startswith("lowbit ") and ": warning: " not in ln and ": note: " not in ln]
     assert len(err) == 1 and "error:" in err[0] and "Traceback" not in text, text
     for n in needles:
         assert n in err[0], err[0]

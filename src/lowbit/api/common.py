@@ -151,13 +151,15 @@ def bits_summary(model: nn.Module, plan: Plan, lm_head: bool) -> dict[str, Any]:
     from lowbit.formats.bits import COUNTED, NOMINAL, average_bits
     from lowbit.models import linear_layers
     from lowbit.nn import quant_layers
+    from lowbit.nn.quant_experts import quant_stacks
 
     layers = linear_layers(model, include_lm_head=lm_head)
     sizes = {n: (m.out_features, m.in_features) for n, m in layers.items()}
     sizes.update({n: _shape(model, n) for n in plan if n not in sizes})
-    quant = quant_layers(model)
+    quant = {n: m.qweight.storage_bytes() for n, m in quant_layers(model).items()}
+    quant |= {n: _packed_bytes(m) for n, m in quant_stacks(model).items()}
     dense = sum(o * i for n, (o, i) in sizes.items() if n not in plan) + _float_block_matrices(model, sizes)
-    stored = [(o * i, 8 * quant[n].qweight.storage_bytes() / (o * i)) for n, (o, i) in sizes.items() if n in plan]
+    stored = [(o * i, 8 * quant[n] / (o * i)) for n, (o, i) in sizes.items() if n in plan]
     nominal = [(o * i, plan.weight(n).bits_per_weight(i)) for n, (o, i) in sizes.items() if n in plan]
     return {"bits_per_weight": round(average_bits(stored, dense), 4), "bits_counted": COUNTED,
             "bits_per_weight_nominal": round(average_bits(nominal, dense), 4), "nominal_counts": NOMINAL,
@@ -174,7 +176,7 @@ def _float_block_matrices(model: nn.Module, linears: Mapping[str, Any]) -> int:
 
     prefix = block_path(model) + "."
     return sum(w.numel for w in account_model(model).weights if not w.quantized and w.name.startswith(prefix)
-               and w.name.rpartition(".")[0] not in linears)
+               and w.name.rpartition(".")[0] not in linears and w.name not in linears)
 
 
 def checkpoint_bytes(model: nn.Module, plan: Plan | None = None, bits: float | None = None) -> int:
@@ -187,12 +189,14 @@ def checkpoint_bytes(model: nn.Module, plan: Plan | None = None, bits: float | N
     counted: a write that fails anyway is one clear line. Tied tensors count once.
     """
     from lowbit.models import linear_layers
+    from lowbit.models.experts import expert_tensors
 
     if plan is not None:
-        layers = {n: (model.get_submodule(n), plan.weight(n).bits_per_weight) for n in plan}
+        layers = {n: (_shape(model, n), plan.weight(n).bits_per_weight) for n in plan}
     else:
-        layers = {n: (m, lambda _cols: bits) for n, m in linear_layers(model).items()}
-    packed = {f"{n}.weight": bpw(m.in_features) * m.in_features * m.out_features / 8 for n, (m, bpw) in layers.items()}
+        layers = {n: ((m.out_features, m.in_features), lambda _cols: bits) for n, m in linear_layers(model).items()}
+    experts = expert_tensors(model)  # a float experts tensor's parameter is the plan name itself
+    packed = {n if n in experts else f"{n}.weight": bpw(i) * i * o / 8 for n, ((o, i), bpw) in layers.items()}
     total, seen = sum(packed.values()), set()
     for name, t in [*model.named_parameters(), *model.named_buffers()]:
         if name not in packed and id(t) not in seen:
@@ -202,8 +206,20 @@ def checkpoint_bytes(model: nn.Module, plan: Plan | None = None, bits: float | N
 
 
 def _shape(model: nn.Module, name: str) -> tuple[int, int]:
+    """(rows, in) of a planned weight: a Linear's, or a fused experts tensor's E matrices as E * out rows."""
+    from lowbit.models.experts import expert_tensors
+
+    experts = expert_tensors(model)
+    if name in experts:
+        t = experts[name]
+        return (t.count * t.out_features, t.in_features)
     m = model.get_submodule(name)
-    return (m.out_features, m.in_features)
+    return (getattr(m, "num_experts", 1) * m.out_features, m.in_features)  # a QuantStack: its E matrices
+
+
+def _packed_bytes(stack: nn.Module) -> int:
+    """Bytes the checkpoint stores for a quantized experts stack."""
+    return sum(t.numel() * t.element_size() for t in stack.pack().values())
 
 
 def given(options: Mapping[str, Any]) -> dict[str, Any]:

@@ -15,6 +15,7 @@ from lowbit.files import targets
 from lowbit.io import check_free_space
 
 TARGETS = targets.TARGETS  # what `lowbit export --to` writes: the registry's targets with a writer
+EMBEDDINGS = targets.EMBEDDINGS
 
 
 @dataclass(frozen=True)
@@ -26,6 +27,7 @@ class ExportJob:
     out: str | Path
     force: bool = False
     allow_requant: bool = False
+    embeddings: str | None = None  # GGUF only: "llama.cpp" (default: the mix's types) or "f16"
 
     def __post_init__(self) -> None:
         check_fields(self, ConfigError, "export setting")
@@ -34,6 +36,11 @@ class ExportJob:
         if self.allow_requant and not targets.get(self.to).requant:
             raise ConfigError(f"--allow-requant applies to --to {' / '.join(targets.REQUANT)} only; {self.to} exports "
                               "are always exact")
+        if self.embeddings is not None and self.to != "gguf":
+            raise ConfigError(f"--embeddings applies to --to gguf only; {self.to} exports keep the embeddings "
+                              "16-bit")
+        if self.embeddings not in (None, *EMBEDDINGS):
+            raise ConfigError(f"--embeddings {self.embeddings!r}: choose one of {', '.join(EMBEDDINGS)}")
 
 
 def export(job: ExportJob) -> dict[str, Any]:
@@ -55,7 +62,8 @@ def export(job: ExportJob) -> dict[str, Any]:
 
         meta = manifest.get("meta", {})
         request = targets.WriteRequest(meta, job.allow_requant,
-                                       _source_gguf(manifest) if target.source_tokenizer else None, mix_of(meta))
+                                       _source_gguf(manifest) if target.source_tokenizer else None, mix_of(meta),
+                                       job.embeddings)
         result: dict[str, Any] = {"checkpoint": str(job.checkpoint), "to": job.to}
         result |= target.write(model, tokenizer, out, request)
     info = inspect(out)

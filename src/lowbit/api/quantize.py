@@ -285,6 +285,9 @@ class _Run:
         result["scheme"] = mix or self.plan.describe()
         if mix or any(s.family.name == "kquant" for s in self.plan.weights().values()):
             result |= _kquant_summary(model, self.plan)
+        if mix:
+            result["gguf_embeddings"] = _gguf_embeddings(model, mix)
+            self.output_importance = self._output_importance(model, mix)
         if self.ev is not None:
             with self.phases("ppl_q"), on_device(model, self.device):
                 r = job.evaluation.perplexity(model, self.ev, job.progress)
@@ -295,6 +298,24 @@ class _Run:
             result["not_exportable"] = self.not_exportable
         return result
 
+    def _output_importance(self, model: nn.Module, mix: str) -> list[float] | None:
+        """Mean squared input of the output tensor on the calibration split (the quantized model's final hidden
+        states), for the GGUF export's search on the output / tied embedding table; None when no calibration
+        data was read, the table stays 16-bit, or a whole-model pass is not otherwise made (a model too big)."""
+        from lowbit.files.gguf_export import embedding_plan, output_table
+        from lowbit.models.activations import importance
+        from lowbit.models.lazy import is_lazy
+        from lowbit.models.placement import on_device
+
+        job = self.job
+        whole = job.evaluation is not None or not get(job.method).blockwise
+        key, head = output_table(model)
+        if self.calib is None or not whole or is_lazy(model) or key not in embedding_plan(model, mix):
+            return None
+        with on_device(model, self.device):
+            imp = importance(model, self.calib, [head])[head]
+        return (imp / self.calib.numel()).tolist()
+
     def save(self, out: Path, result: dict[str, Any]) -> None:
         from lowbit.files.native import save
 
@@ -302,6 +323,8 @@ class _Run:
         meta = {"source": self.lm.source, "source_kind": self.lm.kind,
                 "source_digest": self.outcome.float_digest if self.outcome is not None else None,
                 "method": self.job.method, "plan": mix or self.plan.describe(), **kmix.mix_meta(mix),
+                **({} if getattr(self, "output_importance", None) is None
+                   else {"gguf_output_importance": self.output_importance}),
                 **{k: result[k] for k in ("ppl_fp", "ppl_q", "matmul_weights") if k in result},
                 **{k: s.to_dict() for k, s in (("rotation", self.job.rotate), ("awq", self.job.awq)) if s is not None}}
         try:
@@ -340,16 +363,21 @@ def _export_limits(job: QuantizeJob, model: nn.Module, plan: Plan) -> dict[str, 
     """
     from lowbit.files import specs
     from lowbit.files import targets as limits  # the export registry (files/targets.py)
+    from lowbit.models.experts import expert_tensors
 
     mixed = isinstance(job.source, MixedBudget)
     options = [Plan({n: r for n in plan}) for r in job.source.options] if mixed else [plan]
     online = set(job.rotate.online) if job.rotate is not None else set()
     rotated = frozenset(n for n in plan if n.rpartition(".")[2] in online)
-    shapes = {n: (model.get_submodule(n).out_features, model.get_submodule(n).in_features) for n in plan}
+    experts = {n: t for n, t in expert_tensors(model).items() if n in plan}
+    shapes = {n: (t.out_features, t.in_features) for n, t in experts.items()}
+    shapes |= {n: (model.get_submodule(n).out_features, model.get_submodule(n).in_features)
+               for n in plan if n not in experts}
+    counts = {n: t.count for n, t in experts.items()}
     kind = getattr(getattr(model, "config", None), "model_type", None)
     found: dict[str, str] = {}
     for p in options:
-        layer_specs = specs.from_plan(p.layers, shapes, rotated)
+        layer_specs = specs.from_plan(p.layers, shapes, rotated, counts)
         for to, why in limits.refusals(layer_specs, kind).items():
             found.setdefault(to, why)
         if "compressed-tensors" not in found:
@@ -364,6 +392,18 @@ def _export_limits(job: QuantizeJob, model: nn.Module, plan: Plan) -> dict[str, 
         what = "its compressed-tensors export would not load in vLLM" if to == "vllm" else f"--to {to} cannot hold it"
         warnings.warn(f"this plan cannot be exported as it is: {what}: {why}", stacklevel=2)
     return found
+
+
+def _gguf_embeddings(model: nn.Module, mix: str) -> str:
+    """What `lowbit export --to gguf` will make of the embedding / output tables of a mix (llama.cpp's types)."""
+    from lowbit.files.gguf_export import embedding_plan
+
+    types = embedding_plan(model, mix)
+    if not types:
+        return "16-bit in the GGUF (no block type fits their rows, as in llama.cpp's file)"
+    return (", ".join(f"{k.removesuffix('.weight')}: {t}" for k, t in types.items())
+            + f" in `lowbit export --to gguf` (llama.cpp's {mix} types; --embeddings f16 keeps them 16-bit); "
+            "the perplexity here has them in 16 bits")
 
 
 def _kquant_summary(model: nn.Module, plan: Plan) -> dict[str, Any]:

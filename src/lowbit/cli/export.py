@@ -8,7 +8,7 @@ from lowbit.cli import common
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    from lowbit.api.export import TARGETS
+    from lowbit.api.export import EMBEDDINGS, TARGETS
 
     p = sub.add_parser("export", help="convert a lowbit checkpoint for vLLM (compressed-tensors) or llama.cpp (GGUF)",
                        description="Write the checkpoint's exact codes in another engine's format; schemes the "
@@ -19,6 +19,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--force", action="store_true", help="replace --out if it is an earlier lowbit export")
     p.add_argument("--allow-requant", action="store_true",
                    help="GGUF: re-quantize layers with no exact GGUF type (their numbers change)")
+    p.add_argument("--embeddings", choices=EMBEDDINGS, default=None,
+                   help="GGUF: token_embd and a float output tensor in llama.cpp's types for the checkpoint's mix "
+                        "(llama.cpp, the default: Q8_0 / Q6_K ... as its own file has them) or kept 16-bit (f16)")
     common.add_json(p)
     p.set_defaults(func=run)
 
@@ -27,4 +30,4 @@ def run(args: argparse.Namespace) -> dict:
     from lowbit import api
 
     return api.export(api.ExportJob(args.checkpoint, args.to, args.out, force=args.force,
-                                    allow_requant=args.allow_requant))
+                                    allow_requant=args.allow_requant, embeddings=args.embeddings))

@@ -15,8 +15,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                                    "default; --layers lists every layer.")
     p.add_argument("path", metavar="PATH", help="checkpoint folder, compressed-tensors folder or .gguf file")
     p.add_argument("--layers", action="store_true",
-                   help="list every quantized layer (scheme, shape, bits per weight, input format); the --json "
-                        "output always holds them")
+                   help="list every quantized layer (scheme, shape, bits per weight, input format; for a GGUF "
+                        "every tensor and its GGUF type); the --json output always holds them")
     common.add_json(p)
     p.set_defaults(func=run)
 
@@ -26,8 +26,11 @@ def run(args: argparse.Namespace) -> dict:
 
     info = api.inspect(args.path)
     if not args.json:
-        print(layer_table(info["layers"]) if args.layers else scheme_table(info["layers"]))
-        info = {k: v for k, v in info.items() if k not in ("layers", "schemes", "inputs")}
+        if args.layers and "tensors" in info:  # a GGUF: every tensor, the 16-bit ones included
+            print(tensor_table(info["tensors"]))
+        else:
+            print(layer_table(info["layers"]) if args.layers else scheme_table(info["layers"]))
+        info = {k: v for k, v in info.items() if k not in ("layers", "schemes", "inputs", "tensors")}
     return info
 
 
@@ -51,6 +54,13 @@ def layer_table(layers: list[dict]) -> str:
     rows += [(r["name"], r["scheme"], "x".join(str(d) for d in r["shape"]), f"{r['bits_per_weight']:.3f}",
               *((r.get("input") or "-",) if acts else ())) for r in layers]
     return _align(rows) if layers else "no quantized layers"
+
+
+def tensor_table(tensors: list[dict]) -> str:
+    """A GGUF's tensors: name, GGUF type, shape, bytes."""
+    rows = [("tensor", "type", "shape", "bytes")]
+    rows += [(t["name"], t["type"], "x".join(str(d) for d in t["shape"]), f"{t['bytes']:,}") for t in tensors]
+    return _align(rows)
 
 
 def _align(rows: list[tuple[str, ...]]) -> str:

@@ -36,6 +36,7 @@ them and transformers' GGUF loader undoes it, so the same permutation is applied
 from __future__ import annotations
 
 import json
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -45,9 +46,11 @@ import torch
 from torch import nn
 
 from lowbit.errors import LowbitError, ModelError, SchemeError
+from lowbit.files import gguf_types, targets
 from lowbit.files.gguf_kquants import pack_kquant
+from lowbit.files.gguf_read import head_dim
 from lowbit.files.specs import LayerSpec, from_model, refuse_rotations
-from lowbit.formats import QTensor, Scheme
+from lowbit.formats import QTensor, Scheme, quantize
 from lowbit.formats.finite import require_finite
 from lowbit.io import atomic_file
 from lowbit.nn import quant_layers
@@ -81,7 +84,8 @@ ARCH_MAP = {
 ARCHS = tuple(ARCH_MAP)
 # general.file_type of llama.cpp's mixes (gguf.LlamaFileType), for readers that show it
 FILE_TYPES = {"q2_k_s": 21, "gguf:q2_k": 10, "q3_k_s": 11, "q3_k_m": 12, "q3_k_l": 13, "q4_k_s": 14, "q4_k_m": 15,
-              "q5_k_s": 16, "q5_k_m": 17, "gguf:q6_k": 18}
+              "q5_k_s": 16, "q5_k_m": 17, "gguf:q6_k": 18, "q4_0": 2, "q4_1": 3, "q8_0": 7, "q5_0": 8, "q5_1": 9}
+EMBEDDINGS = targets.EMBEDDINGS  # what `export(embeddings=...)` accepts
 
 
 def _gguf():
@@ -219,10 +223,6 @@ def arch_for(kind: str | None) -> Arch:
         raise ModelError(f"GGUF export supports {', '.join(ARCHS)} models, not {kind!r}; export this model "
                          "with --to compressed-tensors, or quantize a model of a supported architecture")
     return ARCH_MAP[kind]
-
-
-def head_dim(config: Any) -> int:
-    return int(getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads)
 
 
 def add_model_metadata(writer: Any, config: Any, name: str, arch: Arch | None = None, file_type: int = 1) -> None:
@@ -454,11 +454,17 @@ def _tensor_name_map(arch: Arch, config: Any) -> Any:
 
 
 def export(model: nn.Module, tokenizer: Any, out: str | Path, force: bool = False, allow_requant: bool = False,
-           source_gguf: str | Path | None = None, name: str = "lowbit", file_type: int = 1) -> dict[str, Any]:
+           source_gguf: str | Path | None = None, name: str = "lowbit", file_type: int = 1,
+           embeddings: str = "llama.cpp", output_importance: torch.Tensor | None = None) -> dict[str, Any]:
     """Write ``model`` as a GGUF file atomically; returns per-type counts and what was not exact.
 
     Checks the architecture, the output path and every layer's GGUF type before writing;
     each quantized tensor is verified against gguf-py's dequantization while it is packed.
+    ``file_type`` (a `FILE_TYPES` number) names llama.cpp's file type; with ``embeddings``
+    "llama.cpp" the token embedding and a float output tensor take that file type's types
+    (`embedding_plan`), "f16" keeps them 16-bit. A uniform legacy plan (every layer Q4_0,
+    Q8_0, ...) is that legacy file type. ``output_importance`` (``[hidden]`` mean squared final
+    hidden state, recorded by `lowbit quantize`) weights the search on the output table.
     """
     gguf = _gguf()
     out = Path(out)
@@ -467,8 +473,16 @@ def export(model: nn.Module, tokenizer: Any, out: str | Path, force: bool = Fals
     if out.exists() and not (force and written_by_lowbit(out)):
         raise LowbitError(f"{out} already exists and is not a GGUF lowbit wrote; choose another --out"
                           if force else f"{out} already exists; choose another --out or pass --force to replace it")
+    if embeddings not in EMBEDDINGS:
+        raise SchemeError(f"embeddings={embeddings!r}: choose one of {', '.join(EMBEDDINGS)}")
     types = plan_types(model, allow_requant)
     qlayers = quant_layers(model)
+    ftype = file_type_of(file_type, types)
+    file_type = FILE_TYPES.get(ftype or "", file_type)
+    embeds = embedding_plan(model, ftype) if embeddings == "llama.cpp" else {}
+    key = output_table(model)[0]
+    imps = {} if output_importance is None or key is None or output_importance.numel() != \
+        model.get_output_embeddings().in_features else {key: output_importance}
     name_map = _tensor_name_map(arch, config)
     # asked again at the rename: a file that appeared (or was swapped in) meanwhile is replaced only if lowbit's
     with atomic_file(out, may_replace=lambda p: force and written_by_lowbit(p)) as tmp:
@@ -478,12 +492,13 @@ def export(model: nn.Module, tokenizer: Any, out: str | Path, force: bool = Fals
             copy_tokenizer_fields(writer, Path(source_gguf))
         elif tokenizer is not None:
             add_hf_tokenizer(writer, tokenizer, arch.pre_tokenizer)
-        counts, rounded = _add_tensors(writer, model, qlayers, types, name_map, arch, allow_requant)
+        counts, rounded = _add_tensors(writer, model, qlayers, types, name_map, arch, allow_requant, embeds, imps)
         writer.write_header_to_file()
         writer.write_kv_data_to_file()
         writer.write_tensors_to_file(progress=False)
         writer.close()
-    result = {"out": str(out), "arch": arch.gguf, "types": counts, "verified": sum(p.exact for p in types.values()),
+    result = {"out": str(out), "arch": arch.gguf, "types": counts,
+              "verified": sum(p.exact for p in types.values()) + len(embeds),
               "requantized": sorted(n for n, p in types.items() if not p.exact)}
     fallback = sorted(n for n, layer in qlayers.items() if layer.in_features % 256 and
                       any(lay.scheme.family.name == "kquant" for lay in qlayers.values())
@@ -494,11 +509,125 @@ def export(model: nn.Module, tokenizer: Any, out: str | Path, force: bool = Fals
                               "as llama.cpp does")
     if rounded:
         result["rounded_to_f16"] = rounded
+    result["embeddings"] = _embeddings_note(model, embeds, ftype, embeddings, bool(imps.keys() & embeds.keys()))
+    unread = transformers_readback(out, config)
+    if unread is not None:
+        warnings.warn(unread, stacklevel=2)
+        result["transformers_readback"] = unread
     return result
 
 
+def transformers_readback(path: Path, config: Any) -> str | None:
+    """Why transformers' own GGUF loader would rebuild the written file wrongly (None: it restores the heads).
+
+    Asked of transformers itself (its config from the file's metadata): a qwen3 whose head
+    size is not the config class's default comes back with the wrong head size, because
+    transformers does not read ``attention.key_length`` for it; llama.cpp does, and so does
+    lowbit's loader (`lowbit.files.gguf_read.restored_config`).
+    """
+    from transformers import AutoConfig
+
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            got = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
+    except (OSError, ValueError, KeyError, ImportError) as e:
+        return f"transformers' own GGUF loader cannot read this file's config ({str(e).splitlines()[0][:100]})"
+    theirs, ours = head_dim(got), head_dim(config)
+    if theirs == ours:
+        return None
+    return (f"transformers' own GGUF loader cannot read this file back: it ignores "
+            f"attention.key_length for {config.model_type} and rebuilds heads of {theirs}, not {ours}; "
+            "llama.cpp reads it, and `lowbit eval` / `lowbit quantize` load it with the head size from key_length")
+
+
+def file_type_of(file_type: int, types: dict[str, TensorPlan]) -> str | None:
+    """llama.cpp's file type of this export: the one ``file_type`` names, else the legacy type every
+    layer holds exactly (a uniform w4g32 plan is llama.cpp's Q4_0), else None (no llama.cpp rule)."""
+    named = {v: k for k, v in FILE_TYPES.items()}.get(file_type)
+    if named is not None:
+        return named
+    held = {p.qtype for p in types.values() if p.exact}
+    if len(held) == 1 and all(p.exact for p in types.values()) and held <= {t.upper() for t in gguf_types.LEGACY}:
+        return held.pop().lower()
+    return None
+
+
+def embedding_plan(model: nn.Module, ftype: str | None) -> dict[str, str]:
+    """state_dict key -> GGUF type of the token embedding and a float output tensor in file type ``ftype``.
+
+    Tied (the lm_head is the embedding's own tensor, or there is none): one ``token_embd``
+    that llama.cpp also uses as the output, typed by the output rule. A quantized lm_head is
+    ``output.weight`` already, so the embedding is untied. Tables whose rows no block type
+    fits (F16 by llama.cpp's fallback) are left out: they stay 16-bit.
+    """
+    if ftype is None:
+        return {}
+    emb, head = model.get_input_embeddings(), model.get_output_embeddings()
+    names = {id(m): n for n, m in model.named_modules(remove_duplicate=False)}
+    tied = head is None or (isinstance(head, nn.Linear) and head.weight is emb.weight)
+    got = gguf_types.embedding_types(ftype, emb.weight.shape[1], tied)
+    plan = {f"{names[id(emb)]}.weight": got["token_embd"]}
+    if "output" in got and isinstance(head, nn.Linear):  # a QuantLinear head is in the layer plan
+        plan[f"{names[id(head)]}.weight"] = got["output"]
+    return {k: t for k, t in plan.items() if t != "F16"}
+
+
+def recorded_importance(meta: Any) -> torch.Tensor | None:
+    """The output table's importance `lowbit quantize` recorded in a checkpoint's manifest (None: none, or not
+    a list of finite non-negative numbers)."""
+    got = meta.get("gguf_output_importance") if hasattr(meta, "get") else None
+    if not isinstance(got, list) or not got or not all(isinstance(v, (int, float)) for v in got):
+        return None
+    t = torch.tensor(got, dtype=torch.float32)
+    return t if bool(torch.isfinite(t).all()) and bool((t >= 0).all()) else None
+
+
+def output_table(model: nn.Module) -> tuple[str | None, str | None]:
+    """(state_dict key of the float table llama.cpp multiplies the final hidden states by, the head's module
+    name): the tied embedding or a float lm_head; (None, None) when the head is quantized (a plan layer) or absent."""
+    emb, head = model.get_input_embeddings(), model.get_output_embeddings()
+    if not isinstance(head, nn.Linear):
+        return None, None
+    names = {id(m): n for n, m in model.named_modules(remove_duplicate=False)}
+    table = emb if head.weight is emb.weight else head
+    return f"{names[id(table)]}.weight", names[id(head)]
+
+
+def _embeddings_note(model: nn.Module, embeds: dict[str, str], ftype: str | None, embeddings: str,
+                     weighted: bool = False) -> str:
+    if embeds:
+        head = model.get_output_embeddings()
+        tied = head is None or (isinstance(head, nn.Linear) and head.weight is model.get_input_embeddings().weight)
+        return (", ".join(f"{k}: {t}" for k, t in embeds.items())
+                + (" (tied: llama.cpp also uses it as the output)" if tied else "")
+                + f", llama.cpp's {ftype} types, quantized here by lowbit's search"
+                + ("" if not weighted else " (the output table weighted by the calibration's final hidden states)"))
+    if embeddings == "f16":
+        return "16-bit (kept as asked); llama.cpp's own file would quantize them"
+    if ftype is None:
+        return "16-bit: the plan follows no llama.cpp file type (a mix such as q4_k_m, or a uniform Q4_0/Q8_0 ...)"
+    return "16-bit: no GGUF block type fits their rows (llama.cpp's fallback keeps F16 too)"
+
+
+def embedding_array(key: str, t: torch.Tensor, qtype: str, imp: torch.Tensor | None = None) -> np.ndarray:
+    """The GGUF blocks of an embedding table in ``qtype``, quantized by lowbit's search and verified.
+
+    imp: ``[cols]`` importance of the table's columns as the output matmul's inputs (None: every column alike,
+    the weights' own magnitudes still weighting the K-quant search)."""
+    require_finite([(key, t)], "GGUF export", "nothing was written: the checkpoint's weights are not finite")
+    q = quantize(t.detach().float(), gguf_types.gguf_scheme(qtype), imp)
+    raw = pack_blocks(q, qtype, key)
+    if qtype in ("Q4_1", "Q5_1") and not q4_1_exact(q):  # the fp16 block minimum rounds: what llama.cpp reads
+        written_values(raw, qtype, q.shape, key)
+    else:
+        verify_blocks(raw, qtype, q.dequantize(), key)
+    return raw
+
+
 def _add_tensors(writer: Any, model: nn.Module, qlayers: dict, types: dict[str, TensorPlan], name_map: Any,
-                 arch: Arch, allow_f16: bool) -> tuple[dict[str, int], list[str]]:
+                 arch: Arch, allow_f16: bool, embeds: dict[str, str], imps: dict[str, torch.Tensor]
+                 ) -> tuple[dict[str, int], list[str]]:
     gguf = _gguf()
     counts: dict[str, int] = {}
     rounded: list[str] = []
@@ -509,6 +638,11 @@ def _add_tensors(writer: Any, model: nn.Module, qlayers: dict, types: dict[str, 
         if key in own or (t.numel() and ident in seen) or "rotary_emb" in key:
             continue
         seen.add(ident)
+        if key in embeds:
+            raw = embedding_array(key, t, embeds[key], imps.get(key))
+            writer.add_tensor(_gguf_name(name_map, key), raw, raw_dtype=gguf.GGMLQuantizationType[embeds[key]])
+            counts[embeds[key]] = counts.get(embeds[key], 0) + 1
+            continue
         arr, kind = _dense_tensor(key, t, model.config, arch, allow_f16)
         require_finite([(key, t), (key, arr)], "GGUF export", "nothing was written: "
                        + ("F16 cannot hold this tensor's values; drop --allow-requant" if kind.endswith("(rounded)")

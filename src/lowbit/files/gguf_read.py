@@ -157,3 +157,32 @@ def store_cache(cached: Path, model: Any, tok: Any, digest: str) -> bool:
 def _first_line(e: BaseException) -> str:
     text = str(e).strip().splitlines()
     return text[0] if text else type(e).__name__
+
+
+def key_length(reader: Any) -> int | None:
+    """The head size llama.cpp reads (``{arch}.attention.key_length``); None when the file has none."""
+    arch = reader.fields.get("general.architecture")
+    field = reader.fields.get(f"{arch.contents()}.attention.key_length") if arch is not None else None
+    return int(field.contents()) if field is not None else None
+
+
+def head_dim(config: Any) -> int:
+    """The attention head size a transformers config gives its model (``head_dim``, else hidden / heads)."""
+    return int(getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads)
+
+
+def restored_config(path: Path, reader: Any) -> Any:
+    """transformers' config of a GGUF, with the head size llama.cpp uses.
+
+    transformers' GGUF loader maps ``attention.key_length`` to ``head_dim`` for some
+    architectures only (not qwen3, as of transformers 5), so a model whose head size is not
+    what the config class would assume (qwen3 with head_dim != hidden / heads and != 128) is
+    rebuilt with the wrong shapes; llama.cpp reads key_length, and so does lowbit here.
+    """
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
+    want = key_length(reader)
+    if want is not None and hasattr(config, "num_attention_heads") and head_dim(config) != want:
+        config.head_dim = want
+    return config

@@ -91,6 +91,11 @@ def prepare(model: nn.Module, folder: Path) -> list[str]:
 
     manifest = native.read_manifest(folder)
     native.verify(folder, manifest)
+    experts = [n for n, spec in manifest["layers"].items() if "experts" in spec]
+    if experts:
+        raise CheckpointError(f"{folder} holds quantized mixture-of-experts experts ({experts[0]}, ...), which "
+                              "transformers' loader of lowbit checkpoints does not read yet; load it with lowbit "
+                              "(`lowbit eval`, lowbit.files.native.load)")
     for name, spec in manifest["layers"].items():
         try:
             layer = model.get_submodule(name)

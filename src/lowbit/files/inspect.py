@@ -33,6 +33,11 @@ class LayerInfo:
     bits_per_weight: float
     input: str | None = None
     input_amax: float | None = None
+    experts: int = 0  # a fused experts tensor of this many ``shape`` matrices (0: a Linear)
+
+    @property
+    def numel(self) -> int:
+        return max(self.experts, 1) * self.shape[0] * self.shape[1]
 
 
 def detect(path: str | Path) -> str:
@@ -100,9 +105,9 @@ def _numel(shape: list[int]) -> int:
     return n
 
 
-def _layer_bits(headers: dict, prefix: str, keys: tuple[str, ...], shape: tuple[int, int]) -> float:
+def _layer_bits(headers: dict, prefix: str, keys: tuple[str, ...], shape: tuple[int, int], count: int = 1) -> float:
     stored = sum(_nbytes(*headers[f"{prefix}.{k}"]) for k in keys if f"{prefix}.{k}" in headers)
-    return 8 * stored / max(shape[0] * shape[1], 1)
+    return 8 * stored / max(count * shape[0] * shape[1], 1)
 
 
 def _dense_params(headers: dict, quant_keys: set[str]) -> int:
@@ -118,7 +123,7 @@ def _dense_linear_weights(shapes: dict[str, list[int]], quantized: set[str]) -> 
     fused experts (3-D), as `lowbit quantize` counts them."""
     return sum(_numel(shape) for name, shape in shapes.items()
                if (name.endswith(".weight") and len(shape) == 2 or len(shape) >= 3) and _BLOCK.search(name)
-               and name.removesuffix(".weight") not in quantized)
+               and name.removesuffix(".weight") not in quantized and name.rpartition(".")[0] not in quantized)
 
 
 def inspect_native(folder: Path) -> tuple[list[LayerInfo], int]:
@@ -132,19 +137,21 @@ def inspect_native(folder: Path) -> tuple[list[LayerInfo], int]:
     layers, qkeys = [], set()
     for name, spec in manifest["layers"].items():
         shape = (int(spec["shape"][0]), int(spec["shape"][1]))
+        count = int(spec.get("experts", 0))
         scheme = _scheme(folder, name, spec)
-        _check_stored(folder, name, shape, scheme, headers)
+        _check_stored(folder, name, shape, scheme, headers, count)
         inp = spec.get("input")
         label = None if inp is None else InputScheme.from_dict(dict(inp)).name
         amax = _amax(folder, name) if f"{name}.input_amax" in headers else None
-        layers.append(LayerInfo(name, scheme.name, shape, _layer_bits(headers, name, keys, shape), label, amax))
+        bits = _layer_bits(headers, name, keys, shape, max(count, 1))
+        layers.append(LayerInfo(name, scheme.name, shape, bits, label, amax, count))
         qkeys |= {f"{name}.{k}" for k in (*keys, "input_amax")}
     stray = sorted(k for k in headers if k.endswith(".codes") and k[: -len(".codes")] not in manifest["layers"])
     if stray:
         raise CheckpointError(f"{folder / 'model.safetensors'} stores quantized codes {stray[0]} that lowbit.json "
                               "does not list; the checkpoint was edited or damaged — re-create it")
     # tied copies (manifest aliases) are stored once, as an fp16 export would store them
-    return layers, _dense_params(headers, qkeys) + sum(i.shape[0] * i.shape[1] for i in layers)
+    return layers, _dense_params(headers, qkeys) + sum(i.numel for i in layers)
 
 
 def _scheme(folder: Path, name: str, spec: dict) -> Any:
@@ -158,11 +165,14 @@ def _scheme(folder: Path, name: str, spec: dict) -> Any:
                               "checkpoint was edited or damaged — re-create it") from None
 
 
-def _check_stored(folder: Path, name: str, shape: tuple[int, int], scheme: Any, headers: dict) -> None:
-    """The stored parts of a layer have the shapes its manifest entry implies (from the header alone)."""
+def _check_stored(folder: Path, name: str, shape: tuple[int, int], scheme: Any, headers: dict,
+                  experts: int = 0) -> None:
+    """The stored parts of a layer have the shapes its manifest entry implies (from the header alone);
+    a fused experts tensor stores each part stacked along a leading axis of ``experts``."""
     from lowbit.formats.qtensor import packed_shapes
 
     for part, want in packed_shapes(shape, scheme).items():
+        want = (experts, *want) if experts else want
         got = headers.get(f"{name}.{part}")
         if got is None or tuple(got[0]) != want:
             have = "missing" if got is None else f"of shape {list(got[0])}"
@@ -253,6 +263,24 @@ def inspect_gguf(path: Path) -> tuple[list[LayerInfo], int]:
     return layers, total
 
 
+def gguf_layout(path: Path) -> dict[str, Any]:
+    """A GGUF file's llama.cpp file type, head grouping, and every tensor: name, type, shape (outermost first), bytes."""
+    from lowbit.files.gguf_read import open_gguf
+
+    reader = open_gguf(path)
+
+    def field(key: str) -> Any:
+        f = reader.fields.get(key)
+        return None if f is None else f.contents()
+
+    arch = field("general.architecture")
+    heads, kv = field(f"{arch}.attention.head_count"), field(f"{arch}.attention.head_count_kv")
+    tensors = [{"name": t.name, "type": t.tensor_type.name, "shape": [int(d) for d in reversed(t.shape)],
+                "bytes": int(t.n_bytes)} for t in reader.tensors]
+    return {"file_type": field("general.file_type"), "n_gqa": (heads // kv) if heads and kv else 1,
+            "tensors": tensors}
+
+
 def _tensor_shapes(p: Path, fmt: str) -> dict[str, list[int]]:
     """name -> shape of every stored tensor (GGUF names, dims outermost first)."""
     if fmt != GGUF:
@@ -271,7 +299,7 @@ def _nominal_bits(p: Path, fmt: str, layers: list[LayerInfo], dense: int) -> flo
     from lowbit.formats import Scheme
 
     specs = read_manifest(p)["layers"]
-    return average_bits(((i.shape[0] * i.shape[1], Scheme.from_dict(specs[i.name]["scheme"]).bits_per_weight(
+    return average_bits(((i.numel, Scheme.from_dict(specs[i.name]["scheme"]).bits_per_weight(
         i.shape[1])) for i in layers), dense)
 
 
@@ -288,7 +316,8 @@ def stored_matmul_weights(p: Path, fmt: str, layers: list[LayerInfo]) -> list[tu
                    for t in open_gguf(p).tensors]
     else:  # a quantized layer counts as its matrix; its stored parts (codes, scales...) are not weights
         quant = {i.name.removesuffix(".weight") for i in layers}
-        entries = [(f"{i.name.removesuffix('.weight')}.weight", i.shape, True) for i in layers]
+        entries = [(i.name, (i.experts, *i.shape), True) if i.experts else
+                   (f"{i.name.removesuffix('.weight')}.weight", i.shape, True) for i in layers]
         entries += [(k, tuple(s), False) for k, (s, dtype) in _headers(p).items()
                     if k.rpartition(".")[0] not in quant and dtype in ("F16", "BF16", "F32", "F64")]
     return entries
@@ -308,7 +337,7 @@ def inspect(path: str | Path, account: Accountant | None = None) -> dict[str, An
     layers, params = {NATIVE: inspect_native, CT: inspect_ct, GGUF: inspect_gguf}[fmt](p)
     size = p.stat().st_size if p.is_file() else sum(f.stat().st_size for f in p.iterdir() if f.is_file())
     dense = _dense_linear_weights(_tensor_shapes(p, fmt), {i.name.removesuffix(".weight") for i in layers})
-    bits = average_bits(((i.shape[0] * i.shape[1], i.bits_per_weight) for i in layers), dense)
+    bits = average_bits(((i.numel, i.bits_per_weight) for i in layers), dense)
     nominal = _nominal_bits(p, fmt, layers, dense)
     schemes: dict[str, int] = {}
     inputs: dict[str, int] = {}

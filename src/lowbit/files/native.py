@@ -10,9 +10,12 @@ Layout of a checkpoint folder::
     config.json          the HF model config (with quantization_config.quant_method = "lowbit")
     model.safetensors    unquantized tensors by their usual names, and for each quantized
                          layer L: L.codes (packed uint8), L.scales, [L.zeros], [L.tensor_scale],
-                         [L.input_amax] (the calibrated abs-max of a static input scheme)
+                         [L.input_amax] (the calibrated abs-max of a static input scheme);
+                         a quantized fused experts tensor L (``...mlp.experts.gate_up_proj``)
+                         stores the same parts, each expert's stacked on a leading axis
     lowbit.json          format version, per-layer scheme + shape (+ "input": the input
-                         scheme of layers that quantize their inputs), sha256 of every other
+                         scheme of layers that quantize their inputs; + "experts": the
+                         expert count of a fused experts tensor, "shape" each expert's), sha256 of every other
                          file (weights, config.json, tokenizer files, plans, metrics),
                          free-form metadata (source model, method, perplexities)
     tokenizer files
@@ -49,6 +52,7 @@ from lowbit.io import atomic_dir
 from lowbit.nn import QuantLinear, quant_layers, set_module
 from lowbit.nn.input_quant import InputQuantizer
 from lowbit.nn.input_rotation import InputRotation
+from lowbit.nn.quant_experts import QuantExperts, QuantStack, quant_stacks
 
 FORMAT = "lowbit"
 VERSION = 1
@@ -81,11 +85,12 @@ def save(model: nn.Module, tokenizer: Any, out: str | Path, meta: dict | None = 
     """
     out = Path(out)
     qlayers = quant_layers(model)
-    tensors, aliases = _tensors_to_save(model, qlayers)
+    stacks = quant_stacks(model)
+    tensors, aliases = _tensors_to_save(model, qlayers, stacks)
     require_finite(tensors.items(), f"cannot write {out}", WRITE_FIX)
     manifest = {
         "format": FORMAT, "version": VERSION,
-        "layers": {n: layer_spec(m) for n, m in qlayers.items()},
+        "layers": {n: layer_spec(m) for n, m in qlayers.items()} | {n: stack_spec(m) for n, m in stacks.items()},
         "aliases": aliases, "meta": meta or {},
     }
     with atomic_dir(out, force=force, kind="lowbit checkpoint") as tmp:
@@ -116,6 +121,12 @@ def layer_spec(layer: QuantLinear) -> dict:
     if layer.input_rotation is not None:
         spec["input_rotation"] = layer.input_rotation.spec()
     return spec
+
+
+def stack_spec(stack: QuantStack) -> dict:
+    """The manifest entry of a quantized fused experts tensor: its scheme, each expert's [out, in], the expert count."""
+    return {"scheme": stack.scheme.to_dict(), "shape": [stack.out_features, stack.in_features],
+            "experts": stack.num_experts}
 
 
 def layer_tensors(layer: QuantLinear) -> dict[str, torch.Tensor]:
@@ -158,12 +169,13 @@ def input_quantizer(name: str, spec: dict, amax: torch.Tensor | None) -> InputQu
     return InputQuantizer(inp, None if amax is None else amax.float().reshape(()))
 
 
-def _tensors_to_save(model: nn.Module, qlayers: dict[str, QuantLinear]) -> tuple[dict, dict]:
-    """State dict with quantized layers packed; tensors sharing storage saved once."""
+def _tensors_to_save(model: nn.Module, qlayers: dict[str, QuantLinear],
+                     stacks: dict[str, QuantStack]) -> tuple[dict, dict]:
+    """State dict with quantized layers (and experts stacks) packed; tensors sharing storage saved once."""
     tensors: dict[str, torch.Tensor] = {}
     seen: dict[tuple, str] = {}
     aliases: dict[str, str] = {}
-    qbuf = {f"{n}.{k}" for n in qlayers for k in (*_QKEYS, "input_quant.amax")}
+    qbuf = {f"{n}.{k}" for n in [*qlayers, *stacks] for k in (*_QKEYS, "input_quant.amax")}
     for key, t in model.state_dict().items():
         if key in qbuf:
             continue
@@ -175,6 +187,9 @@ def _tensors_to_save(model: nn.Module, qlayers: dict[str, QuantLinear]) -> tuple
         tensors[key] = _narrowest(t.detach().contiguous().cpu())
     for name, layer in qlayers.items():
         for k, t in layer_tensors(layer).items():
+            tensors[f"{name}.{k}"] = t.contiguous().cpu()
+    for name, stack in stacks.items():
+        for k, t in stack.pack().items():
             tensors[f"{name}.{k}"] = t.contiguous().cpu()
     return tensors, aliases
 
@@ -202,10 +217,12 @@ def _check_layers(f: Path, layers: object) -> None:
     ok = isinstance(layers, dict) and all(
         isinstance(spec, dict) and isinstance(spec.get("scheme"), dict) and isinstance(spec.get("shape"), list)
         and len(spec["shape"]) == 2 and all(isinstance(d, int) and d > 0 for d in spec["shape"])
+        and (type(spec.get("experts", 1)) is int and spec.get("experts", 1) > 0)
         for spec in layers.values())
     if not ok:
         raise CheckpointError(f"{f} has a malformed 'layers' entry (each layer needs a scheme and a [out, in] "
-                              "shape); the manifest was edited or damaged — re-create the checkpoint")
+                              "shape, fused experts a positive expert count); the manifest was edited or damaged "
+                              "— re-create the checkpoint")
 
 
 def verify(path: str | Path, manifest: dict) -> None:
@@ -250,8 +267,15 @@ def load(path: str | Path, device: str | torch.device = "cpu") -> tuple[nn.Modul
     except (SafetensorError, OSError) as e:
         raise CheckpointError(f"cannot read {path / WEIGHTS}: {e}") from None
     model = _empty_model(path)
+    experts: dict[str, dict[str, QuantStack]] = {}
     for name, spec in manifest["layers"].items():
-        set_module(model, name, _quant_layer(name, spec, tensors))
+        if "experts" in spec:
+            module, _, param = name.rpartition(".")
+            experts.setdefault(module, {})[param] = _quant_stack(name, spec, tensors)
+        else:
+            set_module(model, name, _quant_layer(name, spec, tensors))
+    for module, stacks in experts.items():
+        set_module(model, module, _quant_experts(model, module, stacks))
     _load_rest(model, tensors, manifest)
     model.eval().to(device)
     return model, _load_tokenizer(path)
@@ -289,6 +313,30 @@ def _quant_layer(name: str, spec: dict, tensors: dict[str, torch.Tensor]) -> Qua
                               f"scheme {scheme.name} ({e}); the checkpoint was edited or damaged") from None
     bias = tensors.pop(f"{name}.bias", None)
     return QuantLinear(q, bias, input_quant=inputs, input_rotation=input_rotation(name, spec))
+
+
+def _quant_stack(name: str, spec: dict, tensors: dict[str, torch.Tensor]) -> QuantStack:
+    scheme = Scheme.from_dict(spec["scheme"])
+    shape = tuple(spec["shape"])
+    parts = {k: tensors.pop(f"{name}.{k}") for k in _QKEYS if f"{name}.{k}" in tensors}
+    if "codes" not in parts or "scales" not in parts or "input_amax" in parts:
+        raise CheckpointError(f"experts {name}: the checkpoint lacks their codes/scales or holds an input abs-max "
+                              "(experts quantize weights only); re-create it")
+    try:
+        return QuantStack.from_packed(parts, spec["experts"], shape, scheme)  # type: ignore[arg-type]
+    except (CheckpointError, ValueError, RuntimeError, IndexError) as e:
+        raise CheckpointError(f"experts {name}: stored tensors disagree with {spec['experts']} experts of shape "
+                              f"{list(shape)} and scheme {scheme.name} ({e}); the checkpoint was edited or "
+                              "damaged") from None
+
+
+def _quant_experts(model: nn.Module, module: str, stacks: dict[str, QuantStack]) -> QuantExperts:
+    """The model's (meta) experts module ``module`` wrapped around its stored stacks."""
+    try:
+        return QuantExperts(model.get_submodule(module), stacks)
+    except (AttributeError, SchemeError) as e:
+        raise CheckpointError(f"experts {module}: {e}; the checkpoint does not fit its config.json (edited or "
+                              "damaged) — re-create it") from None
 
 
 def _load_rest(model: nn.Module, tensors: dict[str, torch.Tensor], manifest: dict) -> None:

@@ -18,6 +18,7 @@ from lowbit.errors import CheckpointError, SchemeError
 from lowbit.formats import InputScheme, Recipe, Scheme
 from lowbit.nn import quant_layers
 from lowbit.nn.input_rotation import refuse_rotated
+from lowbit.nn.quant_experts import quant_stacks
 
 
 @dataclass(frozen=True)
@@ -29,6 +30,7 @@ class LayerSpec:
     input: InputScheme | None
     shape: tuple[int, int]  # (out, in)
     rotated: bool = False  # its input is rotated online at run time
+    experts: int = 0  # a fused experts tensor of this many [out, in] matrices (0: a Linear)
 
     @property
     def in_features(self) -> int:
@@ -38,7 +40,9 @@ class LayerSpec:
 def from_model(model: nn.Module) -> list[LayerSpec]:
     return [LayerSpec(n, m.scheme, None if m.input_quant is None else m.input_quant.scheme,
                       (m.out_features, m.in_features), m.input_rotation is not None)
-            for n, m in quant_layers(model).items()]
+            for n, m in quant_layers(model).items()] + [
+        LayerSpec(n, m.scheme, None, (m.out_features, m.in_features), False, m.num_experts)
+        for n, m in quant_stacks(model).items()]
 
 
 def from_manifest(manifest: Mapping) -> list[LayerSpec]:
@@ -50,15 +54,27 @@ def from_manifest(manifest: Mapping) -> list[LayerSpec]:
             inp = None if spec.get("input") is None else InputScheme.from_dict(dict(spec["input"]))
         except (SchemeError, TypeError) as e:
             raise CheckpointError(f"layer {name}: its scheme cannot be read ({e}); re-create the checkpoint") from None
-        specs.append(LayerSpec(name, scheme, inp, tuple(spec["shape"]), spec.get("input_rotation") is not None))
+        specs.append(LayerSpec(name, scheme, inp, tuple(spec["shape"]), spec.get("input_rotation") is not None,
+                               int(spec.get("experts", 0))))
     return specs
 
 
 def from_plan(plan: Mapping[str, Recipe], shapes: Mapping[str, tuple[int, int]],
-              rotated: frozenset[str] = frozenset()) -> list[LayerSpec]:
+              rotated: frozenset[str] = frozenset(), experts: Mapping[str, int] | None = None) -> list[LayerSpec]:
     """The layers a plan (``Plan.layers``: layer -> recipe) will make, with their ``(out, in)`` shapes
-    (``rotated``: inputs rotated online). A mapping, not a ``plans.Plan``: files sit below plans."""
-    return [LayerSpec(n, r.weight, r.input, tuple(shapes[n]), n in rotated) for n, r in plan.items()]
+    (``rotated``: inputs rotated online; ``experts``: fused experts tensors -> their expert count). A mapping,
+    not a ``plans.Plan``: files sit below plans."""
+    experts = experts or {}
+    return [LayerSpec(n, r.weight, r.input, tuple(shapes[n]), n in rotated, experts.get(n, 0))
+            for n, r in plan.items()]
+
+
+def refuse_experts(specs: list[LayerSpec], target: str) -> None:
+    """A target that cannot hold quantized fused experts yet refuses them by name."""
+    names = [s.name for s in specs if s.experts]
+    if names:
+        raise SchemeError(f"{target} cannot hold quantized mixture-of-experts experts yet ({names[0]}, ...); "
+                          "lowbit's native checkpoint holds them (`lowbit eval` and `lowbit inspect` read it)")
 
 
 def refuse_rotations(specs: list[LayerSpec], target: str) -> None:

@@ -11,9 +11,9 @@ named, the run is refused instead).
 | target | loaded by | holds | written by |
 | --- | --- | --- | --- |
 | ``native`` | lowbit | every layer lowbit quantizes | `lowbit quantize` (`lowbit.files.native`) |
-| ``transformers`` | ``from_pretrained`` after ``import lowbit`` | what ``native`` holds (it reads that folder) | the same folder (`lowbit.files.hf_quantizer`) |
-| ``compressed-tensors`` | vLLM, transformers | INT and FP weight recipes vLLM runs, their input schemes | `lowbit export --to compressed-tensors` |
-| ``gguf`` | llama.cpp | weight-only schemes with an exact GGUF type (others with ``--allow-requant``) | `lowbit export --to gguf` |
+| ``transformers`` | ``from_pretrained`` after ``import lowbit`` | what ``native`` holds (it reads that folder), quantized experts not yet | the same folder (`lowbit.files.hf_quantizer`) |
+| ``compressed-tensors`` | vLLM, transformers | INT and FP weight recipes vLLM runs, their input schemes; quantized experts not yet | `lowbit export --to compressed-tensors` |
+| ``gguf`` | llama.cpp | weight-only schemes with an exact GGUF type (others with ``--allow-requant``); quantized experts not yet | `lowbit export --to gguf` |
 
 A new target is one entry here plus its writer module. This module stays light (no torch
 at import): the command line reads the names for its ``--to`` / ``--export-to`` choices;
@@ -33,6 +33,10 @@ if TYPE_CHECKING:
     from lowbit.files.specs import LayerSpec
 
 
+# GGUF's embedding choices: token_embd / output in llama.cpp's types for the file's mix, or kept 16-bit
+EMBEDDINGS = ("llama.cpp", "f16")
+
+
 @dataclass(frozen=True)
 class WriteRequest:
     """What a writer needs beyond the model: the checkpoint's metadata and the user's choices."""
@@ -41,6 +45,7 @@ class WriteRequest:
     allow_requant: bool = False
     source_gguf: Path | None = None  # the GGUF the checkpoint came from (its tokenizer keys), when there is one
     mix: str | None = None  # the llama.cpp mix the plan followed (GGUF's general.file_type), read by plans.kmix
+    embeddings: str | None = None  # GGUF: "llama.cpp" (its types for the file type, the default) or "f16"
 
 
 @dataclass(frozen=True)
@@ -66,9 +71,17 @@ def _holds_every_layer(specs: list[LayerSpec], model_type: str | None, allow_req
     """Native checkpoints store every QuantLinear lowbit builds (weights, inputs, online rotations)."""
 
 
+def _hf_check(specs: list[LayerSpec], model_type: str | None, allow_requant: bool) -> None:
+    from lowbit.files.specs import refuse_experts
+
+    refuse_experts(specs, "transformers' loader of lowbit checkpoints")
+
+
 def _ct_check(specs: list[LayerSpec], model_type: str | None, allow_requant: bool) -> None:
     from lowbit.files import compressed_tensors
+    from lowbit.files.specs import refuse_experts
 
+    refuse_experts(specs, "compressed-tensors")
     compressed_tensors.check_specs(specs)
 
 
@@ -81,7 +94,9 @@ def _ct_write(model: Any, tokenizer: Any, out: Path, request: WriteRequest) -> d
 
 def _gguf_check(specs: list[LayerSpec], model_type: str | None, allow_requant: bool) -> None:
     from lowbit.files import gguf_export
+    from lowbit.files.specs import refuse_experts
 
+    refuse_experts(specs, "GGUF")
     if model_type is not None:
         gguf_export.arch_for(model_type)
     gguf_export.check_specs(specs, allow_requant)
@@ -93,14 +108,16 @@ def _gguf_write(model: Any, tokenizer: Any, out: Path, request: WriteRequest) ->
     meta = request.meta
     result = gguf_export.export(model, tokenizer, out, force=True, allow_requant=request.allow_requant,
                                 source_gguf=request.source_gguf, name=str(meta.get("source") or "lowbit"),
-                                file_type=gguf_export.FILE_TYPES.get(request.mix or "", 1))
+                                file_type=gguf_export.FILE_TYPES.get(request.mix or "", 1),
+                                embeddings=request.embeddings or "llama.cpp",
+                                output_importance=gguf_export.recorded_importance(meta))
     result["tokenizer_from"] = str(request.source_gguf) if request.source_gguf else "checkpoint tokenizer"
     return result
 
 
 REGISTRY: dict[str, Target] = {t.name: t for t in (
     Target("native", "lowbit", _holds_every_layer),
-    Target("transformers", "transformers (after import lowbit)", _holds_every_layer),
+    Target("transformers", "transformers (after import lowbit)", _hf_check),
     Target("compressed-tensors", "vLLM, transformers", _ct_check, _ct_write),
     Target("gguf", "llama.cpp", _gguf_check, _gguf_write, file_output=True, requant=True, source_tokenizer=True),
 )}

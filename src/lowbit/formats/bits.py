@@ -22,8 +22,9 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-COUNTED = ("stored codes + scales + zero points per weight of the decoder Linears (and a quantized lm_head); "
-           "16-bit Linears count 16, as do float experts and routers in the blocks; embeddings and norms excluded")
+COUNTED = ("stored codes + scales + zero points per weight of the decoder Linears and experts (and a quantized "
+           "lm_head); 16-bit Linears count 16, as do float experts and routers in the blocks; embeddings and norms "
+           "excluded")
 NOMINAL = "the schemes' rate: element + scale/zero bits per full group (what --avg-bits budgets)"
 
 

@@ -165,8 +165,14 @@ def _quantized_shapes(module: nn.Module) -> dict[str, tuple[int, ...]]:
     return dict(own()) if callable(own) else {}
 
 
+def _quantized_experts(module: nn.Module) -> list[tuple[int, ...]]:
+    """The 3-D shapes a quantized experts module stores packed (none for any other module)."""
+    return [s for s in _quantized_shapes(module).values() if len(s) >= 3]
+
+
 def account_model(model: nn.Module, planned: Collection[str] = ()) -> Accounting:
-    """Every matmul weight of ``model``; a Linear named in ``planned`` counts as quantized (a plan's prediction).
+    """Every matmul weight of ``model``; a Linear or a fused experts parameter (``...experts.gate_up_proj``)
+    named in ``planned`` counts as quantized (a plan's prediction).
 
     Tied parameters count once (a tied lm_head under embeddings), so the total equals
     ``sum(p.numel())`` over the distinct parameters with 2+ dimensions plus the matrices
@@ -196,7 +202,8 @@ def account_model(model: nn.Module, planned: Collection[str] = ()) -> Accounting
                 kind = "router"
             else:
                 kind = kind_by_name(name, tuple(p.shape))
-            ws.append(Weight(name, kind, tuple(p.shape), mname in planned and isinstance(mod, nn.Linear)))
+            quantized = (mname in planned and isinstance(mod, nn.Linear)) or (fused and p.ndim >= 3 and name in planned)
+            ws.append(Weight(name, kind, tuple(p.shape), quantized))
     return Accounting(tuple(ws))
 
 
@@ -215,10 +222,11 @@ def _router_params(model: nn.Module) -> set[int]:
     """
     out: set[int] = set()
     for block in model.modules():
-        experts = [c for c in block.children() if is_fused_experts(c)]
+        experts = [c for c in block.children() if is_fused_experts(c) or _quantized_experts(c)]
         if not experts:
             continue
         n = {p.shape[0] for c in experts for p in c.parameters(recurse=False) if p.ndim >= 3}
+        n |= {shape[0] for c in experts for shape in _quantized_experts(c)}
         for child in block.children():
             if child in experts:
                 continue
@@ -289,7 +297,8 @@ def check_float_left(accounting: Accounting, asked: Collection[str] = ()) -> Non
             parts.append(f"{kind} {n:,} ({100 * n / total:.1f}%: {_where(ws)})")
     share = 100 * sum(w.numel for w in left) / total
     kinds = [k for k in KINDS if any(w.kind == k for w in left)]
-    why = "; lowbit does not quantize fused mixture-of-experts experts yet" if "experts" in kinds else ""
+    why = ("; a uniform --scheme quantizes fused mixture-of-experts experts (llama.cpp mixes and --avg-bits do not "
+           "plan them yet)") if "experts" in kinds else ""
     plan = "" if kinds == ["experts"] else " (or name them in a --plan)"
     keep = ",".join(_keep_pattern(accounting, k, [w for w in left if w.kind == k]) for k in kinds)
     raise ConfigError(f"this plan would leave {share:.1f}% of the matmul weights in float: {'; '.join(parts)}"
@@ -332,7 +341,7 @@ def gate(model: nn.Module, planned: Collection[str], keep: Iterable[str] = (), e
     whole = account_model(model)
     asked = kept(whole, keep)
     planned = set(planned)
-    dropped = modules_of(asked) & planned
+    dropped = (modules_of(asked) | asked) & planned  # a kept Linear's module, a kept experts tensor's own name
     if explicit and dropped:
         raise ConfigError(f"--keep {','.join(keep)} keeps layers the plan file quantizes ({sorted(dropped)[0]}...); "
                           "drop them from the plan or from --keep")

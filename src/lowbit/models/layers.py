@@ -87,13 +87,23 @@ def weight_digest(model: nn.Module, names: Iterable[str]) -> str:
     applied to other weights with the same shapes.
     """
     from lowbit.nn import QuantLinear
+    from lowbit.nn.quant_experts import QuantStack
 
     h = hashlib.sha256()
     for name in sorted(names):
+        parent, _, leaf = name.rpartition(".")
+        owner = model.get_submodule(parent)
+        if isinstance(owner._parameters.get(leaf), torch.Tensor):  # a float fused experts tensor (its plan name)
+            p = owner._parameters[leaf]
+            h.update(f"{name}:{'x'.join(map(str, p.shape))};".encode())
+            h.update(p.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy().tobytes())
+            continue
         layer = model.get_submodule(name)
-        h.update(f"{name}:{layer.out_features}x{layer.in_features};".encode())
-        parts = ([layer.codes, layer.scales, layer.zeros, layer.tensor_scale] if isinstance(layer, QuantLinear)
-                 else [layer.weight])
+        shape = f"{layer.out_features}x{layer.in_features}"
+        h.update(f"{name}:{layer.num_experts}x{shape};".encode() if isinstance(layer, QuantStack)
+                 else f"{name}:{shape};".encode())
+        parts = ([layer.codes, layer.scales, layer.zeros, layer.tensor_scale]
+                 if isinstance(layer, (QuantLinear, QuantStack)) else [layer.weight])
         for t in parts:
             if t is not None:
                 h.update(t.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy().tobytes())

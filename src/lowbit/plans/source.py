@@ -149,27 +149,36 @@ def build_plan(model: nn.Module, source: PlanSource | str | Scheme | Recipe | No
 
     Every recipe is checked against its layer's width. A K-quant on rows that are not a
     multiple of 256 takes llama.cpp's fallback type; mixed precision starts from its
-    first option everywhere.
+    first option everywhere. A uniform recipe covers the fused experts tensors too
+    (``...mlp.experts.gate_up_proj``: each expert's matrix like a Linear,
+    `lowbit.models.experts`); a llama.cpp mix and mixed precision plan Linears only, so
+    experts they leave in float are refused by the accounting unless kept on purpose.
     """
     from lowbit.models import linear_layers
+    from lowbit.models.experts import expert_tensors
 
     if not isinstance(source, (Uniform, LlamaCppMix, PlanFile, MixedBudget)):
         source = plan_source(source, plan_file, lm_head=lm_head)
     if isinstance(source, PlanFile):
-        plan, layers = source.plan, linear_layers(model)
-        unknown = [n for n in plan if n not in layers and not _is_linear(model, n)]
+        plan, layers, experts = source.plan, linear_layers(model), expert_tensors(model)
+        unknown = [n for n in plan if n not in layers and n not in experts and not _is_linear(model, n)]
         if unknown:
-            raise ConfigError(f"plan {source.path} names layers this model lacks or that are not Linear: "
-                              f"{unknown[:3]}; make the plan for this model")
+            raise ConfigError(f"plan {source.path} names layers this model lacks or that are neither Linear nor "
+                              f"fused experts: {unknown[:3]}; make the plan for this model")
     else:
         layers = linear_layers(model, include_lm_head=source.lm_head)
         if isinstance(source, LlamaCppMix):
             sizes = {n: (m.out_features, m.in_features) for n, m in layers.items()}
             return kmix.mix_plan(sizes, source.name, _n_gqa(model))
         first = source.recipe if isinstance(source, Uniform) else source.options[0]
-        plan = Plan({n: fit_width(first, m.in_features) for n, m in layers.items()})
+        widths = {n: m.in_features for n, m in layers.items()}
+        if isinstance(source, Uniform):
+            widths |= {n: t.in_features for n, t in expert_tensors(model).items()}
+        plan = Plan({n: fit_width(first, w) for n, w in widths.items()})
+    experts = expert_tensors(model)  # their widths are checked once --keep has had its say (`lowbit.ptq.experts`)
     for name, r in plan.items():
-        r.check_width(model.get_submodule(name).in_features, name)
+        if name not in experts:
+            r.check_width(model.get_submodule(name).in_features, name)
     return plan
 
 

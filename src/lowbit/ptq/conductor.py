@@ -4,7 +4,8 @@ Every caller (the quantize job in `lowbit.api`, `lowbit.ptq.quantize_model` for 
 users, the benchmarks) goes through `conduct`, so the order of the steps, and what each
 receives, is written once:
 
-1. the method's plan check (before anything changes the model);
+1. the method's plan check (before anything changes the model), and whether it can
+   quantize the fused experts the plan names (`lowbit.ptq.experts`);
 2. the float pre-steps (`prepare_model`: rotation, then AWQ scales), which keep the
    model's function;
 3. the digest of the float weights the method will quantize (what a fine-tune's error
@@ -32,6 +33,7 @@ from lowbit.models.lazy import is_lazy, materialize
 from lowbit.plans.plan import Plan
 from lowbit.ptq.allocate import Allocation
 from lowbit.ptq.awq import AWQSettings, awq_run
+from lowbit.ptq.experts import check_experts
 from lowbit.ptq.fit import fit_plan
 from lowbit.ptq.methods import RunContext, coerce_settings, get
 from lowbit.ptq.mixed import MixedSettings, check_feasible, mixed_plan
@@ -92,10 +94,15 @@ def preflight(model: nn.Module, plan: Plan, spec: PtqSpec) -> None:
     method's check on a plan that mixed precision or a fit changed).
     """
     method = get(spec.method)
+    check_experts(model, plan, spec.method, _pre_steps(spec))
     if method.check_plan is not None:
         method.check_plan(spec.settings, plan)
     if spec.mixed is not None:
         check_feasible(model, plan, spec.mixed)
+
+
+def _pre_steps(spec: PtqSpec) -> tuple[str, ...]:
+    return tuple(f for f, s in (("--rotate", spec.rotate), ("--awq", spec.awq)) if s is not None)
 
 
 def _no_phase(_name: str) -> contextlib.AbstractContextManager[Any]:
@@ -110,6 +117,7 @@ def conduct(model: nn.Module, plan: Plan, spec: PtqSpec, ctx: RunContext, phase:
     digest: record the float weights' sha256 after the pre-steps (`PtqOutcome.float_digest`).
     """
     method, first = get(spec.method), plan
+    check_experts(model, plan, spec.method, _pre_steps(spec))
     if method.check_plan is not None:
         method.check_plan(spec.settings, plan)
     with phase("pre_steps" if spec.has_pre_steps else "quantize"):

@@ -15,7 +15,8 @@ import torch
 from torch import nn
 
 from lowbit.formats import Recipe
-from lowbit.formats.ranges import fit
+from lowbit.formats.ranges import Fit, fit
+from lowbit.models.experts import ExpertTensor, expert_tensors, expert_weight
 from lowbit.models.lazy import SOURCE_ATTR, is_lazy
 from lowbit.plans.plan import Plan
 
@@ -24,8 +25,10 @@ def fit_plan(model: nn.Module, plan: Plan, warn: bool = True) -> tuple[Plan, dic
     """(the plan with every layer's scheme fitted to its weights, layer -> what changed and why)."""
     layers: dict[str, Recipe] = {}
     changed: dict[str, str] = {}
+    experts = expert_tensors(model)
     for name, recipe in plan.items():
-        f = fit(float_weight(model, name), recipe.weight)
+        f = _fit_experts(model, experts[name], recipe) if name in experts else fit(float_weight(model, name),
+                                                                                  recipe.weight)
         if f.reason is None:
             layers[name] = recipe
             continue
@@ -35,6 +38,16 @@ def fit_plan(model: nn.Module, plan: Plan, warn: bool = True) -> tuple[Plan, dic
         if warn:
             warnings.warn(f"layer {name}: {f.reason}", stacklevel=2)
     return (plan if not changed else Plan(layers)), changed
+
+
+def _fit_experts(model: nn.Module, t: ExpertTensor, recipe: Recipe) -> Fit:
+    """The fit of a fused experts tensor: one scheme for all its experts, so the first expert that needs more decides."""
+    w = expert_weight(model, t)
+    for e in range(t.count):
+        f = fit(w[e], recipe.weight)
+        if f.reason is not None:
+            return Fit(f.scheme, f"expert {e}: {f.reason}")
+    return Fit(recipe.weight)
 
 
 def float_weight(model: nn.Module, name: str) -> torch.Tensor:

@@ -27,6 +27,7 @@ from lowbit.models.fused import shared_amax, shared_tensor_scales
 from lowbit.models.placement import on_device
 from lowbit.nn import replace_linears
 from lowbit.plans.plan import Plan
+from lowbit.ptq.experts import quantize_experts, split
 from lowbit.ptq.methods import Method, RunContext, knob, register
 
 
@@ -53,10 +54,16 @@ def searched(plan: Plan) -> Plan:
 
 def rtn_quantize(model: nn.Module, plan: Plan, calib: torch.Tensor | None = None, search: bool = False,
                  imp: Mapping[str, torch.Tensor] | None = None, progress: bool = True) -> Plan:
-    """Quantize ``model`` in place; returns the plan actually applied."""
-    static = plan.needs_calibration()
+    """Quantize ``model`` in place; returns the plan actually applied.
+
+    Fused experts tensors in the plan (`lowbit.ptq.experts`) are rounded per expert
+    matrix; with ``search`` their scales come from the search on the weights alone.
+    """
     if search:
         plan = searched(plan)
+    applied = plan
+    plan, experts = split(model, plan)
+    static = plan.needs_calibration()
     kinds = (["sumsq"] if search and imp is None else []) + (["absmax"] if static else [])
     if kinds and calib is None:
         why = "RTN's importance search" if "sumsq" in kinds else f"the static input scales of {static[0]}"
@@ -70,7 +77,8 @@ def rtn_quantize(model: nn.Module, plan: Plan, calib: torch.Tensor | None = None
     weights = {n: model.get_submodule(n).weight for n in plan}
     scales = shared_tensor_scales(weights, plan.weights())
     replace_linears(model, plan, imp=imp, progress=progress, amax=amax, tensor_scales=scales)
-    return plan
+    quantize_experts(model, experts)
+    return applied
 
 
 def _run(model: nn.Module, plan: Plan, settings: RTNSettings, ctx: RunContext) -> Plan:

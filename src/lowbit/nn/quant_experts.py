@@ -1,0 +1,182 @@
+"""Quantized mixture-of-experts experts: each expert's matrices stored like a Linear's, run by the model's own forward.
+
+transformers 5 keeps a MoE layer's experts as fused 3-D parameters of one ``...Experts``
+module (``gate_up_proj [E, 2I, H]``, ``down_proj [E, H, I]``; gpt-oss transposed,
+``[E, H, 2I]`` / ``[E, I, H]``, with biases and its own clamped activation). Each
+expert's slice is the ``[out, in]`` matrix of a Linear, so lowbit quantizes it as one:
+`QuantStack` holds the E per-expert `QTensor` s of one fused parameter (codes, scales,
+zeros and tensor scales stacked along a leading expert axis, one scheme, groups along
+each expert's input), in any format a Linear can have.
+
+`QuantExperts` replaces the experts module. It keeps the float module (unregistered, its
+3-D parameters removed) and, in each forward, dequantizes the stacks into 3-D tensors in
+the module's own layout and calls the module's own forward with them. That reuses the
+model's routing dispatch, gating, activation, biases and ``experts_implementation``
+(eager, grouped_mm, ...) as they are, for every architecture, instead of re-implementing
+five variants of the expert loop: the forward equals the float module's forward run on
+the dequantized weights, bit for bit. The float module's other parameters, buffers and
+children (gpt-oss's biases) are registered on the wrapper under their own names, so the
+state dict keeps the float model's keys, and each stack appears as ``<param>.codes``,
+``<param>.scales``, ... (the names a quantized Linear ``<param>`` would have).
+
+Cost: a forward holds one layer's experts in float transiently (dequantized, then dropped),
+like `QuantLinear` does for one Linear; dequantizing only the experts a batch routes to
+would need the per-expert loop re-implemented and is left for a fused kernel.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from lowbit.errors import CheckpointError, SchemeError
+from lowbit.formats import QTensor, Scheme, quantize
+
+
+class QuantStack(nn.Module):
+    """E quantized ``[out, in]`` matrices of one scheme (one fused experts parameter), stacked on a leading axis."""
+
+    def __init__(self, experts: Sequence[QTensor]) -> None:
+        super().__init__()
+        if not experts:
+            raise SchemeError("a quantized experts stack needs at least one expert")
+        first = experts[0]
+        if any(q.shape != first.shape or q.scheme != first.scheme for q in experts):
+            raise SchemeError("every expert of a fused experts parameter must share one shape and one scheme")
+        self.num_experts = len(experts)
+        self.out_features, self.in_features = first.shape
+        self.scheme: Scheme = first.scheme
+        for slot in ("codes", "scales", "zeros", "tensor_scale"):
+            parts = [getattr(q, slot) for q in experts]
+            self.register_buffer(slot, None if parts[0] is None else torch.stack(parts))
+
+    @classmethod
+    def from_float(cls, matrices: torch.Tensor, scheme: Scheme | str) -> QuantStack:
+        """Round-to-nearest of each ``matrices[e]`` (``[E, out, in]``) exactly as `quantize` rounds a Linear's weight."""
+        if matrices.dim() != 3:
+            raise SchemeError(f"experts are a [E, out, in] stack, got shape {tuple(matrices.shape)}")
+        s = Scheme.parse(scheme)
+        w = matrices.detach()
+        return cls([quantize(w[e], s) for e in range(w.shape[0])])
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        return self.num_experts, self.out_features, self.in_features
+
+    def expert(self, e: int) -> QTensor:
+        """Expert ``e``'s quantized ``[out, in]`` matrix."""
+        return QTensor(self.codes[e], self.scales[e], None if self.zeros is None else self.zeros[e],
+                       None if self.tensor_scale is None else self.tensor_scale[e],
+                       (self.out_features, self.in_features), self.scheme)
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """``[E, out, in]``: every expert's matrix as its family dequantizes it."""
+        return torch.stack([self.expert(e).dequantize(dtype) for e in range(self.num_experts)])
+
+    def pack(self) -> dict[str, torch.Tensor]:
+        """Storage form: each expert's `QTensor.pack` parts, stacked along the expert axis."""
+        parts = [self.expert(e).pack() for e in range(self.num_experts)]
+        return {k: torch.stack([p[k] for p in parts]) for k in parts[0]}
+
+    @classmethod
+    def from_packed(cls, d: Mapping[str, torch.Tensor], count: int, shape: tuple[int, int],
+                    scheme: Scheme) -> QuantStack:
+        """Inverse of `pack` (every expert's parts checked by its family); a wrong expert count is a `CheckpointError`."""
+        for k, t in d.items():
+            if t.dim() == 0 or t.shape[0] != count:
+                raise CheckpointError(f"stored part {k!r} holds {t.shape[0] if t.dim() else 0} experts, "
+                                      f"the manifest says {count}")
+        return cls([QTensor.from_packed({k: t[e] for k, t in d.items()}, shape, scheme) for e in range(count)])
+
+    def extra_repr(self) -> str:
+        return (f"experts={self.num_experts}, in_features={self.in_features}, out_features={self.out_features}, "
+                f"scheme={self.scheme.name}")
+
+
+def expert_matrices(param: torch.Tensor, transposed: bool) -> torch.Tensor:
+    """A fused experts parameter as its experts' ``[E, out, in]`` Linear matrices (a view)."""
+    return param.transpose(1, 2) if transposed else param
+
+
+class QuantExperts(nn.Module):
+    """A fused experts module whose 3-D parameters are `QuantStack` s; runs the float module's own forward."""
+
+    def __init__(self, experts: nn.Module, stacks: Mapping[str, QuantStack]) -> None:
+        super().__init__()
+        if isinstance(experts, QuantExperts):
+            raise SchemeError("these experts are quantized already")
+        transposed = bool(getattr(experts, "is_transposed", False))
+        for name, stack in stacks.items():
+            p = experts._parameters.get(name)
+            if p is None or p.dim() != 3:
+                raise SchemeError(f"{type(experts).__name__} has no 3-D experts parameter {name!r}")
+            if tuple(expert_matrices(p, transposed).shape) != stack.shape:
+                raise SchemeError(f"experts {name}: a quantized stack of {list(stack.shape)} cannot replace "
+                                  f"the {list(p.shape)} parameter{' (stored transposed)' if transposed else ''}")
+        self.transposed = transposed
+        self.float_class = type(experts).__name__
+        for name in stacks:
+            del experts._parameters[name]  # the float copy goes; each forward lends the module dequantized ones
+        object.__setattr__(self, "_float", experts)  # not a child: its state is registered below, under its names
+        for name, p in experts._parameters.items():
+            self.register_parameter(name, p)
+        for name, b in experts._buffers.items():
+            self.register_buffer(name, b, persistent=name not in experts._non_persistent_buffers_set)
+        for name, m in experts._modules.items():
+            self.add_module(name, m)
+        for name, stack in stacks.items():
+            self.add_module(name, stack)
+
+    @classmethod
+    def from_float(cls, experts: nn.Module, schemes: Mapping[str, Scheme | str]) -> QuantExperts:
+        """Round-to-nearest of the parameters ``schemes`` names (each expert's matrix as a Linear's), in place."""
+        transposed = bool(getattr(experts, "is_transposed", False))
+        stacks = {}
+        for name, scheme in schemes.items():
+            p = experts._parameters.get(name)
+            if p is None or p.dim() != 3:
+                raise SchemeError(f"{type(experts).__name__} has no 3-D experts parameter {name!r}")
+            stacks[name] = QuantStack.from_float(expert_matrices(p.detach(), transposed), scheme)
+        return cls(experts, stacks)
+
+    def stacks(self) -> dict[str, QuantStack]:
+        return {n: m for n, m in self.named_children() if isinstance(m, QuantStack)}
+
+    def quantized_shapes(self) -> dict[str, tuple[int, ...]]:
+        """parameter -> the float parameter's shape (its layout): what the accounting counts as quantized."""
+        return {n: (s.num_experts, s.in_features, s.out_features) if self.transposed else s.shape
+                for n, s in self.stacks().items()}
+
+    def float_weights(self, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
+        """parameter -> its dequantized 3-D tensor in the float module's layout (dequantized in float32, then cast)."""
+        out = {}
+        for name, stack in self.stacks().items():
+            w = stack.dequantize(torch.float32).to(dtype)
+            out[name] = w.transpose(1, 2).contiguous() if self.transposed else w
+        return out
+
+    def forward(self, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        inner = self._float
+        for name in inner._parameters:  # .to() / .cuda() may have replaced ours: lend the current ones
+            inner._parameters[name] = self._parameters[name]
+        for name in inner._buffers:
+            inner._buffers[name] = self._buffers[name]
+        weights = self.float_weights(hidden_states.dtype)
+        for name, w in weights.items():
+            object.__setattr__(inner, name, w)
+        try:
+            return inner(hidden_states, *args, **kwargs)
+        finally:
+            for name in weights:
+                inner.__dict__.pop(name, None)
+
+    def extra_repr(self) -> str:
+        return f"float_class={self.float_class}, transposed={self.transposed}"
+
+
+def quant_stacks(model: nn.Module) -> dict[str, QuantStack]:
+    """Every `QuantStack` of a model by name (``...experts.gate_up_proj``: the name its plan entry has)."""
+    return {n: m for n, m in model.named_modules() if isinstance(m, QuantStack)}
