@@ -103,6 +103,9 @@ class WorkDir:
     def block_file(self, i: int) -> Path:
         return self.path / f"block_{i:04d}.safetensors"
 
+    def sidecar(self, i: int) -> Path:
+        return self.sealed(i).sidecar
+
     def sealed(self, i: int) -> SealedFile:
         """Block ``i``'s file with its sidecar ``block_NNNN.json`` (`lowbit.files.sealed`)."""
         return SealedFile(self.block_file(i))
