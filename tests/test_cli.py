@@ -188,6 +188,62 @@ def test_gptq_with_awq_resumes_from_the_workdir_with_host_caches(tmp_path, capsy
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
+def _awq_job(tmp_path, method="gptq", grid=4, evaluation=None, **kw):
+    from lowbit.api.common import Calibration
+    from lowbit.api.quantize import QuantizeJob
+    from lowbit.ptq import AWQSettings
+
+    return QuantizeJob(out=tmp_path / f"out-{method}-{grid}", model=str(tmp_path / "qwen"), scheme="w4g32",
+                       method=method, awq=AWQSettings(grid=grid), calib=Calibration(nsamples=4, seqlen=32),
+                       evaluation=evaluation, workdir=str(tmp_path / "wd"), progress=False, force=True, **kw)
+
+
+def test_a_changed_awq_setting_in_the_workdir_is_refused_before_the_float_perplexity(tmp_path, monkeypatch,
+                                                                                      tiny_tokenizer):
+    """AWQ's record (WORKDIR/awq/run.json) is part of the early resume check: a rerun with another AWQ setting
+    stops before the float perplexity and before AWQ walks a block."""
+    from lowbit.api.common import Evaluation
+    from lowbit.api.quantize import quantize
+    from lowbit.errors import ConfigError
+    from lowbit.ptq import awq
+
+    _save_tiny_qwen(tmp_path / "qwen", tiny_tokenizer)
+    quantize(_awq_job(tmp_path, grid=4))
+    heavy = []
+    monkeypatch.setattr(Evaluation, "perplexity", lambda *a, **k: heavy.append("ppl_fp"))
+    monkeypatch.setattr(awq, "walk_blocks", lambda *a, **k: heavy.append("awq"))
+    with pytest.raises(ConfigError, match=r"work folder .*wd.awq holds a run with different settings \(config\)"):
+        quantize(_awq_job(tmp_path, grid=5, evaluation=Evaluation(seqlen=64, windows=2)))
+    assert heavy == []
+
+
+def test_rtn_with_awq_resumes_awq_from_the_workdir(tmp_path, monkeypatch, tiny_tokenizer):
+    """--method rtn --awq takes --workdir (AWQ walks the blocks on the engine): the rerun replays AWQ's blocks
+    without searching again and writes the same checkpoint; without --awq, rtn refuses it and says why."""
+    import torch
+    from safetensors.torch import load_file
+
+    from lowbit.api.quantize import QuantizeJob, quantize
+    from lowbit.errors import ConfigError
+    from lowbit.ptq import awq
+
+    _save_tiny_qwen(tmp_path / "qwen", tiny_tokenizer)
+    quantize(_awq_job(tmp_path, method="rtn"))
+    a = load_file(str(next((tmp_path / "out-rtn-4").glob("*.safetensors"))))
+    assert sorted(p.name for p in (tmp_path / "wd" / "awq").glob("block_*.safetensors")) == [
+        "block_0000.safetensors", "block_0001.safetensors"]
+    searched = []
+    real = awq.search_scales
+    monkeypatch.setattr(awq, "search_scales", lambda *a, **k: searched.append(1) or real(*a, **k))
+    quantize(_awq_job(tmp_path, method="rtn"))
+    assert searched == []  # every block's scales replayed from WORKDIR/awq
+    b = load_file(str(next((tmp_path / "out-rtn-4").glob("*.safetensors"))))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    with pytest.raises(ConfigError, match="--workdir applies to the block-wise methods .* and to the --awq "
+                                          "pre-step; --method rtn quantizes the whole model at once"):
+        QuantizeJob(out=tmp_path / "o", method="rtn", workdir="w")
+
+
 def test_cli_warnings_are_one_line_naming_the_command():
     """The CLI changes only the text of warnings, so callers that record them still get them."""
     import warnings

@@ -6,6 +6,7 @@ upward import is still an upward dependency.
 """
 
 import ast
+import re
 from pathlib import Path
 
 SRC = Path(__file__).resolve().parents[1] / "src" / "lowbit"
@@ -98,3 +99,32 @@ def test_the_top_level_package_names_real_modules_in_the_table():
     for name in sorted(names):
         assert name.split(".")[1] in LEVEL, name
         assert importlib.util.find_spec(name) is not None, name
+
+
+def doc_layers(text: str) -> list[tuple[str, ...]]:
+    """The layer table of docs/ARCHITECTURE.md, bottom to top: each row's packages (its second column)."""
+    section = text.split("## Layers, bottom to top", 1)[1].split("\n## ", 1)[0]
+    rows = [line.split("|") for line in section.splitlines() if line.startswith("| ")]
+    body = [r for r in rows if r[1].strip() not in ("row", "---")]
+    return [tuple(p.strip("/") for p in re.findall(r"`([\w/]+)`", r[2])) for r in body]
+
+
+def test_the_architecture_page_draws_the_same_table():
+    """The doc's layer table is this test's table, row for row: neither can change without the other."""
+    doc = SRC.parents[1] / "docs" / "ARCHITECTURE.md"
+    assert doc_layers(doc.read_text()) == LAYERS
+
+
+def test_every_package_on_disk_is_in_the_doc_table():
+    """A package added under src/lowbit fails here until the architecture page (and LAYERS) list it."""
+    drawn = {p for row in doc_layers((SRC.parents[1] / "docs" / "ARCHITECTURE.md").read_text()) for p in row}
+    on_disk = {p.name for p in SRC.iterdir() if (p / "__init__.py").is_file()}
+    on_disk |= {p.stem for p in SRC.glob("*.py") if p.stem != "__init__"}
+    assert on_disk - drawn == set()
+
+
+def test_the_doc_table_check_sees_a_missing_package():
+    text = "## Layers, bottom to top\n\n| row | package | owns |\n| --- | --- | --- |\n| 0 | `errors` | x |\n" \
+           "| 1 | `configs`, `io` | y |\n\n## Next\n| 9 | `api` | z |\n"
+    assert doc_layers(text) == [("errors",), ("configs", "io")]
+    assert doc_layers(text) != LAYERS

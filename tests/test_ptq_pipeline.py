@@ -112,15 +112,21 @@ def damage_truncate(f: Path) -> None:
     f.write_bytes(f.read_bytes()[:-16])
 
 
-@pytest.mark.parametrize("damage", [damage_flip, damage_truncate])
-@pytest.mark.parametrize("bad", [0, 1])
-def test_damaged_block_is_retuned_with_the_blocks_after_it(tmp_path, damage, bad):
+def full_and_interrupted(tmp_path: Path):
+    """(model, plan, the model tuned whole in ``a``); ``b`` holds a run of it interrupted after block 1."""
     m = tiny_model(layers=3)
     plan = uniform(m, "w2g32")
     full = copy.deepcopy(m)
     run_sr(full, plan, tmp_path / "a")
     with pytest.raises(Interrupt):
         run_sr(copy.deepcopy(m), plan, tmp_path / "b", stop_after=1)
+    return m, plan, full
+
+
+@pytest.mark.parametrize("damage", [damage_flip, damage_truncate])
+@pytest.mark.parametrize("bad", [0, 1])
+def test_damaged_block_is_retuned_with_the_blocks_after_it(tmp_path, damage, bad):
+    m, plan, full = full_and_interrupted(tmp_path)
     damage(tmp_path / "b" / f"block_{bad:04d}.safetensors")
     resumed = copy.deepcopy(m)
     with pytest.warns(UserWarning, match=f"block {bad}'s saved result is (corrupted|truncated).*again"):
@@ -128,6 +134,30 @@ def test_damaged_block_is_retuned_with_the_blocks_after_it(tmp_path, damage, bad
     assert [i.get("resumed", 0.0) for i in infos] == [1.0] * bad + [0.0] * (3 - bad)
     assert same_weights(full, resumed)  # never the damaged codes
     assert [i.get("resumed", 0.0) for i in run_sr(copy.deepcopy(m), plan, tmp_path / "b")] == [1.0] * 3
+
+
+def old_sidecar(block: Path, with_size: bool = True) -> str:
+    """A block's sidecar exactly as lowbit wrote it before work folders went through `lowbit.files.sealed`."""
+    import hashlib
+    import json
+
+    data = block.read_bytes()
+    return json.dumps({"sha256": hashlib.sha256(data).hexdigest(), **({"bytes": len(data)} if with_size else {})})
+
+
+@pytest.mark.parametrize("with_size", [True, False])
+def test_a_work_folder_in_the_earlier_layout_resumes(tmp_path, with_size):
+    """Sidecars as earlier lowbits wrote them (with and, older still, without the size) are read as finished
+    blocks, and the sealed-file helper writes that same layout byte for byte."""
+    m, plan, full = full_and_interrupted(tmp_path)
+    for i in (0, 1):
+        block, sidecar = tmp_path / "b" / f"block_{i:04d}.safetensors", tmp_path / "b" / f"block_{i:04d}.json"
+        assert sidecar.read_text() == old_sidecar(block)  # the layout on disk is unchanged
+        sidecar.write_text(old_sidecar(block, with_size))
+    resumed = copy.deepcopy(m)
+    infos = run_sr(resumed, plan, tmp_path / "b")
+    assert [i.get("resumed", 0.0) for i in infos] == [1.0, 1.0, 0.0]
+    assert same_weights(full, resumed)
 
 
 def test_blocks_after_a_redone_block_are_never_reused(tmp_path):

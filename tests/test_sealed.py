@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from lowbit.errors import CheckpointError, ModelError
-from lowbit.files.sealed import Seal, damage, digests
+from lowbit.files.sealed import Seal, SealedFile, damage, digests
 
 SEAL = Seal("test folder", "m.json", "lowbit-test", 3, fix="delete {folder} and rerun", origin="make one first")
 
@@ -100,7 +100,26 @@ def test_every_sealed_kind_uses_the_one_helper():
     assert [s.manifest for s in seals.values()] == ["lowbit.json", "adapter.json", "checkpoint.json"]
     src = Path(native.__file__).parents[1]
     for path in (src / "files" / "native.py", src / "peft" / "store.py", src / "train" / "checkpoint.py",
-                 src / "files" / "gguf_read.py"):
+                 src / "files" / "gguf_read.py", src / "ptq" / "blockwise" / "store.py"):
         text = path.read_text()
         assert "does not match its checksum" not in text, path  # the checksum check lives in files/sealed.py
         assert "sha256_file(f)" not in text, path
+    work = (src / "ptq" / "blockwise" / "store.py").read_text()  # the work folder's blocks: sealed files
+    assert "sha256(data)" not in work and "checksum mismatch" not in work and "SealedFile" in work
+
+
+def test_a_sealed_file_says_why_it_cannot_be_used(tmp_path):
+    f = SealedFile(tmp_path / "block_0000.safetensors")
+    assert f.read() == (None, "unverified (no block_0000.json: interrupted while saving, or an older lowbit)")
+    f.write(b"payload")
+    assert f.sidecar == tmp_path / "block_0000.json"
+    assert json.loads(f.sidecar.read_text()) == {"sha256": hashlib.sha256(b"payload").hexdigest(), "bytes": 7}
+    assert f.read() == (b"payload", None)
+    f.path.write_bytes(b"payloaX")
+    assert f.read() == (None, "corrupted (checksum mismatch)")
+    f.path.write_bytes(b"pay")
+    assert f.read() == (None, "truncated (3 of 7 bytes)")
+    f.sidecar.write_text("{not json")
+    assert f.read() == (None, "unverified (block_0000.json is damaged)")
+    f.sidecar.write_text(json.dumps({"sha256": hashlib.sha256(b"pay").hexdigest()}))  # an older sidecar: no size
+    assert f.read() == (b"pay", None)

@@ -64,3 +64,24 @@ def test_an_export_job_is_checked_against_the_registry(tmp_path):
     with pytest.raises(ConfigError, match="--allow-requant applies to --to gguf only; compressed-tensors exports are "
                                           "always exact"):
         ExportJob(tmp_path, "compressed-tensors", tmp_path / "o", allow_requant=True)
+
+
+def test_a_one_file_output_lowbit_wrote_is_known_by_its_target(tmp_path, monkeypatch):
+    """`--force` over a one-file output asks the registry whose file it is: the GGUF marker lives with the GGUF
+    writer alone, and the output guard (`api/outputs`) names no format."""
+    from pathlib import Path
+
+    from lowbit.api import outputs
+    from lowbit.files import gguf_export
+    from lowbit.io import OutputError
+
+    assert targets.FILE_TARGETS == ("gguf",)
+    (tmp_path / "m.gguf").write_bytes(b"GGUF not really")
+    assert targets.written_by_lowbit(tmp_path / "m.gguf") is None
+    with pytest.raises(OutputError, match=r"not a file lowbit exported \(gguf\)"):
+        outputs.check_output(tmp_path / "m.gguf", True, file_output=True)
+    monkeypatch.setattr(gguf_export, "written_by_lowbit", lambda p: Path(p) == tmp_path / "m.gguf")
+    assert targets.written_by_lowbit(tmp_path / "m.gguf") == "gguf"
+    assert outputs.check_output(tmp_path / "m.gguf", True, file_output=True) == (tmp_path / "m.gguf").resolve()
+    text = Path(outputs.__file__).read_text()
+    assert "gguf_export" not in text and "written_by" not in text.replace("targets.written_by_lowbit", "")

@@ -111,15 +111,11 @@ def _check_replaceable(target: Path, file_output: bool) -> None:
         return
     if not file_output:
         raise OutputError(f"{target} is a file, not a lowbit output folder; choose another --out")
-    if not _gguf_by_lowbit(target):
-        raise OutputError(f"--force replaces only files lowbit wrote, and {target} is not a GGUF exported by "
-                          "lowbit; choose another --out (or delete it yourself)")
+    from lowbit.files import targets  # each one-file export knows its own marker
 
-
-def _gguf_by_lowbit(path: Path) -> bool:
-    from lowbit.files.gguf_export import written_by_lowbit
-
-    return written_by_lowbit(path)
+    if targets.written_by_lowbit(target) is None:
+        raise OutputError(f"--force replaces only files lowbit wrote, and {target} is not a file lowbit exported "
+                          f"({' | '.join(targets.FILE_TARGETS)}); choose another --out (or delete it yourself)")
 
 
 @contextlib.contextmanager

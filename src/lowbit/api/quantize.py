@@ -48,7 +48,9 @@ class QuantizeJob:
     recipe, a llama.cpp mix, a plan file or a mixed budget), which the run reads.
     settings: the method's settings dataclass (or a mapping of its fields; None = defaults). calib: used when the method or the mixed plan needs data.
     evaluation: None = no perplexity passes. workdir / offload_dir / cache_device: block-wise
-    methods only (cache_device "cpu" keeps their cached activations in host memory).
+    passes only, a block-wise method's or the AWQ pre-step's (which walks the blocks on the same
+    engine, so ``--method rtn --awq`` takes them too); cache_device "cpu" keeps their cached
+    activations in host memory.
     rotate / awq: float pre-steps before the method (True = their default settings): a
     Hadamard rotation of the residual stream, AWQ's activation-aware channel scales.
     export_to: the export the checkpoint is for ("compressed-tensors" | "gguf"): a plan it
@@ -92,9 +94,10 @@ class QuantizeJob:
             raise ConfigError(f"--cache-device must be device or cpu, got {self.cache_device!r}")
         for name, value in (("--workdir", self.workdir), ("--offload-dir", self.offload_dir),
                             ("--cache-device", self.cache_device)):
-            if value is not None and not spec.blockwise:
-                raise ConfigError(f"{name} applies to the block-wise methods ({' | '.join(_block_methods())}); "
-                                  f"--method {self.method} quantizes the whole model at once")
+            if value is not None and not spec.blockwise and self.awq is None:  # AWQ walks the blocks on the engine
+                raise ConfigError(f"{name} applies to the block-wise methods ({' | '.join(_block_methods())}) and "
+                                  f"to the --awq pre-step; --method {self.method} quantizes the whole model at once, "
+                                  "so there is nothing block-wise for it to hold")
 
     @property
     def needs_calib(self) -> bool:
@@ -225,7 +228,8 @@ class _Run:
         self._check_resume()
 
     def _check_resume(self) -> None:
-        """A --workdir holding a run with other settings is refused now, not after the float perplexity pass."""
+        """A --workdir holding a run with other settings (the method's, or AWQ's in WORKDIR/awq) is refused now,
+        not after the float perplexity pass."""
         from lowbit.ptq import check_resume
 
         job = self.job
@@ -233,7 +237,8 @@ class _Run:
             return
         later = (("model",) if job.rotate is not None or job.awq is not None else ()) + \
                 (("plan", "shared_tensor_scales") if job.mixed is not None else ())
-        check_resume(job.method, job.settings, self.plan, self.lm.model, self.calib, self._context(), later)
+        check_resume(job.method, job.settings, self.plan, self.lm.model, self.calib, self._context(), later,
+                     awq=job.awq, awq_later=("model",) if job.rotate is not None else ())
 
     def _context(self) -> RunContext:
         """What the method runs with: the device as resolved once by `quantize`, the job's folders."""

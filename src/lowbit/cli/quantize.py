@@ -56,9 +56,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "(host memory streamed per mini-batch: the most memory-lean mode for large models on "
                         "small GPUs)")
     g.add_argument("--workdir", default=None,
-                   help="gptq, signround, signround2: folder for per-block results (resume)")
+                   help="gptq, signround, signround2 (and --awq): folder for per-block results (resume)")
     g.add_argument("--offload-dir", default=None,
-                   help="gptq, signround, signround2: keep blocks on disk, one block's weights in memory")
+                   help="gptq, signround, signround2 (and --awq): keep blocks on disk, one block's weights in memory")
     m = p.add_argument_group("mixed precision (any method)")
     m.add_argument("--avg-bits", type=float, default=UNSET, help="average bits per weight budget")
     m.add_argument("--options", default=UNSET, help="comma-separated candidate schemes, e.g. w2g64,w4g128")

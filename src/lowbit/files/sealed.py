@@ -9,7 +9,7 @@ Five kinds of folder are sealed this way, each with the manifest layout it has a
 | converted-GGUF cache entry (`lowbit.files.gguf_read`) | ``cache.json`` ``files`` | every file of the entry |
 | adapter folder (`lowbit.peft.store`) | ``adapter.json`` ``sha256`` | ``adapter.safetensors`` |
 | training checkpoint (`lowbit.train.checkpoint`) | ``checkpoint.json`` ``tensors`` + ``sha256`` | the current tensor file |
-| PTQ work folder (`lowbit.ptq`) | one ``block_NNNN.json`` per block | that block's file |
+| PTQ work folder (`lowbit.ptq.blockwise.store`) | one ``block_NNNN.json`` sidecar per block (`SealedFile`) | that block's file |
 
 What they share lives here, once: a `Seal` names a kind (manifest file, format, version,
 the error it raises and the fix its messages name); `Seal.read` is the one manifest
@@ -19,10 +19,18 @@ sha256); `damage` says what is wrong without raising, for folders lowbit rebuild
 of refusing; `digests` and `Seal.write` seal a folder: the manifest is written last and
 atomically (temp file, then rename), after every file it covers, so a crash leaves either
 no manifest or one that matches complete files.
+
+A folder whose files are written one at a time over a long run (a PTQ work folder, one
+file per finished block) cannot wait for one manifest at the end: each file is sealed on
+its own by a `SealedFile`, a small JSON sidecar beside it (``{"sha256": ..., "bytes": ...}``,
+the layout work folders have always had) written atomically after the file, and
+`SealedFile.read` says why a file cannot be used instead of raising, because such a
+folder's owner redoes the file rather than refusing the run.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -30,7 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from lowbit.errors import CheckpointError, LowbitError
-from lowbit.io import atomic_write_text, file_inside, read_json, sha256_file
+from lowbit.io import atomic_write_bytes, atomic_write_text, file_inside, read_json, sha256_file
 
 
 @dataclass(frozen=True)
@@ -118,3 +126,49 @@ def _file_damage(f: Path, digest: object) -> str | None:
     if not isinstance(digest, str) or sha256_file(f) != digest:
         return "mismatch"
     return None
+
+
+@dataclass(frozen=True)
+class SealedFile:
+    """One file sealed by its own sidecar: ``NAME.json`` beside ``NAME.EXT``, holding its sha256 and size.
+
+    The sidecar is written after the file, both atomically, so a file counts as sealed only
+    when both exist and agree: a crash between the two, a truncated file or a flipped byte
+    all read as "not usable", never as a good file.
+    """
+
+    path: Path
+
+    @property
+    def sidecar(self) -> Path:
+        return self.path.with_suffix(".json")
+
+    def write(self, data: bytes) -> None:
+        """The file, then its sidecar (the seal): both atomic, in this order."""
+        atomic_write_bytes(self.path, data)
+        atomic_write_text(self.sidecar, json.dumps({"sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data)}))
+
+    def read(self) -> tuple[bytes | None, str | None]:
+        """(the file's bytes, None) when its sidecar vouches for them; else (None, why it cannot be used).
+
+        The file is read once; the reason names what is wrong (no sidecar, a damaged
+        sidecar, a truncated or corrupted file) for the owner's warning. A sidecar without
+        ``bytes`` (an older lowbit) is checked by its sha256 alone.
+        """
+        if not self.sidecar.is_file():
+            return None, f"unverified (no {self.sidecar.name}: interrupted while saving, or an older lowbit)"
+        try:
+            meta = read_json(self.sidecar, CheckpointError, "")
+        except CheckpointError:
+            meta = None
+        if not isinstance(meta, dict) or not isinstance(meta.get("sha256"), str):
+            return None, f"unverified ({self.sidecar.name} is damaged)"
+        if not self.path.is_file():
+            return None, f"missing ({self.path.name})"
+        size = self.path.stat().st_size
+        if isinstance(meta.get("bytes"), int) and size != meta["bytes"]:
+            return None, f"truncated ({size} of {meta['bytes']} bytes)"
+        data = self.path.read_bytes()
+        if hashlib.sha256(data).hexdigest() != meta["sha256"]:
+            return None, "corrupted (checksum mismatch)"
+        return data, None

@@ -56,6 +56,8 @@ class Target:
     ``model_type`` model; ``allow_requant`` where the target can re-quantize).
     write: (model, tokenizer, out, request) -> the summary of what was written; None for the
     targets `lowbit quantize` writes itself rather than `lowbit export`.
+    ours: for a one-file target, whether the file at a path is one lowbit wrote in this
+    format (the only file ``--force`` may replace); the format's own marker stays with its writer.
     """
 
     name: str
@@ -65,6 +67,7 @@ class Target:
     file_output: bool = False  # one file rather than a folder
     requant: bool = False  # --allow-requant means something here
     source_tokenizer: bool = False  # takes its tokenizer keys from the GGUF the checkpoint came from, if any
+    ours: Callable[[Path], bool] | None = None
 
 
 def _holds_every_layer(specs: list[LayerSpec], model_type: str | None, allow_requant: bool) -> None:
@@ -115,15 +118,30 @@ def _gguf_write(model: Any, tokenizer: Any, out: Path, request: WriteRequest) ->
     return result
 
 
+def _gguf_ours(path: Path) -> bool:
+    from lowbit.files import gguf_export
+
+    return gguf_export.written_by_lowbit(path)
+
+
 REGISTRY: dict[str, Target] = {t.name: t for t in (
     Target("native", "lowbit", _holds_every_layer),
     Target("transformers", "transformers (after import lowbit)", _hf_check),
     Target("compressed-tensors", "vLLM, transformers", _ct_check, _ct_write),
-    Target("gguf", "llama.cpp", _gguf_check, _gguf_write, file_output=True, requant=True, source_tokenizer=True),
+    Target("gguf", "llama.cpp", _gguf_check, _gguf_write, file_output=True, requant=True, source_tokenizer=True,
+           ours=_gguf_ours),
 )}
 # the targets `lowbit export --to` writes from a checkpoint (and `lowbit quantize --export-to` can aim at)
 TARGETS = tuple(name for name, t in REGISTRY.items() if t.write is not None)
 REQUANT = tuple(name for name, t in REGISTRY.items() if t.requant)
+
+
+FILE_TARGETS = tuple(name for name, t in REGISTRY.items() if t.file_output)
+
+
+def written_by_lowbit(path: Path) -> str | None:
+    """The one-file target whose file lowbit wrote at ``path`` (its marker says so), or None."""
+    return next((t.name for t in REGISTRY.values() if t.ours is not None and t.ours(Path(path))), None)
 
 
 def get(name: str) -> Target:

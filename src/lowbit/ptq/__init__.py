@@ -34,18 +34,27 @@ __all__ = ["AWQSettings", "GPTQSettings", "MixedSettings", "PtqOutcome", "PtqSpe
 
 
 def check_resume(method: str, settings: Any, plan: Plan, model: nn.Module, calib: torch.Tensor,
-                 ctx: RunContext, later: tuple[str, ...] = ()) -> None:
+                 ctx: RunContext, later: tuple[str, ...] = (), awq: AWQSettings | None = None,
+                 awq_later: tuple[str, ...] = ()) -> None:
     """Refuse a work folder (``ctx.workdir``) that holds a run with other settings, before any heavy work.
 
     Builds what the method's pipeline will record (`lowbit.ptq.blockwise.work_settings`)
     from the model and calibration tokens as they are now. later: recorded keys that only
     the run itself can know (``model`` after a pre-step changes the weights, ``plan`` of
     a mixed-precision run); the pipeline compares those when it opens the folder.
+    awq: the AWQ pre-step's settings, whose own record (``WORKDIR/awq``) is checked too, for
+    every method (AWQ walks the blocks before any of them); awq_later: its keys only the run
+    can know (``model`` after a rotation).
     """
+    from lowbit.ptq.awq import awq_record, awq_workdir
     from lowbit.ptq.blockwise import check_work_folder, work_settings
 
+    if ctx.workdir is None or calib is None:
+        return
+    if awq is not None:
+        check_work_folder(awq_workdir(ctx.workdir), awq_record(model, plan, awq, calib), awq_later)
     spec = get(method)
-    if ctx.workdir is None or spec.work is None or calib is None:
+    if spec.work is None:
         return
     recorded, options, applied = spec.work(coerce_settings(method, settings), plan, ctx)
     check_work_folder(ctx.workdir, work_settings(recorded, applied, options, model, calib), later)

@@ -143,12 +143,21 @@ def awq_run(model: nn.Module, plan: Plan, settings: AWQSettings, ctx: RunContext
         raise ConfigError("AWQ needs calibration batches (LongTensor [nsamples, seqlen])")
     t0 = time.perf_counter()
     task = AWQPass(plan, settings, block_layout(model, "AWQ"))
-    record = {"step": "awq", "config": settings.to_dict(), "plan": plan.to_dict(), **fingerprint(model, ctx.calib)}
-    workdir = None if ctx.workdir is None else str(Path(ctx.workdir) / "awq")
-    walk_blocks(model, task, record, dataclasses.replace(ctx, workdir=workdir), CHUNK)
+    ctx = dataclasses.replace(ctx, workdir=awq_workdir(ctx.workdir))
+    walk_blocks(model, task, awq_record(model, plan, settings, ctx.calib), ctx, CHUNK)
     gains, scaled = task.gains, task.scaled
     return {**settings.to_dict(), "groups": len(gains), "scaled": sum(scaled),
             "mean_error_ratio": round(sum(gains) / max(len(gains), 1), 4), "seconds": round(time.perf_counter() - t0, 2)}
+
+
+def awq_record(model: nn.Module, plan: Plan, settings: AWQSettings, calib: torch.Tensor) -> dict[str, Any]:
+    """Everything that decides AWQ's scales, as its work folder's ``run.json`` records it (and the early check)."""
+    return {"step": "awq", "config": settings.to_dict(), "plan": plan.to_dict(), **fingerprint(model, calib)}
+
+
+def awq_workdir(workdir: str | Path | None) -> str | None:
+    """AWQ's own work folder inside a run's ``--workdir`` (beside the method's blocks)."""
+    return None if workdir is None else str(Path(workdir) / "awq")
 
 
 class AWQPass:

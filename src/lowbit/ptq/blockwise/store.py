@@ -3,7 +3,8 @@
 ``run.json`` records everything that decides the run's result (the method's settings, the
 plan, the pipeline's knobs, a fingerprint of the model and the calibration tokens); a
 rerun with other settings is refused rather than mixing two runs. Each block's result is a
-safetensors file plus a JSON sidecar with its sha256, written atomically after the block;
+safetensors file sealed by a JSON sidecar with its sha256 (`lowbit.files.sealed.SealedFile`,
+the one sealed-file helper), written atomically after the block;
 a rerun replays the finished blocks (forward passes only, the same chunking and order,
 hence bit-identical activations) and continues with the next one.
 """
@@ -24,8 +25,9 @@ from safetensors.torch import save
 from torch import nn
 
 from lowbit.errors import CheckpointError, ConfigError
+from lowbit.files.sealed import SealedFile
 from lowbit.formats.finite import require_finite
-from lowbit.io import atomic_write_bytes, atomic_write_text, read_json
+from lowbit.io import atomic_write_text, read_json
 from lowbit.models.fused import fused_groups
 from lowbit.plans.plan import Plan
 from lowbit.ptq.blockwise.options import PipelineOptions
@@ -79,7 +81,7 @@ def _compare(path: Path, old: dict[str, Any], new: dict[str, Any], skip: tuple[s
 class WorkDir:
     """Per-block results on disk: ``run.json`` (settings), ``block_NNNN.safetensors`` + ``block_NNNN.json``.
 
-    The small JSON sidecar holds the block file's sha256 and is written after it, so a
+    The small JSON sidecar (`SealedFile`) holds the block file's sha256 and is written after it, so a
     block counts as finished only when both exist and agree and the pass's decoder reads
     the file as that block's result (the tuned layers' codes, AWQ's scales): a crash
     between the two, a truncated file, a flipped byte or a file that is not safetensors at
@@ -102,7 +104,11 @@ class WorkDir:
         return self.path / f"block_{i:04d}.safetensors"
 
     def sidecar(self, i: int) -> Path:
-        return self.path / f"block_{i:04d}.json"
+        return self.sealed(i).sidecar
+
+    def sealed(self, i: int) -> SealedFile:
+        """Block ``i``'s file with its sidecar ``block_NNNN.json`` (`lowbit.files.sealed`)."""
+        return SealedFile(self.block_file(i))
 
     def done(self, nblocks: int, decode: Decoder | None = None) -> int:
         """Number of leading blocks whose saved result is intact; results after it are removed.
@@ -126,21 +132,10 @@ class WorkDir:
         return k
 
     def _check(self, i: int, decode: Decoder | None = None) -> str | None:
-        """Why block ``i``'s file cannot be used (None when it matches its checksum and decodes)."""
-        if not self.sidecar(i).exists():
-            return f"unverified (no {self.sidecar(i).name}: interrupted while saving, or an older lowbit)"
-        try:
-            meta = read_json(self.sidecar(i), CheckpointError, "")
-        except CheckpointError:
-            return f"unverified ({self.sidecar(i).name} is damaged)"
-        if not isinstance(meta, dict) or not isinstance(meta.get("sha256"), str):
-            return f"unverified ({self.sidecar(i).name} is damaged)"
-        size = self.block_file(i).stat().st_size
-        if isinstance(meta.get("bytes"), int) and size != meta["bytes"]:
-            return f"truncated ({size} of {meta['bytes']} bytes)"
-        data = self.block_file(i).read_bytes()
-        if hashlib.sha256(data).hexdigest() != meta["sha256"]:
-            return "corrupted (checksum mismatch)"
+        """Why block ``i``'s file cannot be used (None when its seal holds and it decodes)."""
+        data, why = self.sealed(i).read()
+        if data is None:
+            return why
         if decode is not None:
             try:
                 self._decode(i, data, decode)
@@ -159,14 +154,13 @@ class WorkDir:
         """Block ``i``'s result (the pass's tensors, finite), then its sidecar: the block is finished."""
         require_finite(tensors.items(), f"block {i}'s result", "nothing was written: a quantizer made NaN or inf "
                        "from finite weights, which is a lowbit bug (please report it with the command)")
-        data = save(dict(tensors))
-        atomic_write_bytes(self.block_file(i), data)
-        atomic_write_text(self.sidecar(i), json.dumps({"sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data)}))
+        self.sealed(i).write(save(dict(tensors)))
 
     def load_block(self, i: int, decode: Decoder) -> Any:
-        data = self.block_file(i).read_bytes()
-        if hashlib.sha256(data).hexdigest() != _read_json(self.sidecar(i)).get("sha256"):  # changed since done()
-            raise CheckpointError(f"{self.block_file(i)} changed while the run was resuming; rerun to tune it again")
+        data, why = self.sealed(i).read()
+        if data is None:  # it was intact when done() checked it
+            raise CheckpointError(f"{self.block_file(i)} changed while the run was resuming ({why}); rerun to "
+                                  "tune it again")
         return self._decode(i, data, decode)
 
     def _decode(self, i: int, data: bytes, decode: Decoder) -> Any:
