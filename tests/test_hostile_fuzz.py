@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from hypothesis import HealthCheck, event, given, settings
+from hypothesis import HealthCheck, event, example, given, settings
 from hypothesis import strategies as st
 
 from lowbit.cli import main
@@ -68,6 +68,7 @@ def _weight() -> torch.Tensor:
 
 @settings(max_examples=300, deadline=None, database=None)
 @given(RECIPE)
+@example("nvfp4:block=4@int8")  # a weight with options and an input with a suffix form: named back with @
 def test_fuzz_scheme_text_parses_or_refuses_in_one_line(text):
     """Any text: a `SchemeError` of one line, or a recipe whose quantized weights are finite."""
     try:

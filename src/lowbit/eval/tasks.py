@@ -18,7 +18,7 @@ Task files are data unless the user says otherwise. lm-eval runs Python from a t
 YAML in two ways: a ``!function`` tag imports a module beside it, and its Jinja
 templates (``doc_to_text``...) render in an unsandboxed environment that can reach
 Python's internals. So unless ``trust_code`` (``--trust-task-code``) is given, every
-task YAML — and every file it ``include``\ s — is scanned and one with ``!function`` is
+task YAML — and every file it includes — is scanned and one with ``!function`` is
 refused, and templates render in jinja2's sandbox. Registered task names are lm-eval's
 own installed tasks and run as lm-eval runs them.
 """

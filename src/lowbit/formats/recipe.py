@@ -55,8 +55,8 @@ class Recipe:
                 return key
         if self.input is None:
             return self.weight.name
-        for suffix, inp in SUFFIXES.items():
-            if inp == self.input:
+        for suffix, inp in SUFFIXES.items():  # WEIGHT-a8 reads back only without options (`parse`)
+            if inp == self.input and ":" not in self.weight.name:
                 return f"{self.weight.name}-{suffix}"
         return f"{self.weight.name}@{self.input.name}"
 
