@@ -93,12 +93,17 @@ def preflight(model: nn.Module, plan: Plan, spec: PtqSpec) -> None:
     Cheap, and run before any data is read or any weight changes (`conduct` repeats the
     method's check on a plan that mixed precision or a fit changed).
     """
-    method = get(spec.method)
-    check_experts(model, plan, spec.method, _pre_steps(spec))
-    if method.check_plan is not None:
-        method.check_plan(spec.settings, plan)
+    _check_plan(model, plan, spec)
     if spec.mixed is not None:
         check_feasible(model, plan, spec.mixed)
+
+
+def _check_plan(model: nn.Module, plan: Plan, spec: PtqSpec) -> None:
+    """What the method can quantize of this plan: the experts it reaches, then the method's own check."""
+    check_experts(model, plan, spec.method, _pre_steps(spec))
+    check = get(spec.method).check_plan
+    if check is not None:
+        check(spec.settings, plan)
 
 
 def _pre_steps(spec: PtqSpec) -> tuple[str, ...]:
@@ -117,9 +122,7 @@ def conduct(model: nn.Module, plan: Plan, spec: PtqSpec, ctx: RunContext, phase:
     digest: record the float weights' sha256 after the pre-steps (`PtqOutcome.float_digest`).
     """
     method, first = get(spec.method), plan
-    check_experts(model, plan, spec.method, _pre_steps(spec))
-    if method.check_plan is not None:
-        method.check_plan(spec.settings, plan)
+    _check_plan(model, plan, spec)
     with phase("pre_steps" if spec.has_pre_steps else "quantize"):
         prepared = prepare_model(model, plan, rotate=spec.rotate, awq=spec.awq, ctx=ctx)
     float_digest = _float_digest(model, list(plan)) if digest else None
