@@ -40,6 +40,9 @@ weights an engine decompresses are the ones lowbit evaluated:
   one quantization step, the others bit for bit in the CPU reference.
 * A mixed plan becomes one config group per distinct recipe (targets = exact layer
   names); different formats make the top-level format ``mixed-precision``.
+* Quantized mixture-of-experts experts (`QuantStack`) are written per expert, one Linear
+  per projection, in the layout vLLM's and transformers' MoE loaders read
+  (`lowbit.files.compressed_experts`).
 """
 
 from __future__ import annotations
@@ -54,6 +57,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 from lowbit.errors import SchemeError
+from lowbit.files import compressed_experts as moe
 from lowbit.files.compressed_read import load_decompressed, require_compressed_tensors
 from lowbit.files.fused import fused_groups
 from lowbit.files.native import WRITE_FIX
@@ -64,6 +68,7 @@ from lowbit.formats.inputs import encode_scale
 from lowbit.io import atomic_dir
 from lowbit.nn import QuantLinear, quant_layers
 from lowbit.nn.input_rotation import refuse_online_rotations
+from lowbit.nn.quant_experts import QuantExperts, QuantStack, quant_stacks
 
 __all__ = ["export", "load_decompressed", "target_for"]
 
@@ -178,9 +183,11 @@ def layer_target(layer: QuantLinear, where: str = "layer") -> Target:
                          layer.in_features, where)
 
 
-def check_specs(specs: list[LayerSpec]) -> None:
-    """Refuse, before any weight is read, a plan compressed-tensors cannot hold: how many layers, the first reason."""
+def check_specs(specs: list[LayerSpec], model_type: str | None = None) -> None:
+    """Refuse, before any weight is read, a plan compressed-tensors cannot hold: how many layers, the first reason
+    (experts: also the per-expert layout's own limits, `compressed_experts.check`)."""
     refuse_rotations(specs, "compressed-tensors")
+    moe.check(specs, model_type)
     bad = []
     for sp in specs:
         try:
@@ -196,9 +203,10 @@ def check_specs(specs: list[LayerSpec]) -> None:
 
 def vllm_fused_notes(specs: list[LayerSpec]) -> list[str]:
     """Fused matmuls (q/k/v, gate/up) whose parts have different recipes: vLLM loads one scheme per fused
-    layer (the first part's), so such a file loads in transformers but not in vLLM."""
-    by_name = {s.name: s for s in specs}
-    notes = []
+    layer (the first part's), so such a file loads in transformers but not in vLLM. Experts: what vLLM's fused
+    MoE cannot run, and what transformers' MoE loader cannot read (`compressed_experts.notes`)."""
+    by_name = {s.name: s for s in specs if not s.experts}
+    notes = moe.notes(specs)
     for group in fused_groups(by_name):
         kinds = {(by_name[n].scheme, by_name[n].input) for n in group}
         if len(kinds) > 1:
@@ -212,12 +220,17 @@ def vllm_fused_notes(specs: list[LayerSpec]) -> list[str]:
 def input_tensors(layer: QuantLinear) -> dict[str, torch.Tensor]:
     """Static input scales: ``input_scale`` (+ zero point) per tensor, or NVFP4's ``input_global_scale``."""
     iq = layer.input_quant
-    if iq is None or not iq.scheme.needs_calibration:
+    return {} if iq is None else static_input(iq.scheme, iq.amax)
+
+
+def static_input(inp: InputScheme, amax: torch.Tensor | None) -> dict[str, torch.Tensor]:
+    """The stored static scale of one input (a Linear's, or one expert's): none for dynamic formats."""
+    if not inp.needs_calibration:
         return {}
-    enc = encode_scale(iq.scheme, iq.amax).float().reshape(1)
-    if iq.scheme.tensor_scale:
+    enc = encode_scale(inp, amax).float().reshape(1)
+    if inp.tensor_scale:
         return {"input_global_scale": enc}
-    zdt = torch.int8 if iq.scheme.family.name == "int" else torch.float8_e4m3fn
+    zdt = torch.int8 if inp.family.name == "int" else torch.float8_e4m3fn
     return {"input_scale": enc, "input_zero_point": torch.zeros(1, dtype=zdt)}
 
 
@@ -245,7 +258,7 @@ def nvfp4_tensors(q: QTensor) -> dict[str, torch.Tensor]:
     enc = q.tensor_scale if q.tensor_scale is not None else torch.tensor(1.0)
     return {"weight_packed": packing.pack(q.codes.reshape(out, -1)[:, :cols].contiguous(), 4),
             "weight_scale": q.scales.to(torch.float8_e4m3fn).contiguous(),
-            "weight_global_scale": enc.float().reshape(1).contiguous()}
+            "weight_global_scale": enc.float().reshape(1).clone()}  # its own storage: experts' gate/up share enc
 
 
 def mxfp4_tensors(q: QTensor) -> dict[str, torch.Tensor]:
@@ -309,21 +322,35 @@ def build_config(targets: dict[str, Target], ignore: list[str]) -> dict[str, Any
 
 # ------------------------------------------------------------------- export
 def export(model: nn.Module, tokenizer: Any, out: str | Path, force: bool = False) -> Path:
-    """Write ``model`` (with `QuantLinear` layers) as a compressed-tensors folder, atomically."""
-    qlayers = quant_layers(model)
-    if not qlayers:
+    """Write ``model`` (with `QuantLinear` layers and / or `QuantExperts`) as a compressed-tensors folder, atomically."""
+    qlayers, stacks = quant_layers(model), quant_stacks(model)
+    if not qlayers and not stacks:
         raise SchemeError("the model has no quantized layers; export a checkpoint made by `lowbit quantize`")
     refuse_online_rotations(model, "compressed-tensors")
     specs = from_model(model)
-    check_specs(specs)
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    if any(m.transposed for m in model.modules() if isinstance(m, QuantExperts)) and model_type != "gpt_oss":
+        raise SchemeError(moe.GPT_OSS_WHY.replace("gpt-oss experts", "transposed experts (gpt-oss's layout)"))
+    check_specs(specs, model_type)
     for note in vllm_fused_notes(specs):
         warnings.warn(note, stacklevel=2)
+    for note in moe.transformers_notes(specs):
+        warnings.warn(note, stacklevel=2)
+    layout = moe.layout_for(model_type) if stacks else moe.STANDARD
     targets = {n: layer_target(m, n) for n, m in qlayers.items()}
-    tensors = _state_tensors(model, qlayers, targets)
-    check_fused_scales(tensors, list(qlayers))
+    expert_targets = {n: stack_target(s, n) for n, s in stacks.items()}
+    tensors = _state_tensors(model, qlayers, targets, layout)
+    tensors |= _expert_tensors(stacks, expert_targets, layout)
+    check_fused_scales(tensors, [layout.key(n) for n in qlayers])
     require_finite(tensors.items(), f"cannot export {out}", WRITE_FIX)
-    ignore = [n for n, m in model.named_modules() if isinstance(m, nn.Linear) and n not in qlayers]
-    qconfig = build_config(targets, ignore)
+    quantized_routers = set(qlayers)  # a plan that names a router quantizes it; the rest stay 16-bit
+    routers = [n for n in moe.routers(model) if n not in quantized_routers]
+    ignore = [layout.key(n) for n, m in model.named_modules()
+              if (isinstance(m, nn.Linear) and n not in qlayers) or n in routers]
+    named = {layout.key(n): t for n, t in targets.items()}
+    named |= {layout.projections(n.rpartition(".")[0]): t for n, t in expert_targets.items()
+              if n.endswith(f".{moe.GATE_UP}")}  # one target per experts module: check_specs made both alike
+    qconfig = build_config(named, ignore)
     config = model.config
     with atomic_dir(Path(out), force=force, kind="compressed-tensors export") as tmp:
         save_file(tensors, str(tmp / WEIGHTS), metadata={"format": "pt"})
@@ -335,6 +362,25 @@ def export(model: nn.Module, tokenizer: Any, out: str | Path, force: bool = Fals
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
     return Path(out)
+
+
+def stack_target(stack: QuantStack, where: str) -> Target:
+    inp, _ = moe.per_expert_amax(stack)
+    return recipe_target(stack.scheme, inp, stack.in_features, where)
+
+
+def _expert_tensors(stacks: dict[str, QuantStack], targets: dict[str, Target],
+                    layout: moe.Layout) -> dict[str, torch.Tensor]:
+    """Every expert's projections as Linears of the checkpoint layout (`compressed_experts`), with its input scales."""
+    out: dict[str, torch.Tensor] = {}
+    for name, stack in stacks.items():
+        inp, amax = moe.per_expert_amax(stack)
+        for e in range(stack.num_experts):
+            scales = {} if inp is None else static_input(inp, None if amax is None else amax[e])
+            for key, q, _ in moe.expert_parts(name, stack.expert(e), e, layout):
+                for k, t in {**layer_tensors(q, targets[name]), **scales}.items():
+                    out[f"{key}.{k}"] = t.cpu()
+    return out
 
 
 def check_fused_scales(tensors: dict[str, torch.Tensor], names: list[str]) -> None:
@@ -355,9 +401,12 @@ def check_fused_scales(tensors: dict[str, torch.Tensor], names: list[str]) -> No
                                   "with this lowbit, which gives the parts of a fused matmul one shared scale")
 
 
-def _state_tensors(model: nn.Module, qlayers: dict, targets: dict[str, Target]) -> dict[str, torch.Tensor]:
-    """Dense tensors by their HF names (tied copies once) plus each layer's compressed tensors."""
-    own = {f"{n}.{k}" for n in qlayers for k in ("codes", "scales", "zeros", "tensor_scale", "input_quant.amax")}
+def _state_tensors(model: nn.Module, qlayers: dict, targets: dict[str, Target],
+                   layout: moe.Layout = moe.STANDARD) -> dict[str, torch.Tensor]:
+    """Dense tensors by their checkpoint names (tied copies once) plus each layer's compressed tensors; experts
+    stacks are left to `_expert_tensors`."""
+    packed = [*qlayers, *quant_stacks(model)]
+    own = {f"{n}.{k}" for n in packed for k in ("codes", "scales", "zeros", "tensor_scale", "input_quant.amax")}
     tensors: dict[str, torch.Tensor] = {}
     seen: set[tuple] = set()
     for key, t in model.state_dict().items():
@@ -365,10 +414,10 @@ def _state_tensors(model: nn.Module, qlayers: dict, targets: dict[str, Target]) 
         if key in own or (t.numel() and ident in seen):
             continue
         seen.add(ident)
-        tensors[key] = _narrow(t.detach().cpu())
+        tensors[layout.key(key)] = _narrow(t.detach().cpu())
     for name, layer in qlayers.items():
         for k, t in {**layer_tensors(layer.qweight, targets[name]), **input_tensors(layer)}.items():
-            tensors[f"{name}.{k}"] = t.cpu()
+            tensors[f"{layout.key(name)}.{k}"] = t.cpu()
     return tensors
 
 

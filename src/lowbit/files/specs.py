@@ -41,8 +41,14 @@ def from_model(model: nn.Module) -> list[LayerSpec]:
     return [LayerSpec(n, m.scheme, None if m.input_quant is None else m.input_quant.scheme,
                       (m.out_features, m.in_features), m.input_rotation is not None)
             for n, m in quant_layers(model).items()] + [
-        LayerSpec(n, m.scheme, None, (m.out_features, m.in_features), False, m.num_experts)
+        LayerSpec(n, m.scheme, _stack_input(m), (m.out_features, m.in_features), False, m.num_experts)
         for n, m in quant_stacks(model).items()]
+
+
+def _stack_input(stack: nn.Module) -> InputScheme | None:
+    """The input scheme of an experts stack that quantizes its inputs (an ``input_quant`` like a Linear's), or None."""
+    iq = getattr(stack, "input_quant", None)
+    return None if iq is None else iq.scheme
 
 
 def from_manifest(manifest: Mapping) -> list[LayerSpec]:

@@ -12,7 +12,7 @@ named, the run is refused instead).
 | --- | --- | --- | --- |
 | ``native`` | lowbit | every layer lowbit quantizes | `lowbit quantize` (`lowbit.files.native`) |
 | ``transformers`` | ``from_pretrained`` after ``import lowbit`` | what ``native`` holds (it reads that folder), quantized experts not yet | the same folder (`lowbit.files.hf_quantizer`) |
-| ``compressed-tensors`` | vLLM, transformers | INT and FP weight recipes vLLM runs, their input schemes; quantized experts not yet | `lowbit export --to compressed-tensors` |
+| ``compressed-tensors`` | vLLM, transformers | INT and FP weight recipes vLLM runs, their input schemes; quantized experts per expert (Qwen3-MoE, Qwen2-MoE, OLMoE, Mixtral; one recipe per MoE layer; not gpt-oss) | `lowbit export --to compressed-tensors` |
 | ``gguf`` | llama.cpp | weight-only schemes with an exact GGUF type (others with ``--allow-requant``); quantized experts not yet | `lowbit export --to gguf` |
 
 A new target is one entry here plus its writer module. This module stays light (no torch
@@ -82,10 +82,8 @@ def _hf_check(specs: list[LayerSpec], model_type: str | None, allow_requant: boo
 
 def _ct_check(specs: list[LayerSpec], model_type: str | None, allow_requant: bool) -> None:
     from lowbit.files import compressed_tensors
-    from lowbit.files.specs import refuse_experts
 
-    refuse_experts(specs, "compressed-tensors")
-    compressed_tensors.check_specs(specs)
+    compressed_tensors.check_specs(specs, model_type)
 
 
 def _ct_write(model: Any, tokenizer: Any, out: Path, request: WriteRequest) -> dict[str, Any]:

@@ -1,0 +1,240 @@
+"""compressed-tensors export of quantized mixture-of-experts experts: the per-expert layout vLLM and transformers read.
+
+References: transformers + compressed-tensors loading the folder (its MoE loader decompresses the per-expert
+tensors into float experts: logits equal to lowbit's model, bit for bit in float32), lowbit's own reader
+(the file's codes and scales rebuilt exactly), and the names vLLM's MoE loader maps (RoutedExperts'
+``experts.{e}.gate_proj`` / Mixtral's ``block_sparse_moe.experts.{e}.w1``).
+"""
+
+from __future__ import annotations
+
+import json
+import warnings
+
+import pytest
+import torch
+from safetensors import safe_open
+from test_accounting import FAST, _last, _save, make
+
+pytest.importorskip("compressed_tensors")
+
+from lowbit.cli import main  # noqa: E402
+from lowbit.errors import SchemeError  # noqa: E402
+from lowbit.files import compressed_experts as moe  # noqa: E402
+from lowbit.files import compressed_tensors as ct  # noqa: E402
+from lowbit.files.compressed_read import qtensor_from  # noqa: E402
+from lowbit.files.specs import LayerSpec  # noqa: E402
+from lowbit.formats import quantize  # noqa: E402
+from lowbit.nn.quant_experts import quant_stacks  # noqa: E402
+from lowbit.plans.plan import Plan  # noqa: E402
+from lowbit.plans.source import build_plan  # noqa: E402
+from lowbit.ptq import quantize_model  # noqa: E402
+
+SLOTS = ("codes", "scales", "zeros", "tensor_scale")
+
+
+def quantized(arch: str, experts: str, rest: str | None = None, model=None):
+    """``arch``'s tiny model with its experts RTN-quantized to ``experts`` (attention to ``rest``, default the same)."""
+    model = model if model is not None else make(arch)
+    plan = build_plan(model, experts)
+    if rest is not None:
+        other = build_plan(model, rest)
+        plan = Plan({n: r if ".experts." in n else other[n] for n, r in plan.layers.items()})
+    quantize_model(model, plan, "rtn", {"search": False}, progress=False)
+    return model
+
+
+def logits(model) -> torch.Tensor:
+    ids = torch.randint(0, 128, (2, 24), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        return model(ids).logits
+
+
+def keys(folder) -> list[str]:
+    with safe_open(str(folder / "model.safetensors"), "pt") as f:
+        return list(f.keys())
+
+
+def same_stacks(a, b) -> None:
+    a, b = quant_stacks(a), quant_stacks(b)
+    assert set(a) == set(b) and a
+    for name, s in a.items():
+        for slot in SLOTS:
+            x, y = getattr(s, slot), getattr(b[name], slot)
+            assert (x is None) == (y is None) and (x is None or torch.equal(x, y)), (name, slot)
+
+
+# ------------------------------------------------------------------ layout and readback
+@pytest.mark.parametrize("arch, block, names", [
+    ("qwen3_moe", "mlp", ("gate_proj", "up_proj", "down_proj")),
+    ("qwen2_moe", "mlp", ("gate_proj", "up_proj", "down_proj")),
+    ("olmoe", "mlp", ("gate_proj", "up_proj", "down_proj")),
+    ("mixtral", "block_sparse_moe", ("w1", "w3", "w2")),
+])
+def test_experts_written_per_expert_and_read_back_exactly_by_transformers_and_lowbit(arch, block, names, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    model = quantized(arch, "w4g8")
+    ct.export(model, None, tmp_path / "ct")
+    have = keys(tmp_path / "ct")
+    for layer in (0, 1):
+        for e in range(8):
+            for proj in names:
+                for part in ("weight_packed", "weight_scale", "weight_shape"):
+                    assert f"model.layers.{layer}.{block}.experts.{e}.{proj}.{part}" in have
+        assert f"model.layers.{layer}.{block}.gate.weight" in have  # the router, 16-bit, under the file's block name
+    assert not [k for k in have if k.endswith((".codes", ".scales", "gate_up_proj", "down_proj"))]  # nothing fused
+    qc = json.loads((tmp_path / "ct" / "config.json").read_text())["quantization_config"]
+    targets = [t for g in qc["config_groups"].values() for t in g["targets"]]
+    assert f"re:^model\\.layers\\.0\\.{block}\\.experts\\.\\d+\\.({names[0]}|{names[1]}|{names[2]})$" in targets
+    assert f"model.layers.0.{block}.gate" in qc["ignore"]
+    if arch == "qwen2_moe":
+        assert "model.layers.0.mlp.shared_expert.gate_proj" in targets  # the shared expert: plain Linears
+    want = logits(model)
+    theirs = AutoModelForCausalLM.from_pretrained(str(tmp_path / "ct"), dtype=torch.float32).eval()
+    assert not quant_stacks(theirs)  # transformers: float experts decompressed from the per-expert tensors
+    assert torch.equal(logits(theirs), want)
+    ours = ct.load_decompressed(tmp_path / "ct")
+    same_stacks(model, ours)  # lowbit: the very codes, as QuantExperts
+    assert torch.equal(logits(ours), want)
+
+
+def test_vllm_finds_one_scheme_for_each_layers_experts_by_its_names(tmp_path):
+    """vLLM resolves a MoE layer's scheme by the unfused names ``{layer}.experts.0.{gate,up,down}_proj``
+    (CompressedTensorsMoEMethod.get_moe_method) with compressed-tensors' target matching."""
+    from compressed_tensors.utils.match import is_match
+
+    model = quantized("qwen3_moe", "w4g8")
+    ct.export(model, None, tmp_path / "ct")
+    groups = json.loads((tmp_path / "ct" / "config.json").read_text())["quantization_config"]["config_groups"]
+    for layer in (0, 1):
+        hits = {g for proj in ("gate_proj", "up_proj", "down_proj") for g, v in groups.items()
+                if any(is_match(f"model.layers.{layer}.mlp.experts.0.{proj}", torch.nn.Linear(1, 1), t)
+                       for t in v["targets"])}
+        assert len(hits) == 1
+
+
+def test_asymmetric_and_nvfp4_experts_read_back_exactly_by_lowbit_with_transformers_note(tmp_path):
+    """transformers' MoE loader drops zero points and global scales: the export says so; lowbit reads them."""
+    for scheme in ("w4g8a", "nvfp4"):
+        model = quantized("qwen3_moe", scheme, "w4g8")
+        with pytest.warns(UserWarning, match="transformers' MoE loader drops their"):
+            ct.export(model, None, tmp_path / scheme)
+        ours = ct.load_decompressed(tmp_path / scheme)
+        same_stacks(model, ours)
+        assert torch.equal(logits(ours), logits(model))
+        if scheme == "nvfp4":  # vLLM's w13 global scales [E, 2]: gate and up of an expert carry the same one
+            with safe_open(str(tmp_path / scheme / "model.safetensors"), "pt") as f:
+                for e in range(8):
+                    g, u = (f.get_tensor(f"model.layers.0.mlp.experts.{e}.{p}.weight_global_scale")
+                            for p in ("gate_proj", "up_proj"))
+                    assert torch.equal(g, u)
+
+
+def test_mxfp4_and_mxfp8_experts_round_trip(tmp_path):
+    import transformers as tf
+
+    for scheme in ("mxfp4", "mxfp8"):
+        torch.manual_seed(0)
+        model = tf.Qwen3MoeForCausalLM(tf.Qwen3MoeConfig(
+            vocab_size=128, hidden_size=64, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
+            head_dim=16, intermediate_size=64, moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2))
+        model = quantized("qwen3_moe", scheme, model=model)
+        ct.export(model, None, tmp_path / scheme)
+        ours = ct.load_decompressed(tmp_path / scheme)
+        same_stacks(model, ours)
+        assert torch.equal(logits(ours), logits(model))
+
+
+@pytest.mark.parametrize("scheme, fmt", [("w4g32", None), ("w3g64a", None), ("w2g16", None), ("w8", None),
+                                         ("w8", "int-quantized"), ("nvfp4", None), ("nvfp4-46", None),
+                                         ("mxfp4", None), ("fp8", None), ("mxfp8", None)])
+def test_every_weight_format_reads_back_to_the_same_codes(scheme, fmt):
+    """`qtensor_from` inverts `layer_tensors` exactly for every format an expert (or a Linear) can be written in."""
+    w = torch.randn(24, 128, generator=torch.Generator().manual_seed(0))
+    q = quantize(w, scheme)
+    t = ct.target_for(q.scheme, 128)
+    if fmt is not None:
+        t = ct.Target(fmt, t.args)
+    back = qtensor_from(ct.layer_tensors(q, t), t.format, t.args, (24, 128), "w")
+    for slot in SLOTS:
+        a, b = getattr(back, slot), getattr(q, slot)
+        assert (a is None) == (b is None) and (a is None or torch.equal(a, b)), slot
+    assert torch.equal(back.dequantize(), q.dequantize())
+
+
+# ------------------------------------------------------------------ refusals and notes
+def test_experts_of_one_layer_in_two_recipes_are_refused_before_anything_is_written(tmp_path):
+    model = make("qwen3_moe")
+    plan = build_plan(model, "w4g8")
+    plan = Plan({n: (build_plan(model, "w8g16")[n] if n.endswith("down_proj") and ".experts" in n else r)
+                 for n, r in plan.layers.items()})
+    quantize_model(model, plan, "rtn", {"search": False}, progress=False)
+    with pytest.raises(SchemeError, match=r"gate_up_proj is w4g8 but down_proj is w8g16.*All MoE projections"):
+        ct.export(model, None, tmp_path / "ct")
+    assert not (tmp_path / "ct").exists()
+
+
+def test_partly_quantized_experts_and_gpt_oss_are_refused(tmp_path):
+    model = make("qwen3_moe")
+    plan = build_plan(model, "w4g8")
+    only_up = Plan({n: r for n, r in plan.layers.items() if not n.endswith("experts.down_proj")})
+    quantize_model(model, only_up, "rtn", {"search": False}, progress=False, keep16=False)
+    with pytest.raises(SchemeError, match="only gate_up_proj is quantized"):
+        ct.export(model, None, tmp_path / "ct")
+    oss = quantized("gpt_oss", "w4g8")
+    with pytest.raises(SchemeError, match="gpt-oss experts cannot be exported to compressed-tensors"):
+        ct.export(oss, None, tmp_path / "oss")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_vllm_limits_are_named_for_experts_it_cannot_serve():
+    spec = [LayerSpec("model.layers.0.mlp.experts.gate_up_proj", quantize(torch.ones(2, 16), "fp8").scheme,
+                          None, (32, 16), experts=8)]
+    spec.append(LayerSpec("model.layers.0.mlp.experts.down_proj", spec[0].scheme, None, (16, 16), experts=8))
+    notes = ct.vllm_fused_notes(spec)
+    assert len(notes) == 1 and "FP8 weights need FP8 inputs" in notes[0]
+    from lowbit.formats import InputScheme, Scheme
+
+    w8, static = Scheme.parse("w8"), InputScheme.parse("int8-static")
+    assert "dynamic per token" in moe.vllm_moe_limit(w8, static)
+    assert moe.vllm_moe_limit(w8, InputScheme.parse("int8")) is None
+    assert moe.vllm_moe_limit(Scheme.parse("w4g128"), None) is None
+    assert moe.vllm_moe_limit(Scheme.parse("nvfp4"), InputScheme.parse("nvfp4")) is None
+
+
+# ------------------------------------------------------------------ the command line
+@pytest.fixture(scope="module")
+def moe_src(tmp_path_factory, tiny_tokenizer):
+    return _save("qwen3_moe", tmp_path_factory.mktemp("moe") / "qwen3moe", tiny_tokenizer)
+
+
+def test_cli_export_then_eval_reads_the_experts(moe_src, tmp_path, capsys):
+    q, out = tmp_path / "q", tmp_path / "ct"
+    assert main(["quantize", str(moe_src), "--scheme", "w4g16", *FAST, "--out", str(q)]) == 0
+    capsys.readouterr()
+    assert main(["export", str(q), "--to", "compressed-tensors", "--out", str(out)]) == 0
+    assert "model.layers.1.mlp.experts.7.down_proj.weight_packed" in keys(out)
+    assert main(["eval", str(q), "--windows", "2", "--eval-seqlen", "64", "--json"]) == 0
+    native = _last(capsys)["ppl"]
+    assert main(["eval", str(out), "--windows", "2", "--eval-seqlen", "64", "--json"]) == 0
+    assert _last(capsys)["ppl"] == pytest.approx(native, rel=1e-6)
+
+
+def test_cli_mixed_expert_recipes_refused_by_export_and_by_quantize_export_to(moe_src, tmp_path, capsys):
+    layers = {f"model.layers.{i}.mlp.experts.{p}": s for i in (0, 1)
+              for p, s in (("gate_up_proj", "w4g16"), ("down_proj", "w8g16"))}
+    plan = tmp_path / "plan.json"
+    plan.write_text(json.dumps({"layers": layers}))
+    assert main(["quantize", str(moe_src), "--plan", str(plan), *FAST, "--export-to", "compressed-tensors",
+                 "--out", str(tmp_path / "r")]) == 2
+    err = [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("lowbit")]
+    assert len(err) == 1 and "one scheme" in err[0] and not (tmp_path / "r").exists()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        assert main(["quantize", str(moe_src), "--plan", str(plan), *FAST, "--out", str(tmp_path / "q")]) == 0
+    capsys.readouterr()
+    assert main(["export", str(tmp_path / "q"), "--to", "compressed-tensors", "--out", str(tmp_path / "ct")]) == 2
+    err = [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("lowbit")]
+    assert len(err) == 1 and "gate_up_proj is w4g16 but down_proj is w8g16" in err[0]
+    assert not (tmp_path / "ct").exists()
