@@ -76,13 +76,44 @@ def test_vllm_serves_lowbit_export_with_lowbits_logits(tmp_path, recipe):
     model = tiny()
     names = [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and ".layers." in n]
     rtn_quantize(model, Plan.uniform(names, recipe), search=False, progress=False)
-    ct.export(model, None, tmp_path / "ct")
+    served_like_lowbit(model, tmp_path / "ct", recipe)
+
+
+def served_like_lowbit(model, out, label: str) -> None:
+    """Export ``model``, serve it, and compare vLLM's log-probabilities with lowbit's own."""
+    ct.export(model, None, out)
     ids = torch.randint(0, VOCAB, (96,), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
         want = torch.log_softmax(model(ids[None]).logits[0, :-1].float(), -1)
-    got = served_logprobs(tmp_path / "ct", ids.tolist())
+    got = served_logprobs(out, ids.tolist())
     assert not got.isnan().any(), "vLLM returned fewer log-probabilities than the vocabulary"
     diff = (got - want).abs()
-    print(f"{recipe}: |vLLM - lowbit| log-prob mean {float(diff.mean()):.2e}, max {float(diff.max()):.2e}")
+    print(f"{label}: |vLLM - lowbit| log-prob mean {float(diff.mean()):.2e}, max {float(diff.max()):.2e}")
     assert float(diff.mean()) < 0.01 and float(diff.max()) < 0.15, (float(diff.mean()), float(diff.max()))
     assert (got.argmax(-1) == want.argmax(-1)).float().mean() > 0.9
+
+
+def tiny_moe():
+    """A Qwen3-MoE vLLM's CPU kernels take (head size 64, hidden and expert width multiples of 128, 8 experts)."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    torch.manual_seed(0)
+    cfg = Qwen3MoeConfig(hidden_size=256, intermediate_size=512, moe_intermediate_size=128, num_experts=8,
+                         num_experts_per_tok=2, norm_topk_prob=True, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, head_dim=64, vocab_size=VOCAB, max_position_embeddings=256,
+                         tie_word_embeddings=False)
+    model = Qwen3MoeForCausalLM(cfg).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_((p * 4 if p.dim() == 3 else p).bfloat16().float())  # experts at the scale of the attention
+    return model
+
+
+def test_vllm_serves_lowbit_moe_export_with_lowbits_logits(tmp_path):
+    """Per-expert W4 g128 experts (vLLM's CompressedTensorsWNA16MoEMethod, CPUExpertsInt4 on AMX: int8 activations)."""
+    from lowbit.plans.source import build_plan
+    from lowbit.ptq import quantize_model
+
+    model = tiny_moe()
+    quantize_model(model, build_plan(model, "w4g128"), "rtn", {"search": False}, progress=False)
+    served_like_lowbit(model, tmp_path / "ct", "moe w4g128")
