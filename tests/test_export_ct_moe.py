@@ -238,3 +238,19 @@ def test_cli_mixed_expert_recipes_refused_by_export_and_by_quantize_export_to(mo
     err = [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("lowbit")]
     assert len(err) == 1 and "gate_up_proj is w4g16 but down_proj is w8g16" in err[0]
     assert not (tmp_path / "ct").exists()
+
+
+@pytest.mark.parametrize("scheme", ("w4g8", "fp8"))
+def test_inspect_counts_every_expert_of_the_export_with_its_recipe(scheme, tmp_path):
+    """Per-expert layers resolve their config group through its ``re:`` target (FP8 ``weight`` keys included)."""
+    from lowbit.api.inspect import inspect
+
+    model = quantized("qwen3_moe", scheme)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # fp8 weight-only experts: vLLM's limit, noted
+        ct.export(model, None, tmp_path / "ct")
+    info = inspect(tmp_path / "ct")
+    assert sum(info["schemes"].values()) == 8 + 2 * 8 * 3 and len(info["schemes"]) == 1  # attention + experts
+    assert "experts" not in info["matmul_weights"]["float"]
+    experts = sum(p.numel() for p in make("qwen3_moe").parameters() if p.dim() == 3)
+    assert info["matmul_weights"]["quantized"]["experts"] == experts

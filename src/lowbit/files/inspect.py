@@ -217,9 +217,14 @@ def inspect_ct(folder: Path) -> tuple[list[LayerInfo], int]:
             inputs[target] = _ct_input_label(group.get("input_activations"))
     keys = ("weight_packed", "weight_scale", "weight_zero_point", "weight_global_scale", "weight")
     layers, qkeys = [], set()
+    patterns = [(re.compile(t[3:]), t) for t in label if t.startswith("re:")]  # per-expert layers: one per layer
+
+    def target(name: str) -> str | None:
+        return name if name in label else next((t for rx, t in patterns if rx.match(name)), None)
+
     stored = [k for k in headers if k.endswith(".weight_packed")]
     stored += [k for k in headers if k.endswith(".weight") and headers[k][1] in ("I8", "F8_E4M3")
-               and k[: -len(".weight")] in label]
+               and target(k[: -len(".weight")]) is not None]
     for key in sorted(stored):
         name = key.rsplit(".", 1)[0]
         out, packed_cols = headers[key][0]
@@ -231,8 +236,9 @@ def inspect_ct(folder: Path) -> tuple[list[LayerInfo], int]:
                 shape = tuple(int(v) for v in st.get_tensor(f"{name}.weight_shape").tolist())
         else:  # nvfp4: two E2M1 codes per byte
             shape = (out, packed_cols * 2)
-        layers.append(LayerInfo(name, label.get(name, qc.get("format", CT)), shape,  # type: ignore[arg-type]
-                                _layer_bits(headers, name, keys, shape), inputs.get(name)))  # type: ignore[arg-type]
+        t = target(name)
+        layers.append(LayerInfo(name, label.get(t, qc.get("format", CT)), shape,  # type: ignore[arg-type]
+                                _layer_bits(headers, name, keys, shape), inputs.get(t)))  # type: ignore[arg-type]
         qkeys |= {f"{name}.{k}" for k in (*keys, "weight_shape", "input_scale", "input_zero_point",
                                            "input_global_scale")}
     return layers, _dense_params(headers, qkeys) + sum(i.shape[0] * i.shape[1] for i in layers)
