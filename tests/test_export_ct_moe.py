@@ -254,3 +254,50 @@ def test_inspect_counts_every_expert_of_the_export_with_its_recipe(scheme, tmp_p
     assert "experts" not in info["matmul_weights"]["float"]
     experts = sum(p.numel() for p in make("qwen3_moe").parameters() if p.dim() == 3)
     assert info["matmul_weights"]["quantized"]["experts"] == experts
+
+
+class _ExpertInputs(torch.nn.Module):
+    """What a stack that quantizes its inputs carries (like a QuantLinear's ``input_quant``): a scheme and one
+    calibrated abs-max per expert. Nothing in lowbit makes these yet; the layout is written for when it does."""
+
+    def __init__(self, scheme, amax):
+        super().__init__()
+        self.scheme = scheme
+        self.register_buffer("amax", amax)
+
+
+@pytest.mark.parametrize("weights, inputs, key", [("fp8", "fp8-static", "input_scale"),
+                                                  ("nvfp4", "nvfp4", "input_global_scale")])
+def test_per_expert_static_input_scales_are_written_per_expert_with_gate_and_up_equal(weights, inputs, key, tmp_path):
+    from lowbit.formats import InputScheme
+    from lowbit.formats.inputs import encode_scale
+
+    model = quantized("qwen3_moe", weights)
+    inp = InputScheme.parse(inputs)
+    amax = {}
+    for name, stack in quant_stacks(model).items():
+        amax[name] = torch.arange(1, 9, dtype=torch.float32) * (2 if name.endswith("down_proj") else 1)
+        stack.input_quant = _ExpertInputs(inp, amax[name])
+    ct.export(model, None, tmp_path / "ct")
+    qc = json.loads((tmp_path / "ct" / "config.json").read_text())["quantization_config"]
+    experts = [g for g in qc["config_groups"].values() if any(".experts" in t for t in g["targets"])]
+    assert len(experts) == 1 and experts[0]["input_activations"]["dynamic"] in (False, "local")
+    with safe_open(str(tmp_path / "ct" / "model.safetensors"), "pt") as f:
+        for e in range(8):
+            g, u, d = (f.get_tensor(f"model.layers.1.mlp.experts.{e}.{p}.{key}")
+                       for p in ("gate_proj", "up_proj", "down_proj"))
+            assert torch.equal(g, u)  # vLLM: "input_scales of w1 and w3 of a layer must be equal"
+            want = encode_scale(inp, amax["model.layers.1.mlp.experts.gate_up_proj"][e]).reshape(1)
+            assert torch.equal(g, want) and not torch.equal(g, d)
+
+
+def test_int8_experts_with_static_input_scales_warn_naming_vllms_limit(tmp_path):
+    from lowbit.formats import InputScheme
+
+    model = quantized("qwen3_moe", "w8")
+    for stack in quant_stacks(model).values():
+        stack.input_quant = _ExpertInputs(InputScheme.parse("int8-static"), torch.ones(8))
+    with pytest.warns(UserWarning, match="dynamic per token"):
+        ct.export(model, None, tmp_path / "ct")
+    with safe_open(str(tmp_path / "ct" / "model.safetensors"), "pt") as f:
+        assert f.get_tensor("model.layers.0.mlp.experts.3.down_proj.weight").dtype == torch.int8  # int-quantized

@@ -378,7 +378,8 @@ def _expert_tensors(stacks: dict[str, QuantStack], targets: dict[str, Target],
         for e in range(stack.num_experts):
             scales = {} if inp is None else static_input(inp, None if amax is None else amax[e])
             for key, q, _ in moe.expert_parts(name, stack.expert(e), e, layout):
-                for k, t in {**layer_tensors(q, targets[name]), **scales}.items():
+                own = {k: v.clone() for k, v in scales.items()}  # gate and up: equal values, their own storage
+                for k, t in {**layer_tensors(q, targets[name]), **own}.items():
                     out[f"{key}.{k}"] = t.cpu()
     return out
 
