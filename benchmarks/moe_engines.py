@@ -34,6 +34,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -166,7 +167,8 @@ def run_child(engine: str, path: Path, windows: Path, python: str) -> dict:
     lines = [ln for ln in p.stdout.splitlines() if ln.startswith("{")]
     if p.returncode != 0 or not lines:
         tail = " | ".join((p.stderr or p.stdout).strip().splitlines()[-3:])[:400]
-        return {"status": "crashed", "returncode": p.returncode, "error": tail, "wall_s": wall}
+        killed = f"killed by {signal.Signals(-p.returncode).name}; " if p.returncode < 0 else ""
+        return {"status": "crashed", "returncode": p.returncode, "error": killed + tail, "wall_s": wall}
     return {"status": "ok", **json.loads(lines[-1]), "wall_s": wall}
 
 
