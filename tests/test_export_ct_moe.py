@@ -84,7 +84,10 @@ def test_experts_written_per_expert_and_read_back_exactly_by_transformers_and_lo
                     assert f"model.layers.{layer}.{block}.experts.{e}.{proj}.{part}" in have
         assert f"model.layers.{layer}.{block}.gate.weight" in have  # the router, 16-bit, under the file's block name
     assert not [k for k in have if k.endswith((".codes", ".scales", "gate_up_proj", "down_proj"))]  # nothing fused
-    qc = json.loads((tmp_path / "ct" / "config.json").read_text())["quantization_config"]
+    config = json.loads((tmp_path / "ct" / "config.json").read_text())
+    assert config["architectures"] == [type(model).__name__]  # vLLM picks its model class by this name
+    assert model.config.architectures is None  # the model's own config is left as it was
+    qc = config["quantization_config"]
     targets = [t for g in qc["config_groups"].values() for t in g["targets"]]
     assert f"re:^model\\.layers\\.0\\.{block}\\.experts\\.\\d+\\.({names[0]}|{names[1]}|{names[2]})$" in targets
     assert f"model.layers.0.{block}.gate" in qc["ignore"]

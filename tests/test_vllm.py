@@ -79,8 +79,8 @@ def test_vllm_serves_lowbit_export_with_lowbits_logits(tmp_path, recipe):
     served_like_lowbit(model, tmp_path / "ct", recipe)
 
 
-def served_like_lowbit(model, out, label: str) -> None:
-    """Export ``model``, serve it, and compare vLLM's log-probabilities with lowbit's own."""
+def served_like_lowbit(model, out, label: str, mean: float = 0.01, most: float = 0.15) -> None:
+    """Export ``model``, serve it, and compare vLLM's log-probabilities with lowbit's own (mean / max bounds)."""
     ct.export(model, None, out)
     ids = torch.randint(0, VOCAB, (96,), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
@@ -89,7 +89,7 @@ def served_like_lowbit(model, out, label: str) -> None:
     assert not got.isnan().any(), "vLLM returned fewer log-probabilities than the vocabulary"
     diff = (got - want).abs()
     print(f"{label}: |vLLM - lowbit| log-prob mean {float(diff.mean()):.2e}, max {float(diff.max()):.2e}")
-    assert float(diff.mean()) < 0.01 and float(diff.max()) < 0.15, (float(diff.mean()), float(diff.max()))
+    assert float(diff.mean()) < mean and float(diff.max()) < most, (float(diff.mean()), float(diff.max()))
     assert (got.argmax(-1) == want.argmax(-1)).float().mean() > 0.9
 
 
@@ -116,4 +116,7 @@ def test_vllm_serves_lowbit_moe_export_with_lowbits_logits(tmp_path):
 
     model = tiny_moe()
     quantize_model(model, build_plan(model, "w4g128"), "rtn", {"search": False}, progress=False)
-    served_like_lowbit(model, tmp_path / "ct", "moe w4g128")
+    # looser than the dense bounds: int8 activations in the experts can flip a near-tied top-2 routing, which moves a
+    # few positions by tenths (measured: mean 0.012, max 0.70; the float model 0.0025 / 0.015). A layout error is
+    # far outside: gate and up swapped gave mean 0.28 and the same argmax at 7 % of the positions
+    served_like_lowbit(model, tmp_path / "ct", "moe w4g128", mean=0.03, most=1.0)

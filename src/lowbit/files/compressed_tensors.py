@@ -355,10 +355,14 @@ def export(model: nn.Module, tokenizer: Any, out: str | Path, force: bool = Fals
     with atomic_dir(Path(out), force=force, kind="compressed-tensors export") as tmp:
         save_file(tensors, str(tmp / WEIGHTS), metadata={"format": "pt"})
         config.quantization_config = qconfig
+        named_arch = getattr(config, "architectures", None)
+        if not named_arch:  # a model built from a config object: engines pick the model class by this name
+            config.architectures = [type(model).__name__]
         try:
             config.save_pretrained(tmp)
         finally:
             del config.quantization_config
+            config.architectures = named_arch
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
     return Path(out)
