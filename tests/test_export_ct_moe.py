@@ -304,3 +304,37 @@ def test_int8_experts_with_static_input_scales_warn_naming_vllms_limit(tmp_path)
         ct.export(model, None, tmp_path / "ct")
     with safe_open(str(tmp_path / "ct" / "model.safetensors"), "pt") as f:
         assert f.get_tensor("model.layers.0.mlp.experts.3.down_proj.weight").dtype == torch.int8  # int-quantized
+
+
+def test_layers_with_different_expert_recipes_export_with_a_transformers_note_and_read_back_exactly(tmp_path):
+    """vLLM serves a recipe per layer; transformers' MoE loader uses the first experts group for every layer (the
+    note says so, and its logits do differ), lowbit's reader takes each layer's own group."""
+    from transformers import AutoModelForCausalLM
+
+    model = make("qwen3_moe")
+    plan = build_plan(model, "w4g8")
+    w8 = build_plan(model, "w8g8")
+    plan = Plan({n: (w8[n] if n.startswith("model.layers.1.mlp.experts") else r) for n, r in plan.layers.items()})
+    quantize_model(model, plan, "rtn", {"search": False}, progress=False)
+    with pytest.warns(UserWarning, match="first experts config group"):
+        ct.export(model, None, tmp_path / "ct")
+    ours = ct.load_decompressed(tmp_path / "ct")
+    same_stacks(model, ours)
+    assert torch.equal(logits(ours), logits(model))
+    theirs = AutoModelForCausalLM.from_pretrained(str(tmp_path / "ct"), dtype=torch.float32).eval()
+    assert not torch.allclose(logits(theirs), logits(model), atol=1e-3)
+
+
+def test_a_layout_lowbit_does_not_rebuild_falls_back_to_transformers_with_a_warning(tmp_path):
+    """Another tool's act-order experts (permuted groups, ``weight_g_idx``): read by transformers, said so."""
+    from safetensors.torch import load_file, save_file
+
+    model = quantized("qwen3_moe", "w4g8")
+    ct.export(model, None, tmp_path / "ct")
+    f = tmp_path / "ct" / "model.safetensors"
+    tensors = load_file(str(f))
+    tensors["model.layers.0.mlp.experts.0.gate_proj.weight_g_idx"] = torch.arange(32).flip(0).int() // 8
+    save_file(tensors, str(f), metadata={"format": "pt"})
+    with pytest.warns(UserWarning, match="decompressed by transformers, not rebuilt code for code.*weight_g_idx"):
+        back = ct.load_decompressed(tmp_path / "ct")
+    assert not quant_stacks(back)

@@ -24,8 +24,8 @@ w1 of ``w13``, ``up_proj`` -> w3, ``down_proj`` -> w2):
 Per-expert rather than fused 3-D tensors because that is what both loaders read for these
 architectures (transformers decompresses per-expert tensors and merges them; vLLM takes
 both) and what every peer writes. gpt-oss is refused: vLLM reads its compressed-tensors
-experts only as fused, interleaved ``w13_*`` tensors and transformers saves and loads its
-experts fused, so no one layout is loaded by both.
+experts only as fused, interleaved ``w13_*`` tensors (whole or per expert) and transformers
+saves and loads its experts fused, so no one layout is loaded by both.
 """
 
 from __future__ import annotations
@@ -43,10 +43,10 @@ from lowbit.formats import InputScheme, QTensor, Scheme
 
 # the fused experts parameters the export splits (transformers 5's concatenated gate/up layout)
 GATE_UP, DOWN = "gate_up_proj", "down_proj"
-GPT_OSS_WHY = ("gpt-oss experts cannot be exported to compressed-tensors: vLLM's gpt-oss loader reads them only as "
-               "fused w13/w2 tensors with gate and up rows interleaved, and transformers saves and loads gpt-oss "
-               "experts fused, so no one per-expert layout loads in both; export it with --to gguf, or keep the "
-               "native checkpoint (`lowbit eval` reads it)")
+GPT_OSS_WHY = ("gpt-oss experts cannot be exported to compressed-tensors: vLLM's gpt-oss loader (_load_weights_other) "
+               "reads them only as fused w13/w2 tensors, whole or per expert, with gate and up rows interleaved, and "
+               "transformers saves and loads gpt-oss experts fused, so the per-expert gate/up/down layout loads in "
+               "neither; keep the native checkpoint (`lowbit eval` reads it) or quantize with --keep experts")
 
 
 @dataclass(frozen=True)

@@ -21,6 +21,7 @@ import inspect
 import json
 import re
 import tempfile
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -76,7 +77,13 @@ def load_decompressed(path: str | Path, dtype: torch.dtype = torch.float32) -> n
         model = _load(Path(tmp), dtype)
     from lowbit.nn.replace import set_module
 
-    for module, q in read_experts(path, config, model, keys, experts, layout).items():
+    try:
+        stacks = read_experts(path, config, model, keys, experts, layout)
+    except CheckpointError as e:  # another tool's layout lowbit does not rebuild: transformers' MoE loader reads it
+        warnings.warn(f"{path}: the experts are decompressed by transformers, not rebuilt code for code ({e})",
+                      stacklevel=2)
+        return _load(path, dtype)
+    for module, q in stacks.items():
         set_module(model, module, q)
     return model.eval()
 
@@ -240,11 +247,14 @@ def qtensor_from(parts: dict[str, torch.Tensor], fmt: str, args: dict, shape: tu
     ng = cols // g
     zeros = tensor_scale = None
     try:
+        if "weight_g_idx" in parts and not torch.equal(parts["weight_g_idx"].long(), torch.arange(cols) // g):
+            raise CheckpointError("its columns are permuted into groups (weight_g_idx, act-order), which lowbit's "
+                                  "groups of consecutive columns do not hold")
         if fmt == "pack-quantized":
             offset = 1 << (s.bits - 1)
             levels = unpack_from_int32(parts["weight_packed"], s.bits, torch.Size([out, cols]))
             codes = (levels.to(torch.int16) + offset).to(torch.uint8)
-            if "weight_zero_point" in parts:
+            if "weight_zero_point" in parts and not s.sym:  # symmetric files may carry all-zero points
                 zp = unpack_from_int32(parts["weight_zero_point"], s.bits, torch.Size([out, ng]), packed_dim=0)
                 zeros = (zp.to(torch.int16) + offset).float()
             scales = parts["weight_scale"].float()
