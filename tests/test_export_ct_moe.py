@@ -338,3 +338,9 @@ def test_a_layout_lowbit_does_not_rebuild_falls_back_to_transformers_with_a_warn
     with pytest.warns(UserWarning, match="decompressed by transformers, not rebuilt code for code.*weight_g_idx"):
         back = ct.load_decompressed(tmp_path / "ct")
     assert not quant_stacks(back)
+
+
+def test_quantize_says_before_tuning_which_expert_plan_vllm_cannot_serve(moe_src, tmp_path, capsys):
+    with pytest.warns(UserWarning, match=r"compressed-tensors export would not load in vLLM: "
+                                         r"model\.layers\.0\.mlp\.experts \(fp8\).*FP8 weights need FP8 inputs"):
+        assert main(["quantize", str(moe_src), "--scheme", "fp8", *FAST, "--out", str(tmp_path / "q")]) == 0
