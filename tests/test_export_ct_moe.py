@@ -134,15 +134,19 @@ def test_asymmetric_and_nvfp4_experts_read_back_exactly_by_lowbit_with_transform
                     assert torch.equal(g, u)
 
 
-def test_mxfp4_and_mxfp8_experts_round_trip(tmp_path):
+def wider_moe():
+    """One Qwen3-MoE layer whose expert widths (64 in, 32 in) hold 32-column blocks."""
     import transformers as tf
 
+    torch.manual_seed(0)
+    return tf.Qwen3MoeForCausalLM(tf.Qwen3MoeConfig(
+        vocab_size=128, hidden_size=64, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=16, intermediate_size=64, moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2))
+
+
+def test_mxfp4_and_mxfp8_experts_round_trip(tmp_path):
     for scheme in ("mxfp4", "mxfp8"):
-        torch.manual_seed(0)
-        model = tf.Qwen3MoeForCausalLM(tf.Qwen3MoeConfig(
-            vocab_size=128, hidden_size=64, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
-            head_dim=16, intermediate_size=64, moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2))
-        model = quantized("qwen3_moe", scheme, model=model)
+        model = quantized("qwen3_moe", scheme, model=wider_moe())
         ct.export(model, None, tmp_path / scheme)
         ours = ct.load_decompressed(tmp_path / scheme)
         same_stacks(model, ours)
@@ -344,3 +348,11 @@ def test_quantize_says_before_tuning_which_expert_plan_vllm_cannot_serve(moe_src
     with pytest.warns(UserWarning, match=r"compressed-tensors export would not load in vLLM: "
                                          r"model\.layers\.0\.mlp\.experts \(fp8\).*FP8 weights need FP8 inputs"):
         assert main(["quantize", str(moe_src), "--scheme", "fp8", *FAST, "--out", str(tmp_path / "q")]) == 0
+
+
+def test_expert_recipe_compressed_tensors_has_no_format_for_is_refused_naming_the_tensor(tmp_path):
+    model = quantized("qwen3_moe", "mxfp6-e2m3", "w4g16", model=wider_moe())
+    with pytest.raises(SchemeError, match=r"model\.layers\.0\.mlp\.experts\.gate_up_proj: scheme mxfp6-e2m3 has no "
+                                          "compressed-tensors format"):
+        ct.export(model, None, tmp_path / "ct")
+    assert list(tmp_path.iterdir()) == []
