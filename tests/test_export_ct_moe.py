@@ -356,3 +356,18 @@ def test_expert_recipe_compressed_tensors_has_no_format_for_is_refused_naming_th
                                           "compressed-tensors format"):
         ct.export(model, None, tmp_path / "ct")
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_file_missing_an_expert_is_one_clear_error_not_a_fallback(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    from lowbit.errors import CheckpointError
+
+    model = quantized("qwen3_moe", "w4g8")
+    ct.export(model, None, tmp_path / "ct")
+    f = tmp_path / "ct" / "model.safetensors"
+    tensors = {k: v for k, v in load_file(str(f)).items() if ".experts.7." not in k or "layers.1" not in k}
+    save_file(tensors, str(f), metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match=r"model\.layers\.1\.mlp\.experts: the file holds experts .* \(7\) but "
+                                              "the config declares 8"):
+        ct.load_decompressed(tmp_path / "ct")

@@ -37,6 +37,12 @@ from lowbit.formats import QTensor, Scheme
 QUANT_METHOD = "compressed-tensors"
 
 
+class ForeignLayout(CheckpointError):
+    """Experts stored in a way lowbit's groups cannot hold code for code (another tool's act-order, a format lowbit
+    has no scheme for): transformers' MoE loader reads them instead. Damage (missing experts, wrong shapes) is a
+    plain `CheckpointError`."""
+
+
 def is_compressed_tensors(config: dict) -> bool:
     """Whether a config.json dict describes a compressed-tensors checkpoint."""
     qc = config.get("quantization_config")
@@ -79,7 +85,7 @@ def load_decompressed(path: str | Path, dtype: torch.dtype = torch.float32) -> n
 
     try:
         stacks = read_experts(path, config, model, keys, experts, layout)
-    except CheckpointError as e:  # another tool's layout lowbit does not rebuild: transformers' MoE loader reads it
+    except ForeignLayout as e:  # another tool's layout lowbit does not rebuild: transformers' MoE loader reads it
         warnings.warn(f"{path}: the experts are decompressed by transformers, not rebuilt code for code ({e})",
                       stacklevel=2)
         return _load(path, dtype)
@@ -228,7 +234,7 @@ def scheme_from(fmt: str, args: dict) -> Scheme:
     elif fmt == "mxfp8-quantized":
         name = "mxfp8"
     else:
-        raise CheckpointError(f"compressed-tensors format {fmt} with {args} has no lowbit scheme to read it into")
+        raise ForeignLayout(f"compressed-tensors format {fmt} with {args} has no lowbit scheme to read it into")
     return Scheme.parse(name)
 
 
@@ -248,8 +254,8 @@ def qtensor_from(parts: dict[str, torch.Tensor], fmt: str, args: dict, shape: tu
     zeros = tensor_scale = None
     try:
         if "weight_g_idx" in parts and not torch.equal(parts["weight_g_idx"].long(), torch.arange(cols) // g):
-            raise CheckpointError("its columns are permuted into groups (weight_g_idx, act-order), which lowbit's "
-                                  "groups of consecutive columns do not hold")
+            raise ForeignLayout(f"{where}: its columns are permuted into groups (weight_g_idx, act-order), which "
+                                "lowbit's groups of consecutive columns do not hold")
         if fmt == "pack-quantized":
             offset = 1 << (s.bits - 1)
             levels = unpack_from_int32(parts["weight_packed"], s.bits, torch.Size([out, cols]))
