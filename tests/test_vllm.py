@@ -79,8 +79,9 @@ def test_vllm_serves_lowbit_export_with_lowbits_logits(tmp_path, recipe):
     served_like_lowbit(model, tmp_path / "ct", recipe)
 
 
-def served_like_lowbit(model, out, label: str, mean: float = 0.01, most: float = 0.15) -> None:
-    """Export ``model``, serve it, and compare vLLM's log-probabilities with lowbit's own (mean / max bounds)."""
+def served_like_lowbit(model, out, label: str, mean: float = 0.01, most: float = 0.15, agree: float = 0.9) -> None:
+    """Export ``model``, serve it, and compare vLLM's log-probabilities with lowbit's own (mean / max bounds, the
+    share of positions with the same most likely token)."""
     ct.export(model, None, out)
     ids = torch.randint(0, VOCAB, (96,), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
@@ -90,7 +91,7 @@ def served_like_lowbit(model, out, label: str, mean: float = 0.01, most: float =
     diff = (got - want).abs()
     print(f"{label}: |vLLM - lowbit| log-prob mean {float(diff.mean()):.2e}, max {float(diff.max()):.2e}")
     assert float(diff.mean()) < mean and float(diff.max()) < most, (float(diff.mean()), float(diff.max()))
-    assert (got.argmax(-1) == want.argmax(-1)).float().mean() > 0.9
+    assert (got.argmax(-1) == want.argmax(-1)).float().mean() > agree
 
 
 def tiny_moe(arch: str = "qwen3_moe"):
@@ -133,6 +134,6 @@ def test_vllm_serves_lowbit_moe_export_with_lowbits_logits(tmp_path, arch):
                    progress=False)
     # looser than the dense bounds: int8 activations in the experts can flip a near-tied top-2 routing, which moves a
     # few positions by up to about one nat (measured mean / max: qwen3_moe 0.012 / 0.70, mixtral 0.013 / 1.09, olmoe
-    # 0.015 / 1.06, qwen2_moe 0.007 / 0.04; the float qwen3_moe 0.0025 / 0.015). A layout error is far outside the
-    # mean bound: gate and up swapped gave mean 0.28 and the same argmax at 7 % of the positions
-    served_like_lowbit(model, tmp_path / "ct", f"{arch} w4g128", mean=0.03, most=2.0)
+    # 0.015 / 1.06, qwen2_moe 0.007 / 0.04; the float qwen3_moe 0.0025 / 0.015; same argmax: mixtral 88 %, the others
+    # above 90 %). A layout error is far outside: gate and up swapped gave mean 0.28 and the same argmax at 7 %
+    served_like_lowbit(model, tmp_path / "ct", f"{arch} w4g128", mean=0.03, most=2.0, agree=0.8)

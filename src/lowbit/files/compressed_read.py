@@ -74,7 +74,8 @@ def load_decompressed(path: str | Path, dtype: torch.dtype = torch.float32) -> n
     files = sorted(path.glob("*.safetensors"))
     keys = {k: f for f in files for k in _keys(f)}
     layout = moe.LAYOUTS.get(config.get("model_type"), moe.STANDARD)
-    experts = moe.expert_keys(list(keys), layout)
+    experts = {m: e for m, e in moe.expert_keys(list(keys), layout).items()  # quantized ones: float stay transformers'
+               if any("weight_scale" in parts for projs in e.values() for parts in projs.values())}
     if not experts:
         return _load(path, dtype)
     with tempfile.TemporaryDirectory(prefix="lowbit-ct-") as tmp:
