@@ -213,8 +213,8 @@ def _group_for(name: str, groups: dict, top_format: str | None) -> tuple[str, di
             hit = re.match(t[3:], name) if t.startswith("re:") else (t == name or "." not in t)
             if hit:
                 if g.get("input_activations"):
-                    raise CheckpointError(f"{name}: experts that quantize their inputs are not read back by lowbit "
-                                          "yet; evaluate the native checkpoint instead")
+                    raise ForeignLayout(f"{name}: experts that quantize their inputs are not rebuilt by lowbit yet "
+                                        "(their inputs run unquantized); evaluate the native checkpoint for those")
                 return g.get("format") or top_format, dict(g["weights"])
     raise CheckpointError(f"{name}: no config group of the file targets it, yet it holds quantized tensors")
 
