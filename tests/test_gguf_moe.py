@@ -1,0 +1,183 @@
+"""GGUF export of mixture-of-experts models: llama.cpp's 3-D expert tensors, read back by gguf-py and llama.cpp.
+
+References: the quantized experts module's own dequantized weights in the float module's layout
+(`QuantExperts.float_weights`), split the way transformers defines gate / up (rows 0..I-1 / I..2I-1,
+gpt-oss: even / odd columns of its transposed tensor) -- independent of the exporter's row cut; gguf-py's
+dequantization of the file; llama.cpp (llama-cpp-python) running the file on the same token ids.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import numpy as np
+import pytest
+import torch
+from gguf_moe_helpers import tiny_moe
+
+gguf = pytest.importorskip("gguf")
+
+from lowbit.errors import LowbitError, ModelError  # noqa: E402
+from lowbit.files import gguf_export as ge  # noqa: E402
+from lowbit.files import targets  # noqa: E402
+from lowbit.files.specs import from_model  # noqa: E402
+from lowbit.nn.quant_experts import QuantExperts  # noqa: E402
+from lowbit.plans.source import build_plan  # noqa: E402
+from lowbit.ptq import quantize_model  # noqa: E402
+
+HAVE_LLAMA_CPP = importlib.util.find_spec("llama_cpp") is not None
+ARCHS = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "gpt_oss")
+GGUF_ARCH = {"qwen3_moe": "qwen3moe", "qwen2_moe": "qwen2moe", "mixtral": "llama", "olmoe": "olmoe",
+             "gpt_oss": "gpt-oss"}
+
+
+def quantized(arch: str, scheme: str, vocab: int = 128, **kw) -> torch.nn.Module:
+    model = tiny_moe(arch, vocab, **kw)
+    quantize_model(model, build_plan(model, scheme), "rtn", {"search": False}, progress=False)
+    return model
+
+
+def reference_experts(mod: QuantExperts, gpt_oss: bool) -> dict[str, torch.Tensor]:
+    """GGUF name suffix -> the [E, out, in] matrices transformers' forward multiplies by (from the module's layout)."""
+    w = mod.float_weights()
+    if gpt_oss:  # [E, H, 2I] interleaved, [E, I, H]
+        gu, down = w["gate_up_proj"], w["down_proj"]
+        return {"ffn_gate_exps": gu[..., ::2].transpose(1, 2), "ffn_up_exps": gu[..., 1::2].transpose(1, 2),
+                "ffn_down_exps": down.transpose(1, 2)}
+    gate, up = w["gate_up_proj"].chunk(2, dim=1)
+    return {"ffn_gate_exps": gate, "ffn_up_exps": up, "ffn_down_exps": w["down_proj"]}
+
+
+def read(path) -> tuple[dict[str, tuple[str, np.ndarray]], dict]:
+    r = gguf.GGUFReader(str(path))
+    tensors = {t.name: (t.tensor_type.name, gguf.quants.dequantize(t.data, t.tensor_type)) for t in r.tensors}
+    return tensors, {k: f.contents() for k, f in r.fields.items() if not k.startswith("tokenizer.")}
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_expert_tensors_read_back_bit_exactly_through_gguf_py(tmp_path, arch):
+    model = quantized(arch, "w4g32")
+    path = tmp_path / "m.gguf"
+    r = ge.export(model, None, path, embeddings="f16")
+    assert r["arch"] == GGUF_ARCH[arch] and not r["requantized"]
+    tensors, meta = read(path)
+    cfg = model.config
+    a = GGUF_ARCH[arch]
+    assert meta[f"{a}.expert_count"] == 8 and meta[f"{a}.expert_used_count"] == 2
+    if arch in ("qwen3_moe", "qwen2_moe", "gpt_oss"):
+        assert meta[f"{a}.expert_feed_forward_length"] == 32
+    if arch == "qwen2_moe":
+        assert meta[f"{a}.expert_shared_feed_forward_length"] == cfg.shared_expert_intermediate_size
+    for layer in range(cfg.num_hidden_layers):
+        mlp = model.model.layers[layer].mlp
+        want = reference_experts(mlp.experts, arch == "gpt_oss")
+        for suffix, w in want.items():
+            kind, got = tensors[f"blk.{layer}.{suffix}.weight"]
+            assert kind == "Q4_0" and got.shape == tuple(w.shape)  # [E, out, in]: ne {in, out, E}
+            assert np.array_equal(got, w.numpy()), suffix
+        router = mlp.router if arch == "gpt_oss" else mlp.gate
+        kind, got = tensors[f"blk.{layer}.ffn_gate_inp.weight"]
+        assert kind == "F32" and np.array_equal(got, router.weight.detach().numpy())
+        if arch == "gpt_oss":  # biases de-interleaved like the weights, router bias, attention sinks
+            gu, down = mlp.experts.gate_up_proj_bias.detach(), mlp.experts.down_proj_bias.detach()
+            for suffix, b in (("ffn_gate_exps", gu[:, ::2]), ("ffn_up_exps", gu[:, 1::2]), ("ffn_down_exps", down)):
+                assert np.array_equal(tensors[f"blk.{layer}.{suffix}.bias"][1], b.numpy())
+            assert np.array_equal(tensors[f"blk.{layer}.ffn_gate_inp.bias"][1], router.bias.detach().numpy())
+            sinks = model.model.layers[layer].self_attn.sinks.detach().numpy()
+            assert np.array_equal(tensors[f"blk.{layer}.attn_sinks.weight"][1], sinks)
+    assert not any(n.endswith(("gate_up_proj", "down_proj")) for n in tensors)  # nothing under HF names
+
+
+@pytest.mark.parametrize(("arch", "scheme", "qtype"), [("qwen3_moe", "q4_k", "Q4_K"), ("gpt_oss", "mxfp4", "MXFP4"),
+                                                       ("mixtral", "q6_k", "Q6_K"), ("olmoe", "w5g32", "Q5_0")])
+def test_kquant_mxfp4_and_asymmetric_experts_are_written_exactly(tmp_path, arch, scheme, qtype):
+    """K-quant super-block scales are per row: the gate/up cut moves them with their rows; gpt-oss's MXFP4 experts
+    are GGML MXFP4 (E8M0 + E2M1 nibbles), not re-quantized."""
+    width = 256 if qtype.endswith("_K") else 64
+    model = quantized(arch, scheme, hidden=width, inter=width, experts=2)
+    path = tmp_path / "m.gguf"
+    ge.export(model, None, path, embeddings="f16")
+    tensors, _ = read(path)
+    want = reference_experts(model.model.layers[1].mlp.experts, arch == "gpt_oss")
+    for suffix, w in want.items():
+        kind, got = tensors[f"blk.1.{suffix}.weight"]
+        assert kind == qtype and np.array_equal(got, w.numpy()), suffix
+
+
+def test_float_experts_kept_by_the_plan_are_written_as_float_3d_tensors(tmp_path):
+    model = tiny_moe("qwen3_moe")
+    plan = build_plan(model, "w4g32")
+    keep = [n for n in plan if n.endswith("down_proj") and ".experts." in n]
+    from lowbit.plans.plan import Plan
+
+    quantize_model(model, Plan({n: s for n, s in plan.layers.items() if n not in keep}), "rtn", {"search": False},
+                   progress=False, keep16=True)
+    path = tmp_path / "m.gguf"
+    ge.export(model, None, path, embeddings="f16")
+    tensors, _ = read(path)
+    kind, got = tensors["blk.0.ffn_down_exps.weight"]
+    w = model.model.layers[0].mlp.experts.float_weights()
+    assert kind == "F32" and "down_proj" not in w
+    down = model.model.layers[0].mlp.experts.down_proj.detach().numpy()
+    assert np.array_equal(got, down) and tensors["blk.0.ffn_gate_exps.weight"][0] == "Q4_0"
+
+
+@pytest.mark.skipif(not HAVE_LLAMA_CPP, reason="llama-cpp-python is not installed in this environment "
+                                               "(`make bench-setup` installs it); llama.cpp cannot run the file here")
+@pytest.mark.parametrize("arch", ARCHS)
+def test_llama_cpp_runs_the_moe_file_with_lowbits_logits(tmp_path, tiny_tokenizer, arch):
+    from benchmarks.llamacpp import open_llama
+
+    vocab = len(tiny_tokenizer)
+    model = quantized(arch, "w8g32", vocab)
+    path = tmp_path / "m.gguf"
+    ge.export(model, tiny_tokenizer, path, embeddings="f16")
+    ids = torch.randint(0, vocab, (1, 24), generator=torch.Generator().manual_seed(3))
+    llm = open_llama(path, 64, 1)
+    llm.eval(ids[0].tolist())
+    have = torch.tensor(np.array(llm.scores[:24]))
+    with torch.no_grad():
+        want = model(ids).logits[0].float()
+    # llama.cpp multiplies Q8_0 weights with 8-bit activations: close, not equal. A wrong expert split, router,
+    # bias or routing normalisation moves the logits by several times this bound (measured: 0.03 vs 0.005)
+    assert (have - want).abs().max() < 0.02
+    assert (have.argmax(-1) == want.argmax(-1)).float().mean() > 0.9
+
+
+def test_moe_architecture_without_a_llama_cpp_mapping_is_refused_by_name_before_any_work(tmp_path):
+    from test_accounting import make
+
+    model = make("deepseek_v3")
+    quantize_model(model, build_plan(model, "w4g8"), "rtn", {"search": False}, progress=False)
+    specs = from_model(model)
+    with pytest.raises(ModelError, match=r"mixture-of-experts models supports qwen3_moe, qwen2_moe, mixtral, olmoe, "
+                                         r"gpt_oss .*not 'deepseek_v3'"):
+        targets.check("gguf", specs, "deepseek_v3")  # what `lowbit export` asks before reading a weight
+    path = tmp_path / "m.gguf"
+    with pytest.raises(ModelError, match="not 'deepseek_v3'"):
+        ge.export(model, None, path)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_routing_llama_cpp_computes_otherwise_is_refused(tmp_path):
+    model = quantized("qwen3_moe", "w4g32")
+    model.config.norm_topk_prob = False
+    with pytest.raises(ModelError, match="norm_topk_prob=False: llama.cpp's qwen3moe graph always renormalises"):
+        ge.export(model, None, tmp_path / "m.gguf")
+    model = quantized("qwen3_moe", "w4g32")
+    model.config.mlp_only_layers = [1]
+    with pytest.raises(ModelError, match="dense MLP layers"):
+        ge.export(model, None, tmp_path / "m.gguf")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_scheme_without_exact_type_on_experts_is_refused_unless_requant(tmp_path):
+    model = quantized("qwen3_moe", "w4g16")
+    with pytest.raises(LowbitError, match="no exact GGUF type"):
+        ge.export(model, None, tmp_path / "m.gguf")
+    r = ge.export(model, None, tmp_path / "m.gguf", allow_requant=True, embeddings="f16")
+    assert "model.layers.0.mlp.experts.gate_up_proj" in r["requantized"]
+    tensors, _ = read(tmp_path / "m.gguf")
+    want = reference_experts(model.model.layers[0].mlp.experts, False)["ffn_up_exps"]
+    kind, got = tensors["blk.0.ffn_up_exps.weight"]
+    assert kind == "Q4_0" and np.abs(got - want.numpy()).max() < 0.1 * np.abs(want.numpy()).max()
