@@ -181,3 +181,61 @@ def test_scheme_without_exact_type_on_experts_is_refused_unless_requant(tmp_path
     want = reference_experts(model.model.layers[0].mlp.experts, False)["ffn_up_exps"]
     kind, got = tensors["blk.0.ffn_up_exps.weight"]
     assert kind == "Q4_0" and np.abs(got - want.numpy()).max() < 0.1 * np.abs(want.numpy()).max()
+
+
+def _mix(arch: str, mix: str, experts: int, layers: int = 8) -> dict[str, str]:
+    from lowbit.plans.source import build_plan as plan_of
+
+    model = tiny_moe(arch, hidden=256, inter=256, experts=experts, layers=layers)
+    return {n.removeprefix("model."): s.name for n, s in plan_of(model, mix).weights().items()}
+
+
+def test_mixes_follow_llama_cpps_expert_rules_on_8_experts():
+    """llama_tensor_get_type (llama-quant.cpp) for n_expert == 8: attn_v and attn_k Q8_0 in every mix, attn_output
+    Q5_K in q2_k/q3_k_s/q3_k_m/q4_k_s/q4_k_m and the base type in the rest; ffn_down(_exps) by its block
+    (use_more_bits of 8 blocks: 0, 3, 6, 7), gate/up at the base type."""
+    p = _mix("mixtral", "q4_k_m", 8)
+    assert {p[f"layers.{i}.self_attn.{x}"] for i in range(8) for x in ("k_proj", "v_proj")} == {"w8g32"}
+    assert {p[f"layers.{i}.self_attn.o_proj"] for i in range(8)} == {"q5_k"}
+    assert {p[f"layers.{i}.self_attn.q_proj"] for i in range(8)} == {"q4_k"}
+    assert [p[f"layers.{i}.mlp.experts.down_proj"] for i in range(8)] == \
+        ["q6_k", "q4_k", "q4_k", "q6_k", "q4_k", "q4_k", "q6_k", "q6_k"]
+    assert {p[f"layers.{i}.mlp.experts.gate_up_proj"] for i in range(8)} == {"q4_k"}
+    q3l = _mix("mixtral", "q3_k_l", 8)
+    assert q3l["layers.0.self_attn.o_proj"] == "q3_k"  # dense q3_k_l would give Q5_K: not with 8 experts
+    assert q3l["layers.5.mlp.experts.down_proj"] == "q5_k" and q3l["layers.5.self_attn.v_proj"] == "w8g32"
+
+
+def test_mixes_on_other_expert_counts_use_the_dense_attention_rules_and_block_indexed_down():
+    """16 experts: no 8-expert bumps; Qwen2-MoE's shared-expert down shares its block's rule (llama.cpp parses the
+    block from both names), its one-row shared-expert gate stays 16-bit (F32 in llama.cpp's files)."""
+    p = _mix("qwen2_moe", "q4_k_m", 16)
+    assert [p[f"layers.{i}.self_attn.v_proj"] for i in range(8)] == \
+        ["q6_k", "q4_k", "q4_k", "q6_k", "q4_k", "q4_k", "q6_k", "q6_k"]
+    assert {p[f"layers.{i}.self_attn.k_proj"] for i in range(8)} == {"q4_k"}
+    for i in range(8):
+        assert p[f"layers.{i}.mlp.shared_expert.down_proj"] == p[f"layers.{i}.mlp.experts.down_proj"]
+    assert [p[f"layers.{i}.mlp.experts.down_proj"] for i in range(8)] == \
+        ["q6_k", "q4_k", "q4_k", "q6_k", "q4_k", "q4_k", "q6_k", "q6_k"]
+    assert not any("shared_expert_gate" in n for n in p)
+    q2 = _mix("qwen2_moe", "gguf:q2_k", 16, layers=2)
+    assert q2["layers.0.self_attn.o_proj"] == "q3_k" and q2["layers.1.mlp.experts.down_proj"] == "q3_k"
+
+
+def test_a_mix_exports_with_llama_cpps_types_for_every_tensor(tmp_path):
+    """The plan's file holds, tensor by tensor, the type `llama_cpp_types` (the same rules read on GGUF names and
+    3-D shapes) gives: the exported types are llama-quantize's."""
+    from lowbit.plans import kmix
+
+    model = tiny_moe("qwen3_moe", hidden=256, inter=256, experts=8, layers=2)
+    quantize_model(model, build_plan(model, "q3_k_m"), "rtn", {"search": False}, progress=False)
+    path = tmp_path / "m.gguf"
+    ge.export(model, None, path, file_type=ge.FILE_TYPES["q3_k_m"])
+    r = gguf.GGUFReader(str(path))
+    have = {t.name: t.tensor_type.name for t in r.tensors}
+    shapes = {t.name: tuple(int(x) for x in reversed(t.shape)) for t in r.tensors}
+    want = kmix.llama_cpp_types("q3_k_m", shapes, n_gqa=2, n_expert=8)
+    assert want and {n: have[n] for n in want} == want
+    assert have["blk.0.attn_v.weight"] == "Q8_0" and have["blk.1.ffn_gate_inp.weight"] == "F32"
+    # q3_k_m: ffn_down Q5_K below n_layer/16 (none of 2 blocks), else Q4_K; gate/up the base Q3_K
+    assert have["blk.0.ffn_down_exps.weight"] == "Q4_K" and have["blk.0.ffn_up_exps.weight"] == "Q3_K"
