@@ -559,6 +559,10 @@ def transformers_readback(path: Path, config: Any) -> str | None:
     """
     from transformers import AutoConfig
 
+    if getattr(config, "model_type", None) in MOE_ARCHS:
+        return ("transformers' own GGUF loader does not rebuild mixture-of-experts files faithfully (a Mixtral file "
+                "loads as a dense Llama); llama.cpp runs this file, and `lowbit eval` / `lowbit quantize` read it "
+                "back with lowbit's reader (`lowbit.files.gguf_moe_read`)")
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")

@@ -132,6 +132,8 @@ def add_metadata(writer: Any, config: Any) -> None:
         writer.add_sliding_window(int(config.sliding_window))
     if kind in _NORM_TOPK:
         writer.add_expert_weights_norm(_NORM_TOPK[kind])
+    # lowbit's reader rebuilds the model from this (`lowbit.files.gguf_moe_read`): GGUF's keys do not say enough
+    writer.add_string("lowbit.hf_config", config.to_json_string(use_diff=False))
 
 
 def expert_count(config: Any) -> int:
