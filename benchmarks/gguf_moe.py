@@ -1,6 +1,6 @@
 """Perplexity of lowbit's GGUF export of the MoE organism in llama.cpp next to lowbit's own evaluation.
 
-    python -m benchmarks.gguf_moe [--schemes w8g32,w4g32,mxfp4] [--windows 8] [--seqlen 256] [--threads 1]
+    python -m benchmarks.gguf_moe [--schemes w8g32,w4g32,mxfp4,q4_k_m] [--windows 8] [--seqlen 256] [--threads 1]
 
 The MoE organism (`python -m benchmarks.organism --arch qwen3moe`: 4 blocks, 16 experts top-2,
 hidden 128) is quantized with RTN (no search) for each scheme, evaluated by lowbit, exported
@@ -32,7 +32,7 @@ def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m benchmarks.gguf_moe", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--organism", type=Path, default=ORGANISM)
-    p.add_argument("--schemes", default="w8g32,w4g32,mxfp4")
+    p.add_argument("--schemes", default="w8g32,w4g32,mxfp4,q4_k_m")
     p.add_argument("--windows", type=int, default=8)
     p.add_argument("--seqlen", type=int, default=256)
     p.add_argument("--threads", type=int, default=1)

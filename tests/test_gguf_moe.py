@@ -304,3 +304,20 @@ def test_cli_quantize_export_and_eval_the_gguf(tmp_path, monkeypatch, capsys, ti
     from_gguf = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     # the same quantized weights (embeddings quantized by llama.cpp's Q4_0 rule in the file: close, not equal)
     assert abs(from_gguf["ppl"] / native["ppl"] - 1) < 0.05
+
+
+def test_inspect_prices_a_moe_mix_at_llama_cpps_types(tmp_path):
+    """`lowbit inspect` reads the expert count from the file: an 8-expert q4_k_m file has llama.cpp's types (attn_v
+    Q8_0 by the 8-expert rule), so nothing differs and the sizes agree."""
+    from lowbit.api.inspect import llama_cpp_size
+    from lowbit.files.inspect import gguf_layout
+
+    model = tiny_moe("mixtral", hidden=256, inter=256, experts=8, layers=2)
+    quantize_model(model, build_plan(model, "q4_k_m"), "rtn", {"search": False}, progress=False)
+    path = tmp_path / "m.gguf"
+    ge.export(model, None, path, file_type=ge.FILE_TYPES["q4_k_m"])
+    layout = gguf_layout(path)
+    assert layout["n_expert"] == 8
+    got = llama_cpp_size(layout, path.stat().st_size)
+    assert got["types_differ"] == {} and got["size_vs_llama_cpp"] == 1.0
+    assert {t["type"] for t in layout["tensors"] if t["name"].endswith("attn_v.weight")} == {"Q8_0"}
