@@ -7,7 +7,7 @@ import transformers as tf
 
 
 def tiny_moe(arch: str, vocab: int = 128, hidden: int = 64, inter: int = 32, experts: int = 8, layers: int = 2,
-             seed: int = 0) -> torch.nn.Module:
+             seed: int = 0, yarn: bool = False) -> torch.nn.Module:
     """``arch`` with ``experts`` experts (top-2) of ``inter`` rows, in the routing llama.cpp's graph computes.
 
     Norms and biases are perturbed so a dropped bias or a wrong norm shows in the logits.
@@ -28,9 +28,12 @@ def tiny_moe(arch: str, vocab: int = 128, hidden: int = 64, inter: int = 32, exp
         cfg = tf.OlmoeConfig(**{k: v for k, v in common.items() if k not in ("head_dim", "num_key_value_heads")},
                              num_key_value_heads=4, intermediate_size=inter,
                              num_experts=experts, pad_token_id=0, eos_token_id=1)
-    elif arch == "gpt_oss":  # plain rope: lowbit's GGUF export writes no YaRN scaling
-        cfg = tf.GptOssConfig(**common, intermediate_size=inter, num_local_experts=experts,
-                              rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+    elif arch == "gpt_oss":  # yarn: gpt-oss's own rope (factor 32 over 4096 positions), else plain rope
+        rope = {"rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                "truncate": False, "original_max_position_embeddings": 4096} if yarn else \
+            {"rope_type": "default", "rope_theta": 10000.0}
+        cfg = tf.GptOssConfig(**{**common, "max_position_embeddings": 131072 if yarn else 256},
+                              intermediate_size=inter, num_local_experts=experts, rope_parameters=rope)
     else:
         raise ValueError(arch)
     model = tf.AutoModelForCausalLM.from_config(cfg).eval()

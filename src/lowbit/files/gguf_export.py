@@ -214,10 +214,31 @@ def _rope_theta(config: Any) -> float:
     if isinstance(params, dict) and isinstance(params.get("full_attention"), dict):
         params = params["full_attention"]  # Gemma-3: the global layers' rope (llama.cpp's freq_base)
     kind = params.get("rope_type", "default") if isinstance(params, dict) else "default"
+    if kind == "yarn" and getattr(config, "model_type", None) in YARN_ARCHS:  # written by `_add_yarn`
+        kind = "default"
     if kind != "default":
         raise ModelError(f"rope type {kind!r} has no GGUF mapping in lowbit yet; only plain rope is exported")
     theta = params.get("rope_theta") if isinstance(params, dict) else None
     return float(theta if theta is not None else getattr(config, "rope_theta", 10000.0))
+
+
+# model types whose YaRN rope llama.cpp computes as transformers does (checked against llama.cpp's logits)
+YARN_ARCHS = ("gpt_oss",)
+
+
+def _add_yarn(writer: Any, config: Any) -> None:
+    """YaRN rope scaling keys (gpt-oss ships with it): type, factor, original context, betas."""
+    gguf = _gguf()
+    params = getattr(config, "rope_parameters", None) or {}
+    if not isinstance(params, dict) or params.get("rope_type") != "yarn":
+        return
+    writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+    writer.add_rope_scaling_factor(float(params["factor"]))
+    writer.add_rope_scaling_orig_ctx_len(int(params.get("original_max_position_embeddings") or 4096))
+    for key, add in (("beta_fast", writer.add_rope_scaling_yarn_beta_fast),
+                     ("beta_slow", writer.add_rope_scaling_yarn_beta_slow)):
+        if params.get(key) is not None:
+            add(float(params[key]))
 
 
 def arch_of(config: Any, moe: bool = False) -> Arch:
@@ -258,6 +279,8 @@ def add_model_metadata(writer: Any, config: Any, name: str, arch: Arch | None = 
         writer.add_key_length(hd)
         writer.add_value_length(hd)
     writer.add_rope_freq_base(_rope_theta(config))
+    if config.model_type in YARN_ARCHS:
+        _add_yarn(writer, config)
     writer.add_layer_norm_rms_eps(float(config.rms_norm_eps))
     writer.add_vocab_size(int(config.vocab_size))
     if config.model_type in MOE_ARCHS:
