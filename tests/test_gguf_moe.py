@@ -345,3 +345,26 @@ def test_gpt_oss_yarn_rope_is_written_as_llama_cpp_reads_it(tmp_path, tiny_token
     with torch.no_grad():
         want = model(ids).logits[0].float()
     assert (have - want).abs().max() < 0.001
+
+
+@pytest.mark.skipif(not HAVE_LLAMA_CPP, reason="llama-cpp-python is not installed in this environment "
+                                               "(`make bench-setup` installs it); llama.cpp's quantizer cannot run here")
+@pytest.mark.parametrize(("arch", "experts"), [("mixtral", 8), ("qwen2_moe", 4)])
+def test_llama_cpps_own_quantizer_types_every_tensor_as_lowbits_rules_do(tmp_path, arch, experts):
+    """llama_model_quantize on lowbit's float GGUF (F32 3-D experts) picks, for every tensor of every mix, the type
+    `llama_cpp_types` (the rules the mix plans follow) gives: the 8-expert bumps, block-indexed ffn_down_exps and
+    ffn_down_shexp, gate/up exps at the base type, routers and the shared-expert gate untouched."""
+    from benchmarks.gguf import llamacpp_quantize
+    from lowbit.plans import kmix
+
+    model = tiny_moe(arch, 256, hidden=256, inter=256, experts=experts, layers=4)  # more bits in blocks 2, 3
+    ge.export(model, None, tmp_path / "f.gguf")
+    for mix in ("q4_k_m", "gguf:q2_k"):
+        llamacpp_quantize(tmp_path / "f.gguf", tmp_path / "q.gguf", mix, 1, embeddings="llama.cpp")
+        r = gguf.GGUFReader(str(tmp_path / "q.gguf"))
+        have = {t.name: t.tensor_type.name for t in r.tensors}
+        shapes = {t.name: tuple(int(x) for x in reversed(t.shape)) for t in r.tensors}
+        want = kmix.llama_cpp_types(mix, shapes, n_gqa=2, n_expert=experts)
+        assert len(want) == 2 + 4 * (4 + (6 if arch == "qwen2_moe" else 3))  # every matmul weight but the routers
+        assert {n: have[n] for n in want} == want, mix
+        assert have["blk.0.ffn_gate_inp.weight"] == "F32"
