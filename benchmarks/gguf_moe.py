@@ -8,7 +8,10 @@ to GGUF (qwen3moe: 3-D ffn_*_exps tensors, exact Q8_0 / Q4_0 / MXFP4 blocks, emb
 they are so the file holds exactly the evaluated weights), and run by llama.cpp
 (llama-cpp-python) on the same token ids: its custom tokenizer plays no part. llama.cpp
 multiplies quantized weights by 8-bit-quantized activations, so a small gap is expected; a
-wrong expert split or routing would show as a large one. Rows go to
+wrong expert split or routing would show as a large one. For the llama.cpp mixes (q4_k_m ...) a
+second row runs llama.cpp's own quantizer (``llama_model_quantize``) on lowbit's float GGUF of the
+organism: the same tensor types (lowbit's mix plan follows llama.cpp's MoE rules), its own
+rounding. Rows go to
 benchmarks/results/gguf_moe.json (``--out``), keyed by (scheme, tool, seed).
 """
 
@@ -24,6 +27,7 @@ import time
 from pathlib import Path
 
 from benchmarks.common import require_peer
+from benchmarks.gguf import FTYPES
 
 ORGANISM = Path.home() / ".cache" / "lowbit" / "organism-moe"
 
@@ -78,6 +82,8 @@ def main(argv: list[str] | None = None) -> dict:
             row["llamacpp_seconds"] = round(time.perf_counter() - t0, 1)
         row["rel_gap"] = round(row["ppl_llamacpp"] / row["ppl_lowbit"] - 1, 5)
         rows.append(row)
+        if scheme in FTYPES:
+            rows.append(llamacpp_row(lm.model, lm.tokenizer, scheme, win, args.threads, row["types"], base))
         print(f"{scheme:8s} lowbit {row['ppl_lowbit']:.4f}  llama.cpp {row['ppl_llamacpp']:.4f}  "
               f"gap {100 * row['rel_gap']:+.3f}%  {row['file_bytes']:,} B  {row['types']}", flush=True)
     result = {"organism": str(args.organism), "windows": args.windows, "seqlen": args.seqlen,
@@ -85,6 +91,30 @@ def main(argv: list[str] | None = None) -> dict:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1) + "\n")
     return result
+
+
+def llamacpp_row(model, tokenizer, mix: str, win, threads: int, lowbit_types: dict, base: float) -> dict:
+    """llama.cpp's own quantizer on lowbit's float GGUF of the organism (F32 experts), embeddings kept as in lowbit's
+    file: its per-type tensor counts must equal lowbit's mix file's, its perplexity is the peer's."""
+    from benchmarks.gguf import gguf_types, llamacpp_quantize
+    from benchmarks.llamacpp import llamacpp_nll
+    from lowbit.files import gguf_export
+
+    with tempfile.TemporaryDirectory() as tmp:
+        src, out = Path(tmp) / "float.gguf", Path(tmp) / f"{mix}.gguf"
+        gguf_export.export(model, tokenizer, src)
+        t0 = time.perf_counter()
+        llamacpp_quantize(src, out, mix, threads, embeddings="f16")
+        row = {"scheme": mix, "tool": "llama.cpp-quantize", "seed": 0, "ppl_float": base,
+               "quantize_seconds": round(time.perf_counter() - t0, 1), "types": gguf_types(out),
+               "file_bytes": out.stat().st_size}
+        nll, n = llamacpp_nll(out, win, threads)
+    row["ppl_llamacpp"] = math.exp(nll / n)
+    theirs = {k: v for k, v in row["types"].items() if k not in ("F16", "F32")}
+    row["same_types_as_lowbit"] = theirs == {k: v for k, v in lowbit_types.items() if k not in ("F16", "F32")}
+    print(f"{mix:8s} llama.cpp's own quantizer: llama.cpp {row['ppl_llamacpp']:.4f}  {row['file_bytes']:,} B  "
+          f"{row['types']}  same types as lowbit: {row['same_types_as_lowbit']}", flush=True)
+    return row
 
 
 def _version() -> str:

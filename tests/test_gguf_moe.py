@@ -54,6 +54,18 @@ def read(path) -> tuple[dict[str, tuple[str, np.ndarray]], dict]:
     return tensors, {k: f.contents() for k, f in r.fields.items() if not k.startswith("tokenizer.")}
 
 
+def llama_cpp_and_lowbit_logits(path, model: torch.nn.Module, vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """llama.cpp's and lowbit's logits of the same 24 token ids (llama.cpp on plain CPU buffers: see open_llama)."""
+    from benchmarks.llamacpp import open_llama
+
+    ids = torch.randint(0, vocab, (1, 24), generator=torch.Generator().manual_seed(3))
+    llm = open_llama(path, 64, 1)
+    llm.eval(ids[0].tolist())
+    have = torch.tensor(np.array(llm.scores[:24]))
+    with torch.no_grad():
+        return have, model(ids).logits[0].float()
+
+
 @pytest.mark.parametrize("arch", ARCHS)
 def test_expert_tensors_read_back_bit_exactly_through_gguf_py(tmp_path, arch):
     model = quantized(arch, "w4g32")
@@ -126,18 +138,11 @@ def test_float_experts_kept_by_the_plan_are_written_as_float_3d_tensors(tmp_path
                                                "(`make bench-setup` installs it); llama.cpp cannot run the file here")
 @pytest.mark.parametrize("arch", ARCHS)
 def test_llama_cpp_runs_the_moe_file_with_lowbits_logits(tmp_path, tiny_tokenizer, arch):
-    from benchmarks.llamacpp import open_llama
-
     vocab = len(tiny_tokenizer)
     model = quantized(arch, "w8g32", vocab)
     path = tmp_path / "m.gguf"
     ge.export(model, tiny_tokenizer, path, embeddings="f16")
-    ids = torch.randint(0, vocab, (1, 24), generator=torch.Generator().manual_seed(3))
-    llm = open_llama(path, 64, 1)
-    llm.eval(ids[0].tolist())
-    have = torch.tensor(np.array(llm.scores[:24]))
-    with torch.no_grad():
-        want = model(ids).logits[0].float()
+    have, want = llama_cpp_and_lowbit_logits(path, model, vocab)
     # llama.cpp multiplies Q8_0 weights with 8-bit activations: close, not equal. A wrong expert split, router,
     # bias or routing normalisation moves the logits by several times this bound (measured: 0.03 vs 0.005)
     assert (have - want).abs().max() < 0.02
@@ -328,8 +333,6 @@ def test_inspect_prices_a_moe_mix_at_llama_cpps_types(tmp_path):
 def test_gpt_oss_yarn_rope_is_written_as_llama_cpp_reads_it(tmp_path, tiny_tokenizer):
     """gpt-oss ships YaRN (factor 32 over 4096 positions): the file says so, and llama.cpp's logits follow it
     (measured max |diff| 0.0006 with the keys, 0.0015 without them: plain rope)."""
-    from benchmarks.llamacpp import open_llama
-
     vocab = len(tiny_tokenizer)
     model = tiny_moe("gpt_oss", vocab, yarn=True)
     quantize_model(model, build_plan(model, "w8g32"), "rtn", {"search": False}, progress=False)
@@ -338,12 +341,7 @@ def test_gpt_oss_yarn_rope_is_written_as_llama_cpp_reads_it(tmp_path, tiny_token
     _, meta = read(path)
     assert meta["gpt-oss.rope.scaling.type"] == "yarn" and meta["gpt-oss.rope.scaling.factor"] == 32.0
     assert meta["gpt-oss.rope.scaling.original_context_length"] == 4096
-    ids = torch.randint(0, vocab, (1, 24), generator=torch.Generator().manual_seed(3))
-    llm = open_llama(path, 64, 1)
-    llm.eval(ids[0].tolist())
-    have = torch.tensor(np.array(llm.scores[:24]))
-    with torch.no_grad():
-        want = model(ids).logits[0].float()
+    have, want = llama_cpp_and_lowbit_logits(path, model, vocab)
     assert (have - want).abs().max() < 0.001
 
 
