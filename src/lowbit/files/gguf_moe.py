@@ -18,6 +18,7 @@ otherwise is refused before anything is written: the file would compute another 
 
 from __future__ import annotations
 
+import json
 import re
 from dataclasses import dataclass
 from typing import Any
@@ -133,7 +134,9 @@ def add_metadata(writer: Any, config: Any) -> None:
     if kind in _NORM_TOPK:
         writer.add_expert_weights_norm(_NORM_TOPK[kind])
     # lowbit's reader rebuilds the model from this (`lowbit.files.gguf_moe_read`): GGUF's keys do not say enough
-    writer.add_string("lowbit.hf_config", config.to_json_string(use_diff=False))
+    cfg = json.loads(config.to_json_string(use_diff=False))
+    cfg.pop("quantization_config", None)  # the file's weights are GGUF blocks; the reader builds a float model
+    writer.add_string("lowbit.hf_config", json.dumps(cfg))
 
 
 def expert_count(config: Any) -> int:
