@@ -1,6 +1,7 @@
 """Perplexity of lowbit's GGUF export of the MoE organism in llama.cpp next to lowbit's own evaluation.
 
     python -m benchmarks.gguf_moe [--schemes w8g32,w4g32,mxfp4,q4_k_m] [--windows 8] [--seqlen 256] [--threads 1]
+    python -m benchmarks.gguf_moe --schemes q4_k_m,w4g32 --search    # lowbit's RTN with its importance search
 
 The MoE organism (`python -m benchmarks.organism --arch qwen3moe`: 4 blocks, 16 experts top-2,
 hidden 128) is quantized with RTN (no search) for each scheme, evaluated by lowbit, exported
@@ -40,6 +41,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--windows", type=int, default=8)
     p.add_argument("--seqlen", type=int, default=256)
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--search", action="store_true", help="RTN with lowbit's importance search (default: plain RTN)")
     p.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "gguf_moe.json")
     return p
 
@@ -69,8 +71,9 @@ def main(argv: list[str] | None = None) -> dict:
     base = perplexity(lm.model, ids, args.seqlen, args.windows, progress=False).ppl
     for scheme in args.schemes.split(","):
         model = copy.deepcopy(lm.model)
-        quantize_model(model, build_plan(model, scheme), "rtn", {"search": False}, progress=False)
-        row = {"scheme": scheme, "tool": "lowbit-gguf", "seed": 0, "ppl_float": base,
+        quantize_model(model, build_plan(model, scheme), "rtn", {"search": args.search}, progress=False)
+        row = {"scheme": scheme, "tool": "lowbit-gguf" + ("-search" if args.search else ""), "seed": 0,
+               "ppl_float": base,
                "ppl_lowbit": perplexity(model, ids, args.seqlen, args.windows, progress=False).ppl}
         with tempfile.TemporaryDirectory() as tmp:
             out = Path(tmp) / "organism-moe.gguf"
@@ -82,13 +85,17 @@ def main(argv: list[str] | None = None) -> dict:
             row["llamacpp_seconds"] = round(time.perf_counter() - t0, 1)
         row["rel_gap"] = round(row["ppl_llamacpp"] / row["ppl_lowbit"] - 1, 5)
         rows.append(row)
-        if scheme in FTYPES:
+        if scheme in FTYPES and not args.search:
             rows.append(llamacpp_row(lm.model, lm.tokenizer, scheme, win, args.threads, row["types"], base))
         print(f"{scheme:8s} lowbit {row['ppl_lowbit']:.4f}  llama.cpp {row['ppl_llamacpp']:.4f}  "
               f"gap {100 * row['rel_gap']:+.3f}%  {row['file_bytes']:,} B  {row['types']}", flush=True)
     result = {"organism": str(args.organism), "windows": args.windows, "seqlen": args.seqlen,
               "llama_cpp_python": _version(), "rows": rows}
     args.out.parent.mkdir(parents=True, exist_ok=True)
+    if args.out.exists():  # rows of other runs stay, keyed by (scheme, tool, seed)
+        keys = {(r["scheme"], r["tool"], r["seed"]) for r in rows}
+        old = json.loads(args.out.read_text()).get("rows", [])
+        result["rows"] = [r for r in old if (r["scheme"], r["tool"], r["seed"]) not in keys] + rows
     args.out.write_text(json.dumps(result, indent=1) + "\n")
     return result
 
