@@ -52,7 +52,7 @@ def main(argv: list[str] | None = None) -> dict:
     import torch
 
     from benchmarks.llamacpp import llamacpp_nll
-    from benchmarks.organism import load_tokens
+    from benchmarks.organism import load_tokens, spread_windows
     from lowbit.api import build_plan
     from lowbit.eval import perplexity
     from lowbit.eval.perplexity import eval_windows
@@ -71,7 +71,8 @@ def main(argv: list[str] | None = None) -> dict:
     base = perplexity(lm.model, ids, args.seqlen, args.windows, progress=False).ppl
     for scheme in args.schemes.split(","):
         model = copy.deepcopy(lm.model)
-        quantize_model(model, build_plan(model, scheme), "rtn", {"search": args.search}, progress=False)
+        calib = spread_windows(tokens[0], 256, 32) if args.search else None  # the train split: 32 x 256
+        quantize_model(model, build_plan(model, scheme), "rtn", {"search": args.search}, calib=calib, progress=False)
         row = {"scheme": scheme, "tool": "lowbit-gguf" + ("-search" if args.search else ""), "seed": 0,
                "ppl_float": base,
                "ppl_lowbit": perplexity(model, ids, args.seqlen, args.windows, progress=False).ppl}

@@ -194,12 +194,13 @@ def stack_array(qs: list[Any], qtype: str, where: str, exact: bool) -> np.ndarra
     """``uint8 [E, out, bytes]`` GGUF blocks of one expert tensor, verified against lowbit's weights."""
     from lowbit.files.gguf_export import pack_blocks, requantize, verify_blocks, written_values
 
-    out, cols = qs[0].shape
-    if exact:
-        raw = np.stack([pack_blocks(q, qtype, where) for q in qs])
-        verify_blocks(raw.reshape(len(qs) * out, -1), qtype, torch.cat([q.dequantize() for q in qs]), where)
-        return raw
-    w = torch.cat([q.dequantize() for q in qs])
-    raw = requantize(w, qtype)
-    written_values(raw, qtype, tuple(w.shape), where)
-    return raw.reshape(len(qs), out, -1)
+    parts = []
+    for e, q in enumerate(qs):  # one expert at a time: a 128-expert tensor is never held in float at once
+        if exact:
+            raw = pack_blocks(q, qtype, f"{where} expert {e}")
+            verify_blocks(raw, qtype, q.dequantize(), f"{where} expert {e}")
+        else:
+            raw = requantize(q.dequantize(), qtype)
+            written_values(raw, qtype, q.shape, f"{where} expert {e}")
+        parts.append(raw)
+    return np.stack(parts)

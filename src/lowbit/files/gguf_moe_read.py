@@ -29,8 +29,9 @@ CONFIG_KEY = "lowbit.hf_config"
 
 def is_moe_file(reader: Any) -> bool:
     """Whether a GGUF declares experts (``{arch}.expert_count`` > 0)."""
-    arch = reader.fields.get("general.architecture")
-    field = reader.fields.get(f"{arch.contents()}.expert_count") if arch is not None else None
+    fields = getattr(reader, "fields", None) or {}
+    arch = fields.get("general.architecture")
+    field = fields.get(f"{arch.contents()}.expert_count") if arch is not None else None
     return field is not None and int(field.contents()) > 0
 
 
