@@ -366,3 +366,19 @@ def test_llama_cpps_own_quantizer_types_every_tensor_as_lowbits_rules_do(tmp_pat
         assert len(want) == 2 + 4 * (4 + (6 if arch == "qwen2_moe" else 3))  # every matmul weight but the routers
         assert {n: have[n] for n in want} == want, mix
         assert have["blk.0.ffn_gate_inp.weight"] == "F32"
+
+
+def test_cli_export_of_an_unmapped_moe_architecture_is_one_line_and_writes_nothing(tmp_path, capsys, tiny_tokenizer):
+    from test_accounting import _save
+
+    from lowbit.cli import main
+
+    src = _save("deepseek_v3", tmp_path / "src", tiny_tokenizer)
+    fast = ["--method", "rtn", "--no-search", "--no-eval", "--json"]
+    assert main(["quantize", str(src), "--scheme", "w4g8", *fast, "--out", str(tmp_path / "q")]) == 0
+    capsys.readouterr()
+    out = tmp_path / "m.gguf"
+    assert main(["export", str(tmp_path / "q"), "--to", "gguf", "--out", str(out)]) == 2
+    err = [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("lowbit")]
+    assert len(err) == 1 and "not 'deepseek_v3'" in err[0] and "qwen3_moe, qwen2_moe, mixtral, olmoe, gpt_oss" in err[0]
+    assert not out.exists() and sorted(p.name for p in tmp_path.iterdir()) == ["q", "src"]
