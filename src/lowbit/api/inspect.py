@@ -36,7 +36,8 @@ def llama_cpp_size(layout: dict[str, Any], file_bytes: int) -> dict[str, Any]:
         return {"file_type": layout["file_type"], "note": "not a llama.cpp file type lowbit reproduces "
                 "(the mixes q2_k ... q6_k, Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0): no size to compare"}
     tensors = layout["tensors"]
-    theirs = llama_cpp_types(ftype, {t["name"]: tuple(t["shape"]) for t in tensors}, layout["n_gqa"])
+    theirs = llama_cpp_types(ftype, {t["name"]: tuple(t["shape"]) for t in tensors}, layout["n_gqa"],
+                             layout.get("n_expert", 0))
     stored = sum(t["bytes"] for t in tensors)
     expected = sum(tensor_bytes(theirs[t["name"]], t["shape"]) if t["name"] in theirs else t["bytes"]
                    for t in tensors)

@@ -46,7 +46,7 @@ import torch
 from torch import nn
 
 from lowbit.errors import LowbitError, ModelError, SchemeError
-from lowbit.files import gguf_types, targets
+from lowbit.files import gguf_moe, gguf_types, targets
 from lowbit.files.gguf_kquants import pack_kquant
 from lowbit.files.gguf_read import head_dim
 from lowbit.files.specs import LayerSpec, from_model, refuse_rotations
@@ -55,6 +55,7 @@ from lowbit.formats.finite import require_finite
 from lowbit.io import atomic_file
 from lowbit.nn import quant_layers
 from lowbit.nn.input_rotation import refuse_online_rotations
+from lowbit.nn.quant_experts import QuantExperts, quant_stacks
 
 # every GGUF lowbit writes carries this key, so --force can tell its own files from others
 MARKER_KEY = "lowbit.written_by"
@@ -80,8 +81,15 @@ ARCH_MAP = {
     "qwen2": Arch("qwen2", False, 0.0, False, "qwen2"),
     "qwen3": Arch("qwen3", False, 0.0, True, "qwen2"),
     "gemma3_text": Arch("gemma3", False, 1.0, True, "default"),
+    # mixture-of-experts models (`lowbit.files.gguf_moe`): 3-D ffn_*_exps tensors, expert counts in the metadata
+    "qwen3_moe": Arch("qwen3moe", False, 0.0, True, "qwen2"),
+    "qwen2_moe": Arch("qwen2moe", False, 0.0, False, "qwen2"),
+    "mixtral": Arch("llama", True, 0.0, False, "default"),
+    "olmoe": Arch("olmoe", False, 0.0, False, "default"),
+    "gpt_oss": Arch("gpt-oss", False, 0.0, True, "default"),
 }
 ARCHS = tuple(ARCH_MAP)
+MOE_ARCHS = tuple(gguf_moe.MOE_ARCHS)
 # general.file_type of llama.cpp's mixes (gguf.LlamaFileType), for readers that show it
 FILE_TYPES = {"q2_k_s": 21, "gguf:q2_k": 10, "q3_k_s": 11, "q3_k_m": 12, "q3_k_l": 13, "q4_k_s": 14, "q4_k_m": 15,
               "q5_k_s": 16, "q5_k_m": 17, "gguf:q6_k": 18, "q4_0": 2, "q4_1": 3, "q8_0": 7, "q5_0": 8, "q5_1": 9}
@@ -206,19 +214,48 @@ def _rope_theta(config: Any) -> float:
     if isinstance(params, dict) and isinstance(params.get("full_attention"), dict):
         params = params["full_attention"]  # Gemma-3: the global layers' rope (llama.cpp's freq_base)
     kind = params.get("rope_type", "default") if isinstance(params, dict) else "default"
+    if kind == "yarn" and getattr(config, "model_type", None) in YARN_ARCHS:  # written by `_add_yarn`
+        kind = "default"
     if kind != "default":
         raise ModelError(f"rope type {kind!r} has no GGUF mapping in lowbit yet; only plain rope is exported")
     theta = params.get("rope_theta") if isinstance(params, dict) else None
     return float(theta if theta is not None else getattr(config, "rope_theta", 10000.0))
 
 
-def arch_of(config: Any) -> Arch:
+# model types whose YaRN rope llama.cpp computes as transformers does (checked against llama.cpp's logits)
+YARN_ARCHS = ("gpt_oss",)
+
+
+def _add_yarn(writer: Any, config: Any) -> None:
+    """YaRN rope scaling keys (gpt-oss ships with it): type, factor, original context, betas."""
+    gguf = _gguf()
+    params = getattr(config, "rope_parameters", None) or {}
+    if not isinstance(params, dict) or params.get("rope_type") != "yarn":
+        return
+    writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+    writer.add_rope_scaling_factor(float(params["factor"]))
+    writer.add_rope_scaling_orig_ctx_len(int(params.get("original_max_position_embeddings") or 4096))
+    for key, add in (("beta_fast", writer.add_rope_scaling_yarn_beta_fast),
+                     ("beta_slow", writer.add_rope_scaling_yarn_beta_slow)):
+        if params.get(key) is not None:
+            add(float(params[key]))
+
+
+def arch_of(config: Any, moe: bool = False) -> Arch:
     """The llama.cpp architecture of a model config; anything else is refused, naming the supported list."""
-    return arch_for(getattr(config, "model_type", None))
+    return arch_for(getattr(config, "model_type", None), moe)
 
 
-def arch_for(kind: str | None) -> Arch:
-    """The llama.cpp architecture of a ``model_type``; anything else is refused, naming the supported list."""
+def arch_for(kind: str | None, moe: bool = False) -> Arch:
+    """The llama.cpp architecture of a ``model_type``; anything else is refused, naming the supported list.
+
+    ``moe``: the model has fused experts, so only the architectures with a llama.cpp MoE mapping qualify.
+    """
+    if moe and kind not in MOE_ARCHS:
+        raise ModelError(f"GGUF export of mixture-of-experts models supports {', '.join(MOE_ARCHS)} (llama.cpp's "
+                         f"{', '.join(sorted(set(gguf_moe.MOE_ARCHS.values())))}), not {kind!r}: lowbit has no "
+                         "mapping of its experts onto llama.cpp's tensors; export it with --to compressed-tensors "
+                         "or keep lowbit's native checkpoint")
     if kind not in ARCH_MAP:
         raise ModelError(f"GGUF export supports {', '.join(ARCHS)} models, not {kind!r}; export this model "
                          "with --to compressed-tensors, or quantize a model of a supported architecture")
@@ -242,8 +279,12 @@ def add_model_metadata(writer: Any, config: Any, name: str, arch: Arch | None = 
         writer.add_key_length(hd)
         writer.add_value_length(hd)
     writer.add_rope_freq_base(_rope_theta(config))
+    if config.model_type in YARN_ARCHS:
+        _add_yarn(writer, config)
     writer.add_layer_norm_rms_eps(float(config.rms_norm_eps))
     writer.add_vocab_size(int(config.vocab_size))
+    if config.model_type in MOE_ARCHS:
+        gguf_moe.add_metadata(writer, config)
     if arch.gguf == "gemma3":
         if getattr(config, "final_logit_softcapping", None):
             writer.add_final_logit_softcapping(float(config.final_logit_softcapping))
@@ -352,6 +393,13 @@ def plan_types(model: nn.Module, allow_requant: bool = False) -> dict[str, Tenso
         if t is not None and not exact:
             rounded.append(name)
         out[name] = TensorPlan(name, t or requant_type(layer.scheme), exact)
+    for name, stack in quant_stacks(model).items():
+        t = exact_type(stack.scheme, stack.in_features)
+        exact = t is not None and (t not in ("Q4_1", "Q5_1") or all(q4_1_exact(stack.expert(e))
+                                                                     for e in range(stack.num_experts)))
+        if t is not None and not exact:
+            rounded.append(name)
+        out[name] = TensorPlan(name, t or requant_type(stack.scheme), exact)
     if rounded and not allow_requant:
         raise SchemeError(f"{len(rounded)} asymmetric layer(s), e.g. {rounded[0]}: Q4_1/Q5_1 store the block "
                           "minimum in fp16 and -zero*scale is not an fp16 number for some groups, so the export "
@@ -427,7 +475,7 @@ def dense_blocks(t: torch.Tensor, allow_f16: bool = False) -> tuple[np.ndarray, 
     or with ``allow_f16`` (--allow-requant) is rounded to F16.
     """
     t = t.detach().float().contiguous()
-    if t.dim() == 2:
+    if t.dim() >= 2:
         for dt, name in ((torch.float16, "F16"), (torch.bfloat16, "BF16")):
             narrow = t.to(dt)
             if torch.equal(narrow.float(), t):
@@ -449,7 +497,9 @@ def _dense_tensor(key: str, t: torch.Tensor, config: Any, arch: Arch, allow_f16:
 def _tensor_name_map(arch: Arch, config: Any) -> Any:
     gguf = _gguf()
     kind = {"llama": gguf.MODEL_ARCH.LLAMA, "qwen2": gguf.MODEL_ARCH.QWEN2, "qwen3": gguf.MODEL_ARCH.QWEN3,
-            "gemma3": gguf.MODEL_ARCH.GEMMA3}[arch.gguf]
+            "gemma3": gguf.MODEL_ARCH.GEMMA3, "qwen3moe": gguf.MODEL_ARCH.QWEN3MOE,
+            "qwen2moe": gguf.MODEL_ARCH.QWEN2MOE, "olmoe": gguf.MODEL_ARCH.OLMOE,
+            "gpt-oss": gguf.MODEL_ARCH.GPT_OSS}[arch.gguf]
     return gguf.get_tensor_name_map(kind, config.num_hidden_layers)
 
 
@@ -469,7 +519,10 @@ def export(model: nn.Module, tokenizer: Any, out: str | Path, force: bool = Fals
     gguf = _gguf()
     out = Path(out)
     config = model.config
-    arch = arch_of(config)
+    moe = gguf_moe.is_moe(model)
+    arch = arch_of(config, moe)
+    if moe:
+        gguf_moe.check_config(config)
     if out.exists() and not (force and written_by_lowbit(out)):
         raise LowbitError(f"{out} already exists and is not a GGUF lowbit wrote; choose another --out"
                           if force else f"{out} already exists; choose another --out or pass --force to replace it")
@@ -477,6 +530,7 @@ def export(model: nn.Module, tokenizer: Any, out: str | Path, force: bool = Fals
         raise SchemeError(f"embeddings={embeddings!r}: choose one of {', '.join(EMBEDDINGS)}")
     types = plan_types(model, allow_requant)
     qlayers = quant_layers(model)
+    stacks = quant_stacks(model)
     ftype = file_type_of(file_type, types)
     file_type = FILE_TYPES.get(ftype or "", file_type)
     embeds = embedding_plan(model, ftype) if embeddings == "llama.cpp" else {}
@@ -498,7 +552,8 @@ def export(model: nn.Module, tokenizer: Any, out: str | Path, force: bool = Fals
         writer.write_tensors_to_file(progress=False)
         writer.close()
     result = {"out": str(out), "arch": arch.gguf, "types": counts,
-              "verified": sum(p.exact for p in types.values()) + len(embeds),
+              "verified": sum(p.exact * (2 if n in stacks and n.endswith("gate_up_proj") else 1)
+                              for n, p in types.items()) + len(embeds),
               "requantized": sorted(n for n, p in types.items() if not p.exact)}
     fallback = sorted(n for n, layer in qlayers.items() if layer.in_features % 256 and
                       any(lay.scheme.family.name == "kquant" for lay in qlayers.values())
@@ -527,6 +582,10 @@ def transformers_readback(path: Path, config: Any) -> str | None:
     """
     from transformers import AutoConfig
 
+    if getattr(config, "model_type", None) in MOE_ARCHS:
+        return ("transformers' own GGUF loader does not rebuild mixture-of-experts files faithfully (a Mixtral file "
+                "loads as a dense Llama); llama.cpp runs this file, and `lowbit eval` / `lowbit quantize` read it "
+                "back with lowbit's reader (`lowbit.files.gguf_moe_read`)")
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
@@ -632,12 +691,19 @@ def _add_tensors(writer: Any, model: nn.Module, qlayers: dict, types: dict[str, 
     counts: dict[str, int] = {}
     rounded: list[str] = []
     own = {f"{n}.{k}" for n in qlayers for k in ("codes", "scales", "zeros", "tensor_scale")}
+    own |= gguf_moe.owned_keys(model)
     seen: set[tuple] = set()
     for key, t in model.state_dict().items():
         ident = (t.data_ptr(), tuple(t.shape), t.dtype)
         if key in own or (t.numel() and ident in seen) or "rotary_emb" in key:
             continue
         seen.add(ident)
+        if gguf_moe.is_router(key) or key.endswith("self_attn.sinks"):  # F32, as llama.cpp's converter writes them
+            require_finite([(key, t)], "GGUF export", "nothing was written: the checkpoint's weights are not finite")
+            name = _gguf_name(name_map, key) + (".weight" if key.endswith(".sinks") else "")
+            writer.add_tensor(name, t.detach().float().contiguous().numpy())
+            counts["F32"] = counts.get("F32", 0) + 1
+            continue
         if key in embeds:
             raw = embedding_array(key, t, embeds[key], imps.get(key))
             writer.add_tensor(_gguf_name(name_map, key), raw, raw_dtype=gguf.GGMLQuantizationType[embeds[key]])
@@ -657,4 +723,40 @@ def _add_tensors(writer: Any, model: nn.Module, qlayers: dict, types: dict[str, 
         arr, qtype = _layer_array(layer, name, types[name], model.config, arch)
         writer.add_tensor(_gguf_name(name_map, f"{name}.weight"), arr, raw_dtype=gguf.GGMLQuantizationType[qtype])
         counts[qtype] = counts.get(qtype, 0) + 1
+    for name, mod in gguf_moe.experts_modules(model).items():
+        for gname, arr, qtype in _expert_arrays(name, mod, types, model.config, allow_f16):
+            writer.add_tensor(gname, arr, raw_dtype=None if qtype in ("F32", "F16") else
+                              gguf.GGMLQuantizationType[qtype])
+            counts[qtype] = counts.get(qtype, 0) + 1
     return counts, rounded
+
+
+def _expert_arrays(name: str, mod: nn.Module, types: dict[str, TensorPlan], config: Any, allow_f16: bool
+                   ) -> list[tuple[str, np.ndarray, str]]:
+    """(GGUF name, array, type) of one experts module's ``ffn_*_exps`` tensors and biases (`lowbit.files.gguf_moe`).
+
+    Quantized stacks are packed expert by expert and verified like a Linear; float experts (kept by a plan)
+    take the narrowest float type that holds them, biases F32.
+    """
+    block = gguf_moe.block_of(name)
+    inter = gguf_moe.interleaved(getattr(config, "model_type", None))
+    stacks = mod.stacks() if isinstance(mod, QuantExperts) else {}
+    out = []
+    for part in gguf_moe.PARTS:
+        gname = f"blk.{block}.{part.gguf}"
+        stack = stacks.get(part.param)
+        if stack is not None:
+            plan = types[f"{name}.{part.param}"]
+            rows = gguf_moe.part_rows(part, stack.out_features, inter)
+            arr = gguf_moe.stack_array(gguf_moe.stack_rows(stack, rows), plan.qtype, gname, plan.exact)
+            out.append((f"{gname}.weight", arr, plan.qtype))
+        else:
+            w = gguf_moe.float_rows(mod, part, inter)
+            require_finite([(gname, w)], "GGUF export", "nothing was written: the checkpoint's weights are not finite")
+            arr, kind = dense_blocks(w, allow_f16)
+            out.append((f"{gname}.weight", arr, "F16" if kind.startswith("F16") else kind))
+        bias = gguf_moe.bias_rows(mod, part, inter)
+        if bias is not None:
+            require_finite([(gname, bias)], "GGUF export", "nothing was written: the checkpoint's biases are not finite")
+            out.append((f"{gname}.bias", bias.contiguous().numpy(), "F32"))
+    return out

@@ -284,7 +284,7 @@ def gguf_layout(path: Path) -> dict[str, Any]:
     tensors = [{"name": t.name, "type": t.tensor_type.name, "shape": [int(d) for d in reversed(t.shape)],
                 "bytes": int(t.n_bytes)} for t in reader.tensors]
     return {"file_type": field("general.file_type"), "n_gqa": (heads // kv) if heads and kv else 1,
-            "tensors": tensors}
+            "n_expert": int(field(f"{arch}.expert_count") or 0), "tensors": tensors}
 
 
 def _tensor_shapes(p: Path, fmt: str) -> dict[str, list[int]]:

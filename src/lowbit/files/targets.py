@@ -13,7 +13,7 @@ named, the run is refused instead).
 | ``native`` | lowbit | every layer lowbit quantizes | `lowbit quantize` (`lowbit.files.native`) |
 | ``transformers`` | ``from_pretrained`` after ``import lowbit`` | what ``native`` holds (it reads that folder), quantized experts not yet | the same folder (`lowbit.files.hf_quantizer`) |
 | ``compressed-tensors`` | vLLM, transformers | INT and FP weight recipes vLLM runs, their input schemes; quantized experts per expert (Qwen3-MoE, Qwen2-MoE, OLMoE, Mixtral; one recipe per MoE layer; not gpt-oss) | `lowbit export --to compressed-tensors` |
-| ``gguf`` | llama.cpp | weight-only schemes with an exact GGUF type (others with ``--allow-requant``); quantized experts not yet | `lowbit export --to gguf` |
+| ``gguf`` | llama.cpp | weight-only schemes with an exact GGUF type (others with ``--allow-requant``); experts of the MoE architectures llama.cpp maps (`lowbit.files.gguf_moe`) | `lowbit export --to gguf` |
 
 A new target is one entry here plus its writer module. This module stays light (no torch
 at import): the command line reads the names for its ``--to`` / ``--export-to`` choices;
@@ -95,11 +95,9 @@ def _ct_write(model: Any, tokenizer: Any, out: Path, request: WriteRequest) -> d
 
 def _gguf_check(specs: list[LayerSpec], model_type: str | None, allow_requant: bool) -> None:
     from lowbit.files import gguf_export
-    from lowbit.files.specs import refuse_experts
 
-    refuse_experts(specs, "GGUF")
     if model_type is not None:
-        gguf_export.arch_for(model_type)
+        gguf_export.arch_for(model_type, moe=any(s.experts for s in specs))
     gguf_export.check_specs(specs, allow_requant)
 
 

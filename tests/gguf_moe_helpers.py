@@ -1,0 +1,44 @@
+"""Tiny random mixture-of-experts models of each architecture GGUF export maps, built from transformers configs."""
+
+from __future__ import annotations
+
+import torch
+import transformers as tf
+
+
+def tiny_moe(arch: str, vocab: int = 128, hidden: int = 64, inter: int = 32, experts: int = 8, layers: int = 2,
+             seed: int = 0, yarn: bool = False) -> torch.nn.Module:
+    """``arch`` with ``experts`` experts (top-2) of ``inter`` rows, in the routing llama.cpp's graph computes.
+
+    Norms and biases are perturbed so a dropped bias or a wrong norm shows in the logits.
+    """
+    torch.manual_seed(seed)
+    common = dict(vocab_size=vocab, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=hidden // 4, max_position_embeddings=256, num_experts_per_tok=2,
+                  tie_word_embeddings=False)
+    if arch == "qwen3_moe":  # llama.cpp's qwen3moe always renormalises the top-k weights (as Qwen3 ships)
+        cfg = tf.Qwen3MoeConfig(**common, intermediate_size=2 * inter, moe_intermediate_size=inter, num_experts=experts,
+                                norm_topk_prob=True)
+    elif arch == "qwen2_moe":
+        cfg = tf.Qwen2MoeConfig(**common, intermediate_size=2 * inter, moe_intermediate_size=inter,
+                                shared_expert_intermediate_size=2 * inter, num_experts=experts)
+    elif arch == "mixtral":
+        cfg = tf.MixtralConfig(**common, intermediate_size=inter, num_local_experts=experts, sliding_window=None)
+    elif arch == "olmoe":
+        cfg = tf.OlmoeConfig(**{k: v for k, v in common.items() if k not in ("head_dim", "num_key_value_heads")},
+                             num_key_value_heads=4, intermediate_size=inter,
+                             num_experts=experts, pad_token_id=0, eos_token_id=1)
+    elif arch == "gpt_oss":  # yarn: gpt-oss's own rope (factor 32 over 4096 positions), else plain rope
+        rope = {"rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                "truncate": False, "original_max_position_embeddings": 4096} if yarn else \
+            {"rope_type": "default", "rope_theta": 10000.0}
+        cfg = tf.GptOssConfig(**{**common, "max_position_embeddings": 131072 if yarn else 256},
+                              intermediate_size=inter, num_local_experts=experts, rope_parameters=rope)
+    else:
+        raise ValueError(arch)
+    model = tf.AutoModelForCausalLM.from_config(cfg).eval()
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if n.endswith("norm.weight") or n.endswith("bias") or n.endswith("sinks"):
+                p.add_(torch.randn_like(p) * 0.1)
+    return model

@@ -1,0 +1,384 @@
+"""GGUF export of mixture-of-experts models: llama.cpp's 3-D expert tensors, read back by gguf-py and llama.cpp.
+
+References: the quantized experts module's own dequantized weights in the float module's layout
+(`QuantExperts.float_weights`), split the way transformers defines gate / up (rows 0..I-1 / I..2I-1,
+gpt-oss: even / odd columns of its transposed tensor) -- independent of the exporter's row cut; gguf-py's
+dequantization of the file; llama.cpp (llama-cpp-python) running the file on the same token ids.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import numpy as np
+import pytest
+import torch
+from gguf_moe_helpers import tiny_moe
+
+gguf = pytest.importorskip("gguf")
+
+from lowbit.errors import LowbitError, ModelError  # noqa: E402
+from lowbit.files import gguf_export as ge  # noqa: E402
+from lowbit.files import targets  # noqa: E402
+from lowbit.files.specs import from_model  # noqa: E402
+from lowbit.nn.quant_experts import QuantExperts  # noqa: E402
+from lowbit.plans.source import build_plan  # noqa: E402
+from lowbit.ptq import quantize_model  # noqa: E402
+
+HAVE_LLAMA_CPP = importlib.util.find_spec("llama_cpp") is not None
+ARCHS = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "gpt_oss")
+GGUF_ARCH = {"qwen3_moe": "qwen3moe", "qwen2_moe": "qwen2moe", "mixtral": "llama", "olmoe": "olmoe",
+             "gpt_oss": "gpt-oss"}
+
+
+def quantized(arch: str, scheme: str, vocab: int = 128, **kw) -> torch.nn.Module:
+    model = tiny_moe(arch, vocab, **kw)
+    quantize_model(model, build_plan(model, scheme), "rtn", {"search": False}, progress=False)
+    return model
+
+
+def reference_experts(mod: QuantExperts, gpt_oss: bool) -> dict[str, torch.Tensor]:
+    """GGUF name suffix -> the [E, out, in] matrices transformers' forward multiplies by (from the module's layout)."""
+    w = mod.float_weights()
+    if gpt_oss:  # [E, H, 2I] interleaved, [E, I, H]
+        gu, down = w["gate_up_proj"], w["down_proj"]
+        return {"ffn_gate_exps": gu[..., ::2].transpose(1, 2), "ffn_up_exps": gu[..., 1::2].transpose(1, 2),
+                "ffn_down_exps": down.transpose(1, 2)}
+    gate, up = w["gate_up_proj"].chunk(2, dim=1)
+    return {"ffn_gate_exps": gate, "ffn_up_exps": up, "ffn_down_exps": w["down_proj"]}
+
+
+def read(path) -> tuple[dict[str, tuple[str, np.ndarray]], dict]:
+    r = gguf.GGUFReader(str(path))
+    tensors = {t.name: (t.tensor_type.name, gguf.quants.dequantize(t.data, t.tensor_type)) for t in r.tensors}
+    return tensors, {k: f.contents() for k, f in r.fields.items() if not k.startswith("tokenizer.")}
+
+
+def llama_cpp_and_lowbit_logits(path, model: torch.nn.Module, vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """llama.cpp's and lowbit's logits of the same 24 token ids (llama.cpp on plain CPU buffers: see open_llama)."""
+    from benchmarks.llamacpp import open_llama
+
+    ids = torch.randint(0, vocab, (1, 24), generator=torch.Generator().manual_seed(3))
+    llm = open_llama(path, 64, 1)
+    llm.eval(ids[0].tolist())
+    have = torch.tensor(np.array(llm.scores[:24]))
+    with torch.no_grad():
+        return have, model(ids).logits[0].float()
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_expert_tensors_read_back_bit_exactly_through_gguf_py(tmp_path, arch):
+    model = quantized(arch, "w4g32")
+    path = tmp_path / "m.gguf"
+    r = ge.export(model, None, path, embeddings="f16")
+    assert r["arch"] == GGUF_ARCH[arch] and not r["requantized"]
+    tensors, meta = read(path)
+    cfg = model.config
+    a = GGUF_ARCH[arch]
+    assert meta[f"{a}.expert_count"] == 8 and meta[f"{a}.expert_used_count"] == 2
+    if arch in ("qwen3_moe", "qwen2_moe", "gpt_oss"):
+        assert meta[f"{a}.expert_feed_forward_length"] == 32
+    if arch == "qwen2_moe":
+        assert meta[f"{a}.expert_shared_feed_forward_length"] == cfg.shared_expert_intermediate_size
+    for layer in range(cfg.num_hidden_layers):
+        mlp = model.model.layers[layer].mlp
+        want = reference_experts(mlp.experts, arch == "gpt_oss")
+        for suffix, w in want.items():
+            kind, got = tensors[f"blk.{layer}.{suffix}.weight"]
+            assert kind == "Q4_0" and got.shape == tuple(w.shape)  # [E, out, in]: ne {in, out, E}
+            assert np.array_equal(got, w.numpy()), suffix
+        router = mlp.router if arch == "gpt_oss" else mlp.gate
+        kind, got = tensors[f"blk.{layer}.ffn_gate_inp.weight"]
+        assert kind == "F32" and np.array_equal(got, router.weight.detach().numpy())
+        if arch == "gpt_oss":  # biases de-interleaved like the weights, router bias, attention sinks
+            gu, down = mlp.experts.gate_up_proj_bias.detach(), mlp.experts.down_proj_bias.detach()
+            for suffix, b in (("ffn_gate_exps", gu[:, ::2]), ("ffn_up_exps", gu[:, 1::2]), ("ffn_down_exps", down)):
+                assert np.array_equal(tensors[f"blk.{layer}.{suffix}.bias"][1], b.numpy())
+            assert np.array_equal(tensors[f"blk.{layer}.ffn_gate_inp.bias"][1], router.bias.detach().numpy())
+            sinks = model.model.layers[layer].self_attn.sinks.detach().numpy()
+            assert np.array_equal(tensors[f"blk.{layer}.attn_sinks.weight"][1], sinks)
+    assert not any(n.endswith(("gate_up_proj", "down_proj")) for n in tensors)  # nothing under HF names
+
+
+@pytest.mark.parametrize(("arch", "scheme", "qtype"), [("qwen3_moe", "q4_k", "Q4_K"), ("gpt_oss", "mxfp4", "MXFP4"),
+                                                       ("mixtral", "q6_k", "Q6_K"), ("olmoe", "w5g32", "Q5_0")])
+def test_kquant_mxfp4_and_asymmetric_experts_are_written_exactly(tmp_path, arch, scheme, qtype):
+    """K-quant super-block scales are per row: the gate/up cut moves them with their rows; gpt-oss's MXFP4 experts
+    are GGML MXFP4 (E8M0 + E2M1 nibbles), not re-quantized."""
+    width = 256 if qtype.endswith("_K") else 64
+    model = quantized(arch, scheme, hidden=width, inter=width, experts=2)
+    path = tmp_path / "m.gguf"
+    ge.export(model, None, path, embeddings="f16")
+    tensors, _ = read(path)
+    want = reference_experts(model.model.layers[1].mlp.experts, arch == "gpt_oss")
+    for suffix, w in want.items():
+        kind, got = tensors[f"blk.1.{suffix}.weight"]
+        assert kind == qtype and np.array_equal(got, w.numpy()), suffix
+
+
+def test_float_experts_kept_by_the_plan_are_written_as_float_3d_tensors(tmp_path):
+    model = tiny_moe("qwen3_moe")
+    plan = build_plan(model, "w4g32")
+    keep = [n for n in plan if n.endswith("down_proj") and ".experts." in n]
+    from lowbit.plans.plan import Plan
+
+    quantize_model(model, Plan({n: s for n, s in plan.layers.items() if n not in keep}), "rtn", {"search": False},
+                   progress=False, keep16=True)
+    path = tmp_path / "m.gguf"
+    ge.export(model, None, path, embeddings="f16")
+    tensors, _ = read(path)
+    kind, got = tensors["blk.0.ffn_down_exps.weight"]
+    w = model.model.layers[0].mlp.experts.float_weights()
+    assert kind == "F32" and "down_proj" not in w
+    down = model.model.layers[0].mlp.experts.down_proj.detach().numpy()
+    assert np.array_equal(got, down) and tensors["blk.0.ffn_gate_exps.weight"][0] == "Q4_0"
+
+
+@pytest.mark.skipif(not HAVE_LLAMA_CPP, reason="llama-cpp-python is not installed in this environment "
+                                               "(`make bench-setup` installs it); llama.cpp cannot run the file here")
+@pytest.mark.parametrize("arch", ARCHS)
+def test_llama_cpp_runs_the_moe_file_with_lowbits_logits(tmp_path, tiny_tokenizer, arch):
+    vocab = len(tiny_tokenizer)
+    model = quantized(arch, "w8g32", vocab)
+    path = tmp_path / "m.gguf"
+    ge.export(model, tiny_tokenizer, path, embeddings="f16")
+    have, want = llama_cpp_and_lowbit_logits(path, model, vocab)
+    # llama.cpp multiplies Q8_0 weights with 8-bit activations: close, not equal. A wrong expert split, router,
+    # bias or routing normalisation moves the logits by several times this bound (measured: 0.03 vs 0.005)
+    assert (have - want).abs().max() < 0.02
+    assert (have.argmax(-1) == want.argmax(-1)).float().mean() > 0.9
+
+
+def test_moe_architecture_without_a_llama_cpp_mapping_is_refused_by_name_before_any_work(tmp_path):
+    from test_accounting import make
+
+    model = make("deepseek_v3")
+    quantize_model(model, build_plan(model, "w4g8"), "rtn", {"search": False}, progress=False)
+    specs = from_model(model)
+    with pytest.raises(ModelError, match=r"mixture-of-experts models supports qwen3_moe, qwen2_moe, mixtral, olmoe, "
+                                         r"gpt_oss .*not 'deepseek_v3'"):
+        targets.check("gguf", specs, "deepseek_v3")  # what `lowbit export` asks before reading a weight
+    path = tmp_path / "m.gguf"
+    with pytest.raises(ModelError, match="not 'deepseek_v3'"):
+        ge.export(model, None, path)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_routing_llama_cpp_computes_otherwise_is_refused(tmp_path):
+    model = quantized("qwen3_moe", "w4g32")
+    model.config.norm_topk_prob = False
+    with pytest.raises(ModelError, match="norm_topk_prob=False: llama.cpp's qwen3moe graph always renormalises"):
+        ge.export(model, None, tmp_path / "m.gguf")
+    model = quantized("qwen3_moe", "w4g32")
+    model.config.mlp_only_layers = [1]
+    with pytest.raises(ModelError, match="dense MLP layers"):
+        ge.export(model, None, tmp_path / "m.gguf")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_scheme_without_exact_type_on_experts_is_refused_unless_requant(tmp_path):
+    model = quantized("qwen3_moe", "w4g16")
+    with pytest.raises(LowbitError, match="no exact GGUF type"):
+        ge.export(model, None, tmp_path / "m.gguf")
+    r = ge.export(model, None, tmp_path / "m.gguf", allow_requant=True, embeddings="f16")
+    assert "model.layers.0.mlp.experts.gate_up_proj" in r["requantized"]
+    tensors, _ = read(tmp_path / "m.gguf")
+    want = reference_experts(model.model.layers[0].mlp.experts, False)["ffn_up_exps"]
+    kind, got = tensors["blk.0.ffn_up_exps.weight"]
+    assert kind == "Q4_0" and np.abs(got - want.numpy()).max() < 0.1 * np.abs(want.numpy()).max()
+
+
+def _mix(arch: str, mix: str, experts: int, layers: int = 8) -> dict[str, str]:
+    from lowbit.plans.source import build_plan as plan_of
+
+    model = tiny_moe(arch, hidden=256, inter=256, experts=experts, layers=layers)
+    return {n.removeprefix("model."): s.name for n, s in plan_of(model, mix).weights().items()}
+
+
+def test_mixes_follow_llama_cpps_expert_rules_on_8_experts():
+    """llama_tensor_get_type (llama-quant.cpp) for n_expert == 8: attn_v and attn_k Q8_0 in every mix, attn_output
+    Q5_K in q2_k/q3_k_s/q3_k_m/q4_k_s/q4_k_m and the base type in the rest; ffn_down(_exps) by its block
+    (use_more_bits of 8 blocks: 0, 3, 6, 7), gate/up at the base type."""
+    p = _mix("mixtral", "q4_k_m", 8)
+    assert {p[f"layers.{i}.self_attn.{x}"] for i in range(8) for x in ("k_proj", "v_proj")} == {"w8g32"}
+    assert {p[f"layers.{i}.self_attn.o_proj"] for i in range(8)} == {"q5_k"}
+    assert {p[f"layers.{i}.self_attn.q_proj"] for i in range(8)} == {"q4_k"}
+    assert [p[f"layers.{i}.mlp.experts.down_proj"] for i in range(8)] == \
+        ["q6_k", "q4_k", "q4_k", "q6_k", "q4_k", "q4_k", "q6_k", "q6_k"]
+    assert {p[f"layers.{i}.mlp.experts.gate_up_proj"] for i in range(8)} == {"q4_k"}
+    q3l = _mix("mixtral", "q3_k_l", 8)
+    assert q3l["layers.0.self_attn.o_proj"] == "q3_k"  # dense q3_k_l would give Q5_K: not with 8 experts
+    assert q3l["layers.5.mlp.experts.down_proj"] == "q5_k" and q3l["layers.5.self_attn.v_proj"] == "w8g32"
+
+
+def test_mixes_on_other_expert_counts_use_the_dense_attention_rules_and_block_indexed_down():
+    """16 experts: no 8-expert bumps; Qwen2-MoE's shared-expert down shares its block's rule (llama.cpp parses the
+    block from both names), its one-row shared-expert gate stays 16-bit (F32 in llama.cpp's files)."""
+    p = _mix("qwen2_moe", "q4_k_m", 16)
+    assert [p[f"layers.{i}.self_attn.v_proj"] for i in range(8)] == \
+        ["q6_k", "q4_k", "q4_k", "q6_k", "q4_k", "q4_k", "q6_k", "q6_k"]
+    assert {p[f"layers.{i}.self_attn.k_proj"] for i in range(8)} == {"q4_k"}
+    for i in range(8):
+        assert p[f"layers.{i}.mlp.shared_expert.down_proj"] == p[f"layers.{i}.mlp.experts.down_proj"]
+    assert [p[f"layers.{i}.mlp.experts.down_proj"] for i in range(8)] == \
+        ["q6_k", "q4_k", "q4_k", "q6_k", "q4_k", "q4_k", "q6_k", "q6_k"]
+    assert not any("shared_expert_gate" in n for n in p)
+    q2 = _mix("qwen2_moe", "gguf:q2_k", 16, layers=2)
+    assert q2["layers.0.self_attn.o_proj"] == "q3_k" and q2["layers.1.mlp.experts.down_proj"] == "q3_k"
+
+
+def test_a_mix_exports_with_llama_cpps_types_for_every_tensor(tmp_path):
+    """The plan's file holds, tensor by tensor, the type `llama_cpp_types` (the same rules read on GGUF names and
+    3-D shapes) gives: the exported types are llama-quantize's."""
+    from lowbit.plans import kmix
+
+    model = tiny_moe("qwen3_moe", hidden=256, inter=256, experts=8, layers=2)
+    quantize_model(model, build_plan(model, "q3_k_m"), "rtn", {"search": False}, progress=False)
+    path = tmp_path / "m.gguf"
+    ge.export(model, None, path, file_type=ge.FILE_TYPES["q3_k_m"])
+    r = gguf.GGUFReader(str(path))
+    have = {t.name: t.tensor_type.name for t in r.tensors}
+    shapes = {t.name: tuple(int(x) for x in reversed(t.shape)) for t in r.tensors}
+    want = kmix.llama_cpp_types("q3_k_m", shapes, n_gqa=2, n_expert=8)
+    assert want and {n: have[n] for n in want} == want
+    assert have["blk.0.attn_v.weight"] == "Q8_0" and have["blk.1.ffn_gate_inp.weight"] == "F32"
+    # q3_k_m: ffn_down Q5_K below n_layer/16 (none of 2 blocks), else Q4_K; gate/up the base Q3_K
+    assert have["blk.0.ffn_down_exps.weight"] == "Q4_K" and have["blk.0.ffn_up_exps.weight"] == "Q3_K"
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_lowbit_reads_its_moe_gguf_back_into_fused_experts_with_the_same_logits(tmp_path, monkeypatch, tiny_tokenizer,
+                                                                                 arch):
+    """transformers' GGUF loader rebuilds these wrongly (Mixtral as a dense Llama): lowbit's reader inverts its own
+    mapping, so the float model it builds computes the quantized model's logits bit for bit."""
+    from lowbit.models.accounting import is_fused_experts
+    from lowbit.models.loading import load_model
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    model = quantized(arch, "w4g32", len(tiny_tokenizer))
+    path = tmp_path / "m.gguf"
+    with pytest.warns(UserWarning, match="does not rebuild mixture-of-experts files faithfully"):
+        ge.export(model, tiny_tokenizer, path, embeddings="f16")
+    back = load_model(str(path))
+    assert type(back.model) is type(model) and sum(is_fused_experts(m) for m in back.model.modules()) == 2
+    ids = torch.randint(0, len(tiny_tokenizer), (2, 16), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        assert torch.equal(back.model(ids).logits, model(ids).logits)
+    assert back.tokenizer("def f(x): return x")["input_ids"] == tiny_tokenizer("def f(x): return x")["input_ids"]
+
+
+def test_a_moe_gguf_lowbit_did_not_write_is_refused_in_one_line(tmp_path, monkeypatch):
+    from lowbit.models.loading import load_model
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    path = tmp_path / "mixtral.gguf"
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_block_count(1)
+    w.add_expert_count(8)
+    w.add_expert_used_count(2)
+    w.add_tensor("token_embd.weight", np.zeros((4, 32), np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(ModelError, match="mixture-of-experts GGUF lowbit did not write"):
+        load_model(str(path))
+
+
+def test_cli_quantize_export_and_eval_the_gguf(tmp_path, monkeypatch, capsys, tiny_tokenizer):
+    """`lowbit quantize` -> `lowbit export --to gguf` -> `lowbit eval file.gguf` on a Qwen3-MoE folder."""
+    import json
+
+    from lowbit.cli import main
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    src = tmp_path / "src"
+    tiny_moe("qwen3_moe", len(tiny_tokenizer)).save_pretrained(src)
+    tiny_tokenizer.save_pretrained(src)
+    fast = ["--method", "rtn", "--no-search", "--no-eval", "--json"]
+    assert main(["quantize", str(src), "--scheme", "w4g32", *fast, "--out", str(tmp_path / "q")]) == 0
+    capsys.readouterr()
+    assert main(["export", str(tmp_path / "q"), "--to", "gguf", "--out", str(tmp_path / "m.gguf")]) == 0
+    capsys.readouterr()
+    tensors, meta = read(tmp_path / "m.gguf")
+    assert tensors["blk.1.ffn_down_exps.weight"][0] == "Q4_0" and meta["qwen3moe.expert_count"] == 8
+    args = ["--windows", "1", "--seqlen", "32", "--json"]
+    assert main(["eval", str(tmp_path / "q"), *args]) == 0
+    native = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert main(["eval", str(tmp_path / "m.gguf"), *args]) == 0
+    from_gguf = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    # the same quantized weights (embeddings quantized by llama.cpp's Q4_0 rule in the file: close, not equal)
+    assert abs(from_gguf["ppl"] / native["ppl"] - 1) < 0.05
+
+
+def test_inspect_prices_a_moe_mix_at_llama_cpps_types(tmp_path):
+    """`lowbit inspect` reads the expert count from the file: an 8-expert q4_k_m file has llama.cpp's types (attn_v
+    Q8_0 by the 8-expert rule), so nothing differs and the sizes agree."""
+    from lowbit.api.inspect import llama_cpp_size
+    from lowbit.files.inspect import gguf_layout
+
+    model = tiny_moe("mixtral", hidden=256, inter=256, experts=8, layers=2)
+    quantize_model(model, build_plan(model, "q4_k_m"), "rtn", {"search": False}, progress=False)
+    path = tmp_path / "m.gguf"
+    ge.export(model, None, path, file_type=ge.FILE_TYPES["q4_k_m"])
+    layout = gguf_layout(path)
+    assert layout["n_expert"] == 8
+    got = llama_cpp_size(layout, path.stat().st_size)
+    assert got["types_differ"] == {} and got["size_vs_llama_cpp"] == 1.0
+    assert {t["type"] for t in layout["tensors"] if t["name"].endswith("attn_v.weight")} == {"Q8_0"}
+
+
+@pytest.mark.skipif(not HAVE_LLAMA_CPP, reason="llama-cpp-python is not installed in this environment "
+                                               "(`make bench-setup` installs it); llama.cpp cannot run the file here")
+def test_gpt_oss_yarn_rope_is_written_as_llama_cpp_reads_it(tmp_path, tiny_tokenizer):
+    """gpt-oss ships YaRN (factor 32 over 4096 positions): the file says so, and llama.cpp's logits follow it
+    (measured max |diff| 0.0006 with the keys, 0.0015 without them: plain rope)."""
+    vocab = len(tiny_tokenizer)
+    model = tiny_moe("gpt_oss", vocab, yarn=True)
+    quantize_model(model, build_plan(model, "w8g32"), "rtn", {"search": False}, progress=False)
+    path = tmp_path / "m.gguf"
+    ge.export(model, tiny_tokenizer, path, embeddings="f16")
+    _, meta = read(path)
+    assert meta["gpt-oss.rope.scaling.type"] == "yarn" and meta["gpt-oss.rope.scaling.factor"] == 32.0
+    assert meta["gpt-oss.rope.scaling.original_context_length"] == 4096
+    have, want = llama_cpp_and_lowbit_logits(path, model, vocab)
+    assert (have - want).abs().max() < 0.001
+
+
+@pytest.mark.skipif(not HAVE_LLAMA_CPP, reason="llama-cpp-python is not installed in this environment "
+                                               "(`make bench-setup` installs it); llama.cpp's quantizer cannot run here")
+@pytest.mark.parametrize(("arch", "experts"), [("mixtral", 8), ("qwen2_moe", 4)])
+def test_llama_cpps_own_quantizer_types_every_tensor_as_lowbits_rules_do(tmp_path, arch, experts):
+    """llama_model_quantize on lowbit's float GGUF (F32 3-D experts) picks, for every tensor of every mix, the type
+    `llama_cpp_types` (the rules the mix plans follow) gives: the 8-expert bumps, block-indexed ffn_down_exps and
+    ffn_down_shexp, gate/up exps at the base type, routers and the shared-expert gate untouched."""
+    from benchmarks.gguf import llamacpp_quantize
+    from lowbit.plans import kmix
+
+    model = tiny_moe(arch, 256, hidden=256, inter=256, experts=experts, layers=4)  # more bits in blocks 2, 3
+    ge.export(model, None, tmp_path / "f.gguf")
+    for mix in ("q4_k_m", "gguf:q2_k"):
+        llamacpp_quantize(tmp_path / "f.gguf", tmp_path / "q.gguf", mix, 1, embeddings="llama.cpp")
+        r = gguf.GGUFReader(str(tmp_path / "q.gguf"))
+        have = {t.name: t.tensor_type.name for t in r.tensors}
+        shapes = {t.name: tuple(int(x) for x in reversed(t.shape)) for t in r.tensors}
+        want = kmix.llama_cpp_types(mix, shapes, n_gqa=2, n_expert=experts)
+        assert len(want) == 2 + 4 * (4 + (6 if arch == "qwen2_moe" else 3))  # every matmul weight but the routers
+        assert {n: have[n] for n in want} == want, mix
+        assert have["blk.0.ffn_gate_inp.weight"] == "F32"
+
+
+def test_cli_export_of_an_unmapped_moe_architecture_is_one_line_and_writes_nothing(tmp_path, capsys, tiny_tokenizer):
+    from test_accounting import _save
+
+    from lowbit.cli import main
+
+    src = _save("deepseek_v3", tmp_path / "src", tiny_tokenizer)
+    fast = ["--method", "rtn", "--no-search", "--no-eval", "--json"]
+    assert main(["quantize", str(src), "--scheme", "w4g8", *fast, "--out", str(tmp_path / "q")]) == 0
+    capsys.readouterr()
+    out = tmp_path / "m.gguf"
+    assert main(["export", str(tmp_path / "q"), "--to", "gguf", "--out", str(out)]) == 2
+    err = [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("lowbit")]
+    assert len(err) == 1 and "not 'deepseek_v3'" in err[0] and "qwen3_moe, qwen2_moe, mixtral, olmoe, gpt_oss" in err[0]
+    assert not out.exists() and sorted(p.name for p in tmp_path.iterdir()) == ["q", "src"]
