@@ -114,6 +114,11 @@ def check_config(config: Any) -> None:
         raise ModelError(f"olmoe with {kv} key/value heads for {heads} query heads: llama.cpp's olmoe graph sizes "
                          "attn_k_norm for as many key/value heads as query heads (as OLMoE ships); export it with "
                          "--to compressed-tensors")
+    window = getattr(config, "sliding_window", None)
+    if kind == "mixtral" and window is not None and window < int(config.max_position_embeddings):
+        raise ModelError(f"mixtral with a {window}-token sliding window: llama.cpp's llama graph attends to the whole "
+                         "context, so the GGUF file would compute another model past the window; export it with "
+                         "--to compressed-tensors")
     if kind == "gpt_oss":
         types = list(getattr(config, "layer_types", None) or [])
         want_types = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(len(types))]
