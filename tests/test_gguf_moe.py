@@ -173,6 +173,10 @@ def test_routing_llama_cpp_computes_otherwise_is_refused(tmp_path):
     model.config.mlp_only_layers = [1]
     with pytest.raises(ModelError, match="dense MLP layers"):
         ge.export(model, None, tmp_path / "m.gguf")
+    model = quantized("mixtral", "w4g32")
+    model.config.sliding_window = 64
+    with pytest.raises(ModelError, match="64-token sliding window"):
+        ge.export(model, None, tmp_path / "m.gguf")
     assert list(tmp_path.iterdir()) == []
 
 

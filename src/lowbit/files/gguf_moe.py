@@ -29,7 +29,6 @@ from torch import nn
 
 from lowbit.errors import ModelError
 from lowbit.formats import QTensor
-from lowbit.models.accounting import is_fused_experts
 from lowbit.nn.quant_experts import QuantExperts, QuantStack
 
 # HF model_type -> llama.cpp architecture, for the mixture-of-experts models GGUF export maps
@@ -66,15 +65,20 @@ def part_rows(part: ExpertPart, out: int, interleaved: bool) -> torch.Tensor | N
     return torch.arange(part.half * half, (part.half + 1) * half)
 
 
+def _float_experts(m: nn.Module) -> bool:
+    """A float fused experts module: own 3-D parameters (the structure `lowbit.models.accounting` finds them by;
+    ``files`` sits below ``models``), not a convolution."""
+    return not isinstance(m, nn.modules.conv._ConvNd) and any(p.ndim == 3 for p in m.parameters(recurse=False))
+
+
 def is_moe(model: nn.Module) -> bool:
     """Whether the model has fused experts (float or quantized)."""
-    return any(isinstance(m, QuantExperts) or is_fused_experts(m) for m in model.modules())
+    return any(isinstance(m, QuantExperts) or _float_experts(m) for m in model.modules())
 
 
 def experts_modules(model: nn.Module) -> dict[str, nn.Module]:
     """Name -> fused experts module (float or `QuantExperts`), in model order."""
-    return {n: m for n, m in model.named_modules() if isinstance(m, QuantExperts)
-            or (is_fused_experts(m) and not isinstance(m, nn.modules.conv._ConvNd))}
+    return {n: m for n, m in model.named_modules() if isinstance(m, QuantExperts) or _float_experts(m)}
 
 
 def block_of(name: str) -> int:
@@ -109,6 +113,11 @@ def check_config(config: Any) -> None:
     if kind == "olmoe" and kv != heads:
         raise ModelError(f"olmoe with {kv} key/value heads for {heads} query heads: llama.cpp's olmoe graph sizes "
                          "attn_k_norm for as many key/value heads as query heads (as OLMoE ships); export it with "
+                         "--to compressed-tensors")
+    window = getattr(config, "sliding_window", None)
+    if kind == "mixtral" and window is not None and window < int(config.max_position_embeddings):
+        raise ModelError(f"mixtral with a {window}-token sliding window: llama.cpp's llama graph attends to the whole "
+                         "context, so the GGUF file would compute another model past the window; export it with "
                          "--to compressed-tensors")
     if kind == "gpt_oss":
         types = list(getattr(config, "layer_types", None) or [])
