@@ -47,6 +47,7 @@ class QuantStack(nn.Module):
         if any(q.shape != first.shape or q.scheme != first.scheme for q in experts):
             raise SchemeError("every expert of a fused experts parameter must share one shape and one scheme")
         self.num_experts = len(experts)
+        self.calibration: dict | None = None  # calibration tokens per expert, when a method measured them
         self.out_features, self.in_features = first.shape
         self.scheme: Scheme = first.scheme
         for slot in ("codes", "scales", "zeros", "tensor_scale"):
@@ -54,13 +55,21 @@ class QuantStack(nn.Module):
             self.register_buffer(slot, None if parts[0] is None else torch.stack(parts))
 
     @classmethod
-    def from_float(cls, matrices: torch.Tensor, scheme: Scheme | str) -> QuantStack:
-        """Round-to-nearest of each ``matrices[e]`` (``[E, out, in]``) exactly as `quantize` rounds a Linear's weight."""
+    def from_float(cls, matrices: torch.Tensor, scheme: Scheme | str,
+                   imp: Sequence[torch.Tensor | None] | None = None) -> QuantStack:
+        """Round-to-nearest of each ``matrices[e]`` (``[E, out, in]``) exactly as `quantize` rounds a Linear's weight.
+
+        imp: per expert, the ``[in]`` importance of its own input columns for the ``search``
+        rule (None, or a None entry: uniform importance, the search on the weights alone).
+        """
         if matrices.dim() != 3:
             raise SchemeError(f"experts are a [E, out, in] stack, got shape {tuple(matrices.shape)}")
         s = Scheme.parse(scheme)
         w = matrices.detach()
-        return cls([quantize(w[e], s) for e in range(w.shape[0])])
+        imps = list(imp) if imp is not None else [None] * w.shape[0]
+        if len(imps) != w.shape[0]:
+            raise SchemeError(f"{len(imps)} importance vectors for {w.shape[0]} experts")
+        return cls([quantize(w[e], s, imp=imps[e]) for e in range(w.shape[0])])
 
     @property
     def shape(self) -> tuple[int, int, int]:
@@ -118,6 +127,8 @@ class QuantExperts(nn.Module):
                                   f"the {list(p.shape)} parameter{' (stored transposed)' if transposed else ''}")
         self.transposed = transposed
         self.float_class = type(experts).__name__
+        # calibration tokens per expert (routed / behind its statistics), from the method that quantized it
+        self.calibration: dict | None = next((s.calibration for s in stacks.values() if s.calibration), None)
         for name in stacks:
             del experts._parameters[name]  # the float copy goes; each forward lends the module dequantized ones
         object.__setattr__(self, "_float", experts)  # not a child: its state is registered below, under its names
@@ -131,15 +142,19 @@ class QuantExperts(nn.Module):
             self.add_module(name, stack)
 
     @classmethod
-    def from_float(cls, experts: nn.Module, schemes: Mapping[str, Scheme | str]) -> QuantExperts:
-        """Round-to-nearest of the parameters ``schemes`` names (each expert's matrix as a Linear's), in place."""
+    def from_float(cls, experts: nn.Module, schemes: Mapping[str, Scheme | str],
+                   imp: Mapping[str, Sequence[torch.Tensor | None]] | None = None) -> QuantExperts:
+        """Round-to-nearest of the parameters ``schemes`` names (each expert's matrix as a Linear's), in place.
+
+        imp: parameter -> per-expert ``[in]`` importance (`QuantStack.from_float`); absent = uniform.
+        """
         transposed = bool(getattr(experts, "is_transposed", False))
         stacks = {}
         for name, scheme in schemes.items():
             p = experts._parameters.get(name)
             if p is None or p.dim() != 3:
                 raise SchemeError(f"{type(experts).__name__} has no 3-D experts parameter {name!r}")
-            stacks[name] = QuantStack.from_float(expert_matrices(p.detach(), transposed), scheme)
+            stacks[name] = QuantStack.from_float(expert_matrices(p.detach(), transposed), scheme, (imp or {}).get(name))
         return cls(experts, stacks)
 
     def stacks(self) -> dict[str, QuantStack]:

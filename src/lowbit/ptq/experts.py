@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
+import torch
 from torch import nn
 
 from lowbit.errors import ConfigError
@@ -26,8 +27,13 @@ from lowbit.models.experts import ExpertTensor, expert_tensors
 from lowbit.nn import set_module
 from lowbit.nn.quant_experts import QuantExperts
 from lowbit.plans.plan import Plan
+from lowbit.ptq.expert_calib import MIN_TOKENS, ExpertStats, check_stat_experts, warn_starved, warn_unrouted
 
-EXPERT_METHODS = ("rtn",)  # methods that quantize experts today
+STAT_METHODS = ("gptq",)  # methods that always read per-expert statistics (RTN only with its search)
+EXPERT_METHODS = (
+    "rtn",  # per-expert importance search (lowbit.ptq.expert_calib)
+    "gptq",  # per-expert Hessians (lowbit.ptq.gptq_experts)
+)  # methods that quantize experts today
 
 
 def planned_experts(model: nn.Module, plan: Plan) -> dict[str, ExpertTensor]:
@@ -52,7 +58,7 @@ def check_experts(model: nn.Module, plan: Plan, method: str, pre_steps: tuple[st
     keep = "or pass --keep experts to keep them in float"
     if method not in EXPERT_METHODS:
         raise ConfigError(f"--method {method} does not quantize mixture-of-experts experts yet ({first}, ...); "
-                          f"--method rtn does today, {keep}")
+                          f"{' and '.join(f'--method {m}' for m in EXPERT_METHODS)} do today, {keep}")
     inputs = [n for n in experts if plan[n].input is not None]
     if inputs:
         raise ConfigError(f"experts {inputs[0]}: recipe {plan[inputs[0]].name} quantizes inputs, and lowbit does not "
@@ -63,21 +69,51 @@ def check_experts(model: nn.Module, plan: Plan, method: str, pre_steps: tuple[st
                           f"drop {' / '.join(pre_steps)}, {keep}")
     for name, t in experts.items():
         plan[name].check_width(t.in_features, name)
+    if method in STAT_METHODS:
+        for module in {t.module for t in experts.values()}:
+            check_stat_experts(model.get_submodule(module), module)
 
 
-def quantize_experts(model: nn.Module, plan: Plan) -> list[str]:
-    """Replace each planned experts module by a `QuantExperts` (RTN per expert matrix); returns the quantized names."""
-    tensors = planned_experts(model, plan)
+def planned_modules(model: nn.Module, plan: Plan) -> dict[str, dict[str, Scheme]]:
+    """Experts module name -> {its planned parameter -> weight scheme}."""
     by_module: dict[str, dict[str, Scheme]] = {}
-    for name, t in tensors.items():
+    for name, t in planned_experts(model, plan).items():
         by_module.setdefault(t.module, {})[t.param] = plan.weight(name)
-    for module, schemes in by_module.items():
-        float_module = model.get_submodule(module)
-        set_module(model, module, quantized(float_module, schemes))
-    return list(tensors)
+    return by_module
 
 
-def quantized(module: nn.Module, schemes: Mapping[str, Scheme]) -> QuantExperts:
+def quantize_experts(model: nn.Module, plan: Plan, stats: Mapping[str, ExpertStats] | None = None,
+                     min_tokens: int = MIN_TOKENS) -> list[str]:
+    """Replace each planned experts module by a `QuantExperts` (RTN per expert matrix); returns the quantized names.
+
+    stats: experts module -> its per-expert calibration statistics (`lowbit.ptq.expert_calib`):
+    each expert's scales are searched with the ``sumsq`` importance of its own input columns;
+    an expert with statistics from fewer than ``min_tokens`` tokens gets uniform importance
+    (the search on its weights alone), named in one warning. Without stats every expert
+    gets uniform importance.
+    """
+    stats = stats or {}
+    names = list(planned_experts(model, plan))
+    for module, schemes in planned_modules(model, plan).items():
+        st = stats.get(module)
+        imp, calibration = None, None
+        if st is not None:
+            cov = st.coverage()
+            low = set(cov.starved(min_tokens))
+            imp = {p: [None if e in low else v.float() for e, v in enumerate(st.result("sumsq", p))] for p in schemes}
+            calibration = cov.to_dict()
+        q = quantized(model.get_submodule(module), schemes, imp)
+        q.calibration = calibration
+        set_module(model, module, q)
+    if stats:
+        coverage = [s.coverage() for s in stats.values()]
+        warn_starved(coverage, min_tokens, "RTN's scale search on their weights alone (uniform importance)")
+        warn_unrouted(coverage, min_tokens)
+    return names
+
+
+def quantized(module: nn.Module, schemes: Mapping[str, Scheme],
+              imp: Mapping[str, list[torch.Tensor | None]] | None = None) -> QuantExperts:
     """``module`` (float fused experts) as a `QuantExperts`, on the device it was on."""
     device = next(p.device for p in module.parameters())
-    return QuantExperts.from_float(module, schemes).to(device)
+    return QuantExperts.from_float(module, schemes, imp).to(device)

@@ -27,16 +27,23 @@ from lowbit.models.fused import shared_amax, shared_tensor_scales
 from lowbit.models.placement import on_device
 from lowbit.nn import replace_linears
 from lowbit.plans.plan import Plan
-from lowbit.ptq.experts import quantize_experts, split
+from lowbit.ptq.expert_calib import ALL_EXPERTS_HELP, MIN_TOKENS, MIN_TOKENS_HELP, expert_stats
+from lowbit.ptq.experts import planned_modules, quantize_experts, split
 from lowbit.ptq.methods import Method, RunContext, knob, register
 
 
 @dataclass(frozen=True)
 class RTNSettings:
-    """search: pick each group's scale by the importance-weighted search (needs calibration data)."""
+    """search: pick each group's scale by the importance-weighted search (needs calibration data).
+
+    all_experts / min_expert_tokens: how mixture-of-experts experts get their per-expert
+    importance (`lowbit.ptq.expert_calib`); unused without experts or without search.
+    """
 
     search: bool = knob(True, "choose scales by the importance-weighted search on calibration activations; rtn --no-search = "
                   "plain round-to-nearest, no data needed")
+    all_experts: bool = knob(True, ALL_EXPERTS_HELP)
+    min_expert_tokens: int = knob(MIN_TOKENS, MIN_TOKENS_HELP, minimum=0)
 
     def __post_init__(self) -> None:
         check_fields(self, ConfigError, "RTN setting")
@@ -53,11 +60,14 @@ def searched(plan: Plan) -> Plan:
 
 
 def rtn_quantize(model: nn.Module, plan: Plan, calib: torch.Tensor | None = None, search: bool = False,
-                 imp: Mapping[str, torch.Tensor] | None = None, progress: bool = True) -> Plan:
+                 imp: Mapping[str, torch.Tensor] | None = None, progress: bool = True, all_experts: bool = True,
+                 min_expert_tokens: int = MIN_TOKENS) -> Plan:
     """Quantize ``model`` in place; returns the plan actually applied.
 
     Fused experts tensors in the plan (`lowbit.ptq.experts`) are rounded per expert
-    matrix; with ``search`` their scales come from the search on the weights alone.
+    matrix; with ``search`` each expert's scales are searched with the importance of its
+    own inputs, from the same calibration pass (all-experts calibration unless
+    ``all_experts`` is False; experts below ``min_expert_tokens`` tokens: uniform importance).
     """
     if search:
         plan = searched(plan)
@@ -70,20 +80,24 @@ def rtn_quantize(model: nn.Module, plan: Plan, calib: torch.Tensor | None = None
         raise ConfigError(f"{why} needs calibration batches; pass calib"
                           + (", or search=False (--no-search) for plain round-to-nearest" if not static else ""))
     amax = None
+    modules = {m: model.get_submodule(m) for m in planned_modules(model, experts)} if "sumsq" in kinds else {}
+    per_expert: dict = {}
     if kinds:
-        stats = collect(model, calib, list(plan), kinds, progress=progress)
+        with expert_stats(modules, ("sumsq",), all_experts=all_experts) as per_expert:
+            stats = collect(model, calib, list(plan), kinds, progress=progress)
         imp = stats.result("sumsq") if "sumsq" in kinds else imp
         amax = shared_amax({n: a.amax() for n, a in stats.result("absmax").items()}) if static else None
     weights = {n: model.get_submodule(n).weight for n in plan}
     scales = shared_tensor_scales(weights, plan.weights())
     replace_linears(model, plan, imp=imp, progress=progress, amax=amax, tensor_scales=scales)
-    quantize_experts(model, experts)
+    quantize_experts(model, experts, per_expert, min_expert_tokens)
     return applied
 
 
 def _run(model: nn.Module, plan: Plan, settings: RTNSettings, ctx: RunContext) -> Plan:
     with on_device(model, ctx.device):
-        return rtn_quantize(model, plan, ctx.calib, settings.search, progress=ctx.progress)
+        return rtn_quantize(model, plan, ctx.calib, settings.search, progress=ctx.progress,
+                            all_experts=settings.all_experts, min_expert_tokens=settings.min_expert_tokens)
 
 
 register(Method("rtn", RTNSettings, _run, blockwise=False, needs_calib=lambda s: s.search,
