@@ -241,3 +241,60 @@ def test_rtn_search_gives_each_expert_the_importance_of_its_own_tokens():
         assert torch.equal(stack.expert(e).codes, want.codes)
         differs += not torch.equal(want.codes, uniform.stacks()["gate_up_proj"].expert(e).codes)
     assert differs >= 6  # the importance really changes the choice (vs the weights-alone search)
+
+
+def _brute_force(qe, x, idx, weights, quantize_inputs: bool):
+    """Token by token, slot by slot: expert e's dequantized matrices, its input and activation through qdq_input
+    with e's own abs-max (or not), weighted by the router."""
+    from lowbit.formats.inputs import qdq_input
+
+    w = qe.float_weights()
+    stacks = qe.stacks()
+
+    def q(p, e, v):
+        s = stacks[p]
+        return qdq_input(v, s.input_scheme, s.input_amax[e]) if quantize_inputs else v
+
+    out = torch.zeros_like(x)
+    for t in range(x.shape[0]):
+        for j in range(idx.shape[1]):
+            e = int(idx[t, j])
+            g, u = (w["gate_up_proj"][e] @ q("gate_up_proj", e, x[t:t + 1])[0]).chunk(2)
+            a = torch.nn.functional.silu(g) * u
+            out[t] += weights[t, j] * (w["down_proj"][e] @ q("down_proj", e, a[None])[0])
+    return out
+
+
+def test_input_quantized_experts_use_each_experts_own_static_scale_and_round_trip(tmp_path):
+    from lowbit.files.native import load, save
+
+    model = make("qwen3_moe")
+    plan = build_plan(model, "w4a4-nvfp4")
+    q = copy.deepcopy(model)
+    quantize_model(q, plan, "rtn", {"all_experts": False}, calib=_calib(), progress=False)
+    name = "model.layers.0.mlp.experts"
+    qe = q.get_submodule(name)
+    amax = {p: s.input_amax for p, s in qe.stacks().items()}
+    assert all(a.shape == (8,) and bool((a > 0).all()) for a in amax.values())
+    assert len(set(amax["down_proj"].tolist())) == 8  # one scale per expert, from its own activations
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(40, 32, generator=g)
+    idx = torch.stack([torch.randperm(8, generator=g)[:2] for _ in range(40)])
+    w = torch.rand(40, 2, generator=g)
+    with torch.no_grad():
+        got = qe(x, idx, w)
+        want = _brute_force(qe, x, idx, w, True)
+        plain = copy.deepcopy(qe)
+        for s in plain.stacks().values():
+            s.input_scheme, s.input_amax = None, None
+        weight_only = plain(x, idx, w)  # the float module's own forward on the dequantized weights
+    torch.testing.assert_close(_brute_force(qe, x, idx, w, False), weight_only, rtol=0, atol=1e-5)  # same routing
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
+    assert not torch.allclose(got, weight_only, atol=1e-4)  # the inputs really are quantized
+    save(q, None, tmp_path / "q")
+    back, _ = load(tmp_path / "q")
+    for p, s in back.get_submodule(name).stacks().items():
+        assert s.input_scheme == qe.stacks()[p].input_scheme and torch.equal(s.input_amax, amax[p])
+    ids = _calib(2, 16, seed=4)
+    with torch.no_grad():
+        assert torch.equal(back(ids).logits, q(ids).logits)

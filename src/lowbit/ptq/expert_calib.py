@@ -162,22 +162,41 @@ class ExpertStats:
         for kind in self.kinds:
             key = (kind, param)
             if key not in self.sums:
-                shape = (self.count, n) if kind == "sumsq" else (self.count, n, n)
-                self.sums[key] = torch.zeros(shape, dtype=torch.float64, device=self.device)
+                self.sums[key] = torch.zeros(_shape(kind, self.count, n), dtype=torch.float64, device=self.device)
+            if kind == "absmax":
+                self.sums[key][e] = torch.maximum(self.sums[key][e], x.abs().amax().to(self.sums[key]))
+                continue
             part = x.pow(2).sum(0) if kind == "sumsq" else x.T @ x  # float32 product, float64 sum (as for Linears)
             self.sums[key][e] += part.to(self.sums[key])
 
     def result(self, kind: str, param: str) -> torch.Tensor:
-        """``[E, in]`` (sumsq) or ``[E, in, in]`` (xtx) float64 sums; zeros for an expert no token reached."""
+        """``[E, in]`` (sumsq), ``[E, in, in]`` (xtx) float64 sums, or ``[E]`` abs-max of the input (absmax);
+        zeros for an expert no token reached."""
         if (kind, param) not in self.sums:
-            w = _matrices(self.module, param)
-            n = w.shape[-1]
-            shape = (self.count, n) if kind == "sumsq" else (self.count, n, n)
-            return torch.zeros(shape, dtype=torch.float64, device=self.device)
+            n = _matrices(self.module, param).shape[-1]
+            return torch.zeros(_shape(kind, self.count, n), dtype=torch.float64, device=self.device)
         return self.sums[(kind, param)]
 
     def coverage(self) -> Coverage:
         return Coverage(self.name, tuple(self.routed.tolist()), tuple(self.seen.tolist()), self.all_experts)
+
+
+def _shape(kind: str, count: int, n: int) -> tuple[int, ...]:
+    return {"absmax": (count,), "sumsq": (count, n), "xtx": (count, n, n)}[kind]
+
+
+def input_amax(stats: ExpertStats, param: str, min_tokens: int) -> torch.Tensor:
+    """``[E]`` static input abs-max of each expert's ``param``; starved experts (fewer than ``min_tokens``
+    statistics tokens) take the largest of the others' (the layer's range: a scale no token of theirs was seen to
+    exceed, never a unit or zero one)."""
+    amax = stats.result("absmax", param).float().clone()
+    low = stats.coverage().starved(min_tokens)
+    fed = [e for e in range(stats.count) if e not in low and amax[e] > 0]
+    if not fed:
+        raise ConfigError(f"{stats.name}: no expert got {min_tokens} calibration tokens to calibrate the static input "
+                          f"scales of {param}; pass more calibration tokens (--nsamples) or all-experts calibration")
+    amax[low] = amax[fed].max()
+    return amax
 
 
 @contextlib.contextmanager

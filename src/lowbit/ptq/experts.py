@@ -27,8 +27,16 @@ from lowbit.models.experts import ExpertTensor, expert_tensors
 from lowbit.nn import set_module
 from lowbit.nn.quant_experts import QuantExperts
 from lowbit.plans.plan import Plan
-from lowbit.ptq.expert_calib import MIN_TOKENS, ExpertStats, check_stat_experts, warn_starved, warn_unrouted
+from lowbit.ptq.expert_calib import (
+    MIN_TOKENS,
+    ExpertStats,
+    check_stat_experts,
+    input_amax,
+    warn_starved,
+    warn_unrouted,
+)
 
+INPUT_METHODS = ("rtn",)  # methods that calibrate per-expert static input scales (input-quantized recipes)
 STAT_METHODS = ("gptq",)  # methods that always read per-expert statistics (RTN only with its search)
 EXPERT_METHODS = (
     "rtn",  # per-expert importance search (lowbit.ptq.expert_calib)
@@ -60,10 +68,14 @@ def check_experts(model: nn.Module, plan: Plan, method: str, pre_steps: tuple[st
         raise ConfigError(f"--method {method} does not quantize mixture-of-experts experts yet ({first}, ...); "
                           f"{' and '.join(f'--method {m}' for m in EXPERT_METHODS)} do today, {keep}")
     inputs = [n for n in experts if plan[n].input is not None]
-    if inputs:
-        raise ConfigError(f"experts {inputs[0]}: recipe {plan[inputs[0]].name} quantizes inputs, and lowbit does not "
-                          f"calibrate per-expert input scales yet; give the experts a weight-only scheme (a --plan), "
+    if inputs and method not in INPUT_METHODS:
+        raise ConfigError(f"experts {inputs[0]}: recipe {plan[inputs[0]].name} quantizes inputs, and --method {method} "
+                          f"does not calibrate per-expert input scales yet; --method "
+                          f"{' / '.join(INPUT_METHODS)} does, or give the experts a weight-only scheme (a --plan), "
                           f"{keep}")
+    if inputs:
+        for module in {experts[n].module for n in inputs}:
+            check_stat_experts(model.get_submodule(module), module)
     if pre_steps:
         raise ConfigError(f"{' and '.join(pre_steps)} do not handle mixture-of-experts experts yet ({first}, ...); "
                           f"drop {' / '.join(pre_steps)}, {keep}")
@@ -100,10 +112,20 @@ def quantize_experts(model: nn.Module, plan: Plan, stats: Mapping[str, ExpertSta
         if st is not None:
             cov = st.coverage()
             low = set(cov.starved(min_tokens))
-            imp = {p: [None if e in low else v.float() for e, v in enumerate(st.result("sumsq", p))] for p in schemes}
+            if "sumsq" in st.kinds:
+                imp = {p: [None if e in low else v.float() for e, v in enumerate(st.result("sumsq", p))]
+                       for p in schemes}
             calibration = cov.to_dict()
         q = quantized(model.get_submodule(module), schemes, imp)
         q.calibration = calibration
+        for p, stack in q.stacks().items():
+            recipe = plan[f"{module}.{p}"]
+            if recipe.input is not None:
+                if recipe.needs_calibration and st is None:
+                    raise ConfigError(f"{module}.{p}: recipe {recipe.name} needs calibrated per-expert input scales; "
+                                      "pass calibration batches")
+                amax = input_amax(st, p, min_tokens) if recipe.needs_calibration else None  # type: ignore[arg-type]
+                stack.with_input(recipe.input, amax)
         set_module(model, module, q)
     if stats:
         coverage = [s.coverage() for s in stats.values()]

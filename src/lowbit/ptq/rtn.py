@@ -74,16 +74,19 @@ def rtn_quantize(model: nn.Module, plan: Plan, calib: torch.Tensor | None = None
     applied = plan
     plan, experts = split(model, plan)
     static = plan.needs_calibration()
+    expert_static = experts.needs_calibration()
+    expert_kinds = ("sumsq",) * search + ("absmax",) * bool(expert_static)
     kinds = (["sumsq"] if search and imp is None else []) + (["absmax"] if static else [])
-    if kinds and calib is None:
-        why = "RTN's importance search" if "sumsq" in kinds else f"the static input scales of {static[0]}"
+    if (kinds or expert_kinds) and calib is None:
+        need = [*static, *expert_static]
+        why = "RTN's importance search" if search else f"the static input scales of {need[0]}"
         raise ConfigError(f"{why} needs calibration batches; pass calib"
-                          + (", or search=False (--no-search) for plain round-to-nearest" if not static else ""))
+                          + (", or search=False (--no-search) for plain round-to-nearest" if not need else ""))
     amax = None
-    modules = {m: model.get_submodule(m) for m in planned_modules(model, experts)} if "sumsq" in kinds else {}
+    modules = {m: model.get_submodule(m) for m in planned_modules(model, experts)} if expert_kinds else {}
     per_expert: dict = {}
-    if kinds:
-        with expert_stats(modules, ("sumsq",), all_experts=all_experts) as per_expert:
+    if kinds or expert_kinds:
+        with expert_stats(modules, expert_kinds, all_experts=all_experts) as per_expert:
             stats = collect(model, calib, list(plan), kinds, progress=progress)
         imp = stats.result("sumsq") if "sumsq" in kinds else imp
         amax = shared_amax({n: a.amax() for n, a in stats.result("absmax").items()}) if static else None
