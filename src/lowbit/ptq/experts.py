@@ -3,15 +3,23 @@
 A plan entry for a fused experts parameter (``...mlp.experts.gate_up_proj``,
 `lowbit.models.experts`) gives one recipe to every expert's ``[out, in]`` matrix. RTN
 rounds each matrix exactly as it rounds a Linear's weight (`lowbit.nn.quant_experts`); its
-importance-weighted scale search runs on the weights alone for experts (each group's
-scale picked by its own squared error: no calibration statistics per expert yet), which
-is the search with uniform importance.
+importance-weighted scale search uses each expert's own input statistics
+(`lowbit.ptq.expert_calib`: all-experts calibration by default, uniform importance for an
+expert below the token threshold, with a warning), and input-quantized recipes get one
+static input abs-max per expert. GPTQ quantizes each expert's matrix under its own Hessian
+on the block-wise engine (`lowbit.ptq.gptq_experts`).
 
 What does not quantize experts yet is refused before any work, with one line naming
-what works today: the tuning methods (GPTQ, SignRound), input-quantized recipes (static
-per-expert input scales are not calibrated) and the float pre-steps (rotation, AWQ: they
-rewrite Linears and would leave the experts' inputs unmatched). Never silently float, never
-another method than the one asked for.
+what works today: SignRound (its per-expert rounding parameters are another session's
+work), GPTQ with input-quantized recipes (its Hessians would need each expert's quantized
+inputs), and the float pre-steps: rotation rewrites Linears and would leave the experts'
+inputs unmatched; AWQ's channel scales are defined per group of Linears reading one input
+and folded into what produces it, and for ``gate_up_proj`` that group is every expert of
+the layer plus the router (all read the post-attention norm's output), so one scale per
+layer would have to serve all experts and be absorbed by the router too -- not the
+per-Linear groups AWQ searches (``down_proj``'s per-expert group, folded into the expert's
+``up`` rows, would be well defined, but is not built). Never silently float, never another
+method than the one asked for.
 """
 
 from __future__ import annotations
