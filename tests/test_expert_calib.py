@@ -171,19 +171,19 @@ class _Interrupt(Exception):
     pass
 
 
-def _gptq(model, workdir, stop_after=None):
+def _gptq(model, workdir, stop_after=None, offload=None):
     def on_block(i):
         if stop_after is not None and i == stop_after:
             raise _Interrupt
 
     s = GPTQSettings()
     plan = searched(build_plan(model, "w3g8"))
-    return quantize_blockwise(model, plan, GPTQTuner(s), {"method": "gptq", "config": s.to_dict()},
-                              RunContext(calib=_calib(), workdir=workdir, progress=False), PipelineOptions(),
-                              on_block=on_block)
+    ctx = RunContext(calib=_calib(), workdir=workdir, offload_dir=offload, progress=False)
+    return quantize_blockwise(model, plan, GPTQTuner(s), {"method": "gptq", "config": s.to_dict()}, ctx,
+                              PipelineOptions(), on_block=on_block)
 
 
-def test_resume_replays_the_saved_experts_and_their_token_counts(tmp_path):
+def test_resume_and_offload_give_the_same_experts_and_token_counts(tmp_path):
     model = make("qwen3_moe")
     full = copy.deepcopy(model)
     _gptq(full, None)
@@ -197,9 +197,12 @@ def test_resume_replays_the_saved_experts_and_their_token_counts(tmp_path):
         assert a.calibration == b.calibration and sum(a.calibration["routed"]) == 8 * 32 * 2
         for p, s in a.stacks().items():
             assert torch.equal(s.codes, b.stacks()[p].codes) and torch.equal(s.scales, b.stacks()[p].scales)
+    offloaded = copy.deepcopy(model)
+    _gptq(offloaded, None, offload=str(tmp_path / "off"))  # float blocks on disk, one at a time in memory
     ids = _calib(2, 16, seed=3)
     with torch.no_grad():
         assert torch.equal(full(ids).logits, resumed(ids).logits)
+        assert torch.equal(full(ids).logits, offloaded(ids).logits)
 
 
 def test_cli_gptq_reports_tokens_per_expert_next_to_the_output(tmp_path, capsys, tiny_tokenizer):
