@@ -36,8 +36,11 @@ from benchmarks.moe_peers import EVAL_SEQLEN, EVAL_WINDOWS, ORGANISM, organism_d
 RESULTS = "moe"
 # row -> (method, settings): rtn = plain round-to-nearest; rtn-search = lowbit's default RTN (per-expert importance from
 # all-experts calibration); gptq = GPTQ with per-expert Hessians (all-experts calibration, the default);
-# *-routed = the same with each expert's statistics from its routed tokens only (--no-all-experts)
+# *-routed = the same with each expert's statistics from its routed tokens only (--no-all-experts);
+# rtn-search-uniform = every expert below the token threshold, so the search runs on its weights alone (uniform
+# importance: what RTN did for experts before per-expert statistics)
 ROWS = {"rtn": ("rtn", {"search": False}), "rtn-search": ("rtn", {}), "rtn-search-routed": ("rtn", {"all_experts": False}),
+        "rtn-search-uniform": ("rtn", {"min_expert_tokens": 1 << 30}),
         "gptq": ("gptq", {}), "gptq-routed": ("gptq", {"all_experts": False})}
 
 
@@ -77,6 +80,39 @@ def row(name: str, scheme: str, organism: Path, seed: int = 0) -> dict:
             "expert_tokens": tokens, "coverage": coverage(tokens), "machine": machine()}
 
 
+def stats_cost(organism: Path, repeats: int = 3) -> dict:
+    """Seconds of a forward over the calibration windows without statistics, with routed-only and with all-experts
+    per-expert statistics (X^T X of both matrices' inputs, what GPTQ reads), medians of ``repeats``; and the
+    statistics' memory (float64 sums, the same in both modes)."""
+    import statistics
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from lowbit.models.experts import expert_tensors
+    from lowbit.ptq.expert_calib import expert_stats
+
+    folder, calib, _ = organism_data(organism, 0)
+    model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
+    mods = {t.module: model.get_submodule(t.module) for t in expert_tensors(model).values()}
+    out: dict = {}
+    for mode in ("none", "routed", "all_experts"):
+        times = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            with torch.no_grad(), expert_stats(mods if mode != "none" else {}, ("xtx",),
+                                               all_experts=mode == "all_experts") as st:
+                for part in calib.split(8):
+                    model(input_ids=part, use_cache=False)
+            times.append(time.perf_counter() - t0)
+        out[f"seconds_{mode}"] = round(statistics.median(times), 3)
+        if mode != "none":
+            out["statistics_mib"] = round(sum(t.numel() * 8 for s in st.values() for t in s.sums.values()) / 2**20, 2)
+    return {"tool": "lowbit-stats-cost", "scheme": "-", "seed": 0, **out, "calib_tokens": calib.numel(),
+            "experts_per_layer": model.config.num_experts, "top_k": model.config.num_experts_per_tok,
+            "machine": machine()}
+
+
 def coverage(tokens: dict) -> dict:
     """The smallest number of calibration tokens any expert got (routed / behind its statistics), and how many
     expert-layer pairs got fewer than 16 (the fallback threshold)."""
@@ -94,7 +130,7 @@ def table() -> str:
     peers_file = result_path("moe_peers")
     peers = json.loads(peers_file.read_text())["rows"] if peers_file.exists() else []
     rows = [(r["scheme"], r["tool"], int(r.get("seed", 0)), f"{r['ppl']:.3f}", f"{r['ppl_fp']:.3f}", r["seconds"],
-             f"{100 * r['matmul_weights']['quantized_share']:.1f}%") for r in ours]
+             f"{100 * r['matmul_weights']['quantized_share']:.1f}%") for r in ours if "ppl" in r]
     rows += [(r["scheme"], r["tool"], int(r.get("seed", 0)), f"{r['ppl_in_memory']:.3f}", f"{r['ppl_fp']:.3f}",
               r["seconds"], "") for r in peers if r.get("ppl_in_memory") is not None]
     rows.sort(key=lambda r: (r[0], r[1], r[2]))
@@ -108,7 +144,7 @@ def means() -> str:
     peers_file = result_path("moe_peers")
     peers = json.loads(peers_file.read_text())["rows"] if peers_file.exists() else []
     got: dict[tuple, dict[int, float]] = {}
-    for r in ours:
+    for r in (r for r in ours if "ppl" in r):
         got.setdefault((r["scheme"], r["tool"]), {})[int(r.get("seed", 0))] = r["ppl"]
     for r in peers:
         if r.get("ppl_in_memory") is not None:
@@ -125,6 +161,7 @@ def main() -> None:
     p.add_argument("--organism", default=str(ORGANISM), help="the MoE organism's folder")
     p.add_argument("--threads", type=int, default=1, help="torch threads (1: timings unaffected by a busy machine)")
     p.add_argument("--table", action="store_true", help="print the table of the recorded rows and exit")
+    p.add_argument("--stats-cost", action="store_true", help="measure the per-expert statistics' cost and exit")
     p.add_argument("--child", nargs=3, metavar=("ROW", "SCHEME", "SEED"), help=argparse.SUPPRESS)
     a = p.parse_args()
     if a.table:
@@ -137,6 +174,14 @@ def main() -> None:
     bad = [r for r in a.rows.split(",") if r not in ROWS]
     if bad:
         p.error(f"unknown rows {bad}; choose from {', '.join(ROWS)}")
+    if a.stats_cost:
+        import torch
+
+        torch.set_num_threads(a.threads)
+        r = stats_cost(organism)
+        merge_row(RESULTS, r, row_key)
+        print(json.dumps(r))
+        return
     if a.child:
         import torch
 
