@@ -75,7 +75,7 @@ def rtn_quantize(model: nn.Module, plan: Plan, calib: torch.Tensor | None = None
     plan, experts = split(model, plan)
     static = plan.needs_calibration()
     expert_static = experts.needs_calibration()
-    expert_kinds = ("sumsq",) * search + ("absmax",) * bool(expert_static)
+    expert_kinds = ("sumsq",) * search + ("absmax",) * bool(expert_static) if list(experts) else ()
     kinds = (["sumsq"] if search and imp is None else []) + (["absmax"] if static else [])
     if (kinds or expert_kinds) and calib is None:
         need = [*static, *expert_static]
