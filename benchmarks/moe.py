@@ -1,21 +1,23 @@
-"""lowbit on the float MoE organism: the experts quantized whole (RTN today), beside the peers' rows.
+"""lowbit on the float MoE organism: the experts quantized whole (RTN, GPTQ), beside the peers' rows.
 
 The organism is the Qwen3-MoE of ``python -m benchmarks.organism --arch qwen3moe`` (16 experts,
-top-2, 81 % of its matmul weights in the experts). Each row quantizes a fresh copy of it with
-lowbit's uniform plan, which covers the fused experts tensors (every expert's matrix grouped
-along its input like a Linear), the attention Linears, and leaves routers, embeddings and the
-tied head in 16 bits, then measures perplexity on the same 40 x 512 evaluation tokens and with
-the same 32 x 256 calibration windows (seed 0) as ``benchmarks/moe_peers.py`` (its
-``organism_data``), so the peers' rows in ``results/moe_peers.json`` compare directly.
+top-2, 81 % of its matmul weights in the experts). Each row quantizes a fresh copy of it, in a
+process of its own (its seconds and peak RSS are its own), with lowbit's uniform plan, which covers
+the fused experts tensors (every expert's matrix grouped along its input like a Linear), the
+attention Linears, and leaves routers, embeddings and the tied head in 16 bits, then measures
+perplexity on the same 40 x 512 evaluation tokens and with the same 32 x 256 calibration windows
+(per seed: the windows' draw) as ``benchmarks/moe_peers.py`` (its ``organism_data``), so the peers'
+rows in ``results/moe_peers.json`` compare directly. Rows are keyed by (scheme, tool, seed); rank
+on the means over seeds (``--table`` prints both). Each row records the calibration tokens per
+expert (routed / behind its statistics) and their minimum (``coverage``).
 
-Rows: ``rtn`` = plain round-to-nearest (``--method rtn --no-search``, what auto-round's
-``disable_opt_rtn`` row is); ``rtn-search`` = lowbit's default RTN (scales by the
-importance-weighted search on calibration activations for the Linears, by the weight-only
-search for the experts). GPTQ / SignRound on experts are refused today (issue 34, later
-rows). One seed: W4 g128 barely moves this organism; rank methods on W3 / W2 and on means of
-seeds.
+Rows (``ROWS``): plain RTN, RTN with the importance search (per-expert statistics, all-experts or
+routed-only, or the weights-alone search), GPTQ with per-expert Hessians (all-experts or
+routed-only). ``--stats-cost`` times a calibration forward with and without per-expert statistics.
 
-    python -m benchmarks.moe --schemes w4g128,w3g128,w2g64
+    python -m benchmarks.moe --rows gptq,gptq-routed --schemes w4g128,w3g128,w2g64 --seeds 0,1
+    python -m benchmarks.moe --rows rtn,rtn-search --schemes w4a4-nvfp4 --seeds 0,1
+    python -m benchmarks.moe --stats-cost
     python -m benchmarks.moe --table
 """
 
@@ -80,7 +82,7 @@ def row(name: str, scheme: str, organism: Path, seed: int = 0) -> dict:
             "expert_tokens": tokens, "coverage": coverage(tokens), "machine": machine()}
 
 
-def stats_cost(organism: Path, repeats: int = 3) -> dict:
+def stats_cost(organism: Path, repeats: int = 5) -> dict:
     """Seconds of a forward over the calibration windows without statistics, with routed-only and with all-experts
     per-expert statistics (X^T X of both matrices' inputs, what GPTQ reads), medians of ``repeats``; and the
     statistics' memory (float64 sums, the same in both modes)."""
