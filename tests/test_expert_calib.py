@@ -151,7 +151,7 @@ def test_all_experts_mode_calibrates_a_never_routed_expert_and_says_the_router_s
     assert all(q.get_submodule(n).calibration["statistics_tokens"] == [256] * 8 for n in _experts(model))
 
 
-@pytest.mark.parametrize("arch", ("qwen3_moe", "mixtral"))
+@pytest.mark.parametrize("arch", ("qwen3_moe", "mixtral", "gpt_oss"))
 def test_gptq_on_experts_beats_rtn_on_the_model_output(arch):
     model = make(arch)
     c, ids = _calib(8, 32), _calib(4, 32, seed=11)
