@@ -65,9 +65,9 @@ SCHEMES = {"w4g128": (4, 128), "w3g128": (3, 128), "w2g64": (2, 64)}
 
 
 # ------------------------------------------------------------------ data
-def organism_data(organism: Path):
+def organism_data(organism: Path, seed: int = 0):
     """(model folder, [NSAMPLES, SEQLEN] calibration windows, [1, T] eval ids) of the MoE organism, from the
-    token ids it saved (the windows are the ones `lowbit.data.calibration_batches` draws, seed 0)."""
+    token ids it saved (the windows are the ones `lowbit.data.calibration_batches` draws; ``seed`` = the draw)."""
     import torch
 
     from benchmarks.organism import load_tokens
@@ -78,7 +78,7 @@ def organism_data(organism: Path):
                          "python -m benchmarks.organism --arch qwen3moe")
     train, ev = cached
     ids = train[0]
-    g = torch.Generator().manual_seed(0)
+    g = torch.Generator().manual_seed(seed)
     starts = torch.randint(0, len(ids) - SEQLEN + 1, (NSAMPLES,), generator=g)
     return organism / "model", torch.stack([ids[s:s + SEQLEN] for s in starts.tolist()]), ev
 
@@ -178,22 +178,32 @@ def reload_ppl(folder: Path, ev) -> dict:
 
 
 # ------------------------------------------------------------------ one row
-def child(tool: str, scheme: str, iters: int, organism: Path, keep: Path | None) -> dict:
+def seed_of(row: dict) -> int:
+    """A row's calibration-window seed (rows recorded before seeds were drawn used seed 0)."""
+    return int(row.get("seed", 0))
+
+
+def row_key(row: dict) -> tuple:
+    """Rows are keyed by (tool, scheme, seed)."""
+    return row["tool"], row["scheme"], seed_of(row)
+
+
+def child(tool: str, scheme: str, iters: int, organism: Path, keep: Path | None, seed: int = 0) -> dict:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from lowbit.eval import perplexity
 
     torch.set_num_threads(1)
-    torch.manual_seed(0)
-    folder, calib, ev = organism_data(organism)
+    torch.manual_seed(seed)
+    folder, calib, ev = organism_data(organism, seed)
     tok = AutoTokenizer.from_pretrained(str(folder))
     model = AutoModelForCausalLM.from_pretrained(str(folder), dtype="float32").eval()
     cfg = model.config
     ppl_fp = perplexity(model, ev, seqlen=EVAL_SEQLEN, windows=EVAL_WINDOWS, progress=False).ppl
     coverage = routed_tokens(model, calib)
     bits, group = SCHEMES[scheme]
-    out = keep / f"{tool}-{scheme}" if keep else Path(tempfile.mkdtemp(prefix=f"moe-{tool}-"))
+    out = keep / f"{tool}-{scheme}-s{seed}" if keep else Path(tempfile.mkdtemp(prefix=f"moe-{tool}-"))
     t0 = time.perf_counter()
     if tool in AUTOROUND:
         steps, settings = AUTOROUND[tool]
@@ -208,7 +218,7 @@ def child(tool: str, scheme: str, iters: int, organism: Path, keep: Path | None)
     out = _folder_with_config(save())
     save_s = time.perf_counter() - t1
     del quantized, model
-    return {"tool": tool, "scheme": scheme, "seconds": round(seconds, 1), "save_seconds": round(save_s, 1),
+    return {"tool": tool, "scheme": scheme, "seed": seed, "seconds": round(seconds, 1), "save_seconds": round(save_s, 1),
             "peak_rss_mib": round(rss),
             "ppl_fp": ppl_fp, "ppl_in_memory": in_memory, "reloaded": reload_ppl(out, ev),
             "layout": layout(out, cfg.num_hidden_layers, cfg.num_experts), "out": str(out),
@@ -241,11 +251,11 @@ def _versions() -> dict:
 def table(rows: list[dict]) -> str:
     def row(r: dict) -> list:
         lay, rel = r.get("layout", {}), r.get("reloaded", {})
-        return [r["tool"], r["scheme"], r["seconds"], r["peak_rss_mib"], f"{r['ppl_fp']:.3f}", f"{r['ppl_in_memory']:.3f}",
+        return [r["tool"], r["scheme"], seed_of(r), r["seconds"], r["peak_rss_mib"], f"{r['ppl_fp']:.3f}", f"{r['ppl_in_memory']:.3f}",
                 f"{rel['ppl']:.3f}" if "ppl" in rel else "error", f"{lay.get('experts_with_weights')}/"
                 f"{lay.get('experts_expected')}", r["experts_without_calib_tokens"]]
 
-    return markdown_table(["tool", "scheme", "s", "peak MiB", "ppl fp", "ppl (in memory)", "ppl (reloaded)",
+    return markdown_table(["tool", "scheme", "seed", "s", "peak MiB", "ppl fp", "ppl (in memory)", "ppl (reloaded)",
                            "experts written", "experts w/o calib tokens"], [row(r) for r in rows])
 
 
@@ -255,10 +265,11 @@ def main() -> None:
     p.add_argument("--schemes", default="w4g128", help=f"comma-separated: {', '.join(SCHEMES)}")
     p.add_argument("--iters", type=int, default=50, help="auto-round's tuning steps for the 'autoround' rows")
     p.add_argument("--organism", default=str(ORGANISM), help="the MoE organism's folder")
+    p.add_argument("--seeds", default="0", help="comma-separated calibration-window seeds (one row per seed)")
     p.add_argument("--keep", default=None, help="keep each peer's output folder under this folder")
     p.add_argument("--out", default=None, help="results file (default benchmarks/results/moe_peers.json)")
     p.add_argument("--table", action="store_true", help="print the results table and exit")
-    p.add_argument("--child", nargs=2, metavar=("TOOL", "SCHEME"), help=argparse.SUPPRESS)
+    p.add_argument("--child", nargs=3, metavar=("TOOL", "SCHEME", "SEED"), help=argparse.SUPPRESS)
     a = p.parse_args()
     out = Path(a.out).absolute() if a.out else result_path(RESULTS)
     if a.table:
@@ -271,22 +282,21 @@ def main() -> None:
     organism = Path(a.organism).expanduser()
     keep = Path(a.keep).absolute() if a.keep else None
     if a.child:
-        print("ROW " + json.dumps(child(a.child[0], a.child[1], a.iters, organism, keep), default=str))
+        print("ROW " + json.dumps(child(a.child[0], a.child[1], a.iters, organism, keep, int(a.child[2])), default=str))
         return
     if not (organism / "model" / "config.json").is_file():
         p.error(f"{organism} has no model/; build it first: python -m benchmarks.organism --arch qwen3moe")
-    for scheme in schemes:
-        for tool in tools:
-            cmd = [sys.executable, "-m", "benchmarks.moe_peers", "--child", tool, scheme, "--iters", str(a.iters),
-                   "--organism", str(organism)] + (["--keep", str(keep)] if keep else [])
-            r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
-            lines = [x for x in r.stdout.splitlines() if x.startswith("ROW ")]
-            if r.returncode or not lines:
-                print(f"{tool} {scheme}: failed (exit {r.returncode})\n{r.stderr[-3000:]}", file=sys.stderr)
-                continue
-            row: dict[str, Any] = json.loads(lines[-1][4:])
-            merge_row(out, row, ("tool", "scheme"))
-            print(table([row]).splitlines()[-1], flush=True)
+    for seed, scheme, tool in ((int(x), s, t) for x in a.seeds.split(",") for s in schemes for t in tools):
+        cmd = [sys.executable, "-m", "benchmarks.moe_peers", "--child", tool, scheme, str(seed), "--iters", str(a.iters),
+               "--organism", str(organism)] + (["--keep", str(keep)] if keep else [])
+        r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+        lines = [x for x in r.stdout.splitlines() if x.startswith("ROW ")]
+        if r.returncode or not lines:
+            print(f"{tool} {scheme} seed {seed}: failed (exit {r.returncode})\n{r.stderr[-3000:]}", file=sys.stderr)
+            continue
+        row: dict[str, Any] = json.loads(lines[-1][4:])
+        merge_row(out, row, row_key)
+        print(table([row]).splitlines()[-1], flush=True)
 
 
 if __name__ == "__main__":

@@ -147,13 +147,13 @@ def test_quantize_rtn_quantizes_the_experts_and_inspect_and_eval_read_them(moe_d
     assert _last(capsys)["ppl"] > 1
 
 
-@pytest.mark.parametrize("method", ("gptq", "signround"))
+@pytest.mark.parametrize("method", ("signround",))
 def test_tuning_methods_on_experts_are_refused_naming_rtn(moe_dir, tmp_path, capsys, method):
     assert main(["quantize", str(moe_dir), "--scheme", "w4g16", "--method", method, "--no-eval",
                  "--out", str(tmp_path / "q")]) == 2
     err = [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("lowbit")]
     assert len(err) == 1 and f"--method {method} does not quantize mixture-of-experts experts" in err[0]
-    assert "--method rtn does today" in err[0] and "--keep experts" in err[0]
+    assert "--method rtn and --method gptq do today" in err[0] and "--keep experts" in err[0]
     assert list(tmp_path.iterdir()) == []
 
 
@@ -164,12 +164,12 @@ def test_tuning_methods_still_run_with_experts_kept_in_float(moe_dir, tmp_path, 
 
 
 @pytest.mark.parametrize("how, needle", (
-    (["--scheme", "w4a4-nvfp4"], "does not calibrate per-expert input scales yet"),
+    (["--scheme", "w4a4-nvfp4", "--method", "gptq"], "--method gptq does not calibrate per-expert input scales yet"),
     (["--scheme", "w4g16", "--rotate"], "--rotate do not handle mixture-of-experts experts yet"),
     (["--scheme", "w4g32"], "group size 32 is larger than the 16 input columns of model.layers.0.mlp.experts.down_proj"),
 ))
 def test_what_cannot_quantize_experts_is_refused_before_any_work(moe_dir, tmp_path, capsys, how, needle):
-    assert main(["quantize", str(moe_dir), *how, "--method", "rtn", "--no-eval", "--out", str(tmp_path / "q")]) == 2
+    assert main(["quantize", str(moe_dir), "--method", "rtn", *how, "--no-eval", "--out", str(tmp_path / "q")]) == 2
     err = [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("lowbit")]
     assert len(err) == 1 and needle in err[0]
     assert list(tmp_path.iterdir()) == []
@@ -200,8 +200,11 @@ def test_keep_experts_drops_them_from_a_uniform_plan():
 def test_experts_with_input_recipe_refused_by_the_library_entry_too():
     model = make("qwen3_moe")
     plan = Plan(build_plan(model, "w4a4-nvfp4").layers)
-    with pytest.raises(ConfigError, match="per-expert input scales"):
-        quantize_model(model, plan, "rtn", {"search": False}, progress=False)
+    with pytest.raises(ConfigError, match="--method gptq does not calibrate per-expert input scales"):
+        quantize_model(model, plan, "gptq", {}, calib=torch.zeros(2, 8, dtype=torch.long), progress=False)
+    with pytest.raises(ConfigError, match="static input scales of model.layers.0.mlp.experts.* needs calibration"):
+        quantize_model(model, Plan({n: r for n, r in plan.items() if "experts" in n}), "rtn", {"search": False},
+                       progress=False)
 
 
 def test_transformers_loader_refuses_quantized_experts_by_name(moe_dir, tmp_path):

@@ -263,16 +263,6 @@ def test_inspect_counts_every_expert_of_the_export_with_its_recipe(scheme, tmp_p
     assert info["matmul_weights"]["quantized"]["experts"] == experts
 
 
-class _ExpertInputs(torch.nn.Module):
-    """What a stack that quantizes its inputs carries (like a QuantLinear's ``input_quant``): a scheme and one
-    calibrated abs-max per expert. Nothing in lowbit makes these yet; the layout is written for when it does."""
-
-    def __init__(self, scheme, amax):
-        super().__init__()
-        self.scheme = scheme
-        self.register_buffer("amax", amax)
-
-
 @pytest.mark.parametrize("weights, inputs, key", [("fp8", "fp8-static", "input_scale"),
                                                   ("nvfp4", "nvfp4", "input_global_scale")])
 def test_per_expert_static_input_scales_are_written_per_expert_with_gate_and_up_equal(weights, inputs, key, tmp_path):
@@ -284,7 +274,7 @@ def test_per_expert_static_input_scales_are_written_per_expert_with_gate_and_up_
     amax = {}
     for name, stack in quant_stacks(model).items():
         amax[name] = torch.arange(1, 9, dtype=torch.float32) * (2 if name.endswith("down_proj") else 1)
-        stack.input_quant = _ExpertInputs(inp, amax[name])
+        stack.with_input(inp, amax[name])
     ct.export(model, None, tmp_path / "ct")
     qc = json.loads((tmp_path / "ct" / "config.json").read_text())["quantization_config"]
     experts = [g for g in qc["config_groups"].values() if any(".experts" in t for t in g["targets"])]
@@ -303,7 +293,7 @@ def test_int8_experts_with_static_input_scales_warn_naming_vllms_limit(tmp_path)
 
     model = quantized("qwen3_moe", "w8")
     for stack in quant_stacks(model).values():
-        stack.input_quant = _ExpertInputs(InputScheme.parse("int8-static"), torch.ones(8))
+        stack.with_input(InputScheme.parse("int8-static"), torch.ones(8))
     with pytest.warns(UserWarning, match="dynamic per token"):
         ct.export(model, None, tmp_path / "ct")
     with safe_open(str(tmp_path / "ct" / "model.safetensors"), "pt") as f:
@@ -371,3 +361,25 @@ def test_a_file_missing_an_expert_is_one_clear_error_not_a_fallback(tmp_path):
     with pytest.raises(CheckpointError, match=r"model\.layers\.1\.mlp\.experts: the file holds experts .* \(7\) but "
                                               "the config declares 8"):
         ct.load_decompressed(tmp_path / "ct")
+
+
+def test_rtn_calibrated_expert_input_scales_reach_the_export(tmp_path):
+    """End to end: RTN calibrates one input abs-max per expert (`ptq/expert_calib.py`); the export writes exactly
+    those, per expert, and no stray ``input_amax`` tensor."""
+    from lowbit.formats.inputs import encode_scale
+    from lowbit.ptq import quantize_model
+
+    model = make("qwen3_moe")
+    plan = build_plan(model, "w8a8-fp8-static")
+    calib = torch.randint(0, model.config.vocab_size, (4, 16))
+    quantize_model(model, plan, "rtn", {"search": False}, calib=calib, progress=False)
+    stacks = quant_stacks(model)
+    assert stacks and all(s.input_amax is not None for s in stacks.values())
+    ct.export(model, None, tmp_path / "ct")
+    with safe_open(str(tmp_path / "ct" / "model.safetensors"), "pt") as f:
+        keys = set(f.keys())
+        assert not any(k.endswith("input_amax") for k in keys)
+        stack = stacks["model.layers.0.mlp.experts.gate_up_proj"]
+        for e in range(stack.num_experts):
+            g = f.get_tensor(f"model.layers.0.mlp.experts.{e}.gate_proj.input_scale")
+            assert torch.equal(g, encode_scale(stack.input_scheme, stack.input_amax[e]).reshape(g.shape))

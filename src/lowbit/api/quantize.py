@@ -9,6 +9,7 @@ output that cannot fit its device: both are refused before the float perplexity 
 
 from __future__ import annotations
 
+import json
 import time
 import warnings
 from dataclasses import dataclass, field
@@ -299,6 +300,9 @@ class _Run:
             result["ppl_q"], result["eval_tokens"] = r.ppl, r.tokens
         result.update(bits_summary(model, self.plan, job.lm_head))
         result["matmul_weights"] = account_model(model).to_dict()
+        tokens = expert_tokens(model)
+        if tokens:
+            result["expert_tokens"] = tokens
         if self.not_exportable:
             result["not_exportable"] = self.not_exportable
         return result
@@ -342,13 +346,23 @@ class _Run:
             raise WriteError(f"{e}{kept}") from None
 
     def _plan_files(self) -> dict[str, bytes]:
+        tokens = expert_tokens(self.lm.model)
+        files = {"expert_tokens.json": json.dumps(tokens, indent=1).encode()} if tokens else {}
         if self.outcome is None or self.outcome.allocation is None:
-            return {}
+            return files
         from lowbit.ptq.allocate import plot_bits
 
         sizes = {n: (m.out_features, m.in_features) for n, m in
                  ((n, self.lm.model.get_submodule(n)) for n in self.plan)}
-        return {"plan.json": self.plan.to_json().encode(), "plan.png": plot_bits(self.plan, sizes)}
+        return {**files, "plan.json": self.plan.to_json().encode(), "plan.png": plot_bits(self.plan, sizes)}
+
+
+def expert_tokens(model: nn.Module) -> dict[str, dict[str, Any]]:
+    """Experts module -> calibration tokens per expert (routed by the router / behind its statistics), for every
+    experts module a data-aware method quantized: the run's coverage report (also ``expert_tokens.json``)."""
+    from lowbit.nn.quant_experts import QuantExperts
+
+    return {n: m.calibration for n, m in model.named_modules() if isinstance(m, QuantExperts) and m.calibration}
 
 
 def _keep(model: nn.Module, plan: Plan, job: QuantizeJob) -> Plan:

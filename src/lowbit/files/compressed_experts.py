@@ -244,21 +244,17 @@ def expert_parts(stack_name: str, q: QTensor, e: int, layout: Layout) -> Iterato
 def per_expert_amax(stack: nn.Module) -> tuple[InputScheme | None, torch.Tensor | None]:
     """The input scheme of a stack and its calibrated abs-max per expert (``[E]``), when it quantizes inputs.
 
-    A stack that quantizes inputs carries an ``input_quant`` module like a `QuantLinear` (``scheme`` and an
-    ``amax`` buffer, one value per expert or one for all); none does yet (RTN refuses input recipes on experts).
+    A `QuantStack` that quantizes inputs carries ``input_scheme`` and, for static schemes, ``input_amax``
+    (one calibrated abs-max per expert, `QuantStack.with_input`).
     """
-    iq = getattr(stack, "input_quant", None)
-    if iq is None:
-        return None, None
-    amax = getattr(iq, "amax", None)
-    if amax is None:
-        return iq.scheme, None
+    scheme = getattr(stack, "input_scheme", None)
+    amax = getattr(stack, "input_amax", None)
+    if scheme is None or amax is None:
+        return scheme, None
     a = amax.detach().float().reshape(-1)
-    if a.numel() == 1:
-        a = a.expand(stack.num_experts)
     if a.numel() != stack.num_experts:
         raise SchemeError(f"experts input abs-max holds {a.numel()} values for {stack.num_experts} experts")
-    return iq.scheme, a
+    return scheme, a
 
 
 # ------------------------------------------------------------------ reading back

@@ -411,7 +411,7 @@ def _state_tensors(model: nn.Module, qlayers: dict, targets: dict[str, Target],
     """Dense tensors by their checkpoint names (tied copies once) plus each layer's compressed tensors; experts
     stacks are left to `_expert_tensors`."""
     packed = [*qlayers, *quant_stacks(model)]
-    own = {f"{n}.{k}" for n in packed for k in ("codes", "scales", "zeros", "tensor_scale", "input_quant.amax")}
+    own = {f"{n}.{k}" for n in packed for k in ("codes", "scales", "zeros", "tensor_scale", "input_quant.amax", "input_amax")}
     tensors: dict[str, torch.Tensor] = {}
     seen: set[tuple] = set()
     for key, t in model.state_dict().items():

@@ -125,8 +125,11 @@ def layer_spec(layer: QuantLinear) -> dict:
 
 def stack_spec(stack: QuantStack) -> dict:
     """The manifest entry of a quantized fused experts tensor: its scheme, each expert's [out, in], the expert count."""
-    return {"scheme": stack.scheme.to_dict(), "shape": [stack.out_features, stack.in_features],
+    spec = {"scheme": stack.scheme.to_dict(), "shape": [stack.out_features, stack.in_features],
             "experts": stack.num_experts}
+    if stack.input_scheme is not None:
+        spec["input"] = stack.input_scheme.to_dict()  # each expert's static abs-max: ``input_amax [E]``
+    return spec
 
 
 def layer_tensors(layer: QuantLinear) -> dict[str, torch.Tensor]:
@@ -191,6 +194,8 @@ def _tensors_to_save(model: nn.Module, qlayers: dict[str, QuantLinear],
     for name, stack in stacks.items():
         for k, t in stack.pack().items():
             tensors[f"{name}.{k}"] = t.contiguous().cpu()
+        if stack.input_amax is not None:
+            tensors[f"{name}.input_amax"] = stack.input_amax.detach().float().contiguous().cpu()
     return tensors, aliases
 
 
@@ -319,12 +324,17 @@ def _quant_stack(name: str, spec: dict, tensors: dict[str, torch.Tensor]) -> Qua
     scheme = Scheme.from_dict(spec["scheme"])
     shape = tuple(spec["shape"])
     parts = {k: tensors.pop(f"{name}.{k}") for k in _QKEYS if f"{name}.{k}" in tensors}
-    if "codes" not in parts or "scales" not in parts or "input_amax" in parts:
-        raise CheckpointError(f"experts {name}: the checkpoint lacks their codes/scales or holds an input abs-max "
-                              "(experts quantize weights only); re-create it")
+    amax = parts.pop("input_amax", None)
+    if "codes" not in parts or "scales" not in parts:
+        raise CheckpointError(f"experts {name}: the checkpoint lacks their codes/scales; re-create it")
+    inputs = input_quantizer(name, {"input": spec.get("input")}, None if amax is None else amax.reshape(-1)[:1])
+    if inputs is not None and inputs.scheme.needs_calibration and (amax is None or amax.shape != (spec["experts"],)):
+        raise CheckpointError(f"experts {name}: input scheme {inputs.scheme.name} needs one calibrated abs-max per "
+                              f"expert ({spec['experts']}); the checkpoint was edited or damaged")
     try:
-        return QuantStack.from_packed(parts, spec["experts"], shape, scheme)  # type: ignore[arg-type]
-    except (CheckpointError, ValueError, RuntimeError, IndexError) as e:
+        stack = QuantStack.from_packed(parts, spec["experts"], shape, scheme)  # type: ignore[arg-type]
+        return stack if inputs is None else stack.with_input(inputs.scheme, amax)
+    except (CheckpointError, ValueError, RuntimeError, IndexError, SchemeError) as e:
         raise CheckpointError(f"experts {name}: stored tensors disagree with {spec['experts']} experts of shape "
                               f"{list(shape)} and scheme {scheme.name} ({e}); the checkpoint was edited or "
                               "damaged") from None

@@ -46,9 +46,8 @@ def from_model(model: nn.Module) -> list[LayerSpec]:
 
 
 def _stack_input(stack: nn.Module) -> InputScheme | None:
-    """The input scheme of an experts stack that quantizes its inputs (an ``input_quant`` like a Linear's), or None."""
-    iq = getattr(stack, "input_quant", None)
-    return None if iq is None else iq.scheme
+    """The input scheme of an experts stack that quantizes its inputs (`QuantStack.input_scheme`), or None."""
+    return getattr(stack, "input_scheme", None)
 
 
 def from_manifest(manifest: Mapping) -> list[LayerSpec]:

@@ -34,6 +34,7 @@ from torch import nn
 
 from lowbit.errors import CheckpointError, SchemeError
 from lowbit.formats import QTensor, Scheme, quantize
+from lowbit.formats.inputs import InputScheme, qdq_input
 
 
 class QuantStack(nn.Module):
@@ -47,6 +48,9 @@ class QuantStack(nn.Module):
         if any(q.shape != first.shape or q.scheme != first.scheme for q in experts):
             raise SchemeError("every expert of a fused experts parameter must share one shape and one scheme")
         self.num_experts = len(experts)
+        self.calibration: dict | None = None  # calibration tokens per expert, when a method measured them
+        self.input_scheme: InputScheme | None = None  # the recipe's input quantization, if it has one
+        self.register_buffer("input_amax", None)  # [E]: each expert's calibrated input abs-max (static schemes)
         self.out_features, self.in_features = first.shape
         self.scheme: Scheme = first.scheme
         for slot in ("codes", "scales", "zeros", "tensor_scale"):
@@ -54,17 +58,45 @@ class QuantStack(nn.Module):
             self.register_buffer(slot, None if parts[0] is None else torch.stack(parts))
 
     @classmethod
-    def from_float(cls, matrices: torch.Tensor, scheme: Scheme | str) -> QuantStack:
-        """Round-to-nearest of each ``matrices[e]`` (``[E, out, in]``) exactly as `quantize` rounds a Linear's weight."""
+    def from_float(cls, matrices: torch.Tensor, scheme: Scheme | str,
+                   imp: Sequence[torch.Tensor | None] | None = None) -> QuantStack:
+        """Round-to-nearest of each ``matrices[e]`` (``[E, out, in]``) exactly as `quantize` rounds a Linear's weight.
+
+        imp: per expert, the ``[in]`` importance of its own input columns for the ``search``
+        rule (None, or a None entry: uniform importance, the search on the weights alone).
+        """
         if matrices.dim() != 3:
             raise SchemeError(f"experts are a [E, out, in] stack, got shape {tuple(matrices.shape)}")
         s = Scheme.parse(scheme)
         w = matrices.detach()
-        return cls([quantize(w[e], s) for e in range(w.shape[0])])
+        imps = list(imp) if imp is not None else [None] * w.shape[0]
+        if len(imps) != w.shape[0]:
+            raise SchemeError(f"{len(imps)} importance vectors for {w.shape[0]} experts")
+        return cls([quantize(w[e], s, imp=imps[e]) for e in range(w.shape[0])])
 
     @property
     def shape(self) -> tuple[int, int, int]:
         return self.num_experts, self.out_features, self.in_features
+
+    def with_input(self, scheme: InputScheme, amax: torch.Tensor | None) -> QuantStack:
+        """Quantize each expert's input with ``scheme``; static schemes need ``amax [E]`` (one abs-max per expert)."""
+        if scheme.needs_calibration:
+            if amax is None or amax.shape != (self.num_experts,) or not bool(torch.isfinite(amax).all()) \
+                    or not bool((amax > 0).all()):
+                raise SchemeError(f"input scheme {scheme.name} needs one finite, positive calibrated abs-max per "
+                                  f"expert ({self.num_experts}), got {None if amax is None else list(amax.shape)}")
+            amax = amax.detach().float().to(self.codes.device)
+        else:
+            amax = None
+        self.input_scheme = scheme
+        self.input_amax = amax
+        return self
+
+    def quantize_input(self, e: int, x: torch.Tensor) -> torch.Tensor:
+        """Expert ``e``'s input as its recipe quantizes it (``x`` itself for weight-only recipes)."""
+        if self.input_scheme is None:
+            return x
+        return qdq_input(x, self.input_scheme, None if self.input_amax is None else self.input_amax[e])
 
     def expert(self, e: int) -> QTensor:
         """Expert ``e``'s quantized ``[out, in]`` matrix."""
@@ -118,6 +150,8 @@ class QuantExperts(nn.Module):
                                   f"the {list(p.shape)} parameter{' (stored transposed)' if transposed else ''}")
         self.transposed = transposed
         self.float_class = type(experts).__name__
+        # calibration tokens per expert (routed / behind its statistics), from the method that quantized it
+        self.calibration: dict | None = next((s.calibration for s in stacks.values() if s.calibration), None)
         for name in stacks:
             del experts._parameters[name]  # the float copy goes; each forward lends the module dequantized ones
         object.__setattr__(self, "_float", experts)  # not a child: its state is registered below, under its names
@@ -131,15 +165,19 @@ class QuantExperts(nn.Module):
             self.add_module(name, stack)
 
     @classmethod
-    def from_float(cls, experts: nn.Module, schemes: Mapping[str, Scheme | str]) -> QuantExperts:
-        """Round-to-nearest of the parameters ``schemes`` names (each expert's matrix as a Linear's), in place."""
+    def from_float(cls, experts: nn.Module, schemes: Mapping[str, Scheme | str],
+                   imp: Mapping[str, Sequence[torch.Tensor | None]] | None = None) -> QuantExperts:
+        """Round-to-nearest of the parameters ``schemes`` names (each expert's matrix as a Linear's), in place.
+
+        imp: parameter -> per-expert ``[in]`` importance (`QuantStack.from_float`); absent = uniform.
+        """
         transposed = bool(getattr(experts, "is_transposed", False))
         stacks = {}
         for name, scheme in schemes.items():
             p = experts._parameters.get(name)
             if p is None or p.dim() != 3:
                 raise SchemeError(f"{type(experts).__name__} has no 3-D experts parameter {name!r}")
-            stacks[name] = QuantStack.from_float(expert_matrices(p.detach(), transposed), scheme)
+            stacks[name] = QuantStack.from_float(expert_matrices(p.detach(), transposed), scheme, (imp or {}).get(name))
         return cls(experts, stacks)
 
     def stacks(self) -> dict[str, QuantStack]:
@@ -159,6 +197,8 @@ class QuantExperts(nn.Module):
         return out
 
     def forward(self, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        if any(st.input_scheme is not None for st in self.stacks().values()):
+            return self._expert_loop(hidden_states, *args, **kwargs)
         inner = self._float
         for name in inner._parameters:  # .to() / .cuda() may have replaced ours: lend the current ones
             inner._parameters[name] = self._parameters[name]
@@ -173,8 +213,53 @@ class QuantExperts(nn.Module):
             for name in weights:
                 inner.__dict__.pop(name, None)
 
+    def _expert_loop(self, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        """The experts forward with each expert's inputs quantized by its own static scale.
+
+        The module's own forward cannot quantize per expert (it sees one input for all of
+        them), so the routed sum is written out here as the eager forward of transformers'
+        experts computes it: per expert hit, its tokens, ``gate_up`` (+ bias), the module's
+        activation (``_apply_gate`` for gpt-oss, else ``act_fn(gate) * up``), ``down`` (+ bias),
+        times the router's weight, summed with ``index_add_``; the two matrices' inputs pass
+        their stack's `QuantStack.quantize_input` first. Only gate_up_proj / down_proj
+        experts get here (`lowbit.ptq.expert_calib` checks the module).
+        """
+        idx = args[0] if args else next(kwargs[k] for k in ("top_k_index", "router_indices") if k in kwargs)
+        weights = args[1] if len(args) > 1 else next(kwargs[k] for k in ("top_k_weights", "routing_weights")
+                                                     if k in kwargs)
+        inner, stacks, out = self._float, self.stacks(), torch.zeros_like(hidden_states)
+        w = {n: st.dequantize(torch.float32).to(hidden_states.dtype) for n, st in stacks.items()}
+        for n in ("gate_up_proj", "down_proj"):
+            if n not in w:  # a parameter the plan left in float
+                p = self._parameters[n]
+                w[n] = p.transpose(1, 2) if self.transposed else p
+        ident = _IdentityStack()
+        gate_up, down = stacks.get("gate_up_proj", ident), stacks.get("down_proj", ident)
+        gu_bias, d_bias = getattr(self, "gate_up_proj_bias", None), getattr(self, "down_proj_bias", None)
+        for e in torch.unique(idx[(idx >= 0) & (idx < w["down_proj"].shape[0])]).tolist():
+            tok, pos = torch.where(idx == e)
+            h = torch.nn.functional.linear(gate_up.quantize_input(e, hidden_states[tok]), w["gate_up_proj"][e],
+                                           None if gu_bias is None else gu_bias[e])
+            if hasattr(inner, "_apply_gate"):
+                a = inner._apply_gate(h)
+            else:
+                g, u = h.chunk(2, dim=-1)
+                a = inner.act_fn(g) * u
+            y = torch.nn.functional.linear(down.quantize_input(e, a), w["down_proj"][e],
+                                           None if d_bias is None else d_bias[e])
+            out.index_add_(0, tok, (y * weights[tok, pos, None]).to(out.dtype))
+        return out
+
     def extra_repr(self) -> str:
         return f"float_class={self.float_class}, transposed={self.transposed}"
+
+
+class _IdentityStack:
+    """Stands in for a parameter left in float: its inputs are not quantized."""
+
+    @staticmethod
+    def quantize_input(_e: int, x: torch.Tensor) -> torch.Tensor:
+        return x
 
 
 def quant_stacks(model: nn.Module) -> dict[str, QuantStack]:

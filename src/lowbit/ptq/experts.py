@@ -3,21 +3,30 @@
 A plan entry for a fused experts parameter (``...mlp.experts.gate_up_proj``,
 `lowbit.models.experts`) gives one recipe to every expert's ``[out, in]`` matrix. RTN
 rounds each matrix exactly as it rounds a Linear's weight (`lowbit.nn.quant_experts`); its
-importance-weighted scale search runs on the weights alone for experts (each group's
-scale picked by its own squared error: no calibration statistics per expert yet), which
-is the search with uniform importance.
+importance-weighted scale search uses each expert's own input statistics
+(`lowbit.ptq.expert_calib`: all-experts calibration by default, uniform importance for an
+expert below the token threshold, with a warning), and input-quantized recipes get one
+static input abs-max per expert. GPTQ quantizes each expert's matrix under its own Hessian
+on the block-wise engine (`lowbit.ptq.gptq_experts`).
 
 What does not quantize experts yet is refused before any work, with one line naming
-what works today: the tuning methods (GPTQ, SignRound), input-quantized recipes (static
-per-expert input scales are not calibrated) and the float pre-steps (rotation, AWQ: they
-rewrite Linears and would leave the experts' inputs unmatched). Never silently float, never
-another method than the one asked for.
+what works today: SignRound (its per-expert rounding parameters are another session's
+work), GPTQ with input-quantized recipes (its Hessians would need each expert's quantized
+inputs), and the float pre-steps: rotation rewrites Linears and would leave the experts'
+inputs unmatched; AWQ's channel scales are defined per group of Linears reading one input
+and folded into what produces it, and for ``gate_up_proj`` that group is every expert of
+the layer plus the router (all read the post-attention norm's output), so one scale per
+layer would have to serve all experts and be absorbed by the router too -- not the
+per-Linear groups AWQ searches (``down_proj``'s per-expert group, folded into the expert's
+``up`` rows, would be well defined, but is not built). Never silently float, never another
+method than the one asked for.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 
+import torch
 from torch import nn
 
 from lowbit.errors import ConfigError
@@ -26,8 +35,21 @@ from lowbit.models.experts import ExpertTensor, expert_tensors
 from lowbit.nn import set_module
 from lowbit.nn.quant_experts import QuantExperts
 from lowbit.plans.plan import Plan
+from lowbit.ptq.expert_calib import (
+    MIN_TOKENS,
+    ExpertStats,
+    check_stat_experts,
+    input_amax,
+    warn_starved,
+    warn_unrouted,
+)
 
-EXPERT_METHODS = ("rtn",)  # methods that quantize experts today
+INPUT_METHODS = ("rtn",)  # methods that calibrate per-expert static input scales (input-quantized recipes)
+STAT_METHODS = ("gptq",)  # methods that always read per-expert statistics (RTN only with its search)
+EXPERT_METHODS = (
+    "rtn",  # per-expert importance search (lowbit.ptq.expert_calib)
+    "gptq",  # per-expert Hessians (lowbit.ptq.gptq_experts)
+)  # methods that quantize experts today
 
 
 def planned_experts(model: nn.Module, plan: Plan) -> dict[str, ExpertTensor]:
@@ -52,32 +74,76 @@ def check_experts(model: nn.Module, plan: Plan, method: str, pre_steps: tuple[st
     keep = "or pass --keep experts to keep them in float"
     if method not in EXPERT_METHODS:
         raise ConfigError(f"--method {method} does not quantize mixture-of-experts experts yet ({first}, ...); "
-                          f"--method rtn does today, {keep}")
+                          f"{' and '.join(f'--method {m}' for m in EXPERT_METHODS)} do today, {keep}")
     inputs = [n for n in experts if plan[n].input is not None]
-    if inputs:
-        raise ConfigError(f"experts {inputs[0]}: recipe {plan[inputs[0]].name} quantizes inputs, and lowbit does not "
-                          f"calibrate per-expert input scales yet; give the experts a weight-only scheme (a --plan), "
+    if inputs and method not in INPUT_METHODS:
+        raise ConfigError(f"experts {inputs[0]}: recipe {plan[inputs[0]].name} quantizes inputs, and --method {method} "
+                          f"does not calibrate per-expert input scales yet; --method "
+                          f"{' / '.join(INPUT_METHODS)} does, or give the experts a weight-only scheme (a --plan), "
                           f"{keep}")
+    if inputs:
+        for module in {experts[n].module for n in inputs}:
+            check_stat_experts(model.get_submodule(module), module)
     if pre_steps:
         raise ConfigError(f"{' and '.join(pre_steps)} do not handle mixture-of-experts experts yet ({first}, ...); "
                           f"drop {' / '.join(pre_steps)}, {keep}")
     for name, t in experts.items():
         plan[name].check_width(t.in_features, name)
+    if method in STAT_METHODS:
+        for module in {t.module for t in experts.values()}:
+            check_stat_experts(model.get_submodule(module), module)
 
 
-def quantize_experts(model: nn.Module, plan: Plan) -> list[str]:
-    """Replace each planned experts module by a `QuantExperts` (RTN per expert matrix); returns the quantized names."""
-    tensors = planned_experts(model, plan)
+def planned_modules(model: nn.Module, plan: Plan) -> dict[str, dict[str, Scheme]]:
+    """Experts module name -> {its planned parameter -> weight scheme}."""
     by_module: dict[str, dict[str, Scheme]] = {}
-    for name, t in tensors.items():
+    for name, t in planned_experts(model, plan).items():
         by_module.setdefault(t.module, {})[t.param] = plan.weight(name)
-    for module, schemes in by_module.items():
-        float_module = model.get_submodule(module)
-        set_module(model, module, quantized(float_module, schemes))
-    return list(tensors)
+    return by_module
 
 
-def quantized(module: nn.Module, schemes: Mapping[str, Scheme]) -> QuantExperts:
+def quantize_experts(model: nn.Module, plan: Plan, stats: Mapping[str, ExpertStats] | None = None,
+                     min_tokens: int = MIN_TOKENS) -> list[str]:
+    """Replace each planned experts module by a `QuantExperts` (RTN per expert matrix); returns the quantized names.
+
+    stats: experts module -> its per-expert calibration statistics (`lowbit.ptq.expert_calib`):
+    each expert's scales are searched with the ``sumsq`` importance of its own input columns;
+    an expert with statistics from fewer than ``min_tokens`` tokens gets uniform importance
+    (the search on its weights alone), named in one warning. Without stats every expert
+    gets uniform importance.
+    """
+    stats = stats or {}
+    names = list(planned_experts(model, plan))
+    for module, schemes in planned_modules(model, plan).items():
+        st = stats.get(module)
+        imp, calibration = None, None
+        if st is not None:
+            cov = st.coverage()
+            low = set(cov.starved(min_tokens))
+            if "sumsq" in st.kinds:
+                imp = {p: [None if e in low else v.float() for e, v in enumerate(st.result("sumsq", p))]
+                       for p in schemes}
+            calibration = cov.to_dict()
+        q = quantized(model.get_submodule(module), schemes, imp)
+        q.calibration = calibration
+        for p, stack in q.stacks().items():
+            recipe = plan[f"{module}.{p}"]
+            if recipe.input is not None:
+                if recipe.needs_calibration and st is None:
+                    raise ConfigError(f"{module}.{p}: recipe {recipe.name} needs calibrated per-expert input scales; "
+                                      "pass calibration batches")
+                amax = input_amax(st, p, min_tokens) if recipe.needs_calibration else None  # type: ignore[arg-type]
+                stack.with_input(recipe.input, amax)
+        set_module(model, module, q)
+    if stats:
+        coverage = [s.coverage() for s in stats.values()]
+        warn_starved(coverage, min_tokens, "RTN's scale search on their weights alone (uniform importance)")
+        warn_unrouted(coverage, min_tokens)
+    return names
+
+
+def quantized(module: nn.Module, schemes: Mapping[str, Scheme],
+              imp: Mapping[str, list[torch.Tensor | None]] | None = None) -> QuantExperts:
     """``module`` (float fused experts) as a `QuantExperts`, on the device it was on."""
     device = next(p.device for p in module.parameters())
-    return QuantExperts.from_float(module, schemes).to(device)
+    return QuantExperts.from_float(module, schemes, imp).to(device)

@@ -46,8 +46,12 @@ from lowbit.formats import QTensor, Scheme
 from lowbit.formats.groups import to_groups
 from lowbit.models.activations import activation_stats
 from lowbit.models.fused import own_tensor_scale
+from lowbit.nn.quant_experts import QuantStack
 from lowbit.plans.plan import Plan
 from lowbit.ptq.blockwise import BlockJob, PipelineOptions, quantize_blockwise
+from lowbit.ptq.blockwise.access import block_linears
+from lowbit.ptq.expert_calib import ALL_EXPERTS_HELP, MIN_TOKENS, MIN_TOKENS_HELP
+from lowbit.ptq.gptq_experts import experts_in, gptq_experts, report
 from lowbit.ptq.gptq_grids import Grid, KGrid, Tensors, make_grid
 from lowbit.ptq.methods import Method, RunContext, knob, register
 from lowbit.ptq.rtn import searched
@@ -70,6 +74,9 @@ class GPTQSettings:
         from inputs through the already quantized ones (False: all Hessians from one pass).
     search: group scales by the importance-weighted search of `formats` (importance =
         ``diag(H)``), as RTN's default; False = the scheme's own rule (abs-max).
+    all_experts / min_expert_tokens: mixture-of-experts experts' Hessians from every
+        token (all-experts calibration) or from their routed tokens; experts below the
+        threshold get RTN (`lowbit.ptq.gptq_experts`).
     """
 
     damp: float = knob(0.01, "dampening added to the Hessian's diagonal, a fraction of its mean (raised with a "
@@ -82,6 +89,8 @@ class GPTQSettings:
                                        "the ones before it")
     search: bool = knob(True, "choose scales by the importance-weighted search on calibration activations; rtn --no-search = "
                   "plain round-to-nearest, no data needed")
+    all_experts: bool = knob(True, ALL_EXPERTS_HELP)
+    min_expert_tokens: int = knob(MIN_TOKENS, MIN_TOKENS_HELP, minimum=0)
 
     def __post_init__(self) -> None:
         check_fields(self, ConfigError, "GPTQ setting")
@@ -362,23 +371,24 @@ class GPTQTuner:
     def __init__(self, settings: GPTQSettings) -> None:
         self.settings = settings
 
-    def __call__(self, job: BlockJob) -> tuple[dict[str, QTensor], dict[str, float]]:
-        mods = {n: job.block.get_submodule(rel) for n, (rel, _) in job.layers.items()}
-        if not mods:
+    def __call__(self, job: BlockJob) -> tuple[dict[str, QTensor | QuantStack], dict[str, float]]:
+        mods = {n: job.block.get_submodule(rel) for n, (rel, _) in block_linears(job.block, job.layers).items()}
+        experts = experts_in(job.block, job.layers)
+        if not mods and not experts:
             return {}, {}
         first = job.fetch(job.x, torch.arange(1, device=job.x.device))
         # a recipe that quantizes a layer's input: its Hessian is built from the inputs it will see
         quantizers = [mods[n].register_forward_pre_hook(_input_hook(q)) for n, q in job.inputs.items() if n in mods]
-        groups = input_groups(job.block, mods, first, job.kwargs)
+        groups = input_groups(job.block, mods, first, job.kwargs) if mods else []
         original = {n: m.weight for n, m in mods.items()}
         seq = self.settings.true_sequential
-        qts: dict[str, QTensor] = {}
+        qts: dict[str, QTensor | QuantStack] = {}
         errs: list[float] = []
         damp = self.settings.damp
         try:
             where = {"device": job.device, "dtype": job.dtype}
-            hs = {} if seq else hessians(job.block, {g[0]: mods[g[0]] for g in groups}, job.x, job.kwargs, False,
-                                         **where)
+            hs = {} if seq or not groups else hessians(job.block, {g[0]: mods[g[0]] for g in groups}, job.x,
+                                                       job.kwargs, False, **where)
             for group in groups:
                 h = hessians(job.block, {group[0]: mods[group[0]]}, job.x, job.kwargs, True, **where)[group[0]] \
                     if seq else hs[group[0]]
@@ -389,12 +399,47 @@ class GPTQTuner:
                 for n in group:
                     qts[n] = out[n]
                     mods[n].weight = nn.Parameter(out[n].dequantize(original[n].dtype), requires_grad=False)
+            # experts after the Linears: their Hessians from inputs through the quantized attention
+            stacks, expert_errs, expert_damp = self._experts(job, experts)
+            qts |= stacks
+            errs += expert_errs
+            damp = max(damp, expert_damp)
         finally:
             for n, m in mods.items():
                 m.weight = original[n]
             for hd in quantizers:
                 hd.remove()
-        return qts, {"loss": sum(errs) / len(errs), "damp": damp}
+        return qts, {"loss": sum(errs) / max(len(errs), 1), "damp": damp}
+
+    def _experts(self, job: BlockJob, experts: Mapping[str, Mapping[str, tuple[str, Scheme]]]
+                 ) -> tuple[dict[str, QuantStack], list[float], float]:
+        """GPTQ of the block's planned experts modules (per-expert Hessians, `lowbit.ptq.gptq_experts`)."""
+        s = self.settings
+        damp = [s.damp]
+
+        def run() -> None:
+            with torch.no_grad():
+                for part in job.x.split(CHUNK):
+                    job.block(part.to(job.device or part.device).to(job.dtype or part.dtype), **job.kwargs)
+
+        def one(w: torch.Tensor, scheme: Scheme, h: torch.Tensor, where: str) -> tuple[QTensor, float]:
+            out, info = gptq_layers({where: (w, scheme)}, h, s)
+            damp.append(info["damp"])
+            return out[where], info[f"err/{where}"]
+
+        stacks: dict[str, QuantStack] = {}
+        errs: list[float] = []
+        coverage = []
+        for rel, planned in experts.items():
+            full = next(iter(planned.values()))[0].rsplit(".", 1)[0]  # the model's name of the experts module
+            got, e, cov = gptq_experts(job.block.get_submodule(rel), full, planned, run, one, s.all_experts,
+                                       s.min_expert_tokens, s.true_sequential)
+            stacks |= got
+            errs += e
+            coverage.append(cov)
+        if coverage:
+            report(coverage, s.min_expert_tokens)
+        return stacks, errs, max(damp)
 
 
 def _input_hook(quantizer: nn.Module):

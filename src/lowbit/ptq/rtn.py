@@ -27,16 +27,23 @@ from lowbit.models.fused import shared_amax, shared_tensor_scales
 from lowbit.models.placement import on_device
 from lowbit.nn import replace_linears
 from lowbit.plans.plan import Plan
-from lowbit.ptq.experts import quantize_experts, split
+from lowbit.ptq.expert_calib import ALL_EXPERTS_HELP, MIN_TOKENS, MIN_TOKENS_HELP, expert_stats
+from lowbit.ptq.experts import planned_modules, quantize_experts, split
 from lowbit.ptq.methods import Method, RunContext, knob, register
 
 
 @dataclass(frozen=True)
 class RTNSettings:
-    """search: pick each group's scale by the importance-weighted search (needs calibration data)."""
+    """search: pick each group's scale by the importance-weighted search (needs calibration data).
+
+    all_experts / min_expert_tokens: how mixture-of-experts experts get their per-expert
+    importance (`lowbit.ptq.expert_calib`); unused without experts or without search.
+    """
 
     search: bool = knob(True, "choose scales by the importance-weighted search on calibration activations; rtn --no-search = "
                   "plain round-to-nearest, no data needed")
+    all_experts: bool = knob(True, ALL_EXPERTS_HELP)
+    min_expert_tokens: int = knob(MIN_TOKENS, MIN_TOKENS_HELP, minimum=0)
 
     def __post_init__(self) -> None:
         check_fields(self, ConfigError, "RTN setting")
@@ -53,37 +60,47 @@ def searched(plan: Plan) -> Plan:
 
 
 def rtn_quantize(model: nn.Module, plan: Plan, calib: torch.Tensor | None = None, search: bool = False,
-                 imp: Mapping[str, torch.Tensor] | None = None, progress: bool = True) -> Plan:
+                 imp: Mapping[str, torch.Tensor] | None = None, progress: bool = True, all_experts: bool = True,
+                 min_expert_tokens: int = MIN_TOKENS) -> Plan:
     """Quantize ``model`` in place; returns the plan actually applied.
 
     Fused experts tensors in the plan (`lowbit.ptq.experts`) are rounded per expert
-    matrix; with ``search`` their scales come from the search on the weights alone.
+    matrix; with ``search`` each expert's scales are searched with the importance of its
+    own inputs, from the same calibration pass (all-experts calibration unless
+    ``all_experts`` is False; experts below ``min_expert_tokens`` tokens: uniform importance).
     """
     if search:
         plan = searched(plan)
     applied = plan
     plan, experts = split(model, plan)
     static = plan.needs_calibration()
+    expert_static = experts.needs_calibration()
+    expert_kinds = ("sumsq",) * search + ("absmax",) * bool(expert_static) if list(experts) else ()
     kinds = (["sumsq"] if search and imp is None else []) + (["absmax"] if static else [])
-    if kinds and calib is None:
-        why = "RTN's importance search" if "sumsq" in kinds else f"the static input scales of {static[0]}"
+    if (kinds or expert_kinds) and calib is None:
+        need = [*static, *expert_static]
+        why = "RTN's importance search" if search else f"the static input scales of {need[0]}"
         raise ConfigError(f"{why} needs calibration batches; pass calib"
-                          + (", or search=False (--no-search) for plain round-to-nearest" if not static else ""))
+                          + (", or search=False (--no-search) for plain round-to-nearest" if not need else ""))
     amax = None
-    if kinds:
-        stats = collect(model, calib, list(plan), kinds, progress=progress)
+    modules = {m: model.get_submodule(m) for m in planned_modules(model, experts)} if expert_kinds else {}
+    per_expert: dict = {}
+    if kinds or expert_kinds:
+        with expert_stats(modules, expert_kinds, all_experts=all_experts) as per_expert:
+            stats = collect(model, calib, list(plan), kinds, progress=progress)
         imp = stats.result("sumsq") if "sumsq" in kinds else imp
         amax = shared_amax({n: a.amax() for n, a in stats.result("absmax").items()}) if static else None
     weights = {n: model.get_submodule(n).weight for n in plan}
     scales = shared_tensor_scales(weights, plan.weights())
     replace_linears(model, plan, imp=imp, progress=progress, amax=amax, tensor_scales=scales)
-    quantize_experts(model, experts)
+    quantize_experts(model, experts, per_expert, min_expert_tokens)
     return applied
 
 
 def _run(model: nn.Module, plan: Plan, settings: RTNSettings, ctx: RunContext) -> Plan:
     with on_device(model, ctx.device):
-        return rtn_quantize(model, plan, ctx.calib, settings.search, progress=ctx.progress)
+        return rtn_quantize(model, plan, ctx.calib, settings.search, progress=ctx.progress,
+                            all_experts=settings.all_experts, min_expert_tokens=settings.min_expert_tokens)
 
 
 register(Method("rtn", RTNSettings, _run, blockwise=False, needs_calib=lambda s: s.search,

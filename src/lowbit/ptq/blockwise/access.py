@@ -14,10 +14,12 @@ from torch import nn
 
 from lowbit.errors import ConfigError
 from lowbit.formats import QTensor, Scheme
+from lowbit.models.experts import ExpertTensor, expert_tensors
 from lowbit.models.fused import shared_tensor_scales
 from lowbit.nn import QuantLinear, replace_linears, set_module
 from lowbit.nn.input_quant import InputQuantizer
 from lowbit.nn.input_rotation import rotation_of
+from lowbit.nn.quant_experts import QuantExperts, QuantStack
 from lowbit.plans.plan import Plan
 
 # one block's planned layers (full name -> (relative name, scheme)) and their (out, in) shapes
@@ -34,8 +36,21 @@ def block_layers(plan: Plan, block_name: str) -> dict[str, tuple[str, Scheme]]:
     return {n: (n[len(pre):], r.weight) for n, r in plan.items() if n.startswith(pre)}
 
 
+def block_experts(block: nn.Module, layers: Mapping[str, tuple[str, Scheme]]) -> dict[str, ExpertTensor]:
+    """The planned layers that are fused experts tensors (full name -> the tensor, named relative to the block)."""
+    tensors = expert_tensors(block)
+    return {n: tensors[rel] for n, (rel, _) in layers.items() if rel in tensors}
+
+
+def block_linears(block: nn.Module, layers: Mapping[str, tuple[str, Scheme]]) -> dict[str, tuple[str, Scheme]]:
+    """The planned layers that are Linears (every entry but the fused experts tensors)."""
+    experts = block_experts(block, layers)
+    return {n: v for n, v in layers.items() if n not in experts}
+
+
 def block_tensor_scales(block: nn.Module, layers: Mapping[str, tuple[str, Scheme]]) -> dict[str, torch.Tensor]:
     """Weight tensor scales of a block's planned layers from their float weights: a fused group's parts share one."""
+    layers = block_linears(block, layers)  # experts take one per expert matrix, as RTN gives them
     weights = {n: block.get_submodule(rel).weight for n, (rel, _) in layers.items()}
     return shared_tensor_scales(weights, {n: s for n, (_, s) in layers.items()})
 
@@ -64,23 +79,35 @@ def block_dtype(block: nn.Module) -> torch.dtype:
     return torch.float32
 
 
-def layer_shapes(block: nn.Module, layers: Mapping[str, tuple[str, Scheme]]) -> dict[str, tuple[int, int]]:
-    """(out, in) of each planned layer of the block (read from the module, so a block on meta answers too)."""
-    out = {}
+def layer_shapes(block: nn.Module, layers: Mapping[str, tuple[str, Scheme]]) -> dict[str, tuple[int, ...]]:
+    """(out, in) of each planned Linear, (experts, out, in) of each experts tensor, of the block (read from the
+    modules, so a block on meta answers too)."""
+    experts = block_experts(block, layers)
+    out: dict[str, tuple[int, ...]] = {n: (t.count, t.out_features, t.in_features) for n, t in experts.items()}
     for n, (rel, _) in layers.items():
-        m = block.get_submodule(rel)
-        out[n] = (m.out_features, m.in_features)
+        if n not in experts:
+            m = block.get_submodule(rel)
+            out[n] = (m.out_features, m.in_features)
     return out
 
 
 def install(block: nn.Module, layers: Mapping[str, tuple[str, Scheme]], qts: Mapping[str, QTensor],
             device: torch.device, inputs: Mapping[str, InputQuantizer] | None = None) -> None:
-    """Swap the block's Linears for frozen QuantLinears holding the tuned weights, on ``device``.
+    """Swap the block's Linears for frozen QuantLinears holding the tuned weights, on ``device``; its planned
+    fused experts modules for `QuantExperts` holding the tuned `QuantStack` s (``qts`` holds those for them).
 
     A resumed block's codes were read onto the CPU; tuned ones are already on ``device``.
     inputs: the layers' input quantizers (the ones the tuning used).
     """
+    experts = block_experts(block, layers)
+    by_module: dict[str, dict[str, QuantStack]] = {}
+    for name, t in experts.items():
+        by_module.setdefault(t.module, {})[t.param] = qts[name]  # type: ignore[assignment]
+    for rel, stacks in by_module.items():
+        set_module(block, rel, QuantExperts(block.get_submodule(rel), {p: s.to(device) for p, s in stacks.items()}))
     for name, (rel, _) in layers.items():
+        if name in experts:
+            continue
         old = block.get_submodule(rel)
         bias = getattr(old, "bias", None)
         new = QuantLinear(qts[name], None if bias is None else bias.detach(),

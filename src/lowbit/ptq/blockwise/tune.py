@@ -31,9 +31,11 @@ from lowbit.models.activations import activation_stats
 from lowbit.models.attention import tuning_attention
 from lowbit.models.fused import shared_amax
 from lowbit.nn.input_quant import InputQuantizer
+from lowbit.nn.quant_experts import QuantStack
 from lowbit.plans.plan import Plan
 from lowbit.ptq.blockwise.access import (
     block_layers,
+    block_linears,
     block_tensor_scales,
     input_quantizers,
     install,
@@ -152,7 +154,8 @@ class TunePass:
         layers = self.layers(i)
         want_imp = tuner.needs_importance and saved is None
         static = [n for n in layers if plan[n].needs_calibration]
-        hooked = {n: block.get_submodule(r) for n, (r, _) in layers.items() if want_imp or n in static}
+        hooked = {n: block.get_submodule(r) for n, (r, _) in block_linears(block, layers).items()
+                  if want_imp or n in static}
         kinds = ("sumsq",) * want_imp + ("absmax",) * bool(static)
         x_fp, x_q = self.x_fp, self.x_q
         x_in = x_q if x_q is not None else x_fp
@@ -195,22 +198,41 @@ def _tracks_fp(tuner: BlockTuner, plan: Plan) -> bool:
             or any(r.needs_calibration for _, r in plan.items()))
 
 
-def pack_qtensors(qts: Mapping[str, QTensor]) -> dict[str, torch.Tensor]:
-    """A block's tuned layers as the tensors its work-folder file holds (``layer::part``)."""
-    return {f"{n}::{k}": v.detach().cpu().contiguous() for n, q in qts.items() for k, v in q.pack().items()}
+_CALIB = ("routed", "statistics_tokens")  # a QuantStack's calibration counts, kept in the work folder beside it
+
+
+def pack_qtensors(qts: Mapping[str, QTensor | QuantStack]) -> dict[str, torch.Tensor]:
+    """A block's tuned layers as the tensors its work-folder file holds (``layer::part``; an experts tensor's
+    parts stacked over its experts, with its calibration counts as ``layer::calib.routed`` ...)."""
+    out = {f"{n}::{k}": v.detach().cpu().contiguous() for n, q in qts.items() for k, v in q.pack().items()}
+    for n, q in qts.items():
+        calib = getattr(q, "calibration", None)
+        if calib is not None:
+            out |= {f"{n}::calib.{k}": torch.tensor(calib[k], dtype=torch.int64) for k in _CALIB}
+            out[f"{n}::calib.all_experts"] = torch.tensor(int(calib["all_experts"]))
+    return out
 
 
 def unpack_qtensors(raw: Mapping[str, torch.Tensor], path: Path, layers: Mapping[str, tuple[str, Scheme]],
-                    shapes: Mapping[str, tuple[int, int]]) -> dict[str, QTensor]:
+                    shapes: Mapping[str, tuple[int, ...]]) -> dict[str, QTensor | QuantStack]:
     """`pack_qtensors` undone for the block's planned ``layers``; anything else is an error naming ``path``."""
-    out = {}
+    out: dict[str, QTensor | QuantStack] = {}
     for name, (_rel, scheme) in layers.items():
         d = {k.split("::", 1)[1]: v for k, v in raw.items() if k.split("::", 1)[0] == name}
         if not d:
             raise ConfigError(f"{path} lacks layer {name}; delete the work folder and rerun")
+        calib = {k.removeprefix("calib."): d.pop(k) for k in list(d) if k.startswith("calib.")}
+        shape = shapes[name]
         try:
-            out[name] = QTensor.from_packed(d, shapes[name], scheme)
-        except CheckpointError as e:
+            if len(shape) == 3:
+                stack = QuantStack.from_packed(d, shape[0], (shape[1], shape[2]), scheme)
+                if calib:
+                    stack.calibration = {**{k: calib[k].tolist() for k in _CALIB},
+                                         "all_experts": bool(calib["all_experts"])}
+                out[name] = stack
+            else:
+                out[name] = QTensor.from_packed(d, shape, scheme)  # type: ignore[arg-type]
+        except (CheckpointError, KeyError) as e:
             raise CheckpointError(f"{path}, layer {name}: {e}; delete the work folder and rerun") from None
     return out
 

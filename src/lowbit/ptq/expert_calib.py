@@ -1,0 +1,238 @@
+"""Calibration statistics of fused mixture-of-experts experts, per expert, and how many tokens reached each.
+
+A Linear's statistics are sums over the tokens that reach it (`lowbit.models.activations`);
+an expert is reached only by the tokens its router sends it, so a calibration set of a
+few thousand tokens leaves some experts of a 128-expert layer with a handful of tokens,
+or none. `ExpertStats` hooks an experts module (the ``...Experts`` module transformers 5
+fuses, `lowbit.models.experts`) and, for every forward, reads what the block hands it
+(hidden states ``[T, H]`` and the router's top-k indices ``[T, k]``) and accumulates, per
+expert ``e``:
+
+* ``routed[e]``: tokens the router sent to ``e`` (always recorded: the coverage report);
+* the statistics of ``e``'s two matrices' inputs: for ``gate_up_proj`` the hidden states,
+  for ``down_proj`` the expert's own activation ``act(x W_gu[e]^T (+ b))`` (gate/up split
+  or interleaved as the module's forward does; gpt-oss's clamped GLU via its
+  ``_apply_gate``), as ``sumsq [E, in]`` (RTN's importance) and/or ``xtx [E, in, in]``
+  (GPTQ's Hessians);
+* ``seen[e]``: the tokens those statistics came from.
+
+All-experts mode (``all_experts=True``, the default of every method that reads
+statistics): every token's statistics go to every expert, as if each expert were routed
+all of them (llm-compressor's ``moe_calibrate_all_experts`` does the same), while the
+block's output is untouched: the hook only reads, the module's own forward still adds
+only the routed, router-weighted experts. Its cost is the statistics of ``E / k`` times
+the routed tokens (an extra ``x W_gu[e]^T`` per expert and token for the down inputs),
+measured in ``benchmarks/moe.py``. Off, each expert's statistics come from its routed
+tokens only: the statistics of the tokens it will really see at inference.
+
+Starved experts: an expert whose statistics came from fewer than ``min_tokens`` tokens
+(possible only with all-experts mode off, or with fewer calibration tokens than the
+threshold) gets the documented fallback of the method (RTN's search with uniform
+importance, i.e. on its weights alone; GPTQ: that RTN instead of a Hessian-less GPTQ) and
+`warn_starved` names them. Never a NaN or unit scale: the fallback's scales come from
+the weights.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from lowbit.errors import ConfigError
+
+MIN_TOKENS = 16  # default threshold: an expert with statistics from fewer tokens gets the fallback
+STAT_PARAMS = ("gate_up_proj", "down_proj")  # the fused parameters whose inputs are known (see module doc)
+ALL_EXPERTS_HELP = ("mixture-of-experts calibration: every token's statistics also reach every expert (the block's "
+                    "output still uses the router's top-k); off = each expert's statistics from its routed tokens only")
+MIN_TOKENS_HELP = ("experts whose statistics come from fewer calibration tokens than this get RTN on their weights "
+                   "alone (uniform importance), with a warning naming them")
+
+
+@dataclass(frozen=True)
+class Coverage:
+    """Calibration tokens of one experts module: routed to each expert, and behind each expert's statistics."""
+
+    module: str
+    routed: tuple[int, ...]
+    seen: tuple[int, ...]
+    all_experts: bool
+
+    def starved(self, min_tokens: int) -> list[int]:
+        """Experts whose statistics came from fewer than ``min_tokens`` tokens."""
+        return [e for e, n in enumerate(self.seen) if n < min_tokens]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"routed": list(self.routed), "statistics_tokens": list(self.seen), "all_experts": self.all_experts}
+
+
+def check_stat_experts(module: nn.Module, name: str) -> None:
+    """Refuse an experts module whose parameters' inputs this module cannot compute (one line naming them)."""
+    params = [n for n, p in module.named_parameters(recurse=False) if p.dim() == 3]
+    odd = [n for n in params if n not in STAT_PARAMS]
+    if odd or "gate_up_proj" not in params:
+        raise ConfigError(f"{name} ({type(module).__name__}) holds experts parameters {params}; per-expert "
+                          f"calibration statistics know {list(STAT_PARAMS)} only; use --method rtn --no-search "
+                          "for these experts, or --keep them in float")
+
+
+def _matrices(module: nn.Module, param: str) -> torch.Tensor:
+    """``[E, out, in]`` view of a fused parameter (gpt-oss stores ``[E, in, out]``)."""
+    p = getattr(module, param)
+    return p.transpose(1, 2) if getattr(module, "is_transposed", False) else p
+
+
+def expert_activation(module: nn.Module, e: int, x: torch.Tensor) -> torch.Tensor:
+    """Expert ``e``'s down-projection input for tokens ``x [T, H]``, computed as the module's forward does."""
+    w = _matrices(module, "gate_up_proj")[e]
+    h = F.linear(x, w.to(x.dtype))
+    bias = getattr(module, "gate_up_proj_bias", None)
+    if bias is not None:
+        h = h + bias[e].to(h.dtype)
+    if hasattr(module, "_apply_gate"):  # gpt-oss: interleaved gate/up, clamped GLU
+        return module._apply_gate(h)
+    gate, up = h.chunk(2, dim=-1)
+    return module.act_fn(gate) * up
+
+
+def routing_args(args: tuple, kwargs: Mapping[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(hidden states, top-k indices) from an experts forward's arguments (every transformers 5 signature)."""
+    x = args[0] if args else kwargs["hidden_states"]
+    idx = args[1] if len(args) > 1 else next(kwargs[k] for k in ("top_k_index", "router_indices") if k in kwargs)
+    return x, idx
+
+
+class ExpertStats:
+    """Per-expert statistics of one experts module (see the module doc); a context manager that hooks it.
+
+    kinds: ``"sumsq"`` and/or ``"xtx"``. params: the fused parameters whose inputs to
+    accumulate (``gate_up_proj``, ``down_proj``). The sums are float64 on ``device``
+    (default: the module's).
+    """
+
+    def __init__(self, module: nn.Module, name: str, kinds: tuple[str, ...] = ("sumsq",),
+                 params: tuple[str, ...] = STAT_PARAMS, all_experts: bool = True,
+                 device: torch.device | None = None) -> None:
+        check_stat_experts(module, name)
+        self.module, self.name, self.kinds, self.params = module, name, kinds, params
+        self.all_experts = all_experts
+        w = _matrices(module, "gate_up_proj")
+        self.count = w.shape[0]
+        self.device = device or w.device
+        self.routed = torch.zeros(self.count, dtype=torch.int64)
+        self.seen = torch.zeros(self.count, dtype=torch.int64)
+        self.sums: dict[tuple[str, str], torch.Tensor] = {}
+        self._handle: Any = None
+
+    def __enter__(self) -> ExpertStats:
+        self._handle = self.module.register_forward_pre_hook(self._hook, with_kwargs=True)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._handle.remove()
+
+    def _hook(self, _m: nn.Module, args: tuple, kwargs: dict) -> None:
+        x, idx = routing_args(args, kwargs)
+        with torch.no_grad():
+            self.add(x.detach().reshape(-1, x.shape[-1]), idx.detach().reshape(x.shape[:-1].numel(), -1))
+
+    def add(self, x: torch.Tensor, idx: torch.Tensor) -> None:
+        """Accumulate one batch: tokens ``x [T, H]`` routed to experts ``idx [T, k]``."""
+        valid = idx[(idx >= 0) & (idx < self.count)]  # an expert-parallel sentinel (index E) is no expert
+        self.routed += torch.bincount(valid.reshape(-1).cpu(), minlength=self.count)[:self.count]
+        for e in range(self.count):
+            xe = x if self.all_experts else x[(idx == e).any(dim=-1)]
+            if xe.shape[0] == 0:
+                continue
+            self.seen[e] += xe.shape[0]
+            inputs = {"gate_up_proj": xe}
+            if "down_proj" in self.params:
+                inputs["down_proj"] = expert_activation(self.module, e, xe)
+            for param in self.params:
+                self._accumulate(param, e, inputs[param].float())
+
+    def _accumulate(self, param: str, e: int, x: torch.Tensor) -> None:
+        n = x.shape[-1]
+        for kind in self.kinds:
+            key = (kind, param)
+            if key not in self.sums:
+                self.sums[key] = torch.zeros(_shape(kind, self.count, n), dtype=torch.float64, device=self.device)
+            if kind == "absmax":
+                self.sums[key][e] = torch.maximum(self.sums[key][e], x.abs().amax().to(self.sums[key]))
+                continue
+            part = x.pow(2).sum(0) if kind == "sumsq" else x.T @ x  # float32 product, float64 sum (as for Linears)
+            self.sums[key][e] += part.to(self.sums[key])
+
+    def result(self, kind: str, param: str) -> torch.Tensor:
+        """``[E, in]`` (sumsq), ``[E, in, in]`` (xtx) float64 sums, or ``[E]`` abs-max of the input (absmax);
+        zeros for an expert no token reached."""
+        if (kind, param) not in self.sums:
+            n = _matrices(self.module, param).shape[-1]
+            return torch.zeros(_shape(kind, self.count, n), dtype=torch.float64, device=self.device)
+        return self.sums[(kind, param)]
+
+    def coverage(self) -> Coverage:
+        return Coverage(self.name, tuple(self.routed.tolist()), tuple(self.seen.tolist()), self.all_experts)
+
+
+def _shape(kind: str, count: int, n: int) -> tuple[int, ...]:
+    return {"absmax": (count,), "sumsq": (count, n), "xtx": (count, n, n)}[kind]
+
+
+def input_amax(stats: ExpertStats, param: str, min_tokens: int) -> torch.Tensor:
+    """``[E]`` static input abs-max of each expert's ``param``; starved experts (fewer than ``min_tokens``
+    statistics tokens) take the largest of the others' (the layer's range: a scale no token of theirs was seen to
+    exceed, never a unit or zero one)."""
+    amax = stats.result("absmax", param).float().clone()
+    low = stats.coverage().starved(min_tokens)
+    fed = [e for e in range(stats.count) if e not in low and amax[e] > 0]
+    if not fed:
+        raise ConfigError(f"{stats.name}: no expert got {min_tokens} calibration tokens to calibrate the static input "
+                          f"scales of {param}; pass more calibration tokens (--nsamples) or all-experts calibration")
+    amax[low] = amax[fed].max()
+    return amax
+
+
+@contextlib.contextmanager
+def expert_stats(modules: Mapping[str, nn.Module], kinds: tuple[str, ...] = ("sumsq",),
+                 params: tuple[str, ...] = STAT_PARAMS, all_experts: bool = True) -> Iterator[dict[str, ExpertStats]]:
+    """`ExpertStats` hooked on each named experts module for the forwards run inside the ``with``."""
+    stats = {n: ExpertStats(m, n, kinds, params, all_experts) for n, m in modules.items()}
+    with contextlib.ExitStack() as stack:
+        for s in stats.values():
+            stack.enter_context(s)
+        yield stats
+
+
+def warn_starved(coverage: list[Coverage], min_tokens: int, fallback: str) -> dict[str, list[int]]:
+    """Warn (once, naming every one) about experts whose statistics came from fewer than ``min_tokens`` tokens.
+
+    fallback: what they got instead (said in the warning). Returns module -> starved experts.
+    """
+    starved = {c.module: c.starved(min_tokens) for c in coverage}
+    starved = {m: s for m, s in starved.items() if s}
+    if starved:
+        seen = {c.module: c.seen for c in coverage}
+        listing = "; ".join(f"{m}: experts {s} ({', '.join(str(seen[m][e]) for e in s)} tokens)"
+                            for m, s in starved.items())
+        mode = "with" if all(c.all_experts for c in coverage) else "without"
+        warnings.warn(f"{sum(len(s) for s in starved.values())} expert(s) got fewer than {min_tokens} calibration "
+                      f"tokens ({mode} all-experts calibration) and were quantized by {fallback}: {listing}. More "
+                      "calibration tokens (--nsamples), or all-experts calibration, reach them", stacklevel=2)
+    return starved
+
+
+def warn_unrouted(coverage: list[Coverage], min_tokens: int) -> None:
+    """With all-experts calibration every expert has statistics; still say which the router itself starves."""
+    low = {c.module: [e for e, n in enumerate(c.routed) if n < min_tokens] for c in coverage if c.all_experts}
+    low = {m: s for m, s in low.items() if s}
+    if low:
+        listing = "; ".join(f"{m}: experts {s}" for m, s in low.items())
+        warnings.warn(f"the router sent fewer than {min_tokens} calibration tokens to {sum(map(len, low.values()))} "
+                      f"expert(s) (their statistics come from all-experts calibration): {listing}", stacklevel=2)
