@@ -7,8 +7,11 @@ importance-weighted scale search runs on the weights alone for experts (each gro
 scale picked by its own squared error: no calibration statistics per expert yet), which
 is the search with uniform importance.
 
+SignRound and SignRoundV2 tune a rounder per expert matrix inside the block, the router
+frozen (`lowbit.ptq.expert_rounding`).
+
 What does not quantize experts yet is refused before any work, with one line naming
-what works today: the tuning methods (GPTQ, SignRound), input-quantized recipes (static
+what works today: the other tuning methods (GPTQ), input-quantized recipes (static
 per-expert input scales are not calibrated) and the float pre-steps (rotation, AWQ: they
 rewrite Linears and would leave the experts' inputs unmatched). Never silently float, never
 another method than the one asked for.
@@ -27,7 +30,11 @@ from lowbit.nn import set_module
 from lowbit.nn.quant_experts import QuantExperts
 from lowbit.plans.plan import Plan
 
-EXPERT_METHODS = ("rtn",)  # methods that quantize experts today
+EXPERT_METHODS = (  # methods that quantize experts today, one a line
+    "rtn",
+    "signround",  # per-expert rounders tuned in the block (lowbit.ptq.expert_rounding)
+    "signround2",
+)
 
 
 def planned_experts(model: nn.Module, plan: Plan) -> dict[str, ExpertTensor]:
@@ -52,7 +59,7 @@ def check_experts(model: nn.Module, plan: Plan, method: str, pre_steps: tuple[st
     keep = "or pass --keep experts to keep them in float"
     if method not in EXPERT_METHODS:
         raise ConfigError(f"--method {method} does not quantize mixture-of-experts experts yet ({first}, ...); "
-                          f"--method rtn does today, {keep}")
+                          f"--method {' / '.join(EXPERT_METHODS)} do today, {keep}")
     inputs = [n for n in experts if plan[n].input is not None]
     if inputs:
         raise ConfigError(f"experts {inputs[0]}: recipe {plan[inputs[0]].name} quantizes inputs, and lowbit does not "
