@@ -98,12 +98,13 @@ def routed_tokens(model, calib) -> list[list[int]]:
 
 
 # ------------------------------------------------------------------ peers
-def run_autoround(model, tokenizer, calib, bits: int, group: int, iters: int, out: Path, **settings: Any) -> dict:
+def run_autoround(model, tokenizer, calib, bits: int, group: int, iters: int, out: Path, seed: int = 0,
+                  **settings: Any) -> dict:
     from auto_round import AutoRound
 
     ar = AutoRound(model, tokenizer, bits=bits, group_size=group, sym=True, iters=iters,
                    dataset=[r.unsqueeze(0) for r in calib], nsamples=len(calib), seqlen=calib.shape[1],
-                   batch_size=BATCH, device_map="cpu", seed=0, **settings)
+                   batch_size=BATCH, device_map="cpu", seed=seed, **settings)
     ar.quantize()  # quantize_and_save's immediate saving frees the weights: evaluate first, then save
     import auto_round
 
@@ -178,15 +179,15 @@ def reload_ppl(folder: Path, ev) -> dict:
 
 
 # ------------------------------------------------------------------ one row
-def child(tool: str, scheme: str, iters: int, organism: Path, keep: Path | None) -> dict:
+def child(tool: str, scheme: str, iters: int, organism: Path, keep: Path | None, seed: int = 0) -> dict:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from lowbit.eval import perplexity
 
     torch.set_num_threads(1)
-    torch.manual_seed(0)
-    folder, calib, ev = organism_data(organism)
+    torch.manual_seed(seed)
+    folder, calib, ev = organism_data(organism)  # the same calibration windows for every seed
     tok = AutoTokenizer.from_pretrained(str(folder))
     model = AutoModelForCausalLM.from_pretrained(str(folder), dtype="float32").eval()
     cfg = model.config
@@ -197,7 +198,7 @@ def child(tool: str, scheme: str, iters: int, organism: Path, keep: Path | None)
     t0 = time.perf_counter()
     if tool in AUTOROUND:
         steps, settings = AUTOROUND[tool]
-        extra = run_autoround(model, tok, calib, bits, group, iters if steps is None else steps, out, **settings)
+        extra = run_autoround(model, tok, calib, bits, group, iters if steps is None else steps, out, seed, **settings)
     else:
         extra = run_llmc_gptq(model, tok, calib, bits, group, out)
     seconds = time.perf_counter() - t0
@@ -208,7 +209,7 @@ def child(tool: str, scheme: str, iters: int, organism: Path, keep: Path | None)
     out = _folder_with_config(save())
     save_s = time.perf_counter() - t1
     del quantized, model
-    return {"tool": tool, "scheme": scheme, "seconds": round(seconds, 1), "save_seconds": round(save_s, 1),
+    return {"tool": tool, "scheme": scheme, "seed": seed, "seconds": round(seconds, 1), "save_seconds": round(save_s, 1),
             "peak_rss_mib": round(rss),
             "ppl_fp": ppl_fp, "ppl_in_memory": in_memory, "reloaded": reload_ppl(out, ev),
             "layout": layout(out, cfg.num_hidden_layers, cfg.num_experts), "out": str(out),
@@ -258,6 +259,7 @@ def main() -> None:
     p.add_argument("--keep", default=None, help="keep each peer's output folder under this folder")
     p.add_argument("--out", default=None, help="results file (default benchmarks/results/moe_peers.json)")
     p.add_argument("--table", action="store_true", help="print the results table and exit")
+    p.add_argument("--seed", type=int, default=0, help="the tools' seed (tuning order); calibration windows stay")
     p.add_argument("--child", nargs=2, metavar=("TOOL", "SCHEME"), help=argparse.SUPPRESS)
     a = p.parse_args()
     out = Path(a.out).absolute() if a.out else result_path(RESULTS)
@@ -271,21 +273,21 @@ def main() -> None:
     organism = Path(a.organism).expanduser()
     keep = Path(a.keep).absolute() if a.keep else None
     if a.child:
-        print("ROW " + json.dumps(child(a.child[0], a.child[1], a.iters, organism, keep), default=str))
+        print("ROW " + json.dumps(child(a.child[0], a.child[1], a.iters, organism, keep, a.seed), default=str))
         return
     if not (organism / "model" / "config.json").is_file():
         p.error(f"{organism} has no model/; build it first: python -m benchmarks.organism --arch qwen3moe")
     for scheme in schemes:
         for tool in tools:
             cmd = [sys.executable, "-m", "benchmarks.moe_peers", "--child", tool, scheme, "--iters", str(a.iters),
-                   "--organism", str(organism)] + (["--keep", str(keep)] if keep else [])
+                   "--seed", str(a.seed), "--organism", str(organism)] + (["--keep", str(keep)] if keep else [])
             r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
             lines = [x for x in r.stdout.splitlines() if x.startswith("ROW ")]
             if r.returncode or not lines:
                 print(f"{tool} {scheme}: failed (exit {r.returncode})\n{r.stderr[-3000:]}", file=sys.stderr)
                 continue
             row: dict[str, Any] = json.loads(lines[-1][4:])
-            merge_row(out, row, ("tool", "scheme"))
+            merge_row(out, row, lambda r: (r["tool"], r["scheme"], r.get("seed", 0)))  # rows before seeds: seed 0
             print(table([row]).splitlines()[-1], flush=True)
 
 

@@ -29,13 +29,7 @@ from lowbit.ptq.signround import SignRoundTuner, make_config, signround_quantize
 ARCHS = ("qwen3_moe", "gpt_oss")
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """The expert loop's many tiny products: two threads on a shared machine made these tests 20x slower."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _calib(n: int = 8, seqlen: int = 32, seed: int = 0) -> torch.Tensor:
@@ -81,10 +75,11 @@ def test_tuning_the_experts_lowers_the_error_rtn_leaves_and_keeps_the_router(arc
     assert all(torch.equal(p, routers[n]) for n, p in _routers(tuned).items()) and routers
 
 
-@pytest.mark.parametrize("arch", ARCHS)
-def test_iters0_is_rtn_of_every_expert(arch):
+@pytest.mark.parametrize("arch, scheme", [("qwen3_moe", "w4g8"), ("gpt_oss", "w4g8"), ("qwen3_moe", "nvfp4"),
+                                          ("gpt_oss", "nvfp4")])
+def test_iters0_is_rtn_of_every_expert(arch, scheme):
     model = make(arch).eval()
-    plan = _experts_plan(model, "w4g8")
+    plan = _experts_plan(model, scheme)
     rtn, sr = copy.deepcopy(model), copy.deepcopy(model)
     quantize_model(rtn, plan, "rtn", {"search": False}, progress=False, keep16=False)
     signround_quantize(sr, plan, make_config(iters=0), _calib(), progress=False)
@@ -103,7 +98,7 @@ def _perturb(rounder: StackRounder, seed: int) -> None:
 
 @pytest.mark.parametrize("arch, scheme, v2", [
     ("qwen3_moe", "w3g8", False), ("qwen3_moe", "w4g8a", False), ("qwen3_moe", "w2g8", True),
-    ("qwen3_moe", "nvfp4", False), ("gpt_oss", "w3g8", True), ("gpt_oss", "mxfp4", False),
+    ("qwen3_moe", "nvfp4", False), ("gpt_oss", "w3g8", True), ("gpt_oss", "w4g8a", False),
     ("gpt_oss", "nvfp4", True)])
 def test_frozen_experts_compute_exactly_what_the_tuned_forward_did(arch, scheme, v2):
     from lowbit.formats import Scheme
@@ -130,8 +125,9 @@ def test_frozen_experts_compute_exactly_what_the_tuned_forward_did(arch, scheme,
     assert all(isinstance(m, QuantStack) for m in frozen.stacks().values()) and len(frozen.stacks()) == 2
 
 
-def test_kquant_experts_tune_and_freeze_exactly():
-    """K-quants need 256 input columns: a standalone Qwen3-MoE experts module of that width."""
+@pytest.mark.parametrize("scheme, v2", [("q4_k", False), ("q3_k", True), ("mxfp4", False), ("mxfp4", True)])
+def test_wide_formats_tune_and_freeze_exactly(scheme, v2):
+    """K-quants (256-column super-blocks) and MXFP4 (32-blocks): a standalone Qwen3-MoE experts module of 256 columns."""
     import transformers as tf
     from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
 
@@ -142,7 +138,7 @@ def test_kquant_experts_tune_and_freeze_exactly():
     experts = Qwen3MoeExperts(cfg)
     torch.nn.init.normal_(experts.gate_up_proj, std=0.05)
     torch.nn.init.normal_(experts.down_proj, std=0.05)
-    rounders = {n: StackRounder(experts.get_parameter(n).detach(), Scheme.parse("q4_k"), None, False)
+    rounders = {n: StackRounder(experts.get_parameter(n).detach(), Scheme.parse(scheme), None, v2)
                 for n in ("gate_up_proj", "down_proj")}
     for i, r in enumerate(rounders.values()):
         _perturb(r, i)

@@ -4,9 +4,17 @@ A llama.cpp "Q4_K_M" file is not Q4_K everywhere: ``llama_tensor_get_type`` (lla
 raises some tensors to a higher type by role and depth (attn_v and ffn_down of the first,
 last and every third layer to Q6_K, ...), and ``tensor_type_fallback`` gives rows that are
 not a multiple of 256 a legacy 32-block type (Q2_K/Q3_K -> Q4_0, Q4_K -> Q5_0, Q5_K ->
-Q5_1, Q6_K -> Q8_0). `mix_plan` reproduces both for the dense (non-MoE) decoders lowbit
-quantizes, from the Linear names and shapes alone, so a lowbit file of a mix has the same
-per-tensor types, hence the same size, as llama.cpp's. The output tensor (the lm_head,
+Q5_1, Q6_K -> Q8_0). `mix_plan` reproduces both for the decoders lowbit quantizes, from
+the names and shapes alone, so a lowbit file of a mix has the same per-tensor types, hence
+the same size, as llama.cpp's.
+
+Mixture-of-experts models (``n_expert > 1``): the fused experts tensors are llama.cpp's 3-D
+``ffn_gate_exps`` / ``ffn_up_exps`` (lowbit's ``gate_up_proj``: both take the mix's base
+type) and ``ffn_down_exps`` (``down_proj``: the ffn_down rules). As llama.cpp does for
+experts, the ffn rules then use the block index read from the name (not a running count,
+which a shared expert's second ffn_down would skew) over the model's block count; with
+exactly 8 experts attn_v and attn_k take Q8_0 and attn_output Q5_K in the Q2_K..Q4_K_M
+mixes (llama.cpp's rules for Mixtral-like models). The output tensor (the lm_head,
 when planned) gets Q6_K, or Q8_0 when its rows are not a multiple of 256, as llama.cpp
 chooses; token embeddings are not Linear layers and stay 16-bit in lowbit.
 """
@@ -24,7 +32,14 @@ MIXES = ("q2_k_s", "gguf:q2_k", "q3_k_s", "q3_k_m", "q3_k_l", "q4_k_s", "q4_k_m"
 _BASE = {"q2_k_s": 2, "gguf:q2_k": 2, "q3_k_s": 3, "q3_k_m": 3, "q3_k_l": 3, "q4_k_s": 4, "q4_k_m": 4,
          "q5_k_s": 5, "q5_k_m": 5, "gguf:q6_k": 6}
 _ROLE = {"q_proj": "attn_q", "k_proj": "attn_k", "v_proj": "attn_v", "o_proj": "attn_output",
-         "gate_proj": "ffn_gate", "up_proj": "ffn_up", "down_proj": "ffn_down"}
+         "gate_proj": "ffn_gate", "up_proj": "ffn_up", "down_proj": "ffn_down", "gate_up_proj": "ffn_gate_up",
+         # Qwen2-MoE's [1, H] shared-expert gate: llama.cpp's ffn_gate_inp_shexp, the mix's base type (a plan
+         # that does not name it explicitly keeps it 16-bit anyway: `lowbit.models.accounting.gate`)
+         "shared_expert_gate": "ffn_gate_inp_shexp"}
+_FFN = ("ffn_gate", "ffn_up", "ffn_down", "ffn_gate_up")
+Q8_0 = 8  # `tensor_type`'s answer for llama.cpp's Q8_0 (w8g32): the only non-K type its rules pick
+# mixes whose attn_output llama.cpp raises to Q5_K in an 8-expert model
+_ATTN_OUT_8_EXPERTS = ("gguf:q2_k", "q3_k_s", "q3_k_m", "q4_k_s", "q4_k_m")
 
 
 # the key of a checkpoint manifest's ``meta`` naming the mix its plan reproduces (GGUF's general.file_type)
@@ -54,7 +69,15 @@ def _more_bits(i: int, n: int) -> bool:
 
 
 def _k(bits: int) -> Scheme:
-    return Scheme.parse(f"q{bits}_k")
+    return Scheme.parse("w8g32" if bits == Q8_0 else f"q{bits}_k")
+
+
+def _block_index(name: str) -> int:
+    """The decoder block a tensor belongs to: the first integer component of its name."""
+    for part in name.split("."):
+        if part.isdigit():
+            return int(part)
+    raise SchemeError(f"{name}: no block index in the name; K-quant mixes of MoE models need model.layers.N names")
 
 
 def role(name: str) -> str | None:
@@ -64,11 +87,15 @@ def role(name: str) -> str | None:
     return _ROLE.get(name.rsplit(".", 1)[-1])
 
 
-def tensor_type(mix: str, role_: str | None, i: int, n: int, n_gqa: int) -> int:
-    """K-quant bits of one tensor (before the width fallback): llama_tensor_get_type's rules."""
+def tensor_type(mix: str, role_: str | None, i: int, n: int, n_gqa: int, n_expert: int = 0) -> int:
+    """K-quant bits of one tensor (before the width fallback): llama_tensor_get_type's rules (`Q8_0` for Q8_0)."""
     base = _BASE[mix]
     if role_ == "output":
         return 6
+    if n_expert == 8 and role_ in ("attn_v", "attn_k"):
+        return Q8_0
+    if n_expert == 8 and role_ == "attn_output":
+        return 5 if mix in _ATTN_OUT_8_EXPERTS else base
     if role_ == "attn_v":
         return {"gguf:q2_k": 4 if n_gqa >= 4 else 3, "q2_k_s": 4 if n_gqa >= 4 else base,
                 "q3_k_m": 5 if i < 2 else 4, "q3_k_l": 5,
@@ -84,11 +111,14 @@ def tensor_type(mix: str, role_: str | None, i: int, n: int, n_gqa: int) -> int:
     return base
 
 
-def mix_plan(sizes: Mapping[str, tuple[int, int]], mix: str, n_gqa: int) -> Plan:
-    """Per-layer schemes of llama.cpp's file type ``mix`` over the Linear layers ``sizes`` (model order).
+def mix_plan(sizes: Mapping[str, tuple[int, int]], mix: str, n_gqa: int, n_expert: int = 0) -> Plan:
+    """Per-layer schemes of llama.cpp's file type ``mix`` over the planned weights ``sizes`` (model order).
 
     Counters run over the layers of each role in order, as llama.cpp's ``i_attention_wv`` /
-    ``i_ffn_down`` do. The output tensor with rows not a multiple of 256 takes Q8_0 (w8g32).
+    ``i_ffn_down`` do; with ``n_expert > 1`` (a MoE model; ``sizes`` then holds the fused
+    experts tensors too, each expert's [out, in]) the ffn roles use the block index of the
+    name over the block count instead. The output tensor with rows not a multiple of 256
+    takes Q8_0 (w8g32).
     """
     mix = mix.strip().lower()
     if mix not in MIXES:
@@ -99,6 +129,8 @@ def mix_plan(sizes: Mapping[str, tuple[int, int]], mix: str, n_gqa: int) -> Plan
         raise SchemeError(f"{unknown[0]} has no llama.cpp tensor role (q/k/v/o, gate/up/down, lm_head); "
                           "K-quant mixes cover llama-style decoders; use a uniform scheme or a plan file")
     count = {r: sum(1 for x in roles.values() if x == r) for r in set(roles.values())}
+    moe = n_expert > 1
+    blocks = 1 + max((_block_index(n) for n, r in roles.items() if r in _FFN), default=-1) if moe else 0
     seen: dict[str, int] = {}
     out: dict[str, Scheme] = {}
     for name, (_, cols) in sizes.items():
@@ -108,7 +140,8 @@ def mix_plan(sizes: Mapping[str, tuple[int, int]], mix: str, n_gqa: int) -> Plan
         if r == "output" and cols % 256:
             out[name] = Scheme.parse("w8g32")
             continue
-        out[name] = fit_width(_k(tensor_type(mix, r, i, count[r], n_gqa)), cols)
+        i, n = (_block_index(name), blocks) if moe and r in _FFN else (i, count[r])
+        out[name] = fit_width(_k(tensor_type(mix, r, i, n, n_gqa, n_expert)), cols)
     return Plan(out)
 
 
