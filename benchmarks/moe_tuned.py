@@ -9,6 +9,7 @@ calibration windows (seed 0) as ``benchmarks/moe_peers.py`` (``organism_data``):
   experts tuned per expert inside each block, router frozen. ``seed`` is the tuning
   mini-batch order (auto-round's ``seed``); the calibration windows are the same for every
   seed. Rank on the mean of seeds.
+- ``lowbit-mixed-signround2``: that DeltaLoss plan tuned by SignRoundV2 (as its row above).
 - ``lowbit-mixed-rtn`` / ``lowbit-uniform-rtn``: the same size two ways: DeltaLoss +
   knapsack (``--avg-bits`` = the uniform scheme's bits per weight, options w2g64, w3g128,
   w4g128; fused experts tensors are knapsack items) against the uniform scheme, both RTN
@@ -17,6 +18,7 @@ calibration windows (seed 0) as ``benchmarks/moe_peers.py`` (``organism_data``):
 
     python -m benchmarks.moe_tuned --rows signround2 --schemes w4g128,w3g128,w2g64 --seeds 0,1
     python -m benchmarks.moe_tuned --rows mixed --schemes w3g128,w2g32
+    python -m benchmarks.moe_tuned --rows mixed-signround2 --schemes w3g128,w2g32 --seeds 0
     python -m benchmarks.moe_tuned --table
 """
 
@@ -34,7 +36,7 @@ from benchmarks.moe_peers import EVAL_SEQLEN, EVAL_WINDOWS, ORGANISM, organism_d
 RESULTS = "moe"
 ITERS, BATCH = 50, 8  # the peers' autoround rows
 MIX_OPTIONS = ("w2g64", "w3g128", "w4g128")
-ROWS = ("signround2", "mixed")
+ROWS = ("signround2", "mixed", "mixed-signround2")
 
 
 def _key(r: dict) -> tuple:
@@ -78,17 +80,26 @@ def signround_row(scheme: str, seed: int, organism: Path) -> dict:
                    settings=settings)
 
 
+def _allocate(model, scheme: str, calib):
+    """(DeltaLoss + knapsack allocation over `MIX_OPTIONS` at the bits per weight of ``scheme`` uniform, those bits)."""
+    from lowbit.models.experts import planned_shape
+    from lowbit.plans.source import build_plan
+    from lowbit.ptq.mixed import MixedSettings, mixed_plan
+
+    uniform = build_plan(model, scheme)
+    budget = uniform.average_bits({n: planned_shape(model, n) for n in uniform})
+    settings = MixedSettings(avg_bits=budget, options=MIX_OPTIONS, dtype="fp32")
+    return mixed_plan(model, uniform, settings, calib, progress=False), budget
+
+
 def mixed_rows(scheme: str, organism: Path) -> list[dict]:
     """DeltaLoss-allocated plan at the bits of ``scheme`` vs ``scheme`` uniform; both RTN with lowbit's search."""
     from lowbit.formats import Scheme
-    from lowbit.models.experts import planned_shape
     from lowbit.plans.source import build_plan
     from lowbit.ptq import quantize_model
-    from lowbit.ptq.mixed import MixedSettings, mixed_plan
 
     fp, calib, ev, ppl_fp = _setup(organism)
     uniform = build_plan(fp, scheme)
-    budget = uniform.average_bits({n: planned_shape(fp, n) for n in uniform})
     rows = []
     model = copy.deepcopy(fp)
     t0 = time.perf_counter()
@@ -96,15 +107,33 @@ def mixed_rows(scheme: str, organism: Path) -> list[dict]:
     rows.append(_finish("lowbit-uniform-rtn", scheme, 0, model, plan, time.perf_counter() - t0, ev, ppl_fp))
     model = copy.deepcopy(fp)
     t0 = time.perf_counter()
-    settings = MixedSettings(avg_bits=budget, options=MIX_OPTIONS, dtype="fp32")
-    alloc = mixed_plan(model, uniform, settings, calib, progress=False)
+    alloc, budget = _allocate(model, scheme, calib)
     t_alloc = time.perf_counter() - t0
     plan = quantize_model(model, alloc.plan, "rtn", {}, calib=calib, progress=False)
-    experts = {n: r.name for n, r in alloc.plan.items() if ".experts." in n}
     rows.append(_finish("lowbit-mixed-rtn", scheme, 0, model, plan, time.perf_counter() - t0, ev, ppl_fp,
                         budget_bits=round(budget, 4), options=list(MIX_OPTIONS), allocation_seconds=round(t_alloc, 2),
-                        experts_plan=experts, uniform_scheme=Scheme.parse(scheme).name))
+                        allocation=_names(alloc.plan), uniform_scheme=Scheme.parse(scheme).name))
     return rows
+
+
+def mixed_signround_row(scheme: str, seed: int, organism: Path) -> dict:
+    """The DeltaLoss plan at the bits of ``scheme`` (as `mixed_rows`), then tuned by SignRoundV2 (``seed``)."""
+    from lowbit.ptq import quantize_model
+
+    fp, calib, ev, ppl_fp = _setup(organism)
+    model = copy.deepcopy(fp)
+    t0 = time.perf_counter()
+    alloc, budget = _allocate(model, scheme, calib)
+    settings = {"iters": ITERS, "batch_size": BATCH, "seed": seed}
+    plan = quantize_model(model, alloc.plan, "signround2", settings, calib=calib, progress=False)
+    return _finish("lowbit-mixed-signround2", scheme, seed, model, plan, time.perf_counter() - t0, ev, ppl_fp,
+                   budget_bits=round(budget, 4), options=list(MIX_OPTIONS), allocation=_names(alloc.plan),
+                   settings=settings)
+
+
+def _names(plan) -> dict[str, str]:
+    """plan entry -> the scheme the knapsack picked (what DeltaLoss gave attention vs experts)."""
+    return {n: r.name for n, r in plan.items()}
 
 
 def table() -> str:
@@ -114,7 +143,7 @@ def table() -> str:
     peers = json.loads(peers_file.read_text())["rows"] if peers_file.exists() else []
     groups: dict[tuple, list] = {}
     for r in ours:
-        if r["tool"].startswith(("lowbit-signround2", "lowbit-mixed", "lowbit-uniform")):
+        if r["tool"].startswith(("lowbit-signround2", "lowbit-mixed", "lowbit-uniform")):  # this script's rows
             groups.setdefault((r["scheme"], r["tool"]), []).append((r.get("seed", 0), r["ppl"], r.get("plan_avg_bits")))
     for r in peers:
         if r["tool"] == "autoround" and r.get("ppl_in_memory") is not None:
@@ -157,6 +186,9 @@ def main() -> None:
         if "mixed" in rows:
             for r in mixed_rows(scheme, organism):
                 _record(r)
+        if "mixed-signround2" in rows:
+            for seed in a.seeds.split(","):
+                _record(mixed_signround_row(scheme, int(seed), organism))
     print(table())
 
 
