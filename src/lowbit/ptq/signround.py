@@ -1,6 +1,7 @@
 """SignRound and SignRoundV2: learned rounding tuned block by block with signed gradient descent.
 
-Every planned Linear of a decoder block gets a learnable rounder (`lowbit.ptq.rounders`):
+Every planned Linear of a decoder block gets a learnable rounder (`lowbit.ptq.rounders`;
+every expert matrix of a planned fused experts tensor one of its own, `lowbit.ptq.expert_rounding`):
 offsets ``V`` that move each weight to the other rounding neighbour plus scale factors
 (V1: clip factors in [0, 1] on the range; V2: a multiplier in [0, 2] on the
 importance-searched scale). The block's output MSE against its FP output is minimised
