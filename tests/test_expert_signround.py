@@ -192,3 +192,21 @@ def test_cli_signround2_quantizes_the_experts_and_the_file_evaluates(tmp_path, c
     assert "experts" in acc["quantized"] and set(acc["float"]) == {"router", "embeddings", "lm_head"}
     assert main(["eval", str(out), "--windows", "2", "--eval-seqlen", "32", "--json"]) == 0
     assert _last(capsys)["ppl"] > 1
+
+
+def test_an_expert_no_token_reaches_keeps_its_rtn_start_finite():
+    """Its rounder gets a zero gradient (sign 0): it stays exactly where RTN put it, never NaN, while the routed
+    experts move (gpt-oss: a router bias of -1e4 keeps expert 7 out of every top-k)."""
+    model = make("gpt_oss").eval()
+    with torch.no_grad():
+        for block in decoder_blocks(model):
+            block.mlp.router.bias[7] = -1e4
+    plan = _experts_plan(model, "w2g8")
+    rtn, sr = copy.deepcopy(model), copy.deepcopy(model)
+    quantize_model(rtn, plan, "rtn", {"search": False}, progress=False, keep16=False)
+    signround_quantize(sr, plan, make_config(iters=30, batch_size=4), _calib(), progress=False)
+    a, b = quant_stacks(rtn), quant_stacks(sr)
+    for n in a:
+        assert torch.equal(a[n].codes[7], b[n].codes[7]) and torch.equal(a[n].scales[7], b[n].scales[7])
+        assert torch.isfinite(b[n].scales).all()
+    assert any(not torch.equal(a[n].codes[:7], b[n].codes[:7]) for n in a)
