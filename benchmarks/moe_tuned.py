@@ -15,10 +15,13 @@ calibration windows (seed 0) as ``benchmarks/moe_peers.py`` (``organism_data``):
   w4g128; fused experts tensors are knapsack items) against the uniform scheme, both RTN
   with lowbit's default search, so the rows differ by the allocation alone. Deterministic:
   one seed.
+- ``lowbit-signround2-block-E{8,32,128}`` (in ``results/moe_scaling.json``): seconds of one tuned
+  block as the expert count grows at a fixed expert shape (`scaling_rows`).
 
     python -m benchmarks.moe_tuned --rows signround2 --schemes w4g128,w3g128,w2g64 --seeds 0,1
     python -m benchmarks.moe_tuned --rows mixed --schemes w3g128,w2g32
     python -m benchmarks.moe_tuned --rows mixed-signround2 --schemes w3g128,w2g32 --seeds 0
+    python -m benchmarks.moe_tuned --rows scaling --schemes ''
     python -m benchmarks.moe_tuned --table
 """
 
@@ -34,9 +37,11 @@ from benchmarks.common import machine, markdown_table, merge_row, peak_rss_mib, 
 from benchmarks.moe_peers import EVAL_SEQLEN, EVAL_WINDOWS, ORGANISM, organism_data
 
 RESULTS = "moe"
+SCALING = "moe_scaling"
 ITERS, BATCH = 50, 8  # the peers' autoround rows
 MIX_OPTIONS = ("w2g64", "w3g128", "w4g128")
-ROWS = ("signround2", "mixed", "mixed-signround2")
+ROWS = ("signround2", "mixed", "mixed-signround2", "scaling")
+SCALING_EXPERTS = (8, 32, 128)
 
 
 def _key(r: dict) -> tuple:
@@ -136,6 +141,40 @@ def _names(plan) -> dict[str, str]:
     return {n: r.name for n, r in plan.items()}
 
 
+def scaling_rows() -> list[dict]:
+    """Seconds of one SignRoundV2 block (10 iterations, experts only) as the expert count grows at a fixed expert shape.
+
+    A random one-block Qwen3-MoE (hidden 128, experts of 64, top-2), 8 x 128 calibration tokens:
+    the expert weights grow with E, the routed tokens per expert shrink as 1/E.
+    """
+    import torch
+    import transformers as tf
+
+    from lowbit.models.experts import expert_tensors
+    from lowbit.plans.plan import Plan
+    from lowbit.plans.source import build_plan
+    from lowbit.ptq.signround import make_config, signround_quantize
+
+    rows = []
+    for e in SCALING_EXPERTS:
+        torch.manual_seed(0)
+        cfg = tf.Qwen3MoeConfig(vocab_size=256, hidden_size=128, num_hidden_layers=1, num_attention_heads=4,
+                                num_key_value_heads=2, head_dim=32, intermediate_size=256, moe_intermediate_size=64,
+                                num_experts=e, num_experts_per_tok=2)
+        model = tf.Qwen3MoeForCausalLM(cfg).eval()
+        plan = build_plan(model, "w4g32")
+        plan = Plan({n: plan[n] for n in expert_tensors(model)})
+        params = sum(t.numel for t in expert_tensors(model).values())
+        calib = torch.randint(0, 256, (8, 128), generator=torch.Generator().manual_seed(0))
+        t0 = time.perf_counter()
+        info = signround_quantize(model, plan, make_config(iters=10, batch_size=4, v2=True), calib, progress=False)
+        rows.append({"tool": f"lowbit-signround2-block-E{e}", "scheme": "w4g32", "seed": 0, "experts": e,
+                     "seconds": round(time.perf_counter() - t0, 2), "block_seconds": round(info[0]["seconds"], 2),
+                     "expert_params": params, "peak_rss_mib": peak_rss_mib(), "machine": machine()})
+        print(f"{e} experts: {rows[-1]['block_seconds']} s per block", flush=True)
+    return rows
+
+
 def table() -> str:
     """Per (scheme, tool): the mean over seeds, with the peers' rows (moe_peers.json) at the same scheme."""
     ours = json.loads(result_path(RESULTS).read_text())["rows"] if result_path(RESULTS).exists() else []
@@ -143,7 +182,7 @@ def table() -> str:
     peers = json.loads(peers_file.read_text())["rows"] if peers_file.exists() else []
     groups: dict[tuple, list] = {}
     for r in ours:
-        if r["tool"].startswith(("lowbit-signround2", "lowbit-mixed", "lowbit-uniform")):  # this script's rows
+        if r["tool"].startswith(("lowbit-signround2", "lowbit-mixed", "lowbit-uniform")) and "ppl" in r:
             groups.setdefault((r["scheme"], r["tool"]), []).append((r.get("seed", 0), r["ppl"], r.get("plan_avg_bits")))
     for r in peers:
         if r["tool"] == "autoround" and r.get("ppl_in_memory") is not None:
@@ -179,6 +218,9 @@ def main() -> None:
     import torch
 
     torch.set_num_threads(a.threads)
+    if "scaling" in rows:  # one sweep, not per scheme; a file of its own (its rows have no perplexity)
+        for r in scaling_rows():
+            merge_row(SCALING, r, _key)
     for scheme in a.schemes.split(","):
         if "signround2" in rows:
             for seed in a.seeds.split(","):
