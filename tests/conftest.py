@@ -79,3 +79,15 @@ def tiny_hf_dir(tmp_path_factory, tiny_tokenizer):
     make_llama(len(tiny_tokenizer)).save_pretrained(path)
     tiny_tokenizer.save_pretrained(path)
     return path
+
+
+@pytest.fixture
+def one_thread():
+    """One torch thread for the test: MoE experts loops of tiny products ran ~20x slower on two threads of a shared
+    machine (tests/test_expert_signround.py, test_expert_mixed.py)."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

@@ -158,16 +158,25 @@ def _last(capsys) -> dict:
     return json.loads(capsys.readouterr().out.strip().splitlines()[-1])
 
 
-@pytest.mark.parametrize("how", (["--avg-bits", "3", "--options", "w2g32,w4g32", "--method", "rtn", "--no-eval"],))
-def test_quantize_refuses_experts_left_in_float_before_any_work(moe_dir, tmp_path, capsys, how):
-    """Plans that do not cover experts yet (a uniform --scheme and the llama.cpp mixes do: tests/test_experts.py,
-    tests/test_gguf_moe.py)."""
+def test_avg_bits_plans_the_experts_too(moe_dir, tmp_path, capsys):
+    """Every plan source covers the fused experts (a uniform --scheme: tests/test_experts.py; llama.cpp mixes:
+    tests/test_expert_mixed.py, whose K types need wider experts than this model's 16 columns)."""
     out = tmp_path / "q"
-    assert main(["quantize", str(moe_dir), *how, "--out", str(out)]) == 2
+    how = ["--avg-bits", "3", "--options", "w2g16,w4g16", "--method", "rtn", "--no-eval", "--json"]
+    assert main(["quantize", str(moe_dir), *how, "--out", str(out)]) == 0
+    r = _last(capsys)["matmul_weights"]
+    assert "experts" in r["quantized"] and set(r["float"]) == {"router", "embeddings", "lm_head"}
+
+
+def test_a_plan_file_leaving_experts_in_float_is_refused_before_any_work(moe_dir, tmp_path, capsys):
+    plan = tmp_path / "plan.json"
+    plan.write_text(json.dumps({"layers": {"model.layers.0.self_attn.q_proj": "w4g16"}}))
+    out = tmp_path / "q"
+    assert main(["quantize", str(moe_dir), "--plan", str(plan), *FAST, "--out", str(out)]) == 2
     err = [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("lowbit")]  # not transformers' bars
     assert len(err) == 1 and "experts" in err[0] and "% of the matmul weights in float" in err[0]
-    assert "--avg-bits does not plan them yet" in err[0] and "--keep experts" in err[0]
-    assert list(tmp_path.iterdir()) == []  # nothing written, no temporaries
+    assert "--avg-bits plan covers fused mixture-of-experts experts" in err[0] and "--keep experts" in err[0]
+    assert list(out.parent.glob("q*")) == []  # nothing written, no temporaries
 
 
 def test_keep_experts_quantizes_the_rest_and_reports_experts_in_float(moe_dir, tmp_path, capsys):

@@ -147,13 +147,14 @@ def test_quantize_rtn_quantizes_the_experts_and_inspect_and_eval_read_them(moe_d
     assert _last(capsys)["ppl"] > 1
 
 
-@pytest.mark.parametrize("method", ("signround",))
-def test_tuning_methods_on_experts_are_refused_naming_rtn(moe_dir, tmp_path, capsys, method):
-    assert main(["quantize", str(moe_dir), "--scheme", "w4g16", "--method", method, "--no-eval",
+@pytest.mark.parametrize("method", ("gptq", "signround2"))
+def test_tuning_methods_with_input_recipes_on_experts_are_refused_naming_rtn(moe_dir, tmp_path, capsys, method):
+    """Every method quantizes experts' weights; only RTN calibrates per-expert static input scales yet."""
+    assert main(["quantize", str(moe_dir), "--scheme", "w4a4-nvfp4", "--method", method, "--no-eval",
                  "--out", str(tmp_path / "q")]) == 2
     err = [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("lowbit")]
-    assert len(err) == 1 and f"--method {method} does not quantize mixture-of-experts experts" in err[0]
-    assert "--method rtn and --method gptq do today" in err[0] and "--keep experts" in err[0]
+    assert len(err) == 1 and f"--method {method} does not calibrate per-expert input scales" in err[0]
+    assert "--method rtn does" in err[0] and "--keep experts" in err[0]
     assert list(tmp_path.iterdir()) == []
 
 

@@ -207,14 +207,9 @@ def checkpoint_bytes(model: nn.Module, plan: Plan | None = None, bits: float | N
 
 def _shape(model: nn.Module, name: str) -> tuple[int, int]:
     """(rows, in) of a planned weight: a Linear's, or a fused experts tensor's E matrices as E * out rows."""
-    from lowbit.models.experts import expert_tensors
+    from lowbit.models.experts import planned_shape
 
-    experts = expert_tensors(model)
-    if name in experts:
-        t = experts[name]
-        return (t.count * t.out_features, t.in_features)
-    m = model.get_submodule(name)
-    return (getattr(m, "num_experts", 1) * m.out_features, m.in_features)  # a QuantStack: its E matrices
+    return planned_shape(model, name)
 
 
 def _packed_bytes(stack: nn.Module) -> int:

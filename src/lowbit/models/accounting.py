@@ -297,8 +297,8 @@ def check_float_left(accounting: Accounting, asked: Collection[str] = ()) -> Non
             parts.append(f"{kind} {n:,} ({100 * n / total:.1f}%: {_where(ws)})")
     share = 100 * sum(w.numel for w in left) / total
     kinds = [k for k in KINDS if any(w.kind == k for w in left)]
-    why = ("; a uniform --scheme or a llama.cpp mix quantizes fused mixture-of-experts experts (--avg-bits does "
-           "not plan them yet)") if "experts" in kinds else ""
+    why = ("; a --scheme (uniform or a llama.cpp mix) or --avg-bits plan covers fused mixture-of-experts experts"
+           if "experts" in kinds else "")
     plan = "" if kinds == ["experts"] else " (or name them in a --plan)"
     keep = ",".join(_keep_pattern(accounting, k, [w for w in left if w.kind == k]) for k in kinds)
     raise ConfigError(f"this plan would leave {share:.1f}% of the matmul weights in float: {'; '.join(parts)}"

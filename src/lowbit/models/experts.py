@@ -65,3 +65,15 @@ def expert_weight(model: nn.Module, t: ExpertTensor) -> torch.Tensor:
     """The float ``[E, out, in]`` matrices of ``t`` (a view of the parameter)."""
     p = model.get_submodule(t.module).get_parameter(t.param).detach()
     return p.transpose(1, 2) if t.transposed else p
+
+
+def planned_shape(model: nn.Module, name: str) -> tuple[int, int]:
+    """(rows, in) a plan entry quantizes: a Linear's (out, in), a fused experts tensor's E matrices as (E * out, in).
+
+    What bit budgets count (a quantized `QuantStack` answers with its E matrices too).
+    """
+    t = expert_tensors(model).get(name)
+    if t is not None:
+        return (t.count * t.out_features, t.in_features)
+    m = model.get_submodule(name)
+    return (getattr(m, "num_experts", 1) * m.out_features, m.in_features)

@@ -149,10 +149,10 @@ def build_plan(model: nn.Module, source: PlanSource | str | Scheme | Recipe | No
 
     Every recipe is checked against its layer's width. A K-quant on rows that are not a
     multiple of 256 takes llama.cpp's fallback type; mixed precision starts from its
-    first option everywhere. A uniform recipe covers the fused experts tensors too
+    first option everywhere. Every source covers the fused experts tensors too
     (``...mlp.experts.gate_up_proj``: each expert's matrix like a Linear,
-    `lowbit.models.experts`); a llama.cpp mix and mixed precision plan Linears only, so
-    experts they leave in float are refused by the accounting unless kept on purpose.
+    `lowbit.models.experts`): a llama.cpp mix by its rules for ``ffn_*_exps``, mixed
+    precision as one knapsack item per fused tensor.
     """
     from lowbit.models import linear_layers
     from lowbit.models.experts import expert_tensors
@@ -167,16 +167,16 @@ def build_plan(model: nn.Module, source: PlanSource | str | Scheme | Recipe | No
                               f"fused experts: {unknown[:3]}; make the plan for this model")
     else:
         layers = linear_layers(model, include_lm_head=source.lm_head)
+        experts = expert_tensors(model)
         if isinstance(source, LlamaCppMix):
             sizes = {n: (m.out_features, m.in_features) for n, m in layers.items()}
-            experts = expert_tensors(model)  # llama.cpp's rules type ffn_*_exps too (n_expert-dependent)
+            # llama.cpp's rules type ffn_*_exps too (n_expert-dependent)
             sizes |= {n: (t.out_features, t.in_features) for n, t in experts.items()}
             n_expert = max((t.count for t in experts.values()), default=0)
             return kmix.mix_plan(_in_model_order(model, sizes), source.name, _n_gqa(model), n_expert)
         first = source.recipe if isinstance(source, Uniform) else source.options[0]
         widths = {n: m.in_features for n, m in layers.items()}
-        if isinstance(source, Uniform):
-            widths |= {n: t.in_features for n, t in expert_tensors(model).items()}
+        widths |= {n: t.in_features for n, t in experts.items()}
         plan = Plan({n: fit_width(first, w) for n, w in widths.items()})
     experts = expert_tensors(model)  # their widths are checked once --keep has had its say (`lowbit.ptq.experts`)
     for name, r in plan.items():

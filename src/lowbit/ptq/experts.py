@@ -9,17 +9,19 @@ expert below the token threshold, with a warning), and input-quantized recipes g
 static input abs-max per expert. GPTQ quantizes each expert's matrix under its own Hessian
 on the block-wise engine (`lowbit.ptq.gptq_experts`).
 
+SignRound and SignRoundV2 tune a rounder per expert matrix inside the block, the router
+frozen (`lowbit.ptq.expert_rounding`).
+
 What does not quantize experts yet is refused before any work, with one line naming
-what works today: SignRound (its per-expert rounding parameters are another session's
-work), GPTQ with input-quantized recipes (its Hessians would need each expert's quantized
-inputs), and the float pre-steps: rotation rewrites Linears and would leave the experts'
-inputs unmatched; AWQ's channel scales are defined per group of Linears reading one input
-and folded into what produces it, and for ``gate_up_proj`` that group is every expert of
-the layer plus the router (all read the post-attention norm's output), so one scale per
-layer would have to serve all experts and be absorbed by the router too -- not the
-per-Linear groups AWQ searches (``down_proj``'s per-expert group, folded into the expert's
-``up`` rows, would be well defined, but is not built). Never silently float, never another
-method than the one asked for.
+what works today: GPTQ with input-quantized recipes (its Hessians would need each expert's
+quantized inputs), SignRound with input-quantized recipes, and the float pre-steps: rotation
+rewrites Linears and would leave the experts' inputs unmatched; AWQ's channel scales are
+defined per group of Linears reading one input and folded into what produces it, and for
+``gate_up_proj`` that group is every expert of the layer plus the router (all read the
+post-attention norm's output), so one scale per layer would have to serve all experts and be
+absorbed by the router too -- not the per-Linear groups AWQ searches (``down_proj``'s
+per-expert group, folded into the expert's ``up`` rows, would be well defined, but is not
+built). Never silently float, never another method than the one asked for.
 """
 
 from __future__ import annotations
@@ -46,10 +48,12 @@ from lowbit.ptq.expert_calib import (
 
 INPUT_METHODS = ("rtn",)  # methods that calibrate per-expert static input scales (input-quantized recipes)
 STAT_METHODS = ("gptq",)  # methods that always read per-expert statistics (RTN only with its search)
-EXPERT_METHODS = (
+EXPERT_METHODS = (  # methods that quantize experts today, one a line
     "rtn",  # per-expert importance search (lowbit.ptq.expert_calib)
     "gptq",  # per-expert Hessians (lowbit.ptq.gptq_experts)
-)  # methods that quantize experts today
+    "signround",  # per-expert rounders tuned in the block (lowbit.ptq.expert_rounding)
+    "signround2",
+)
 
 
 def planned_experts(model: nn.Module, plan: Plan) -> dict[str, ExpertTensor]:

@@ -6,6 +6,11 @@ the first-order loss change of its quantization (`sensitivity.delta_loss`), and 
 multiple-choice knapsack (`allocate.allocate`) picks one scheme per layer within the
 average-bit budget. The result is an ordinary `Plan`, which any method (RTN, SignRound,
 SignRoundV2) then applies; the plan and its bits-per-layer plot go into the checkpoint.
+
+A fused mixture-of-experts tensor (``...mlp.experts.gate_up_proj``) is one knapsack item,
+sized as its E stacked ``[out, in]`` matrices (``E * out`` rows of ``in`` columns, so its
+bits, scales included, count exactly), scored by DeltaLoss over all its experts: the plan
+gives one recipe to a fused tensor, as GGUF's 3-D tensors and vLLM's MoE layers need.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ from lowbit.configs import check_fields
 from lowbit.errors import ConfigError
 from lowbit.formats import Recipe
 from lowbit.formats.kquants import fit_width
+from lowbit.models.experts import expert_tensors, planned_shape
 from lowbit.models.placement import model_device, on_device
 from lowbit.nn.precision import resolve_dtype
 from lowbit.plans.plan import Plan
@@ -81,6 +87,11 @@ def check_feasible(model: nn.Module, plan: Plan, settings: MixedSettings) -> Non
     for n, (_, cols) in sizes.items():
         for o in settings.schemes():
             fit_width(o, cols).check_width(cols, n)
+    experts = [n for n in plan if n in expert_tensors(model)]
+    inputs = [o.name for o in settings.schemes() if o.input is not None]
+    if experts and inputs:
+        raise ConfigError(f"--options {inputs[0]} quantizes inputs, and lowbit does not calibrate per-expert input "
+                          f"scales yet ({experts[0]}, ...); use weight-only options or pass --keep experts")
     zero = {o.name: dict.fromkeys(sizes, 0.0) for o in settings.schemes()}
     ties = tie_qkv(list(plan)) if settings.tie_qkv else ()
     allocate(zero, sizes, settings.schemes(), settings.avg_bits, ties=ties, count_scales=settings.count_scales,
@@ -104,5 +115,4 @@ def mixed_plan(model: nn.Module, plan: Plan, settings: MixedSettings, calib: tor
 
 
 def _shape(model: nn.Module, name: str) -> tuple[int, int]:
-    m = model.get_submodule(name)
-    return (m.out_features, m.in_features)
+    return planned_shape(model, name)

@@ -39,11 +39,13 @@ def make_rounder(w: torch.Tensor, scheme: Scheme, imp: torch.Tensor | None, v2: 
 def restart_(rounder: nn.Module, where: torch.Tensor | bool = True) -> None:
     """Put ``rounder``'s parameters back at their start (``v = 0``, factors 1) where ``where`` holds.
 
+    ``rounder`` may hold several (an experts stack's per-expert rounders): every ``*.v`` is an offset.
+
     ``where`` may be a 0-d boolean tensor on the parameters' device, so a tuner can undo a
     tuning run without reading a value back to the host.
     """
     with torch.no_grad():
         for name, p in rounder.named_parameters():
-            start = torch.zeros((), dtype=p.dtype, device=p.device) if name == "v" else \
+            start = torch.zeros((), dtype=p.dtype, device=p.device) if name.rpartition(".")[2] == "v" else \
                 torch.ones((), dtype=p.dtype, device=p.device)
             torch.where(torch.as_tensor(where, device=p.device), start, p, out=p.data)

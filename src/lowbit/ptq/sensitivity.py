@@ -20,6 +20,15 @@ weight-only, every option keeps the weight term and activation options add their
 the scores stay comparable. Static input scales (NVFP4's tensor scale) are calibrated
 on the same batches, on the float model, before any option is scored.
 
+Fused mixture-of-experts tensors (``...mlp.experts.gate_up_proj``, `lowbit.models.experts`)
+are scored like Linears: each expert's ``[out, in]`` matrix is quantized as RTN quantizes
+it (`QuantStack.from_float`), and the tensor's score sums the weight term over all its
+experts. One score per fused tensor, not per expert: a plan (and every target: GGUF's 3-D
+``ffn_*_exps``, vLLM's per-layer MoE scheme) gives one recipe to all experts of a tensor,
+so per-expert scores would only be summed again. Experts with no routed token have a zero
+gradient and add nothing, which is their true first-order cost on these batches. Options
+that quantize inputs are refused for experts (`lowbit.ptq.mixed.check_feasible`).
+
 ``dtype="bf16"`` runs the forward and backward under bf16 autocast. The scores only rank
 layers against each other for the knapsack, so the products' precision matters little,
 while the whole-model passes (the 49k-vocabulary head included) are most of a mixed
@@ -29,6 +38,7 @@ run's time; the weights, their gradients and the score sums stay fp32.
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -38,6 +48,7 @@ from lowbit.errors import ConfigError
 from lowbit.formats import Recipe, Scheme, qdq, qdq_input
 from lowbit.formats.kquants import fit_width
 from lowbit.models.activations import input_amax
+from lowbit.models.experts import ExpertTensor, expert_tensors
 from lowbit.models.placement import model_device
 
 MODES = ("abs", "signed")
@@ -55,14 +66,18 @@ def delta_loss(model: nn.Module, layers: Iterable[str], schemes: Sequence[Recipe
     if batches.dim() != 2 or batches.shape[1] < 2:
         raise ConfigError("DeltaLoss needs token batches [n, seqlen >= 2]")
     names = list(layers)
-    mods = {n: model.get_submodule(n) for n in names}
-    _refuse_tied(model, mods)
+    tensors = weight_tensors(model, names)
+    _refuse_tied(model, tensors)
     recipes = [Recipe.parse(s) for s in schemes]
     weight_term = any(r.input is None for r in recipes)
     static = any(r.needs_calibration for r in recipes)
-    amax = input_amax(model, batches, names, batch_size, progress) if static else {}
+    linears = [n for n in names if n not in tensors.experts]
+    if tensors.experts and not weight_term:
+        raise ConfigError(f"{next(iter(tensors.experts))}: options that quantize inputs cannot be scored on "
+                          "mixture-of-experts experts yet; add a weight-only option or --keep experts")
+    amax = input_amax(model, batches, linears, batch_size, progress) if static else {}
     flags = [(p, p.requires_grad) for p in model.parameters()]
-    originals = {n: m.weight.detach().clone() for n, m in mods.items()}
+    originals = {n: w.detach().clone() for n, w in tensors.weights.items()}
     out: dict[str, dict[str, float]] = {}
     try:
         for p, _ in flags:
@@ -72,31 +87,64 @@ def delta_loss(model: nn.Module, layers: Iterable[str], schemes: Sequence[Recipe
         with tqdm(total=len(recipes) * chunks, desc="deltaloss", unit="batch", disable=not progress) as bar:
             for r in recipes:
                 bar.set_postfix_str(r.name)
-                out[r.name] = _score_scheme(model, mods, originals, r, batches, mode, batch_size, dtype,
+                out[r.name] = _score_scheme(model, tensors, originals, r, batches, mode, batch_size, dtype,
                                             weight_term=weight_term or r.input is None, amax=amax, bar=bar)
     finally:
         with torch.no_grad():
-            for n, m in mods.items():
-                m.weight.copy_(originals[n])
-                m.weight.grad = None
+            for n, w in tensors.weights.items():
+                w.copy_(originals[n])
+                w.grad = None
         for p, flag in flags:
             p.requires_grad_(flag)
     return out
 
 
-def _score_scheme(model: nn.Module, mods: dict[str, nn.Module], originals: dict[str, torch.Tensor],
+@dataclass(frozen=True)
+class WeightTensors:
+    """The scored weights by plan name: Linears' ``weight`` and fused experts' 3-D parameters (``experts``)."""
+
+    weights: dict[str, nn.Parameter]
+    experts: dict[str, ExpertTensor]
+
+    def qdq(self, name: str, w: torch.Tensor, recipe: Recipe) -> torch.Tensor:
+        """``w`` quantized and dequantized as ``name``'s quantizer would (each expert's matrix on its own)."""
+        t = self.experts.get(name)
+        if t is None:
+            return qdq(w, fit_width(recipe.weight, w.shape[1]))
+        scheme = fit_width(recipe.weight, t.in_features)
+        mats = w.transpose(1, 2) if t.transposed else w
+        out = torch.stack([qdq(m, scheme) for m in mats])
+        return out.transpose(1, 2) if t.transposed else out
+
+
+def weight_tensors(model: nn.Module, names: Iterable[str]) -> WeightTensors:
+    """Each planned name's weight parameter (an experts tensor's 3-D parameter, a Linear's ``weight``)."""
+    experts = expert_tensors(model)
+    weights, found = {}, {}
+    for n in names:
+        if n in experts:
+            t = found[n] = experts[n]
+            weights[n] = model.get_submodule(t.module).get_parameter(t.param)
+        else:
+            weights[n] = model.get_submodule(n).weight
+    return WeightTensors(weights, found)
+
+
+def _score_scheme(model: nn.Module, tensors: WeightTensors, originals: dict[str, torch.Tensor],
                   recipe: Recipe, batches: torch.Tensor, mode: str, batch_size: int,
                   dtype: str = "fp32", weight_term: bool = True,
                   amax: dict[str, torch.Tensor] | None = None, bar: tqdm | None = None) -> dict[str, float]:
+    weights = tensors.weights
     with torch.no_grad():
-        for n, m in mods.items():
-            m.weight.copy_(qdq(originals[n], fit_width(recipe.weight, originals[n].shape[1])))
-    for m in mods.values():
-        m.weight.requires_grad_(weight_term)
-        m.weight.grad = None
-    acts = {n: torch.zeros((), dtype=torch.float64) for n in mods}
+        for n, w in weights.items():
+            w.copy_(tensors.qdq(n, originals[n], recipe))
+    for w in weights.values():
+        w.requires_grad_(weight_term)
+        w.grad = None
+    acts = {n: torch.zeros((), dtype=torch.float64) for n in weights}
     handles = [] if recipe.input is None else [
-        m.register_forward_pre_hook(_input_term(n, recipe, (amax or {}).get(n), mode, acts)) for n, m in mods.items()]
+        model.get_submodule(n).register_forward_pre_hook(_input_term(n, recipe, (amax or {}).get(n), mode, acts))
+        for n in weights if n not in tensors.experts]
     device = model_device(model)
     try:
         for chunk in batches.split(batch_size):
@@ -111,14 +159,14 @@ def _score_scheme(model: nn.Module, mods: dict[str, nn.Module], originals: dict[
             h.remove()
     scores = {}
     with torch.no_grad():
-        for n, m in mods.items():
+        for n, w in weights.items():
             total = float(acts[n])
-            if weight_term:
-                term = m.weight.grad * (m.weight - originals[n])  # g (.) (Q - W)
+            if weight_term and w.grad is not None:  # no gradient: nothing on these batches reached it
+                term = w.grad * (w - originals[n])  # g (.) (Q - W)
                 total += float(term.abs().sum() if mode == "abs" else term.sum())
             scores[n] = total
-            m.weight.requires_grad_(False)
-            m.weight.grad = None
+            w.requires_grad_(False)
+            w.grad = None
     return scores
 
 
@@ -146,13 +194,14 @@ def _input_term(name: str, recipe: Recipe, amax: torch.Tensor | None, mode: str,
     return hook
 
 
-def _refuse_tied(model: nn.Module, mods: dict[str, nn.Module]) -> None:
+def _refuse_tied(model: nn.Module, tensors: WeightTensors) -> None:
     """A Linear sharing its weight with another module (tied lm_head) would corrupt it."""
     owners: dict[int, str] = {}
     for name, p in model.named_parameters(remove_duplicate=False):
         owners.setdefault(id(p), name)
-    for n, m in mods.items():
-        owner = owners.get(id(m.weight), f"{n}.weight")
-        if owner != f"{n}.weight":
+    for n, w in tensors.weights.items():
+        own = n if n in tensors.experts else f"{n}.weight"
+        owner = owners.get(id(w), own)
+        if owner != own:
             raise ConfigError(f"{n} shares its weight with {owner}; leave tied layers out of the "
                               "mixed-precision search (the lm_head is excluded by default)")

@@ -1,6 +1,7 @@
 """SignRound and SignRoundV2: learned rounding tuned block by block with signed gradient descent.
 
-Every planned Linear of a decoder block gets a learnable rounder (`lowbit.ptq.rounders`):
+Every planned Linear of a decoder block gets a learnable rounder (`lowbit.ptq.rounders`;
+every expert matrix of a planned fused experts tensor one of its own, `lowbit.ptq.expert_rounding`):
 offsets ``V`` that move each weight to the other rounding neighbour plus scale factors
 (V1: clip factors in [0, 1] on the range; V2: a multiplier in [0, 2] on the
 importance-searched scale). The block's output MSE against its FP output is minimised
@@ -40,6 +41,15 @@ from lowbit.ptq.blockwise import (
     Shard,
     quantize_blockwise,
     reduce_tensor,
+)
+from lowbit.ptq.blockwise.access import block_experts, block_linears
+from lowbit.ptq.expert_rounding import (
+    StackRounder,
+    TunedExperts,
+    expert_importance,
+    rounder_parts,
+    stack_rounder,
+    unwrap_experts,
 )
 from lowbit.ptq.fp_rounders import FpRounder
 from lowbit.ptq.methods import Method, RunContext, knob, register
@@ -311,17 +321,32 @@ class SignRoundTuner:
         finally:
             for p, flag in frozen:
                 p.requires_grad_(flag)
+            unwrap_experts(job.block)  # the engine freezes the float experts module with the exports
 
     def _wrap(self, job: BlockJob) -> dict[str, nn.Module]:
-        rounders = {}
+        linears = block_linears(job.block, job.layers)  # read before the experts modules are wrapped
+        rounders = self._wrap_experts(job)
         bits = narrowest_bits(job)
         dtype = torch.bfloat16 if self.config.product_dtype(bits, job.x.device) == "bf16" else None
-        for name, (rel, scheme) in job.layers.items():
+        for name, (rel, scheme) in linears.items():
             lin = job.block.get_submodule(rel)
             imp = None if job.imp is None else job.imp[name]
             r = make_rounder(lin.weight.detach(), scheme, imp, self.config.v2, job.tensor_scales.get(name))
             set_module(job.block, rel, TunedLinear(lin, r, dtype, job.inputs.get(name)))
             rounders[name] = r
+        return rounders
+
+    def _wrap_experts(self, job: BlockJob) -> dict[str, nn.Module]:
+        """A `StackRounder` per planned experts tensor; each experts module becomes a `TunedExperts` on them."""
+        experts = block_experts(job.block, job.layers)
+        by_module: dict[str, dict[str, StackRounder]] = {}
+        rounders: dict[str, nn.Module] = {}
+        for name, t in experts.items():
+            module = job.block.get_submodule(t.module)
+            r = stack_rounder(module, t.param, job.layers[name][1], expert_importance(job.imp, name), self.config.v2)
+            by_module.setdefault(t.module, {})[t.param] = rounders[name] = r
+        for module, parts in by_module.items():
+            set_module(job.block, module, TunedExperts(job.block.get_submodule(module), parts))
         return rounders
 
     def _use_filter(self, job: BlockJob) -> bool:
@@ -334,7 +359,7 @@ class SignRoundTuner:
     def _groups(self, rounders: Mapping[str, nn.Module]) -> list[tuple[list[nn.Parameter], float]]:
         """(parameters, lr multiplier): rounding offsets at lr, FP block-scale factors at fp_scale_lr."""
         groups = []
-        for r in rounders.values():
+        for r in (part for stacked in rounders.values() for part in rounder_parts(stacked)):
             if isinstance(r, FpRounder):
                 groups.append(([r.v], 1.0))
                 groups.append(([p for p in r.parameters() if p is not r.v], self.config.fp_scale_lr))

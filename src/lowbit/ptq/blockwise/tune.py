@@ -54,7 +54,9 @@ from lowbit.ptq.methods import RunContext
 class BlockJob:
     """Everything a tuner needs for one block.
 
-    layers: full layer name -> (module name relative to the block, scheme).
+    layers: full layer name -> (module name relative to the block, scheme); a fused experts
+    entry's relative name is its 3-D parameter's (``mlp.experts.gate_up_proj``, see
+    `lowbit.ptq.blockwise.access.block_experts`), and the tuner returns a `QuantStack` for it.
     kwargs: the extra arguments the block is called with (mask, position embeddings).
     imp: full layer name -> ``[in]`` importance, when the tuner asked for it.
     inputs: full layer name -> the quantizer of its input (layers whose recipe has one);
@@ -142,8 +144,8 @@ class TunePass:
         return torch.device("cpu")
 
     def decode(self, i: int, raw: Mapping[str, torch.Tensor], path: Path) -> dict[str, QTensor]:
-        layers = self.layers(i)
-        return unpack_qtensors(raw, path, layers, layer_shapes(self.walk.blocks[i], layers))
+        block, layers = self.walk.blocks[i], self.layers(i)
+        return unpack_qtensors(raw, path, layers, layer_shapes(block, layers))  # type: ignore[return-value]
 
     def pack(self, result: Mapping[str, QTensor]) -> dict[str, torch.Tensor]:
         return pack_qtensors(result)
@@ -152,10 +154,10 @@ class TunePass:
              ) -> tuple[dict[str, QTensor], dict[str, float]]:
         w, plan, tuner = self.walk, self.plan, self.tuner
         layers = self.layers(i)
+        linears = block_linears(block, layers)  # experts tensors: no hooks, tensor scales or input quantizers here
         want_imp = tuner.needs_importance and saved is None
-        static = [n for n in layers if plan[n].needs_calibration]
-        hooked = {n: block.get_submodule(r) for n, (r, _) in block_linears(block, layers).items()
-                  if want_imp or n in static}
+        static = [n for n in linears if plan[n].needs_calibration]
+        hooked = {n: block.get_submodule(r) for n, (r, _) in linears.items() if want_imp or n in static}
         kinds = ("sumsq",) * want_imp + ("absmax",) * bool(static)
         x_fp, x_q = self.x_fp, self.x_q
         x_in = x_q if x_q is not None else x_fp
@@ -167,7 +169,7 @@ class TunePass:
         self.x_fp, self.y = None, y
         amax = shared_amax({n: a.amax() for n, a in reduce_across(h.result("absmax"), w.shard, "max").items()
                             if n in static}) if static else {}
-        self.inputs = input_quantizers(plan, layers, amax, w.device)
+        self.inputs = input_quantizers(plan, linears, amax, w.device)
         if saved is not None:
             return saved, {"resumed": 1.0}
         # summed over the ranks in float64 and cast once: the scales searched from it must not
@@ -175,13 +177,13 @@ class TunePass:
         imp = ({n: t.float() for n, t in reduce_across(h.result("sumsq", torch.float64), w.shard).items()}
                if want_imp else None)
         job = BlockJob(i, block, layers, x_in, y, w.kwargs, imp, w.device, w.dtype, w.shard, self.inputs,  # type: ignore[arg-type]
-                       block_tensor_scales(block, layers))
+                       block_tensor_scales(block, linears))
         with tuning_attention(w.model):
             return tuner(job)
 
     def finish(self, i: int, block: nn.Module, result: Mapping[str, QTensor]) -> None:
         w = self.walk
-        install(block, self.layers(i), result, w.device, self.inputs)
+        install(block, self.layers(i), result, w.device, self.inputs)  # Linears and experts modules alike
         if self.x_q is not None:
             with torch.no_grad(), tuning_attention(w.model):
                 map_block(block, self.x_q, self.x_q, w.kwargs, self.options.chunk, w.device, w.dtype, w.shard)
