@@ -232,7 +232,7 @@ def test_rtn_search_gives_each_expert_the_importance_of_its_own_tokens():
     x, idx = _capture(model, c)[name]
     plan = Plan({f"{name}.{p}": build_plan(model, "w3g8")[f"{name}.{p}"] for p in ("gate_up_proj", "down_proj")})
     q = copy.deepcopy(model)
-    quantize_model(q, plan, "rtn", {"all_experts": False}, calib=c, progress=False)
+    quantize_model(q, plan, "rtn", {"all_experts": False, "expert_importance": True}, calib=c, progress=False)
     stack = q.get_submodule(name).stacks()["gate_up_proj"]
     scheme = searched(plan).weight(f"{name}.gate_up_proj")
     w = model.get_submodule(name).gate_up_proj.detach()
@@ -244,6 +244,11 @@ def test_rtn_search_gives_each_expert_the_importance_of_its_own_tokens():
         assert torch.equal(stack.expert(e).codes, want.codes)
         differs += not torch.equal(want.codes, uniform.stacks()["gate_up_proj"].expert(e).codes)
     assert differs >= 6  # the importance really changes the choice (vs the weights-alone search)
+    d = copy.deepcopy(model)  # the default: the weights-alone search (it scored better on the MoE organism)
+    quantize_model(d, plan, "rtn", calib=c, progress=False)
+    for e in range(8):
+        assert torch.equal(d.get_submodule(name).stacks()["gate_up_proj"].expert(e).codes,
+                           uniform.stacks()["gate_up_proj"].expert(e).codes)
 
 
 def _brute_force(qe, x, idx, weights, quantize_inputs: bool):

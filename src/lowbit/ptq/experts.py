@@ -3,7 +3,8 @@
 A plan entry for a fused experts parameter (``...mlp.experts.gate_up_proj``,
 `lowbit.models.experts`) gives one recipe to every expert's ``[out, in]`` matrix. RTN
 rounds each matrix exactly as it rounds a Linear's weight (`lowbit.nn.quant_experts`); its
-importance-weighted scale search uses each expert's own input statistics
+importance-weighted scale search runs on each expert's weights (uniform importance) by default,
+or, with ``expert_importance``, uses each expert's own input statistics
 (`lowbit.ptq.expert_calib`: all-experts calibration by default, uniform importance for an
 expert below the token threshold, with a warning), and input-quantized recipes get one
 static input abs-max per expert. GPTQ quantizes each expert's matrix under its own Hessian
@@ -107,14 +108,15 @@ def planned_modules(model: nn.Module, plan: Plan) -> dict[str, dict[str, Scheme]
 
 
 def quantize_experts(model: nn.Module, plan: Plan, stats: Mapping[str, ExpertStats] | None = None,
-                     min_tokens: int = MIN_TOKENS) -> list[str]:
+                     min_tokens: int = MIN_TOKENS, importance: bool = True) -> list[str]:
     """Replace each planned experts module by a `QuantExperts` (RTN per expert matrix); returns the quantized names.
 
     stats: experts module -> its per-expert calibration statistics (`lowbit.ptq.expert_calib`):
     each expert's scales are searched with the ``sumsq`` importance of its own input columns;
     an expert with statistics from fewer than ``min_tokens`` tokens gets uniform importance
     (the search on its weights alone), named in one warning. Without stats every expert
-    gets uniform importance.
+    gets uniform importance, and so does every expert when ``importance`` is False (the stats
+    then serve the token counts and input scales only).
     """
     stats = stats or {}
     names = list(planned_experts(model, plan))
@@ -124,7 +126,7 @@ def quantize_experts(model: nn.Module, plan: Plan, stats: Mapping[str, ExpertSta
         if st is not None:
             cov = st.coverage()
             low = set(cov.starved(min_tokens))
-            if "sumsq" in st.kinds:
+            if importance and "sumsq" in st.kinds:
                 imp = {p: [None if e in low else v.float() for e, v in enumerate(st.result("sumsq", p))]
                        for p in schemes}
             calibration = cov.to_dict()

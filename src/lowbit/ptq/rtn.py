@@ -37,13 +37,20 @@ class RTNSettings:
     """search: pick each group's scale by the importance-weighted search (needs calibration data).
 
     all_experts / min_expert_tokens: how mixture-of-experts experts get their per-expert
-    importance (`lowbit.ptq.expert_calib`); unused without experts or without search.
+    calibration (`lowbit.ptq.expert_calib`: token counts, static input scales, importance).
+    expert_importance: weight each expert's scale search by its own calibration statistics.
+    Off by default because on the MoE organism the search on the experts' weights alone scored
+    better at every width (means of 2 seeds, W3 g128 64.27 vs 64.62; benchmarks/results/moe.md);
+    the statistics are still gathered for token counts and input scales.
     """
 
     search: bool = knob(True, "choose scales by the importance-weighted search on calibration activations; rtn --no-search = "
                   "plain round-to-nearest, no data needed")
     all_experts: bool = knob(True, ALL_EXPERTS_HELP)
     min_expert_tokens: int = knob(MIN_TOKENS, MIN_TOKENS_HELP, minimum=0)
+    expert_importance: bool = knob(False, "weight the experts' scale search by each expert's own calibration "
+                                   "statistics (default: the search on their weights alone, which scored better on "
+                                   "the MoE organism)")
 
     def __post_init__(self) -> None:
         check_fields(self, ConfigError, "RTN setting")
@@ -61,13 +68,14 @@ def searched(plan: Plan) -> Plan:
 
 def rtn_quantize(model: nn.Module, plan: Plan, calib: torch.Tensor | None = None, search: bool = False,
                  imp: Mapping[str, torch.Tensor] | None = None, progress: bool = True, all_experts: bool = True,
-                 min_expert_tokens: int = MIN_TOKENS) -> Plan:
+                 min_expert_tokens: int = MIN_TOKENS, expert_importance: bool = False) -> Plan:
     """Quantize ``model`` in place; returns the plan actually applied.
 
     Fused experts tensors in the plan (`lowbit.ptq.experts`) are rounded per expert
-    matrix; with ``search`` each expert's scales are searched with the importance of its
-    own inputs, from the same calibration pass (all-experts calibration unless
-    ``all_experts`` is False; experts below ``min_expert_tokens`` tokens: uniform importance).
+    matrix; with ``search`` each expert's scales are searched on its weights alone (uniform
+    importance) or, with ``expert_importance``, with the importance of its own inputs from the
+    same calibration pass (all-experts calibration unless ``all_experts`` is False; experts
+    below ``min_expert_tokens`` tokens: uniform importance). Token counts are gathered either way.
     """
     if search:
         plan = searched(plan)
@@ -93,14 +101,15 @@ def rtn_quantize(model: nn.Module, plan: Plan, calib: torch.Tensor | None = None
     weights = {n: model.get_submodule(n).weight for n in plan}
     scales = shared_tensor_scales(weights, plan.weights())
     replace_linears(model, plan, imp=imp, progress=progress, amax=amax, tensor_scales=scales)
-    quantize_experts(model, experts, per_expert, min_expert_tokens)
+    quantize_experts(model, experts, per_expert, min_expert_tokens, importance=expert_importance)
     return applied
 
 
 def _run(model: nn.Module, plan: Plan, settings: RTNSettings, ctx: RunContext) -> Plan:
     with on_device(model, ctx.device):
         return rtn_quantize(model, plan, ctx.calib, settings.search, progress=ctx.progress,
-                            all_experts=settings.all_experts, min_expert_tokens=settings.min_expert_tokens)
+                            all_experts=settings.all_experts, min_expert_tokens=settings.min_expert_tokens,
+                            expert_importance=settings.expert_importance)
 
 
 register(Method("rtn", RTNSettings, _run, blockwise=False, needs_calib=lambda s: s.search,
