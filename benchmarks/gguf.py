@@ -359,7 +359,9 @@ def table(data: dict, model: str = "bundled") -> str:
     for r in rows_of_model:
         if r.get("method") != "weight-error":
             n = r.get("nsamples", 16)
-            groups.setdefault((r["mix"], r["method"] + ("" if n == 16 else f" ({n} x 256 calib)")), []).append(r)
+            emb = r.get("embeddings", "f16")  # rows at llama.cpp's embedding types are other files (issue 39)
+            label = r["method"] + ("" if n == 16 else f" ({n} x 256 calib)") + ("" if emb == "f16" else f", {emb} emb.")
+            groups.setdefault((r["mix"], label), []).append(r)
     rows = []
     for (mix, method), rs in sorted(groups.items()):
         def mean(k, rs=rs, digits=3):
