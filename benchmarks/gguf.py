@@ -254,6 +254,49 @@ def imatrix_file(float_path: Path, types_from: Path, out: Path, imatrix: dict[st
     w.close()
 
 
+def retable_file(src: Path, float_path: Path, out: Path) -> None:
+    """``src`` with its ``token_embd`` rewritten from the float file as ggml's own Q8_0 (abs-max RTN, what
+    llama-quantize writes), every other tensor and key as they were: the table quantizer's share of a file's
+    perplexity, measured through llama.cpp."""
+    import gguf
+
+    ref = gguf.GGUFReader(str(src))
+    table_f32 = next(np.array(t.data, dtype=np.float32) for t in gguf.GGUFReader(str(float_path)).tensors
+                     if t.name == "token_embd.weight")
+    w = gguf.GGUFWriter(str(out), ref.fields["general.architecture"].contents())
+    for key, field in ref.fields.items():
+        if key.startswith("GGUF.") or key == "general.architecture":
+            continue
+        vtype = field.types[0]
+        w.add_key_value(key, field.contents(), vtype, sub_type=field.types[1] if vtype == gguf.GGUFValueType.ARRAY
+                        else None)
+    for t in ref.tensors:
+        if t.name != "token_embd.weight":
+            w.add_tensor(t.name, np.array(t.data), raw_dtype=t.tensor_type)
+        else:
+            q8 = gguf.GGMLQuantizationType.Q8_0
+            raw = ggml_quantize(table_f32, int(q8), None, table_f32.shape[1] // 32 * gguf.GGML_QUANT_SIZES[q8][1])
+            w.add_tensor(t.name, raw, raw_dtype=q8)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file(progress=False)
+    w.close()
+
+
+def retable_rows(src: Path, float_path: Path, win: torch.Tensor, args: argparse.Namespace) -> dict:
+    """lowbit's searched Q8_0 table vs ggml's abs-max Q8_0 table in otherwise the same file (issue 39: is the
+    export's search on the 49152 x 576 table worth its time?)."""
+    other = src.with_name(f"{src.stem}-table-ggml-q8_0.gguf")
+    retable_file(src, float_path, other)
+    for table, path in (("lowbit-search", src), ("ggml-q8_0", other)):
+        row = {"file": src.name, "table": table, "windows": args.windows, "seqlen": args.seqlen,
+               "file_bytes": path.stat().st_size, "ppl_llamacpp": llamacpp_ppl(path, win, args.threads),
+               **common.model_fields(args.model)}
+        common.merge_row("gguf_table", row, ("file", "table", "windows", "model"))
+        print(row, flush=True)
+    return common.load_results("gguf_table")
+
+
 def gguf_imatrix(model, calib: torch.Tensor, names: list[str]) -> dict[str, np.ndarray]:
     """Per GGUF tensor name, the mean squared input activation per column (llama-imatrix's statistic)."""
 
@@ -316,7 +359,9 @@ def table(data: dict, model: str = "bundled") -> str:
     for r in rows_of_model:
         if r.get("method") != "weight-error":
             n = r.get("nsamples", 16)
-            groups.setdefault((r["mix"], r["method"] + ("" if n == 16 else f" ({n} x 256 calib)")), []).append(r)
+            emb = r.get("embeddings", "f16")  # rows at llama.cpp's embedding types are other files (issue 39)
+            label = r["method"] + ("" if n == 16 else f" ({n} x 256 calib)") + ("" if emb == "f16" else f", {emb} emb.")
+            groups.setdefault((r["mix"], label), []).append(r)
     rows = []
     for (mix, method), rs in sorted(groups.items()):
         def mean(k, rs=rs, digits=3):
@@ -357,6 +402,9 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--model", choices=common.MODELS, default="bundled", help=common.MODEL_HELP)
     p.add_argument("--embeddings", choices=("f16", "llama.cpp"), default="f16",
                    help="token_embd / output: F16 in every file, or llama.cpp's default types in every file")
+    p.add_argument("--retable", default=None, metavar="FILE",
+                   help="a lowbit GGUF in --keep: its token_embd rewritten as ggml's own Q8_0 (abs-max RTN), both "
+                        "files' perplexity through llama.cpp on --windows (rows in gguf_table.json)")
     p.add_argument("--autoround-child", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.autoround_child:
@@ -393,7 +441,8 @@ def main(argv: list[str] | None = None) -> dict:
              "windows": args.windows, "seqlen": args.seqlen, "calib": f"{args.nsamples} x 256 tokens",
              "machine": common.machine(),
              "embedding": "F16 in every file (bundled: tied token_embd/output; offgrid: token_embd and the untied "
-                          "output both F16)"}
+                          "output both F16); rows with embeddings=llama.cpp: llama.cpp's default types (bundled: "
+                          "the tied table Q8_0), lowbit's quantized by its export"}
 
     def record(row: dict) -> None:
         row.setdefault("nsamples", args.nsamples)
@@ -417,6 +466,8 @@ def main(argv: list[str] | None = None) -> dict:
     float_path = folder / "float-f32.gguf"
     if not float_path.exists():
         float_file(lm.model, float_path)
+    if args.retable:
+        return retable_rows(folder / args.retable, float_path, win, args)
     if "float" in methods:
         record({"mix": "f32", "method": "float", "seed": None, "file_bytes": float_path.stat().st_size,
                 "ppl_llamacpp": llamacpp_ppl(float_path, win, args.threads),
@@ -484,9 +535,11 @@ def main(argv: list[str] | None = None) -> dict:
                                    progress=False)
             seconds = round(time.perf_counter() - t0, 1)
             out = folder / f"lowbit-{method}-{seed}-{tag}.gguf"
+            t0 = time.perf_counter()
             info = lowbit_file(model, lm.tokenizer, out, mix, args.embeddings)
             row = {"mix": label, "method": method, "seed": seed, "file": out.name, "file_bytes": out.stat().st_size,
-                   "seconds": seconds, **({"iters": args.iters} if method == "signround2" else {}),
+                   "seconds": seconds, "export_seconds": round(time.perf_counter() - t0, 1),
+                   **({"iters": args.iters} if method == "signround2" else {}),
                    "ppl_lowbit": perplexity(model, tokens, args.seqlen, args.windows, progress=False).ppl,
                    "types": info["types"], "verified_tensors": info["verified"],
                    "not_exact": info["requantized"] + info.get("rounded_to_f16", [])}

@@ -132,14 +132,18 @@ HEADLINE: list[tuple[str, list, list, str]] = [
     ("SignRoundV2 W4A4 MXFP4, mean of seeds", [("acts", {"row": ["mxfp4-sr2-s0", "mxfp4-sr2-s1"]})],
      [("acts", {"row": ["mxfp4-ar-s0", "mxfp4-ar-s1"]})], "auto-round"),
     ("GGUF float through llama.cpp (4 x 512)", [("gguf", {"mix": "f32", "method": "float"})], [], ""),
-    ("GGUF Q4_K_M, GPTQ (llama.cpp, 4 x 512)", [("gguf", {"mix": "q4_k_m", "method": "gptq", "nsamples": 16})],
-     [("gguf", {"mix": "q4_k_m", "method": "llamacpp-imatrix", "nsamples": 16})], "llama.cpp + imatrix"),
-    ("GGUF Q2_K, GPTQ (llama.cpp, 4 x 512)", [("gguf", {"mix": "gguf:q2_k", "method": "gptq", "nsamples": 16})],
-     [("gguf", {"mix": "gguf:q2_k", "method": "llamacpp-imatrix", "nsamples": 16})], "llama.cpp + imatrix"),
-    ("GGUF Q4_K_M, RTN (searched)", [("gguf", {"mix": "q4_k_m", "method": "rtn", "nsamples": 16})],
-     [("gguf", {"mix": "q4_k_m", "method": "llamacpp", "nsamples": 16})], "llama.cpp, no imatrix"),
-    ("GGUF Q2_K, RTN (searched)", [("gguf", {"mix": "gguf:q2_k", "method": "rtn", "nsamples": 16})],
-     [("gguf", {"mix": "gguf:q2_k", "method": "llamacpp", "nsamples": 16})], "llama.cpp, no imatrix"),
+    ("GGUF Q4_K_M, GPTQ (llama.cpp, 4 x 512)", [("gguf", {"mix": "q4_k_m", "method": "gptq", "nsamples": 16, "embeddings": "f16"})],
+     [("gguf", {"mix": "q4_k_m", "method": "llamacpp-imatrix", "nsamples": 16, "embeddings": "f16"})], "llama.cpp + imatrix"),
+    ("GGUF Q3_K_M, GPTQ (llama.cpp, 4 x 512)",
+     [("gguf", {"mix": "q3_k_m", "method": "gptq", "nsamples": 16, "embeddings": "f16"})],
+     [("gguf", {"mix": "q3_k_m", "method": "llamacpp-imatrix", "nsamples": 16, "embeddings": "f16"})],
+     "llama.cpp + imatrix"),
+    ("GGUF Q2_K, GPTQ (llama.cpp, 4 x 512)", [("gguf", {"mix": "gguf:q2_k", "method": "gptq", "nsamples": 16, "embeddings": "f16"})],
+     [("gguf", {"mix": "gguf:q2_k", "method": "llamacpp-imatrix", "nsamples": 16, "embeddings": "f16"})], "llama.cpp + imatrix"),
+    ("GGUF Q4_K_M, RTN (searched)", [("gguf", {"mix": "q4_k_m", "method": "rtn", "nsamples": 16, "embeddings": "f16"})],
+     [("gguf", {"mix": "q4_k_m", "method": "llamacpp", "nsamples": 16, "embeddings": "f16"})], "llama.cpp, no imatrix"),
+    ("GGUF Q2_K, RTN (searched)", [("gguf", {"mix": "gguf:q2_k", "method": "rtn", "nsamples": 16, "embeddings": "f16"})],
+     [("gguf", {"mix": "gguf:q2_k", "method": "llamacpp", "nsamples": 16, "embeddings": "f16"})], "llama.cpp, no imatrix"),
 ]
 for _scheme in ("w4g128", "w3g128", "w2g64", "w4a4-nvfp4", "w4a4-mxfp4"):
     for _method in ("rtn", "gptq"):
@@ -160,7 +164,8 @@ def _matches(row: dict, match: dict, model: str) -> bool:
     if row.get("model", "bundled") != model:
         return False
     for k, want in match.items():
-        have = row.get(k, 16 if k == "nsamples" else None)  # gguf rows before per-row sizes were 16 x 256
+        # gguf rows before per-row sizes were 16 x 256, before issue 39's `embeddings` field all F16 tables
+        have = row.get(k, {"nsamples": 16, "embeddings": "f16"}.get(k))
         if have not in (want if isinstance(want, list) else [want]):
             return False
     return True

@@ -118,3 +118,14 @@ def test_rows_on_the_offgrid_model_do_not_replace_the_bundled_ones(tmp_path):
         common.merge_row(out, dict(row, ppl=3.0, model="bundled"), key)  # replaces the older bundled row
         assert sorted(r["ppl"] for r in common.load_results(out)["rows"]) == [2.0, 3.0], mod.__name__
     assert "offgrid" in ptq.parser().parse_args(["--model", "offgrid"]).model
+
+
+def test_headline_gguf_rows_keep_files_of_one_embedding_type_apart():
+    """gguf rows at llama.cpp's embedding types (issue 39) are other files: the F16-table headline row takes
+    neither their perplexity into its mean nor them as a second run; rows before the field are F16."""
+    from benchmarks.offgrid import headline
+
+    row = {"mix": "q4_k_m", "method": "gptq", "seed": None, "nsamples": 16}
+    results = {"gguf": [dict(row, ppl_llamacpp=15.0), dict(row, ppl_llamacpp=14.0, embeddings="llama.cpp")]}
+    line = next(x for x in headline(results).splitlines() if x.startswith("| GGUF Q4_K_M, GPTQ"))
+    assert "| 15.00 |" in line and "runs" not in line and "14.50" not in line
