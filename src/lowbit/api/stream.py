@@ -46,7 +46,7 @@ class StreamJob:
     lm_head: bool = False
     search: bool = True
     keep: tuple[str, ...] = ()
-    shard_mb: int = 256
+    shard_mb: float = 256
     force: bool = False
     progress: bool = True
     source: PlanSource = field(init=False, repr=False, compare=False)
@@ -55,8 +55,8 @@ class StreamJob:
         check_fields(self, ConfigError, "stream setting")
         object.__setattr__(self, "keep", keep_patterns(self.keep))
         object.__setattr__(self, "source", source.plan_source(self.scheme, self.plan_file, None, self.lm_head))
-        if self.shard_mb < 1:
-            raise ConfigError(f"--shard-mb must be at least 1, got {self.shard_mb}")
+        if not self.shard_mb > 0:
+            raise ConfigError(f"--shard-mb must be positive, got {self.shard_mb}")
 
 
 def _folder(model: str | Path) -> Path:
@@ -74,7 +74,7 @@ def stream_quantize(job: StreamJob) -> dict[str, Any]:
 
     t0 = time.perf_counter()
     folder = _folder(job.model)
-    settings = stream.StreamSettings(job.search, job.shard_mb << 20, job.keep)
+    settings = stream.StreamSettings(job.search, max(1, int(job.shard_mb * 2**20)), job.keep)
     with outputs.claim(job.out, job.force, [job.model, job.plan_file]) as out:
         src = StreamSource.open(folder)
         model = stream.skeleton(folder)

@@ -174,8 +174,8 @@ def _mixed(args: argparse.Namespace):
 
 
 # what --stream takes besides MODEL and --out; every other flag given with it is refused
-STREAM_FLAGS = ("scheme", "plan", "lm_head", "keep", "force", "json", "no_eval", "search", "shard_mb", "method",
-                "stream")
+STREAM_FLAGS = ("model", "out", "scheme", "plan", "lm_head", "keep", "force", "json", "no_eval", "search", "shard_mb",
+                "method", "stream", "threads")
 
 
 def stream_job(args: argparse.Namespace):
@@ -188,8 +188,8 @@ def stream_job(args: argparse.Namespace):
                           "calibration data: drop --stream (with --offload-dir it keeps one block in memory)")
     defaults = {"plan": None, "lm_head": False, "keep": None, "force": False, "json": False, "no_eval": False,
                 "rotate": False, "awq": False, "export_to": None, "workdir": None, "offload_dir": None,
-                "cache_device": None, "device": None, "data": None, "model": None, "out": None}
-    odd = [k for k, v in vars(args).items() if k not in STREAM_FLAGS and k != "func" and v is not UNSET
+                "cache_device": None, "device": None, "data": None}
+    odd = [k for k, v in vars(args).items() if k not in STREAM_FLAGS and k not in ("func", "command")
            and (k not in defaults or v != defaults[k])]
     if odd:
         raise ConfigError(f"{common.flag(odd[0])} does not apply to --stream (data-free, no model in memory, no "

@@ -70,8 +70,8 @@ class StreamSettings:
     keep: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
-        if not isinstance(self.shard_bytes, int) or self.shard_bytes < 1 << 20:
-            raise ConfigError(f"shard size must be at least 1 MiB, got {self.shard_bytes!r}")
+        if not isinstance(self.shard_bytes, int) or self.shard_bytes < 1:
+            raise ConfigError(f"shard size must be a positive number of bytes, got {self.shard_bytes!r}")
 
 
 @dataclass(frozen=True)
@@ -224,6 +224,7 @@ class Quantizer:
             raise ModelError(f"{self.source.folder}: the checkpoint has no tensor {key!r}; it does not match its "
                              "config.json — re-download or re-save the model")
         w = self.source.tensor(src)
+        _check_shape(self.source, src, w, tuple(self.state[key].shape))
         self.source.precision.setdefault(key, self.source.precision.get(src, ""))
         return w
 
@@ -256,6 +257,7 @@ class Quantizer:
         e = 0
         while e < t.count:
             m = self.source.expert(t, e, self.lay.model_type)
+            _check_shape(self.source, f"{t.name} (expert {e})", m, (t.out_features, t.in_features))
             if scheme is planned:
                 f = fit(m, planned)
                 if f.reason is not None:
@@ -283,12 +285,16 @@ class Quantizer:
             raise ModelError(f"{self.source.folder}: the checkpoint has no tensor {key!r}; it does not match its "
                              "config.json — re-download or re-save the model")
         t = self.source.tensor(src)
-        if t.shape != like.shape:
-            raise ModelError(f"{self.source.folder}: tensor {src} has shape {list(t.shape)}, config.json makes it "
-                             f"{list(like.shape)}; re-download or re-save the model")
+        _check_shape(self.source, src, t, tuple(like.shape))
         if not like.is_floating_point():
             return t.to(like.dtype)
         return _narrow(t, key in self.lay.round16)
+
+
+def _check_shape(source: StreamSource, name: str, t: torch.Tensor, want: tuple[int, ...]) -> None:
+    if tuple(t.shape) != want:
+        raise ModelError(f"{source.folder}: tensor {name} has shape {list(t.shape)}, config.json makes it {list(want)}; "
+                         "the weights do not belong to this config.json — re-download or re-save the model")
 
 
 def _narrow(t: torch.Tensor, round16: bool) -> torch.Tensor:

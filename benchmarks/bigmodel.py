@@ -1,0 +1,168 @@
+"""Models bigger than the machine: the data-free streaming path (``lowbit quantize --stream``) at real shapes.
+
+Random-weight bf16 checkpoints are built once (sharded safetensors, one tensor in memory at a
+time) and cached under ``~/.cache/lowbit/bigmodel/<shape>``, at the TinyLlama-1.1B,
+Llama-3.2-3B and (when the disk allows) Llama-3.1-8B shapes. Random weights measure time and
+memory, not quality: nothing here says anything about accuracy.
+
+Each row runs ``python -m lowbit quantize SRC --stream --scheme S --out OUT --json`` as a child
+process and records its wall seconds, its peak RSS as the kernel reports it for that child
+(``os.wait4``'s ``ru_maxrss``: resident pages, file-backed ones included, not Python's
+allocator) and the output's bytes. The ``read`` row is the physical floor measured in the same
+run: a child that only reads every source tensor (the same reader, no quantization).
+
+    python -m benchmarks.bigmodel --shapes tinyllama-1.1b,llama-3.2-3b --schemes w4g128,nvfp4-46,q4_k_m,fp8
+    python -m benchmarks.bigmodel --table
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+CACHE = Path.home() / ".cache" / "lowbit" / "bigmodel"
+RESULTS = Path(__file__).parent / "results" / "bigmodel.json"
+SHAPES = {  # the public configs' sizes (random weights)
+    "tinyllama-1.1b": dict(vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_hidden_layers=22,
+                           num_attention_heads=32, num_key_value_heads=4, tie_word_embeddings=False),
+    "llama-3.2-3b": dict(vocab_size=128256, hidden_size=3072, intermediate_size=8192, num_hidden_layers=28,
+                         num_attention_heads=24, num_key_value_heads=8, head_dim=128, tie_word_embeddings=True,
+                         rope_theta=500000.0),
+    "llama-3.1-8b": dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                         num_attention_heads=32, num_key_value_heads=8, tie_word_embeddings=False,
+                         rope_theta=500000.0),
+}
+SHARD_BYTES = 2 << 30
+
+
+def build(shape: str) -> Path:
+    """The cached random bf16 checkpoint of ``shape`` (built once; a partial build is rebuilt)."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from lowbit.files.safetensors_stream import write_file
+    from lowbit.nn.meta import params_on_meta
+
+    folder = CACHE / shape
+    if (folder / "complete.json").is_file():
+        return folder
+    shutil.rmtree(folder, ignore_errors=True)
+    folder.mkdir(parents=True)
+    config = LlamaConfig(**SHAPES[shape])
+    with params_on_meta():
+        model = LlamaForCausalLM(config)
+    state = {k: v for k, v in model.state_dict().items() if not (config.tie_word_embeddings and k == "lm_head.weight")}
+    gen = torch.Generator().manual_seed(0)
+    groups: list[list[str]] = [[]]
+    size = 0
+    for k, v in state.items():
+        n = v.numel() * 2
+        if groups[-1] and size + n > SHARD_BYTES:
+            groups.append([])
+            size = 0
+        groups[-1].append(k)
+        size += n
+    weight_map = {}
+    for i, names in enumerate(groups):
+        fname = f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors"
+        tensors = {}
+        for k in names:
+            shp = tuple(state[k].shape)
+            t = torch.ones(shp) if len(shp) == 1 else torch.randn(shp, generator=gen) * 0.02
+            tensors[k] = t.to(torch.bfloat16)
+            weight_map[k] = fname
+        write_file(folder / fname, tensors, {"format": "pt"})
+        del tensors
+        print(f"{shape}: wrote {fname}", file=sys.stderr, flush=True)
+    total = sum(state[k].numel() * 2 for k in weight_map)
+    (folder / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}))
+    config.save_pretrained(folder)
+    (folder / "complete.json").write_text(json.dumps({"bytes": total, "random": True}))
+    return folder
+
+
+def child(cmd: list[str], log: Path) -> tuple[int, float, int]:
+    """(exit code, wall seconds, peak RSS bytes from the kernel) of one child process."""
+    t0 = time.perf_counter()
+    with open(log, "w") as f:
+        p = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT)
+        _, status, usage = os.wait4(p.pid, 0)
+    return os.waitstatus_to_exitcode(status), time.perf_counter() - t0, usage.ru_maxrss * 1024
+
+
+def _size(path: Path) -> int:
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file()) if path.exists() else 0
+
+
+def run_row(shape: str, scheme: str, tool: str, src: Path, work: Path) -> dict:
+    out = work / f"{shape}-{scheme}-{tool}"
+    log = work / f"{shape}-{scheme}-{tool}.log"
+    py = sys.executable
+    if tool == "read":
+        cmd = [py, "-c", "import sys; from pathlib import Path; from lowbit.models.stream_source import StreamSource; "
+               "s = StreamSource.open(Path(sys.argv[1])); [s._raw(n) for n in s.entries]", str(src)]
+    else:
+        cmd = [py, "-m", "lowbit", "quantize", str(src), "--stream", "--scheme", scheme, "--out", str(out),
+               "--force", "--json"]
+    rc, secs, rss = child(cmd, log)
+    row = {"shape": shape, "scheme": scheme, "tool": tool, "rc": rc, "seconds": round(secs, 1),
+           "peak_rss_gib": round(rss / 2**30, 3), "output_bytes": _size(out), "source_bytes": _size(src),
+           "machine": f"{os.cpu_count()} cores, shared", "random_weights": True}
+    if rc != 0:
+        row["error"] = log.read_text()[-400:]
+    shutil.rmtree(out, ignore_errors=True)
+    return row
+
+
+def save(rows: list[dict]) -> None:
+    old = json.loads(RESULTS.read_text())["rows"] if RESULTS.is_file() else []
+    key = lambda r: (r["shape"], r["scheme"], r["tool"])  # noqa: E731
+    merged = {key(r): r for r in old} | {key(r): r for r in rows}
+    RESULTS.parent.mkdir(parents=True, exist_ok=True)
+    RESULTS.write_text(json.dumps({"note": "random bf16 weights: time and memory only, no quality",
+                                   "rows": sorted(merged.values(), key=key)}, indent=1))
+
+
+def table() -> None:
+    rows = json.loads(RESULTS.read_text())["rows"]
+    print(f"{'shape':16} {'scheme':10} {'tool':14} {'s':>8} {'peak RSS GiB':>13} {'out GiB':>8} {'src GiB':>8}")
+    for r in rows:
+        print(f"{r['shape']:16} {r['scheme']:10} {r['tool']:14} {r['seconds']:8.1f} {r['peak_rss_gib']:13.2f} "
+              f"{r['output_bytes'] / 2**30:8.2f} {r['source_bytes'] / 2**30:8.2f}" + ("  FAILED" if r["rc"] else ""))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--shapes", default="tinyllama-1.1b")
+    ap.add_argument("--schemes", default="w4g128,nvfp4-46,q4_k_m,fp8")
+    ap.add_argument("--work", default=str(CACHE / "out"))
+    ap.add_argument("--build-only", action="store_true")
+    ap.add_argument("--table", action="store_true")
+    args = ap.parse_args()
+    if args.table:
+        return table()
+    work = Path(args.work)
+    work.mkdir(parents=True, exist_ok=True)
+    for shape in args.shapes.split(","):
+        src = build(shape)
+        if args.build_only:
+            continue
+        rows = [run_row(shape, "-", "read", src, work)]
+        save(rows)
+        for scheme in args.schemes.split(","):
+            rows = [run_row(shape, scheme, "lowbit-stream", src, work)]
+            save(rows)
+            print(json.dumps(rows[-1]), flush=True)
+    if not args.build_only:
+        table()
+
+
+if __name__ == "__main__":
+    main()
