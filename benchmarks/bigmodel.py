@@ -107,7 +107,7 @@ def run_row(shape: str, scheme: str, tool: str, src: Path, work: Path) -> dict:
     py = sys.executable
     if tool == "read":
         cmd = [py, "-c", "import sys; from pathlib import Path; from lowbit.models.stream_source import StreamSource; "
-               "s = StreamSource.open(Path(sys.argv[1])); [s._raw(n) for n in s.entries]", str(src)]
+               "s = StreamSource.open(Path(sys.argv[1]))\nfor n in s.entries: s._raw(n)", str(src)]
     else:
         cmd = [py, "-m", "lowbit", "quantize", str(src), "--stream", "--scheme", scheme, "--out", str(out),
                "--force", "--json"]

@@ -83,6 +83,13 @@ def test_streamed_checkpoint_is_the_in_model_rtn_checkpoint(tmp_path, arch, sche
     assert s["matmul_weights"]["float"].keys() <= {"embeddings", "lm_head", "router"}
     model, _ = native.load(tmp_path / "stream")  # it loads, checksums verified
     assert model(torch.tensor([[1, 2, 3]])).logits.isfinite().all()
+    if arch == "llama":  # transformers' loader of lowbit checkpoints reads the shards too
+        import lowbit  # noqa: F401  (registers the loader)
+        from transformers import AutoModelForCausalLM
+
+        hf = AutoModelForCausalLM.from_pretrained(tmp_path / "stream")
+        ids = torch.tensor([[1, 2, 3]])
+        assert torch.equal(hf(ids).logits, model(ids).logits)
 
 
 def test_kquant_mix_and_plain_rtn_match_too(tmp_path):

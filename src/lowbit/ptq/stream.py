@@ -450,9 +450,16 @@ def finish(out: Path, work: Path, folder: Path, model: nn.Module, lay: Layout, r
         del config.quantization_config
         for name in native.tokenizer_files(folder):
             shutil.copyfile(folder / name, tmp / name)
+        _write_index(tmp, parts)
         native.seal_sharded(tmp, layers, lay.aliases, meta, [s.name for s in parts])
     shutil.rmtree(work, ignore_errors=True)
     return out
+
+
+def _write_index(folder: Path, parts: list[Shard]) -> None:
+    """model.safetensors.index.json, so transformers' loader (`lowbit.files.hf_quantizer`) finds every shard."""
+    weight_map = {k: s.name for s in parts for k in read_header(folder / s.name)[0]}
+    atomic_write_text(folder / "model.safetensors.index.json", json.dumps({"metadata": {}, "weight_map": weight_map}))
 
 
 def planned_after(lay: Layout, records: list[dict[str, Any]]) -> list[str]:
