@@ -84,8 +84,9 @@ def test_streamed_checkpoint_is_the_in_model_rtn_checkpoint(tmp_path, arch, sche
     model, _ = native.load(tmp_path / "stream")  # it loads, checksums verified
     assert model(torch.tensor([[1, 2, 3]])).logits.isfinite().all()
     if arch == "llama":  # transformers' loader of lowbit checkpoints reads the shards too
-        import lowbit  # noqa: F401  (registers the loader)
         from transformers import AutoModelForCausalLM
+
+        import lowbit  # noqa: F401  (registers the loader)
 
         hf = AutoModelForCausalLM.from_pretrained(tmp_path / "stream")
         ids = torch.tensor([[1, 2, 3]])
