@@ -88,13 +88,18 @@ def build(shape: str) -> Path:
     return folder
 
 
-def child(cmd: list[str], log: Path) -> tuple[int, float, int]:
-    """(exit code, wall seconds, peak RSS bytes from the kernel) of one child process."""
+def child(cmd: list[str], log: Path) -> tuple[int, float, float, int]:
+    """(exit code, wall seconds, CPU seconds, peak RSS bytes from the kernel) of one child process.
+
+    CPU seconds (user + system) are reported beside the wall time because this machine is shared:
+    under contention the wall time measures the neighbours as much as the tool.
+    """
     t0 = time.perf_counter()
     with open(log, "w") as f:
         p = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT)
         _, status, usage = os.wait4(p.pid, 0)
-    return os.waitstatus_to_exitcode(status), time.perf_counter() - t0, usage.ru_maxrss * 1024
+    cpu = usage.ru_utime + usage.ru_stime
+    return os.waitstatus_to_exitcode(status), time.perf_counter() - t0, cpu, usage.ru_maxrss * 1024
 
 
 def _size(path: Path) -> int:
@@ -111,8 +116,9 @@ def run_row(shape: str, scheme: str, tool: str, src: Path, work: Path) -> dict:
     else:
         cmd = [py, "-m", "lowbit", "quantize", str(src), "--stream", "--scheme", scheme, "--out", str(out),
                "--force", "--json"]
-    rc, secs, rss = child(cmd, log)
+    rc, secs, cpu, rss = child(cmd, log)
     row = {"shape": shape, "scheme": scheme, "tool": tool, "rc": rc, "seconds": round(secs, 1),
+           "cpu_seconds": round(cpu, 1), "load_avg_1m": round(os.getloadavg()[0], 1),
            "peak_rss_gib": round(rss / 2**30, 3), "output_bytes": _size(out), "source_bytes": _size(src),
            "machine": f"{os.cpu_count()} cores, shared", "random_weights": True}
     if rc != 0:
@@ -132,9 +138,11 @@ def save(rows: list[dict]) -> None:
 
 def table() -> None:
     rows = json.loads(RESULTS.read_text())["rows"]
-    print(f"{'shape':16} {'scheme':10} {'tool':14} {'s':>8} {'peak RSS GiB':>13} {'out GiB':>8} {'src GiB':>8}")
+    print(f"{'shape':16} {'scheme':10} {'tool':14} {'s':>8} {'cpu s':>8} {'peak RSS GiB':>13} {'out GiB':>8} "
+          f"{'src GiB':>8}")
     for r in rows:
-        print(f"{r['shape']:16} {r['scheme']:10} {r['tool']:14} {r['seconds']:8.1f} {r['peak_rss_gib']:13.2f} "
+        print(f"{r['shape']:16} {r['scheme']:10} {r['tool']:14} {r['seconds']:8.1f} {r.get('cpu_seconds', 0):8.1f} "
+              f"{r['peak_rss_gib']:13.2f} "
               f"{r['output_bytes'] / 2**30:8.2f} {r['source_bytes'] / 2**30:8.2f}" + ("  FAILED" if r["rc"] else ""))
 
 
