@@ -33,7 +33,7 @@ from lowbit.models.hf_folder import INDEX, weight_files
 from lowbit.models.source_dequant import FP8_DTYPES
 
 _FP8_SCALES = ("weight_scale_inv", "weight_scale")
-_IGNORED = ("input_scale",)  # FP8 sources' static activation scales: the requantized model chooses its own
+_IGNORED = ("input_scale", "input_global_scale")  # static activation scales: the requantized model picks its own
 _EXPERT_PARTS = {  # fused param -> (per-expert module names on disk, in the order they are stacked)
     "gate_up_proj": (("gate_proj", "up_proj"), ("w1", "w3")),
     "down_proj": (("down_proj",), ("w2",)),
@@ -64,13 +64,15 @@ class StreamSource:
         return sum(e.nbytes for e in self.entries.values())
 
     def has(self, name: str) -> bool:
-        return name in self.entries or f"{name}_blocks" in self.entries
+        return name in self.entries or f"{name}_blocks" in self.entries or f"{name}_packed" in self.entries
 
     def unused(self) -> list[str]:
         return [n for n in self.entries if n not in self.used and not n.endswith(_IGNORED)]
 
     def tensor(self, name: str) -> torch.Tensor:
-        """Tensor ``name`` as float32 (integers as stored), FP8 and MXFP4 sources dequantized."""
+        """Tensor ``name`` as float32 (integers as stored), FP8, MXFP4 and compressed-tensors sources dequantized."""
+        if name not in self.entries and name.endswith(".weight") and f"{name}_packed" in self.entries:
+            return self._compressed(name)
         if name not in self.entries and f"{name}_blocks" in self.entries:
             blocks, scales = self._raw(f"{name}_blocks"), self._raw(f"{name}_scales")
             self.precision[name] = "mxfp4"
@@ -100,6 +102,24 @@ class StreamSource:
         raise ModelError(f"{self.folder}: the checkpoint holds neither {fused} nor its experts one by one "
                          f"({t.module}.{e}.{_EXPERT_PARTS.get(t.param, (('?',),))[0][0]}.weight); it does not match "
                          "its config.json — re-download or re-save the model")
+
+    def _compressed(self, name: str) -> torch.Tensor:
+        """A compressed-tensors ``weight_packed`` layer: INT (int32 bit stream) or FP4 (uint8 nibbles)."""
+        packed, scale = self._raw(f"{name}_packed"), self._raw(f"{name}_scale")
+        opt = {k: self._raw(f"{name}_{k}") if f"{name}_{k}" in self.entries else None
+               for k in ("zero_point", "global_scale", "shape")}
+        if opt["shape"] is not None:
+            shape = (int(opt["shape"][0]), int(opt["shape"][1]))
+        else:  # FP4 layouts store no shape: two codes a byte
+            shape = (packed.shape[0], packed.shape[1] * 2)
+        if packed.dtype == torch.int32:
+            self.precision[name] = f"compressed-tensors int{packed.shape[1] * 32 // shape[1]}"
+            return dq.ct_int(packed, scale, opt["zero_point"], shape, name)
+        if packed.dtype == torch.uint8:
+            self.precision[name] = "compressed-tensors " + ("mxfp4" if scale.dtype == torch.uint8 else "nvfp4")
+            return dq.ct_fp4(packed, scale, opt["global_scale"], shape[1], name)
+        raise ModelError(f"{self.folder}: {name}_packed is {packed.dtype}, a compressed-tensors layout lowbit cannot "
+                         "dequantize (it reads int32 pack-quantized INT and uint8 NVFP4 / MXFP4)")
 
     def _raw(self, name: str) -> torch.Tensor:
         e = self._entry(name)
