@@ -94,15 +94,15 @@ def test_streamed_checkpoint_is_the_in_model_rtn_checkpoint(tmp_path, arch, sche
 
 
 def test_kquant_mix_and_plain_rtn_match_too(tmp_path):
-    """A llama.cpp mix (per-layer K types) and --no-search."""
+    """A llama.cpp mix (per-layer K types), and INT; both with --no-search (the K-quant search takes minutes here)."""
     import transformers as tf
     from test_accounting import SMALL
 
     torch.manual_seed(0)
     cfg = tf.LlamaConfig(**{**SMALL, "hidden_size": 256, "vocab_size": 64}, intermediate_size=256)
     tf.LlamaForCausalLM(cfg).to(torch.bfloat16).save_pretrained(tmp_path / "src", max_shard_size="300KB")
-    _stream(tmp_path / "src", tmp_path / "a", "q4_k_m")
-    _same(_in_model(tmp_path / "src", "q4_k_m", tmp_path / "ra"), tmp_path / "a")
+    _stream(tmp_path / "src", tmp_path / "a", "q4_k_m", search=False)
+    _same(_in_model(tmp_path / "src", "q4_k_m", tmp_path / "ra", search=False), tmp_path / "a")
     _stream(tmp_path / "src", tmp_path / "b", "w4g32", search=False)
     _same(_in_model(tmp_path / "src", "w4g32", tmp_path / "rb", search=False), tmp_path / "b")
 
