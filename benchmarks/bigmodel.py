@@ -17,6 +17,15 @@ run: a child that only reads every source tensor (the same reader, no quantizati
 
     python -m benchmarks.bigmodel --shapes tinyllama-1.1b,llama-3.2-3b --schemes w4g128,nvfp4-46,q4_k_m,fp8
     python -m benchmarks.bigmodel --table
+
+Peer: llm-compressor's ``model_free_ptq`` (safetensors file by file, no model built; plain RTN) on the
+same checkpoints: W4A16 (int4 g128 symmetric) beside w4g128, FP8_DYNAMIC (per-channel FP8 weights) beside
+fp8, NVFP4A16 beside nvfp4-46; no K-quant counterpart. llm-compressor 0.14.0.1 pins an older transformers,
+so it is installed apart, without its dependencies, and put on the path of lowbit's own environment::
+
+    .venv/bin/pip install --target /tmp/llmc --no-deps llmcompressor==0.14.0.1 loguru datasets pyarrow dill \
+        multiprocess xxhash pandas python-dateutil pytz tzdata
+    python -m benchmarks.bigmodel --peer-path /tmp/llmc ...
 """
 
 from __future__ import annotations
@@ -43,6 +52,7 @@ SHAPES = {  # the public configs' sizes (random weights)
                          rope_theta=500000.0),
 }
 SHARD_BYTES = 2 << 30
+LLMC = {"w4g128": "W4A16", "fp8": "FP8_DYNAMIC", "nvfp4-46": "NVFP4A16"}  # llm-compressor presets, same weights
 
 
 def build(shape: str) -> Path:
@@ -92,7 +102,7 @@ def build(shape: str) -> Path:
     return folder
 
 
-def child(cmd: list[str], log: Path) -> tuple[int, float, float, int]:
+def child(cmd: list[str], log: Path, env: dict | None = None) -> tuple[int, float, float, int]:
     """(exit code, wall seconds, CPU seconds, peak RSS bytes from the kernel) of one child process.
 
     CPU seconds (user + system) are reported beside the wall time because this machine is shared:
@@ -100,7 +110,7 @@ def child(cmd: list[str], log: Path) -> tuple[int, float, float, int]:
     """
     t0 = time.perf_counter()
     with open(log, "w") as f:
-        p = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT)
+        p = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env)
         _, status, usage = os.wait4(p.pid, 0)
     cpu = usage.ru_utime + usage.ru_stime
     return os.waitstatus_to_exitcode(status), time.perf_counter() - t0, cpu, usage.ru_maxrss * 1024
@@ -110,17 +120,23 @@ def _size(path: Path) -> int:
     return sum(p.stat().st_size for p in path.rglob("*") if p.is_file()) if path.exists() else 0
 
 
-def run_row(shape: str, scheme: str, tool: str, src: Path, work: Path, search: bool = False) -> dict:
+def run_row(shape: str, scheme: str, tool: str, src: Path, work: Path, search: bool = False,
+            peer_path: str | None = None) -> dict:
     out = work / f"{shape}-{scheme}-{tool}"
     log = work / f"{shape}-{scheme}-{tool}.log"
     py = sys.executable
-    if tool == "read":
+    env = None
+    if tool == "llmc-model_free_ptq":
+        env = {**os.environ, "PYTHONPATH": str(peer_path)}
+        cmd = [py, "-c", "import sys; from llmcompressor import model_free_ptq; model_free_ptq(sys.argv[1], sys.argv[2], "
+               "scheme=sys.argv[3], ignore=['lm_head'], max_workers=1, device='cpu')", str(src), str(out), LLMC[scheme]]
+    elif tool == "read":
         cmd = [py, "-c", "import sys; from pathlib import Path; from lowbit.models.stream_source import StreamSource; "
                "s = StreamSource.open(Path(sys.argv[1]))\nfor n in s.entries: s._raw(n)", str(src)]
     else:
         cmd = [py, "-m", "lowbit", "quantize", str(src), "--stream", "--scheme", scheme, "--out", str(out),
                "--force", "--json", "--search" if search else "--no-search"]
-    rc, secs, cpu, rss = child(cmd, log)
+    rc, secs, cpu, rss = child(cmd, log, env)
     row = {"shape": shape, "scheme": scheme, "tool": tool, "rc": rc, "seconds": round(secs, 1),
            "cpu_seconds": round(cpu, 1), "search": search, "load_avg_1m": round(os.getloadavg()[0], 1),
            "peak_rss_gib": round(rss / 2**30, 3), "output_bytes": _size(out), "source_bytes": _size(src),
@@ -157,7 +173,10 @@ def main() -> None:
     ap.add_argument("--work", default=str(CACHE / "out"))
     ap.add_argument("--build-only", action="store_true")
     ap.add_argument("--search", action="store_true", help="RTN's scale search (slow: see the module doc)")
+    ap.add_argument("--peer-path", default=None, help="a folder holding llm-compressor (see the module doc)")
+    ap.add_argument("--tools", default="lowbit-stream", help="lowbit-stream,llmc-model_free_ptq")
     ap.add_argument("--table", action="store_true")
+    ap.add_argument("--no-read", action="store_true", help="skip the read-only floor row")
     args = ap.parse_args()
     if args.table:
         return table()
@@ -167,11 +186,15 @@ def main() -> None:
         src = build(shape)
         if args.build_only:
             continue
-        save([run_row(shape, "-", "read", src, work)])
+        if not args.no_read:
+            save([run_row(shape, "-", "read", src, work)])
         for scheme in args.schemes.split(","):
-            rows = [run_row(shape, scheme, "lowbit-stream", src, work, args.search)]
-            save(rows)
-            print(json.dumps(rows[-1]), flush=True)
+            for tool in args.tools.split(","):
+                if tool == "llmc-model_free_ptq" and scheme not in LLMC:
+                    continue
+                row = run_row(shape, scheme, tool, src, work, args.search, args.peer_path)
+                save([row])
+                print(json.dumps(row), flush=True)
     if not args.build_only:
         table()
 
