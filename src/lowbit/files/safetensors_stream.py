@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import struct
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -46,10 +47,7 @@ class Entry:
 
     @property
     def numel(self) -> int:
-        n = 1
-        for d in self.shape:
-            n *= d
-        return n
+        return math.prod(self.shape)
 
 
 def read_header(path: Path) -> tuple[dict[str, Entry], dict[str, str]]:
