@@ -246,6 +246,16 @@ def test_a_source_type_lowbit_cannot_dequantize_is_named(tmp_path):
         _stream(src, tmp_path / "out", "w4g8")
 
 
+def test_a_nonfinite_source_weight_is_named_and_nothing_is_written(tmp_path):
+    src = _saved("llama", tmp_path / "src", shard="10MB", dtype=torch.float32)
+    t = load_file(src / "model.safetensors")
+    t["model.layers.1.self_attn.o_proj.weight"][3, 5] = float("nan")
+    save_file(t, src / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ModelError, match=r"o_proj.weight holds 1 NaN/inf"):
+        _stream(src, tmp_path / "out", "w4g8")
+    assert not (tmp_path / "out").exists()
+
+
 def test_too_little_disk_is_refused_with_the_numbers(tmp_path, monkeypatch):
     import lowbit.io
 

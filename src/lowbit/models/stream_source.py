@@ -27,6 +27,7 @@ import torch
 
 from lowbit.errors import ModelError
 from lowbit.files.safetensors_stream import Entry, read_header, read_tensor
+from lowbit.formats.finite import require_finite
 from lowbit.models import source_dequant as dq
 from lowbit.models.experts import ExpertTensor
 from lowbit.models.hf_folder import INDEX, weight_files
@@ -70,7 +71,21 @@ class StreamSource:
         return [n for n in self.entries if n not in self.used and not n.endswith(_IGNORED)]
 
     def tensor(self, name: str) -> torch.Tensor:
-        """Tensor ``name`` as float32 (integers as stored), FP8, MXFP4 and compressed-tensors sources dequantized."""
+        """Tensor ``name`` as float32 (integers as stored), FP8, MXFP4 and compressed-tensors sources dequantized;
+        NaN / inf refused by name (the in-model path refuses them when it loads the model)."""
+        return self._finite(name, self._tensor(name))
+
+    def rows(self, name: str, i: int) -> torch.Tensor:
+        """``tensor(name)[i]`` reading only that slice (fused experts: one expert)."""
+        return self._finite(f"{name}[{i}]", self._rows(name, i))
+
+    def _finite(self, name: str, t: torch.Tensor) -> torch.Tensor:
+        if t.is_floating_point():
+            require_finite([(name, t)], f"model {self.folder}", "lowbit quantizes finite weights only: repair the "
+                           "model or re-export it from a good copy", ModelError)
+        return t
+
+    def _tensor(self, name: str) -> torch.Tensor:
         if name not in self.entries and name.endswith(".weight") and f"{name}_packed" in self.entries:
             return self._compressed(name)
         if name not in self.entries and f"{name}_blocks" in self.entries:
@@ -79,8 +94,7 @@ class StreamSource:
             return dq.mxfp4(blocks, scales, name)
         return self._float(name, self._raw(name))
 
-    def rows(self, name: str, i: int) -> torch.Tensor:
-        """``tensor(name)[i]`` reading only that slice (fused experts: one expert)."""
+    def _rows(self, name: str, i: int) -> torch.Tensor:
         if name not in self.entries and f"{name}_blocks" in self.entries:
             self.precision[name] = "mxfp4"
             return dq.mxfp4(self._slice(f"{name}_blocks", i), self._slice(f"{name}_scales", i), name)
