@@ -147,17 +147,17 @@ def run_row(shape: str, scheme: str, tool: str, src: Path, work: Path, search: b
     return row
 
 
-def save(rows: list[dict]) -> None:
-    old = json.loads(RESULTS.read_text())["rows"] if RESULTS.is_file() else []
+def save(rows: list[dict], results: Path = RESULTS) -> None:
+    old = json.loads(results.read_text())["rows"] if results.is_file() else []
     key = lambda r: (r["shape"], r["scheme"], r["tool"])  # noqa: E731
     merged = {key(r): r for r in old} | {key(r): r for r in rows}
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps({"note": "random bf16 weights: time and memory only, no quality",
+    results.parent.mkdir(parents=True, exist_ok=True)
+    results.write_text(json.dumps({"note": "random bf16 weights: time and memory only, no quality",
                                    "rows": sorted(merged.values(), key=key)}, indent=1))
 
 
-def table() -> None:
-    rows = json.loads(RESULTS.read_text())["rows"]
+def table(results: Path = RESULTS) -> None:
+    rows = json.loads(results.read_text())["rows"]
     print(f"{'shape':16} {'scheme':10} {'tool':14} {'s':>8} {'cpu s':>8} {'peak RSS GiB':>13} {'out GiB':>8} "
           f"{'src GiB':>8}")
     for r in rows:
@@ -177,9 +177,11 @@ def main() -> None:
     ap.add_argument("--tools", default="lowbit-stream", help="lowbit-stream,llmc-model_free_ptq")
     ap.add_argument("--table", action="store_true")
     ap.add_argument("--no-read", action="store_true", help="skip the read-only floor row")
+    ap.add_argument("--results", default=str(RESULTS), help="the JSON file rows are merged into")
     args = ap.parse_args()
+    results = Path(args.results)
     if args.table:
-        return table()
+        return table(results)
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
     for shape in args.shapes.split(","):
@@ -187,16 +189,16 @@ def main() -> None:
         if args.build_only:
             continue
         if not args.no_read:
-            save([run_row(shape, "-", "read", src, work)])
+            save([run_row(shape, "-", "read", src, work)], results)
         for scheme in args.schemes.split(","):
             for tool in args.tools.split(","):
                 if tool == "llmc-model_free_ptq" and scheme not in LLMC:
                     continue
                 row = run_row(shape, scheme, tool, src, work, args.search, args.peer_path)
-                save([row])
+                save([row], results)
                 print(json.dumps(row), flush=True)
     if not args.build_only:
-        table()
+        table(results)
 
 
 if __name__ == "__main__":
