@@ -305,6 +305,8 @@ def test_cli_stream_refuses_what_it_cannot_honour(tmp_path, capsys):
     assert main(["quantize", str(src), "--stream", "--scheme", "w4g8", "--no-eval", "--json", "--out",
                  str(tmp_path / "o")]) == 0
     assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["method"] == "rtn (streamed)"
+    assert main(["inspect", str(tmp_path / "o"), "--json"]) == 0  # inspect reads the shards
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["quantized_layers"] == 14
 
 
 @pytest.mark.parametrize("scheme", ("w4g16", "w4g16a", "w8g16", "nvfp4", "mxfp4"))
