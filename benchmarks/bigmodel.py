@@ -140,11 +140,18 @@ def run_row(shape: str, scheme: str, tool: str, src: Path, work: Path, search: b
     row = {"shape": shape, "scheme": scheme, "tool": tool, "rc": rc, "seconds": round(secs, 1),
            "cpu_seconds": round(cpu, 1), "search": search, "load_avg_1m": round(os.getloadavg()[0], 1),
            "peak_rss_gib": round(rss / 2**30, 3), "output_bytes": _size(out), "source_bytes": _size(src),
-           "machine": f"{os.cpu_count()} cores, shared", "random_weights": True}
+           "machine": f"{os.cpu_count()} cores, shared", "random_weights": True, "commit": _commit()}
     if rc != 0:
         row["error"] = log.read_text()[-400:]
     shutil.rmtree(out, ignore_errors=True)
     return row
+
+
+def _commit() -> str:
+    """The lowbit commit a row ran (the tree may move while a long benchmark runs)."""
+    r = subprocess.run(["git", "-C", str(Path(__file__).parent), "rev-parse", "--short", "HEAD"], capture_output=True,
+                       text=True)
+    return r.stdout.strip()
 
 
 def save(rows: list[dict], results: Path = RESULTS) -> None:
