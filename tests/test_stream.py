@@ -93,6 +93,16 @@ def test_streamed_checkpoint_is_the_in_model_rtn_checkpoint(tmp_path, arch, sche
         assert torch.equal(hf(ids).logits, model(ids).logits)
 
 
+@pytest.mark.parametrize("arch", ("llama", "qwen3_moe"))
+def test_big_float_tensors_read_in_pieces_store_the_same_bytes(tmp_path, monkeypatch, arch):
+    """Embeddings, a float lm_head and norms above the piece size are converted piece by piece (an 8B model's
+    embedding table is never whole in float32): the same stored bytes and dtypes."""
+    monkeypatch.setattr(stream, "_CHUNK", 16)
+    src = _saved(arch, tmp_path / "src")
+    _stream(src, tmp_path / "stream", "w4g8", search=False)
+    _same(_in_model(src, "w4g8", tmp_path / "ref", search=False), tmp_path / "stream")
+
+
 def test_kquant_mix_and_plain_rtn_match_too(tmp_path):
     """A llama.cpp mix (per-layer K types), and INT; both with --no-search (the K-quant search takes minutes here)."""
     import transformers as tf

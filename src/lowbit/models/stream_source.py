@@ -20,13 +20,14 @@ model has no place for (`unused`): nothing in the file is silently dropped.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
 from lowbit.errors import ModelError
-from lowbit.files.safetensors_stream import Entry, read_header, read_tensor
+from lowbit.files.safetensors_stream import DTYPES, Entry, read_header, read_tensor
 from lowbit.formats.finite import require_finite
 from lowbit.models import source_dequant as dq
 from lowbit.models.experts import ExpertTensor
@@ -78,6 +79,25 @@ class StreamSource:
     def rows(self, name: str, i: int) -> torch.Tensor:
         """``tensor(name)[i]`` reading only that slice (fused experts: one expert)."""
         return self._finite(f"{name}[{i}]", self._rows(name, i))
+
+    def chunks(self, name: str, elements: int) -> Iterator[torch.Tensor] | None:
+        """A plain float tensor as float32 pieces of about ``elements`` values, each read on its own (whole rows);
+        None when ``name`` is not one (dequantized or integer tensors are read whole by `tensor`)."""
+        e = self.entries.get(name)
+        if e is None or e.dtype not in ("F32", "F16", "BF16") or not e.shape:
+            return None
+        self.used.add(name)
+        self.precision[name] = str(DTYPES[e.dtype]).removeprefix("torch.")
+        row = e.numel // e.shape[0] if e.shape[0] else 1
+        step = max(1, elements // max(row, 1))
+        per = e.nbytes // e.shape[0] if e.shape[0] else 0
+
+        def pieces() -> Iterator[torch.Tensor]:
+            for a in range(0, e.shape[0], step):
+                n = min(step, e.shape[0] - a)
+                t = read_tensor(Entry(e.file, e.dtype, (n, *e.shape[1:]), e.start + a * per, n * per)).float()
+                yield self._finite(f"{name}[{a}:{a + n}]", t)
+        return pieces()
 
     def _finite(self, name: str, t: torch.Tensor) -> torch.Tensor:
         if t.is_floating_point():

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import shutil
 import time
@@ -284,6 +285,10 @@ class Quantizer:
                 return _narrow(like.detach().clone(), False)
             raise ModelError(f"{self.source.folder}: the checkpoint has no tensor {key!r}; it does not match its "
                              "config.json — re-download or re-save the model")
+        entry = self.source.entries.get(src)
+        if (like.is_floating_point() and like.numel() > _CHUNK and entry is not None
+                and entry.dtype in ("F32", "F16", "BF16") and tuple(entry.shape) == tuple(like.shape)):
+            return _narrow_pieces(lambda: self.source.chunks(src, _CHUNK), tuple(like.shape), key in self.lay.round16)
         t = self.source.tensor(src)
         _check_shape(self.source, src, t, tuple(like.shape))
         if not like.is_floating_point():
@@ -311,6 +316,23 @@ def _narrow(t: torch.Tensor, round16: bool) -> torch.Tensor:
     if flat.numel() > 1024 and all(torch.equal(c.half().float(), c) for c in flat.split(_CHUNK)):
         return flat.half().reshape(t.shape)
     return t
+
+
+def _narrow_pieces(pieces: Callable[[], Iterator[torch.Tensor] | None], shape: tuple[int, ...],
+                   round16: bool) -> torch.Tensor:
+    """`_narrow` of a big float tensor read in pieces (an 8B model's 1 GB embedding table never in float32 whole).
+
+    The pieces are read twice: once to decide the stored dtype exactly as `_narrow` does, once to fill it.
+    """
+    rounded = round16 and bool(max(float(c.abs().amax()) for c in pieces()) <= _F16_MAX)
+    big = math.prod(shape) > 1024
+    half = big and (rounded or all(torch.equal(c.half().float(), c) for c in pieces()))
+    out = torch.empty(shape, dtype=torch.float16 if half else torch.float32)
+    flat, at = out.view(-1), 0
+    for c in pieces():
+        flat[at:at + c.numel()] = c.reshape(-1).half().float() if rounded and not half else c.reshape(-1)
+        at += c.numel()
+    return out
 
 
 def _chunked_amax(flat: torch.Tensor) -> torch.Tensor:
