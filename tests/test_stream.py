@@ -300,6 +300,7 @@ def test_a_killed_run_resumes_and_never_takes_a_half_written_shard(tmp_path, mon
     monkeypatch.setattr("lowbit.api.stream._reporter", lambda progress: lines.append)
     stream_quantize(StreamJob(model=src, out=out, scheme="w4g8", progress=True, shard_mb=0.004))
     assert any("resuming: 1 of" in ln for ln in lines)
+    assert any(ln.startswith("[3/") and "ETA" in ln for ln in lines)  # progress from the first shard redone
     assert not work.exists()
     _same(_in_model(src, "w4g8", tmp_path / "ref"), out)
 
