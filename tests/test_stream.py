@@ -103,6 +103,21 @@ def test_big_float_tensors_read_in_pieces_store_the_same_bytes(tmp_path, monkeyp
     _same(_in_model(src, "w4g8", tmp_path / "ref", search=False), tmp_path / "stream")
 
 
+def test_keep_experts_writes_them_fused_in_float_as_the_in_model_path(tmp_path):
+    """--keep experts: the per-expert keys on disk become the model's fused float tensors."""
+    from transformers import AutoModelForCausalLM
+
+    src = _saved("qwen3_moe", tmp_path / "src")
+    s = _stream(src, tmp_path / "stream", "w4g8", search=False, keep=("experts",))
+    assert "experts" in s["matmul_weights"]["float"]
+    model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
+    plan = build_plan(model, plan_source("w4g8"))
+    dropped = gate(model, list(plan), ("experts",))
+    conduct(model, Plan({n: r for n, r in plan.items() if n not in dropped}), PtqSpec("rtn", {"search": False}),
+            RunContext(progress=False))
+    _same(native.save(model, None, tmp_path / "ref"), tmp_path / "stream")
+
+
 def test_kquant_mix_and_plain_rtn_match_too(tmp_path):
     """A llama.cpp mix (per-layer K types), and INT; both with --no-search (the K-quant search takes minutes here)."""
     import transformers as tf

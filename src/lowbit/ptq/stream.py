@@ -194,6 +194,7 @@ class Quantizer:
         self.scales: dict[str, torch.Tensor] = {}
         self.fits: dict[str, Scheme | None] = {}
         self.resumed = 0  # shards a previous run had completed
+        self.float_experts = {n: t for n, t in expert_tensors(lay.model).items() if n not in lay.plan}
 
     def prepare(self, pending: set[str]) -> None:
         """The fused groups' shared tensor scales (NVFP4): each part's fitted own scale first, then the group's."""
@@ -271,13 +272,19 @@ class Quantizer:
             packs.append(quantize(m, scheme).pack())
             e += 1
         if scheme is None:
-            stack = torch.stack([self.source.expert(t, i, self.lay.model_type) for i in range(t.count)])
-            return {t.name: _narrow(stack.transpose(1, 2) if t.transposed else stack, False)}, {}
+            return self._float_experts(t), {}
         out = {f"{t.name}.{k}": torch.stack([p[k] for p in packs]) for k in packs[0]}
         return out, {t.name: {"scheme": scheme.to_dict(), "shape": [t.out_features, t.in_features],
                               "experts": t.count}}
 
+    def _float_experts(self, t: ExpertTensor) -> dict[str, torch.Tensor]:
+        """A fused experts tensor kept in float, in the model's own layout, from whichever layout the file has."""
+        stack = torch.stack([self.source.expert(t, i, self.lay.model_type) for i in range(t.count)])
+        return {t.name: _narrow(stack.transpose(1, 2) if t.transposed else stack, False)}
+
     def _float_key(self, key: str) -> torch.Tensor:
+        if key in self.float_experts:
+            return self._float_experts(self.float_experts[key])[key]
         like = self.state[key]
         src = model_key(self.source, self.lay.tied.get(key, key), self.lay.model_type)
         if src is None:
