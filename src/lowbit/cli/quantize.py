@@ -30,6 +30,14 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="the export the checkpoint is for: a plan it cannot hold (e.g. w4g128 on rows of 576 "
                         "columns for compressed-tensors) is refused before quantizing. Without it, each export "
                         "that cannot hold the plan is named in a warning")
+    st = p.add_argument_group("streaming (data-free, for models bigger than memory)")
+    st.add_argument("--stream", action="store_true",
+                    help="quantize MODEL (an HF folder: float, FP8 or gpt-oss MXFP4 safetensors) tensor by tensor "
+                         "without building the model: peak memory is about the largest tensor plus one output "
+                         "shard; resumable per shard; the same checkpoint rtn writes (its search on the weights "
+                         "alone, or --no-search). No calibration data, no perplexity")
+    st.add_argument("--shard-mb", type=common.positive("--shard-mb"), default=UNSET,
+                    help="with --stream: MiB of output per shard (256)")
     r = p.add_argument_group("float pre-steps (any method; they keep the float model's function)")
     r.add_argument("--rotate", action="store_true",
                    help="rotate the residual stream by a randomized Hadamard matrix fused into the weights (norm "
@@ -165,7 +173,41 @@ def _mixed(args: argparse.Namespace):
     return MixedSettings(**got, **({"dtype": tune} if tune is not None else {}))
 
 
+# what --stream takes besides MODEL and --out; every other flag given with it is refused
+STREAM_FLAGS = ("model", "out", "scheme", "plan", "lm_head", "keep", "force", "json", "no_eval", "search", "shard_mb",
+                "method", "stream", "threads")
+
+
+def stream_job(args: argparse.Namespace):
+    """The streamed job the flags describe; a flag that needs the model in memory or data is an error."""
+    from lowbit.api.stream import StreamJob
+    from lowbit.errors import ConfigError
+
+    if args.method != "rtn":
+        raise ConfigError(f"--stream is data-free round-to-nearest; --method {args.method} needs the model and "
+                          "calibration data: drop --stream (with --offload-dir it keeps one block in memory)")
+    defaults = {"plan": None, "lm_head": False, "keep": None, "force": False, "json": False, "no_eval": False,
+                "rotate": False, "awq": False, "export_to": None, "workdir": None, "offload_dir": None,
+                "cache_device": None, "device": None, "data": None}
+    odd = [k for k, v in vars(args).items() if k not in STREAM_FLAGS and k not in ("func", "command")
+           and (k not in defaults or v != defaults[k])]
+    if odd:
+        raise ConfigError(f"{common.flag(odd[0])} does not apply to --stream (data-free, no model in memory, no "
+                          "perplexity); drop it, or drop --stream")
+    return StreamJob(model=args.model, out=args.out, scheme=vars(args).get("scheme"), plan_file=args.plan,
+                     lm_head=args.lm_head, search=vars(args).get("search", True), keep=common.keep(args),
+                     shard_mb=vars(args).get("shard_mb", 256), force=args.force, progress=not args.json)
+
+
 def run(args: argparse.Namespace) -> dict:
     from lowbit import api
 
+    if args.stream:
+        from lowbit.api.stream import stream_quantize
+
+        return stream_quantize(stream_job(args))
+    if vars(args).get("shard_mb") is not None:
+        from lowbit.errors import ConfigError
+
+        raise ConfigError("--shard-mb applies to --stream only; add --stream or drop it")
     return api.quantize(build_job(args))

@@ -54,6 +54,19 @@ class PackedSlot(nn.Module):
                            input_rotation=input_rotation("this layer", self.spec))
 
 
+def _holding(folder: Path, manifest: dict, name: str) -> Path:
+    """The weight file holding layer ``name``'s codes (a streamed checkpoint has several)."""
+    files = native.weight_files(manifest)
+    if len(files) > 1:
+        from safetensors import safe_open
+
+        for f in files:
+            with safe_open(str(folder / f), framework="pt") as st:
+                if f"{name}.codes" in st.keys():
+                    return folder / f
+    return folder / files[0]
+
+
 def _header(weights: Path, name: str) -> dict[str, tuple[list[int], torch.dtype]]:
     from safetensors import safe_open
 
@@ -106,7 +119,7 @@ def prepare(model: nn.Module, folder: Path) -> list[str]:
             raise CheckpointError(f"checkpoint layer {name} has shape {spec['shape']} but the model has "
                                   f"{type(layer).__name__} {getattr(layer, 'weight', torch.empty(0)).shape}; "
                                   "config.json and lowbit.json disagree (edited by hand?)")
-        slot = PackedSlot(spec, _header(folder / native.WEIGHTS, name), layer.bias is not None)
+        slot = PackedSlot(spec, _header(_holding(folder, manifest, name), name), layer.bias is not None)
         set_module(model, name, slot)
     return list(manifest["layers"])
 

@@ -113,6 +113,33 @@ def save(model: nn.Module, tokenizer: Any, out: str | Path, meta: dict | None = 
     return out
 
 
+def tokenizer_files(folder: Path) -> list[str]:
+    """The tokenizer files of a model folder (what a checkpoint copies from its source)."""
+    return [n for n in _TOKENIZER_NAMES if (Path(folder) / n).is_file()]
+
+
+def seal_sharded(folder: Path, layers: dict, aliases: dict, meta: dict, weights: list[str]) -> None:
+    """Seal a checkpoint whose weights were written shard by shard (`lowbit.ptq.stream`): the manifest, last.
+
+    ``weights`` lists the shard files in order; `load` reads them all. Everything else
+    (config.json, tokenizer) must already be in ``folder``.
+    """
+    manifest = {"format": FORMAT, "version": VERSION, "layers": layers, "aliases": aliases, "meta": meta,
+                "weights": list(weights)}
+    manifest["files"] = digests(folder)
+    manifest["checksums"] = EVERY_FILE
+    SEAL.write(folder, manifest, indent=1)
+
+
+def weight_files(manifest: dict) -> list[str]:
+    """The manifest's weight files: its ``weights`` list (a sharded checkpoint), else model.safetensors."""
+    w = manifest.get("weights", [WEIGHTS])
+    if not isinstance(w, list) or not w or not all(isinstance(n, str) for n in w):
+        raise CheckpointError(f"the manifest's 'weights' must list the weight files, got {w!r}; re-create the "
+                              "checkpoint")
+    return w
+
+
 def layer_spec(layer: QuantLinear) -> dict:
     """The manifest entry of a quantized layer: weight scheme, shape, input scheme and online rotation if any."""
     spec = {"scheme": layer.scheme.to_dict(), "shape": [layer.out_features, layer.in_features]}
@@ -239,8 +266,9 @@ def verify(path: str | Path, manifest: dict) -> None:
     """
     path = Path(path)
     files = manifest.get("files")
-    if not isinstance(files, dict) or not isinstance(files.get(WEIGHTS), str):
-        raise CheckpointError(f"{path / MANIFEST} has no checksum for {WEIGHTS} (its 'files' map is missing or "
+    unlisted = [w for w in weight_files(manifest) if not isinstance(files, dict) or not isinstance(files.get(w), str)]
+    if unlisted:
+        raise CheckpointError(f"{path / MANIFEST} has no checksum for {unlisted[0]} (its 'files' map is missing or "
                               "incomplete), so the weights cannot be verified; re-create the checkpoint")
     SEAL.check(path, files)
     _check_unlisted(path, files, manifest.get("checksums") == EVERY_FILE)
@@ -267,10 +295,12 @@ def load(path: str | Path, device: str | torch.device = "cpu") -> tuple[nn.Modul
     path = Path(path)
     manifest = read_manifest(path)
     verify(path, manifest)
-    try:
-        tensors = load_file(str(path / WEIGHTS))
-    except (SafetensorError, OSError) as e:
-        raise CheckpointError(f"cannot read {path / WEIGHTS}: {e}") from None
+    tensors: dict[str, torch.Tensor] = {}
+    for name in weight_files(manifest):
+        try:
+            tensors.update(load_file(str(path / name)))
+        except (SafetensorError, OSError) as e:
+            raise CheckpointError(f"cannot read {path / name}: {e}") from None
     model = _empty_model(path)
     experts: dict[str, dict[str, QuantStack]] = {}
     for name, spec in manifest["layers"].items():

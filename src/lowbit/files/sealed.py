@@ -148,6 +148,30 @@ class SealedFile:
         atomic_write_bytes(self.path, data)
         atomic_write_text(self.sidecar, json.dumps({"sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data)}))
 
+    def seal(self, sha256: str, nbytes: int) -> None:
+        """The sidecar of a file already complete in place (written and renamed by its writer, hashed on the way).
+
+        For files too big to hold as bytes (the streaming quantizer's shards); the seal still
+        comes after the file, so a crash between the two leaves it unsealed.
+        """
+        atomic_write_text(self.sidecar, json.dumps({"sha256": sha256, "bytes": nbytes}))
+
+    def check(self) -> str | None:
+        """Why the file cannot be used (None when its sidecar vouches for it), hashing it in chunks, not in memory."""
+        if not self.sidecar.is_file():
+            return f"unverified (no {self.sidecar.name})"
+        try:
+            meta = read_json(self.sidecar, CheckpointError, "")
+        except CheckpointError:
+            meta = None
+        if not isinstance(meta, dict) or not isinstance(meta.get("sha256"), str) or not isinstance(meta.get("bytes"), int):
+            return f"unverified ({self.sidecar.name} is damaged)"
+        if not self.path.is_file():
+            return f"missing ({self.path.name})"
+        if self.path.stat().st_size != meta["bytes"]:
+            return f"truncated ({self.path.stat().st_size} of {meta['bytes']} bytes)"
+        return None if sha256_file(self.path) == meta["sha256"] else "corrupted (checksum mismatch)"
+
     def read(self) -> tuple[bytes | None, str | None]:
         """(the file's bytes, None) when its sidecar vouches for them; else (None, why it cannot be used).
 

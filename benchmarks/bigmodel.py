@@ -1,0 +1,212 @@
+"""Models bigger than the machine: the data-free streaming path (``lowbit quantize --stream``) at real shapes.
+
+Random-weight bf16 checkpoints are built once (sharded safetensors, one tensor in memory at a
+time) and cached under ``~/.cache/lowbit/bigmodel/<shape>``, at the TinyLlama-1.1B,
+Llama-3.2-3B and (when the disk allows) Llama-3.1-8B shapes. Random weights measure time and
+memory, not quality: nothing here says anything about accuracy.
+
+Each row runs ``python -m lowbit quantize SRC --stream --scheme S --no-search --out OUT --json`` as a child
+process and records its wall seconds, its peak RSS as the kernel reports it for that child
+(``os.wait4``'s ``ru_maxrss``: resident pages, file-backed ones included, not Python's
+allocator) and the output's bytes. Rows use plain round-to-nearest (``--no-search``), what llm-compressor's
+``model_free_ptq`` and auto-round's ``iters=0`` do too: RTN's scale search costs about 25x the CPU of plain
+rounding for INT and 30x-70x for K-quants and FP8 (a 256 x 2048 matrix on this machine: w4g128 0.22 s
+plain vs 5.6 s searched, q4_k 0.75 s vs 23 s, fp8 48.7 s searched), the same in and out of the streaming
+path, so a searched row at 1.1B would take hours on 2 shared cores; ``--search`` runs it anyway. The ``read`` row is the physical floor measured in the same
+run: a child that only reads every source tensor (the same reader, no quantization).
+
+    python -m benchmarks.bigmodel --shapes tinyllama-1.1b,llama-3.2-3b --schemes w4g128,nvfp4-46,q4_k_m,fp8
+    python -m benchmarks.bigmodel --table
+
+Peer: llm-compressor's ``model_free_ptq`` (safetensors file by file, no model built; plain RTN) on the
+same checkpoints: W4A16 (int4 g128 symmetric) beside w4g128, FP8_DYNAMIC (per-channel FP8 weights) beside
+fp8, NVFP4A16 beside nvfp4-46; no K-quant counterpart. llm-compressor 0.14.0.1 pins an older transformers,
+so it is installed apart, without its dependencies, and put on the path of lowbit's own environment::
+
+    .venv/bin/pip install --target /tmp/llmc --no-deps llmcompressor==0.14.0.1 loguru datasets pyarrow dill \
+        multiprocess xxhash pandas python-dateutil pytz tzdata
+    python -m benchmarks.bigmodel --peer-path /tmp/llmc ...
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+CACHE = Path.home() / ".cache" / "lowbit" / "bigmodel"
+RESULTS = Path(__file__).parent / "results" / "bigmodel.json"
+SHAPES = {  # the public configs' sizes (random weights)
+    "tinyllama-1.1b": dict(vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_hidden_layers=22,
+                           num_attention_heads=32, num_key_value_heads=4, tie_word_embeddings=False),
+    "llama-3.2-3b": dict(vocab_size=128256, hidden_size=3072, intermediate_size=8192, num_hidden_layers=28,
+                         num_attention_heads=24, num_key_value_heads=8, head_dim=128, tie_word_embeddings=True,
+                         rope_theta=500000.0),
+    "llama-3.1-8b": dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                         num_attention_heads=32, num_key_value_heads=8, tie_word_embeddings=False,
+                         rope_theta=500000.0),
+}
+SHARD_BYTES = 2 << 30
+LLMC = {"w4g128": "W4A16", "fp8": "FP8_DYNAMIC", "nvfp4-46": "NVFP4A16"}  # llm-compressor presets, same weights
+
+
+def build(shape: str) -> Path:
+    """The cached random bf16 checkpoint of ``shape`` (built once; a partial build is rebuilt)."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from lowbit.files.safetensors_stream import write_file
+    from lowbit.nn.meta import params_on_meta
+
+    folder = CACHE / shape
+    if (folder / "complete.json").is_file():
+        return folder
+    shutil.rmtree(folder, ignore_errors=True)
+    folder.mkdir(parents=True)
+    config = LlamaConfig(**SHAPES[shape])
+    with params_on_meta():
+        model = LlamaForCausalLM(config)
+    state = {k: v for k, v in model.state_dict().items() if not (config.tie_word_embeddings and k == "lm_head.weight")}
+    gen = torch.Generator().manual_seed(0)
+    groups: list[list[str]] = [[]]
+    size = 0
+    for k, v in state.items():
+        n = v.numel() * 2
+        if groups[-1] and size + n > SHARD_BYTES:
+            groups.append([])
+            size = 0
+        groups[-1].append(k)
+        size += n
+    weight_map = {}
+    for i, names in enumerate(groups):
+        fname = f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors"
+        tensors = {}
+        for k in names:
+            shp = tuple(state[k].shape)
+            t = torch.ones(shp) if len(shp) == 1 else torch.randn(shp, generator=gen) * 0.02
+            tensors[k] = t.to(torch.bfloat16)
+            weight_map[k] = fname
+        write_file(folder / fname, tensors, {"format": "pt"})
+        del tensors
+        print(f"{shape}: wrote {fname}", file=sys.stderr, flush=True)
+    total = sum(state[k].numel() * 2 for k in weight_map)
+    (folder / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}))
+    config.save_pretrained(folder)
+    (folder / "complete.json").write_text(json.dumps({"bytes": total, "random": True}))
+    return folder
+
+
+def child(cmd: list[str], log: Path, env: dict | None = None) -> tuple[int, float, float, int]:
+    """(exit code, wall seconds, CPU seconds, peak RSS bytes from the kernel) of one child process.
+
+    CPU seconds (user + system) are reported beside the wall time because this machine is shared:
+    under contention the wall time measures the neighbours as much as the tool.
+    """
+    t0 = time.perf_counter()
+    with open(log, "w") as f:
+        p = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env)
+        _, status, usage = os.wait4(p.pid, 0)
+    cpu = usage.ru_utime + usage.ru_stime
+    return os.waitstatus_to_exitcode(status), time.perf_counter() - t0, cpu, usage.ru_maxrss * 1024
+
+
+def _size(path: Path) -> int:
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file()) if path.exists() else 0
+
+
+def run_row(shape: str, scheme: str, tool: str, src: Path, work: Path, search: bool = False,
+            peer_path: str | None = None) -> dict:
+    out = work / f"{shape}-{scheme}-{tool}"
+    log = work / f"{shape}-{scheme}-{tool}.log"
+    py = sys.executable
+    env = None
+    if tool == "llmc-model_free_ptq":
+        env = {**os.environ, "PYTHONPATH": str(peer_path)}
+        cmd = [py, "-c", "import sys; from llmcompressor import model_free_ptq; model_free_ptq(sys.argv[1], sys.argv[2], "
+               "scheme=sys.argv[3], ignore=['lm_head'], max_workers=1, device='cpu')", str(src), str(out), LLMC[scheme]]
+    elif tool == "read":
+        cmd = [py, "-c", "import sys; from pathlib import Path; from lowbit.models.stream_source import StreamSource; "
+               "s = StreamSource.open(Path(sys.argv[1]))\nfor n in s.entries: s._raw(n)", str(src)]
+    else:
+        cmd = [py, "-m", "lowbit", "quantize", str(src), "--stream", "--scheme", scheme, "--out", str(out),
+               "--force", "--json", "--search" if search else "--no-search"]
+    rc, secs, cpu, rss = child(cmd, log, env)
+    row = {"shape": shape, "scheme": scheme, "tool": tool, "rc": rc, "seconds": round(secs, 1),
+           "cpu_seconds": round(cpu, 1), "search": search, "load_avg_1m": round(os.getloadavg()[0], 1),
+           "peak_rss_gib": round(rss / 2**30, 3), "output_bytes": _size(out), "source_bytes": _size(src),
+           "machine": f"{os.cpu_count()} cores, shared", "random_weights": True, "commit": _commit()}
+    if rc != 0:
+        row["error"] = log.read_text()[-400:]
+    shutil.rmtree(out, ignore_errors=True)
+    return row
+
+
+def _commit() -> str:
+    """The lowbit commit a row ran (the tree may move while a long benchmark runs)."""
+    r = subprocess.run(["git", "-C", str(Path(__file__).parent), "rev-parse", "--short", "HEAD"], capture_output=True,
+                       text=True)
+    return r.stdout.strip()
+
+
+def save(rows: list[dict], results: Path = RESULTS) -> None:
+    old = json.loads(results.read_text())["rows"] if results.is_file() else []
+    key = lambda r: (r["shape"], r["scheme"], r["tool"])  # noqa: E731
+    merged = {key(r): r for r in old} | {key(r): r for r in rows}
+    results.parent.mkdir(parents=True, exist_ok=True)
+    results.write_text(json.dumps({"note": "random bf16 weights: time and memory only, no quality",
+                                   "rows": sorted(merged.values(), key=key)}, indent=1))
+
+
+def table(results: Path = RESULTS) -> None:
+    rows = json.loads(results.read_text())["rows"]
+    print(f"{'shape':16} {'scheme':10} {'tool':14} {'s':>8} {'cpu s':>8} {'peak RSS GiB':>13} {'out GiB':>8} "
+          f"{'src GiB':>8}")
+    for r in rows:
+        print(f"{r['shape']:16} {r['scheme']:10} {r['tool']:14} {r['seconds']:8.1f} {r.get('cpu_seconds', 0):8.1f} "
+              f"{r['peak_rss_gib']:13.2f} "
+              f"{r['output_bytes'] / 2**30:8.2f} {r['source_bytes'] / 2**30:8.2f}" + ("  FAILED" if r["rc"] else ""))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--shapes", default="tinyllama-1.1b")
+    ap.add_argument("--schemes", default="w4g128,nvfp4-46,q4_k_m,fp8")
+    ap.add_argument("--work", default=str(CACHE / "out"))
+    ap.add_argument("--build-only", action="store_true")
+    ap.add_argument("--search", action="store_true", help="RTN's scale search (slow: see the module doc)")
+    ap.add_argument("--peer-path", default=None, help="a folder holding llm-compressor (see the module doc)")
+    ap.add_argument("--tools", default="lowbit-stream", help="lowbit-stream,llmc-model_free_ptq")
+    ap.add_argument("--table", action="store_true")
+    ap.add_argument("--no-read", action="store_true", help="skip the read-only floor row")
+    ap.add_argument("--results", default=str(RESULTS), help="the JSON file rows are merged into")
+    args = ap.parse_args()
+    results = Path(args.results)
+    if args.table:
+        return table(results)
+    work = Path(args.work)
+    work.mkdir(parents=True, exist_ok=True)
+    for shape in args.shapes.split(","):
+        src = build(shape)
+        if args.build_only:
+            continue
+        if not args.no_read:
+            save([run_row(shape, "-", "read", src, work)], results)
+        for scheme in args.schemes.split(","):
+            for tool in args.tools.split(","):
+                if tool == "llmc-model_free_ptq" and scheme not in LLMC:
+                    continue
+                row = run_row(shape, scheme, tool, src, work, args.search, args.peer_path)
+                save([row], results)
+                print(json.dumps(row), flush=True)
+    if not args.build_only:
+        table(results)
+
+
+if __name__ == "__main__":
+    main()
