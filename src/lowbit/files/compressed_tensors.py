@@ -56,6 +56,7 @@ from torch import nn
 from lowbit.errors import SchemeError
 from lowbit.files.compressed_read import load_decompressed, require_compressed_tensors
 from lowbit.files.fused import fused_groups
+from lowbit.files.kv_export import add_kv_cache
 from lowbit.files.native import WRITE_FIX
 from lowbit.files.specs import LayerSpec, from_model, refuse_rotations
 from lowbit.formats import InputScheme, QTensor, Scheme
@@ -324,6 +325,7 @@ def export(model: nn.Module, tokenizer: Any, out: str | Path, force: bool = Fals
     require_finite(tensors.items(), f"cannot export {out}", WRITE_FIX)
     ignore = [n for n, m in model.named_modules() if isinstance(m, nn.Linear) and n not in qlayers]
     qconfig = build_config(targets, ignore)
+    add_kv_cache(model, tensors, qconfig)  # kv_cache_scheme + k_scale / v_scale (lowbit.files.kv_export)
     config = model.config
     with atomic_dir(Path(out), force=force, kind="compressed-tensors export") as tmp:
         save_file(tensors, str(tmp / WEIGHTS), metadata={"format": "pt"})
