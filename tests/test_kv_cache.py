@@ -336,3 +336,44 @@ def test_export_job_gguf_needs_drop_kv(tmp_path):
         save(_quantized("w8", kv="int8"), None, tmp_path / "q8")
         api.export(api.ExportJob(tmp_path / "q8", "compressed-tensors", tmp_path / "ct"))
     assert not (tmp_path / "ct").exists()
+
+
+def test_export_gguf_with_drop_kv_writes_the_weights_and_says_so(tmp_path, tiny_tokenizer):
+    from lowbit import api
+    from lowbit.files.native import save
+
+    model = _quantized("w4g32", kv="fp8")
+    save(model, tiny_tokenizer, tmp_path / "q")
+    r = api.export(api.ExportJob(tmp_path / "q", "gguf", tmp_path / "m.gguf", drop_kv=True))
+    assert (tmp_path / "m.gguf").is_file() and r["kv_cache"].startswith("dropped: the file holds the weights only")
+    remove_kv(model)
+    save(model, tiny_tokenizer, tmp_path / "plain")
+    with pytest.raises(ConfigError, match="has no KV-cache scheme to drop"):
+        api.export(api.ExportJob(tmp_path / "plain", "gguf", tmp_path / "p.gguf", drop_kv=True))
+
+
+@pytest.mark.parametrize("kv, to, why", [("int4", "compressed-tensors", "vLLM reads"),
+                                         ("fp8", "gguf", "GGUF has no KV-cache format")])
+def test_quantize_job_refuses_a_kv_export_before_loading(tmp_path, kv, to, why):
+    from lowbit.api import QuantizeJob
+
+    with pytest.raises(ConfigError, match=f"--export-to {to}: .*{why}"):
+        QuantizeJob(out=tmp_path / "q", model=str(tmp_path / "nowhere"), kv=kv, export_to=to)
+    with pytest.raises(SchemeError, match="unknown KV cache scheme"):
+        QuantizeJob(out=tmp_path / "q", kv="int3")
+
+
+def test_quantize_cli_kv_end_to_end(tmp_path, tiny_hf_dir, capsys):
+    from lowbit.cli import main
+    from lowbit.files.native import load, read_manifest
+
+    rc = main(["quantize", str(tiny_hf_dir), "--scheme", "w4g32", "--kv", "int8-head", "--out",
+               str(tmp_path / "q"), "--nsamples", "2", "--seqlen", "32", "--windows", "1", "--eval-seqlen", "64",
+               "--json"])
+    assert rc == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["kv_cache"]["scheme"] == "int8-head"
+    assert summary["kv_cache"]["bytes_per_token"] == summary["kv_cache"]["bytes_per_token_16bit"] / 2
+    assert read_manifest(tmp_path / "q")["kv_cache"]["scheme"]["per_head"] is True
+    model, _ = load(tmp_path / "q")
+    assert attention_modules(model)["model.layers.0.self_attn"].k_scale.shape == (2,)

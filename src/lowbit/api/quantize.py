@@ -94,6 +94,12 @@ class QuantizeJob:
         object.__setattr__(self, "awq", _switch(self.awq, AWQSettings, "awq"))
         object.__setattr__(self, "source", source.plan_source(self.scheme, self.plan_file, self.mixed, self.lm_head))
         object.__setattr__(self, "kv_scheme", parse_kv(self.kv))
+        if self.kv_scheme is not None and self.export_to is not None:
+            from lowbit.files.kv_export import kv_refusal
+
+            why = kv_refusal(self.export_to, self.kv_scheme)
+            if why is not None:
+                raise ConfigError(f"--export-to {self.export_to}: {why}")
         if self.kv_scheme is not None and self.loads_lazily:
             raise ConfigError("--kv calibrates and checks the KV cache on the whole model, which --offload-dir does "
                               "not hold in memory; drop --offload-dir (or --kv)")
