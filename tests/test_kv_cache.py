@@ -382,6 +382,9 @@ def test_quantize_cli_kv_end_to_end(tmp_path, tiny_hf_dir, capsys):
     assert read_manifest(tmp_path / "q")["kv_cache"]["scheme"]["per_head"] is True
     model, _ = load(tmp_path / "q")
     assert attention_modules(model)["model.layers.0.self_attn"].k_scale.shape == (2,)
+    assert main(["eval", str(tmp_path / "q"), "--windows", "1", "--eval-seqlen", "64", "--json"]) == 0
+    evaluated = json.loads(capsys.readouterr().out)
+    assert evaluated["kv_cache"] == "int8-head" and evaluated["ppl"] == pytest.approx(summary["ppl_q"], rel=1e-5)
 
 
 def test_transformers_loader_of_lowbit_checkpoints_refuses_a_kv_scheme(tmp_path):
