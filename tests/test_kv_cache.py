@@ -163,7 +163,18 @@ def _qwen2_sliding():
                                         sliding_window=8, max_window_layers=1, vocab_size=256)).eval()
 
 
-@pytest.mark.parametrize("make", [_moe, _mistral_sliding, _qwen2_sliding], ids=["qwen3moe", "mistral-sw", "qwen2-sw"])
+def _gemma3():
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    torch.manual_seed(0)
+    return Gemma3ForCausalLM(Gemma3TextConfig(hidden_size=64, intermediate_size=64, num_hidden_layers=2,
+                                              num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                                              sliding_window=8, vocab_size=256,
+                                              layer_types=["sliding_attention", "full_attention"])).eval()
+
+
+@pytest.mark.parametrize("make", [_moe, _mistral_sliding, _qwen2_sliding, _gemma3],
+                         ids=["qwen3moe", "mistral-sw", "qwen2-sw", "gemma3"])
 def test_every_attention_variant_is_instrumented(make):
     model = make()
     float_keys = _cache_keys(model, IDS)
