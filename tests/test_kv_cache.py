@@ -407,3 +407,40 @@ def test_transformers_loader_of_lowbit_checkpoints_refuses_a_kv_scheme(tmp_path)
     save(_quantized("w8", kv="fp8"), None, tmp_path / "q")
     with pytest.raises(CheckpointError, match="quantizes the KV cache, which transformers' loader"):
         AutoModelForCausalLM.from_pretrained(tmp_path / "q")
+
+
+def test_block_tuning_runs_with_the_quantized_cache_and_float_targets(monkeypatch):
+    import copy
+
+    from lowbit.nn import quant_layers
+    from lowbit.nn.kv_quant import kv_paused
+    from lowbit.plans.plan import Plan
+    from lowbit.ptq import quantize_model
+    from lowbit.ptq.blockwise import tune
+
+    model = tiny()
+    plain = copy.deepcopy(model)
+    with torch.no_grad():
+        ref = model(input_ids=IDS).logits
+    install_kv(model, KVScheme.parse("int4"))
+    with torch.no_grad(), kv_paused(model):
+        assert torch.equal(model(input_ids=IDS).logits, ref)
+    paused_in_targets = []
+    real = tune.map_block
+
+    def spy(block, *a, **kw):
+        state = getattr(block.self_attn, STATE, None)
+        if state is not None:
+            paused_in_targets.append(state.paused)
+        return real(block, *a, **kw)
+
+    monkeypatch.setattr(tune, "map_block", spy)
+    names = [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and ".layers." in n]
+    calib = torch.randint(0, 256, (4, 32), generator=torch.Generator().manual_seed(2))
+    settings = {"iters": 2, "batch_size": 2}
+    quantize_model(model, Plan.uniform(names, "w2g32"), "signround", settings, calib=calib, progress=False)
+    quantize_model(plain, Plan.uniform(names, "w2g32"), "signround", settings, calib=calib, progress=False)
+    assert True in paused_in_targets and False in paused_in_targets  # FP targets float, the tuned chain quantized
+    ours, theirs = quant_layers(model), quant_layers(plain)
+    assert not torch.equal(ours["model.layers.1.self_attn.q_proj"].qweight.codes,
+                           theirs["model.layers.1.self_attn.q_proj"].qweight.codes)

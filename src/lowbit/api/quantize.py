@@ -300,6 +300,11 @@ class _Run:
             from lowbit.nn.kv_quant import fold_value_rotation
 
             fold_value_rotation(model)
+        if job.kv_scheme is not None and get(job.method).blockwise:  # tuned blocks run with the quantized cache
+            from lowbit.nn.kv_quant import calibrate_kv
+
+            with self.phases("kv"), on_device(model, self.device):
+                calibrate_kv(model, self.calib, job.kv_scheme, values_folded=job.kv_scheme.rotate)
         # digest: the float weights the method quantizes (rotated / scaled), what a fine-tune's error init must match
         self.outcome = conduct(model, self.plan, self.spec, self._context(), self.phases, digest=True)
         self.plan = self.outcome.plan

@@ -25,6 +25,7 @@ model whose values were not folded they are rotated online the same way as keys.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import math
 from collections.abc import Iterable, Iterator
@@ -53,6 +54,7 @@ class KVState:
     cache_arg: str = "cache"
     values_folded: bool = False
     observed: dict[str, torch.Tensor] | None = None  # calibration: running abs-max of keys / values
+    paused: bool = False  # float keys / values (block tuning's FP targets)
     calls: int = 0
     rotation: torch.Tensor | None = field(default=None, repr=False)
 
@@ -166,6 +168,19 @@ def install_kv(model: nn.Module, scheme: KVScheme, values_folded: bool = False) 
     return attns
 
 
+@contextlib.contextmanager
+def kv_paused(model: nn.Module) -> Iterator[None]:
+    """Float keys and values inside the body (the FP targets block tuning matches), quantized again after."""
+    states = [getattr(a, STATE) for a in attention_modules(model).values() if hasattr(a, STATE)]
+    for st in states:
+        st.paused = True
+    try:
+        yield
+    finally:
+        for st in states:
+            st.paused = False
+
+
 def remove_kv(model: nn.Module) -> None:
     """Undo `install_kv`: hooks and scale buffers gone, the attention back to float keys and values."""
     for attn in attention_modules(model).values():
@@ -214,6 +229,8 @@ def quantize_kv(attn: nn.Module, key: torch.Tensor, value: torch.Tensor) -> tupl
     """The keys and values ``attn``'s cache holds for these new ones (observed only, while calibrating)."""
     state: KVState = getattr(attn, STATE)
     state.calls += 1
+    if state.paused:
+        return key, value
     h = state.rotation
     rot_v = h is not None and not state.values_folded
     k = key if h is None else _rotate(key, h)
