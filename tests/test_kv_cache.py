@@ -377,6 +377,8 @@ def test_quantize_job_refuses_a_kv_export_before_loading(tmp_path, kv, to, why):
         QuantizeJob(out=tmp_path / "q", model=str(tmp_path / "nowhere"), kv=kv, export_to=to)
     with pytest.raises(SchemeError, match="unknown KV cache scheme"):
         QuantizeJob(out=tmp_path / "q", kv="int3")
+    with pytest.raises(ConfigError, match="--kv with --workdir"):
+        QuantizeJob(out=tmp_path / "q", kv="fp8", method="gptq", workdir=str(tmp_path / "w"))
 
 
 def test_quantize_cli_kv_end_to_end(tmp_path, tiny_hf_dir, capsys):

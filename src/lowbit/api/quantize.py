@@ -100,6 +100,10 @@ class QuantizeJob:
             why = kv_refusal(self.export_to, self.kv_scheme)
             if why is not None:
                 raise ConfigError(f"--export-to {self.export_to}: {why}")
+        if self.kv_scheme is not None and self.workdir is not None:
+            raise ConfigError("--kv with --workdir: the work folder does not record the KV scheme the blocks were "
+                              "tuned with, so a resumed run could mix blocks tuned under another; drop --workdir "
+                              "(or --kv)")
         if self.kv_scheme is not None and self.loads_lazily:
             raise ConfigError("--kv calibrates and checks the KV cache on the whole model, which --offload-dir does "
                               "not hold in memory; drop --offload-dir (or --kv)")
