@@ -112,7 +112,20 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     return rows
 
 
+def with_costs(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Rows with ``ppl_vs_float_kv`` against the float-KV row of the same model, weights and window
+    (rows from separate runs of the script have no baseline of their own)."""
+    base = {(r["model"], r["weights"], r["seqlen"], r["windows"]): r["ppl"] for r in rows
+            if r["kv"] == "none" and not r["values_rotated"]}
+    out = []
+    for r in rows:
+        ref = base.get((r["model"], r["weights"], r["seqlen"], r["windows"]))
+        out.append(r | ({"ppl_vs_float_kv": r["ppl"] / ref - 1} if ref is not None else {}))
+    return out
+
+
 def table(rows: list[dict[str, Any]]) -> str:
+    rows = with_costs(rows)
     return common.markdown_table(
         ["model", "weights", "KV", "seqlen x windows", "ppl", "vs float KV", "KV bytes/token"],
         [[r["model"], r["weights"], r["kv"], f"{r['seqlen']} x {r['windows']}", f"{r['ppl']:.3f}",
@@ -133,7 +146,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--calib-seqlen", type=int, default=512)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--out", default=RESULTS)
+    p.add_argument("--table", action="store_true", help="print the table of the --out file's rows and exit")
     args = p.parse_args(argv)
+    if args.table:
+        rows = common.load_results(args.out)["rows"]
+        print(table(sorted(rows, key=lambda r: (r["model"], WEIGHTS.index(r["weights"]) if r["weights"] in WEIGHTS
+                                                else 9, r["values_rotated"], r["kv"] != "none", r["kv"]))))
+        return 0
     rows = run(args)
     print(table(rows))
     return 0
