@@ -41,6 +41,7 @@ class EvalJob:
 def evaluate(job: EvalJob) -> dict[str, Any]:
     from lowbit.models import load_model
     from lowbit.models.placement import on_device
+    from lowbit.nn.kv_quant import kv_scheme_of
 
     t0 = time.perf_counter()
     device = job_device(job.device)
@@ -53,6 +54,9 @@ def evaluate(job: EvalJob) -> dict[str, Any]:
     with on_device(lm.model, device):
         r = job.evaluation.perplexity(lm.model, tokens, job.progress)
         result: dict[str, Any] = {"model": lm.source, "ppl": r.ppl, "tokens": r.tokens, "windows": r.windows}
+        kv = kv_scheme_of(lm.model)
+        if kv is not None:  # a checkpoint quantized with --kv: the perplexity was measured with its cache
+            result["kv_cache"] = kv.name
         if job.tasks:
             from lowbit.eval import zero_shot
 

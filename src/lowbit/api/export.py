@@ -28,6 +28,7 @@ class ExportJob:
     force: bool = False
     allow_requant: bool = False
     embeddings: str | None = None  # GGUF only: "llama.cpp" (default: the mix's types) or "f16"
+    drop_kv: bool = False  # GGUF only: write the weights of a checkpoint with a KV-cache scheme, without it
 
     def __post_init__(self) -> None:
         check_fields(self, ConfigError, "export setting")
@@ -39,6 +40,9 @@ class ExportJob:
         if self.embeddings is not None and self.to != "gguf":
             raise ConfigError(f"--embeddings applies to --to gguf only; {self.to} exports keep the embeddings "
                               "16-bit")
+        if self.drop_kv and self.to != "gguf":
+            raise ConfigError(f"--drop-kv applies to --to gguf only (GGUF has no KV-cache format); {self.to} "
+                              "exports keep the checkpoint's KV scheme where they can hold it")
         if self.embeddings not in (None, *EMBEDDINGS):
             raise ConfigError(f"--embeddings {self.embeddings!r}: choose one of {', '.join(EMBEDDINGS)}")
 
@@ -53,11 +57,16 @@ def export(job: ExportJob) -> dict[str, Any]:
     manifest = read_manifest(job.checkpoint)
     # the target's limits, from the manifest alone: a plan it cannot hold is refused before any loading
     target.check(specs.from_manifest(manifest), _model_type(job.checkpoint), job.allow_requant)
+    kv = _check_kv(job, manifest)
     with outputs.claim(job.out, job.force, [job.checkpoint], file_output=target.file_output) as out:
         # both formats hold the same packed weights as the checkpoint, give or take the scale encoding
         size = sum(f.stat().st_size for f in Path(job.checkpoint).iterdir() if f.is_file())
         check_free_space(out, size + (1 << 20), f"the {job.to} export")
         model, tokenizer = load(job.checkpoint)
+        if kv is not None and job.drop_kv:
+            from lowbit.nn.kv_quant import remove_kv
+
+            remove_kv(model)
         from lowbit.plans.kmix import mix_of
 
         meta = manifest.get("meta", {})
@@ -66,6 +75,9 @@ def export(job: ExportJob) -> dict[str, Any]:
                                        job.embeddings)
         result: dict[str, Any] = {"checkpoint": str(job.checkpoint), "to": job.to}
         result |= target.write(model, tokenizer, out, request)
+        if kv is not None:
+            result["kv_cache"] = (f"dropped: the file holds the weights only, not the KV scheme {kv.name}" if job.drop_kv
+                                  else f"{kv.name} (kv_cache_scheme, k_scale / v_scale)")
     info = inspect(out)
     # the same definition as quantize and inspect, measured on the exported file, whose format may store
     # wider scales or pad differently: the checkpoint's own figure beside it says which
@@ -75,6 +87,28 @@ def export(job: ExportJob) -> dict[str, Any]:
     result |= {k: info[k] for k in ("file_bytes", "fp16_bytes", "size_vs_fp16")}
     result["seconds"] = round(time.perf_counter() - t0, 2)
     return result
+
+
+def _check_kv(job: ExportJob, manifest: dict) -> Any:
+    """The checkpoint's KV scheme (None without one), refused now where the target cannot hold it."""
+    from lowbit.errors import CheckpointError, SchemeError
+    from lowbit.files.kv_export import kv_refusal
+    from lowbit.formats.kv import KVScheme
+
+    entry = manifest.get("kv_cache")
+    if entry is None:
+        if job.drop_kv:
+            raise ConfigError(f"--drop-kv: {job.checkpoint} has no KV-cache scheme to drop; drop the flag")
+        return None
+    try:
+        kv = KVScheme.from_dict(dict(entry["scheme"]))
+    except (SchemeError, KeyError, TypeError, ValueError) as e:
+        raise CheckpointError(f"{job.checkpoint}: its kv_cache entry cannot be read ({e}); re-create the "
+                              "checkpoint") from None
+    why = kv_refusal(job.to, kv, job.drop_kv)
+    if why is not None:
+        raise ConfigError(f"--to {job.to}: {why}")
+    return kv
 
 
 def _model_type(checkpoint: str | Path) -> str | None:

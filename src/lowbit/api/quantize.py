@@ -24,6 +24,7 @@ from lowbit.api.common import Calibration, Evaluation, Phases, bits_summary, che
 from lowbit.api.export import TARGETS as EXPORT_TARGETS
 from lowbit.configs import check_fields
 from lowbit.errors import ConfigError
+from lowbit.formats.kv import KVScheme, parse_kv
 from lowbit.io import WriteError, check_free_space
 from lowbit.models.accounting import keep_patterns
 from lowbit.plans import kmix, source
@@ -79,7 +80,9 @@ class QuantizeJob:
     progress: bool = True
     export_to: str | None = None
     keep: tuple[str, ...] = ()
+    kv: str | None = None
     source: PlanSource = field(init=False, repr=False, compare=False)
+    kv_scheme: KVScheme | None = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         check_fields(self, ConfigError, "quantize setting")
@@ -91,6 +94,20 @@ class QuantizeJob:
         object.__setattr__(self, "rotate", _switch(self.rotate, RotationSettings, "rotate"))
         object.__setattr__(self, "awq", _switch(self.awq, AWQSettings, "awq"))
         object.__setattr__(self, "source", source.plan_source(self.scheme, self.plan_file, self.mixed, self.lm_head))
+        object.__setattr__(self, "kv_scheme", parse_kv(self.kv))
+        if self.kv_scheme is not None and self.export_to is not None:
+            from lowbit.files.kv_export import kv_refusal
+
+            why = kv_refusal(self.export_to, self.kv_scheme)
+            if why is not None:
+                raise ConfigError(f"--export-to {self.export_to}: {why}")
+        if self.kv_scheme is not None and self.workdir is not None:
+            raise ConfigError("--kv with --workdir: the work folder does not record the KV scheme the blocks were "
+                              "tuned with, so a resumed run could mix blocks tuned under another; drop --workdir "
+                              "(or --kv)")
+        if self.kv_scheme is not None and self.loads_lazily:
+            raise ConfigError("--kv calibrates and checks the KV cache on the whole model, which --offload-dir does "
+                              "not hold in memory; drop --offload-dir (or --kv)")
         if self.cache_device is not None and self.cache_device not in ("device", "cpu"):
             raise ConfigError(f"--cache-device must be device or cpu, got {self.cache_device!r}")
         for name, value in (("--workdir", self.workdir), ("--offload-dir", self.offload_dir),
@@ -103,7 +120,7 @@ class QuantizeJob:
     @property
     def needs_calib(self) -> bool:
         return (get(self.method).needs_calib(self.settings) or self.mixed is not None or self.static_inputs
-                or self.awq is not None)
+                or self.awq is not None or (self.kv_scheme is not None and self.kv_scheme.needs_calibration))
 
     @property
     def static_inputs(self) -> bool:
@@ -222,6 +239,10 @@ class _Run:
         preflight(lm.model, self.plan, self.spec)
         self.outcome: PtqOutcome | None = None
         self.not_exportable = _export_limits(job, lm.model, self.plan)
+        if job.kv_scheme is not None:
+            from lowbit.nn.kv_quant import check_kv
+
+            check_kv(lm.model, job.kv_scheme)
         self._check_whole_model_fits()
         with self.phases("data"):
             self.ev = job.evaluation.tokens(lm.tokenizer) if job.evaluation is not None else None
@@ -280,12 +301,24 @@ class _Run:
         elif self.ev is not None:
             result["ppl_fp_skipped"] = "lazy load (--offload-dir): run `lowbit eval MODEL` for the float perplexity"
         t0 = time.perf_counter()
+        if job.kv_scheme is not None and job.kv_scheme.rotate:  # a float pre-step: exact, before any weight rounds
+            from lowbit.nn.kv_quant import fold_value_rotation
+
+            fold_value_rotation(model)
+        if job.kv_scheme is not None and get(job.method).blockwise:  # tuned blocks run with the quantized cache
+            from lowbit.nn.kv_quant import calibrate_kv
+
+            with self.phases("kv"), on_device(model, self.device):
+                calibrate_kv(model, self.calib, job.kv_scheme, values_folded=job.kv_scheme.rotate)
         # digest: the float weights the method quantizes (rotated / scaled), what a fine-tune's error init must match
         self.outcome = conduct(model, self.plan, self.spec, self._context(), self.phases, digest=True)
         self.plan = self.outcome.plan
         result.update(self.outcome.prepared)
         if self.outcome.fallbacks:
             result["range_fallbacks"] = dict(self.outcome.fallbacks)
+        if job.kv_scheme is not None:
+            with self.phases("kv"), on_device(model, self.device):
+                result["kv_cache"] = _kv_cache(model, job.kv_scheme, self.calib)
         result["quantize_seconds"] = round(time.perf_counter() - t0, 2)
         mix = source.mix_name(job.source)
         result["scheme"] = mix or self.plan.describe()
@@ -334,7 +367,7 @@ class _Run:
                 "method": self.job.method, "plan": mix or self.plan.describe(), **kmix.mix_meta(mix),
                 **({} if getattr(self, "output_importance", None) is None
                    else {"gguf_output_importance": self.output_importance}),
-                **{k: result[k] for k in ("ppl_fp", "ppl_q", "matmul_weights") if k in result},
+                **{k: result[k] for k in ("ppl_fp", "ppl_q", "matmul_weights", "kv_cache") if k in result},
                 **{k: s.to_dict() for k, s in (("rotation", self.job.rotate), ("awq", self.job.awq)) if s is not None}}
         try:
             save(self.lm.model, self.lm.tokenizer, out, meta=meta, force=True, extra_files=self._plan_files())
@@ -373,6 +406,27 @@ def _keep(model: nn.Module, plan: Plan, job: QuantizeJob) -> Plan:
     return Plan({n: r for n, r in plan.items() if n not in dropped}) if dropped else plan
 
 
+def _kv_cache(model: nn.Module, kv: KVScheme, calib: torch.Tensor | None) -> dict[str, Any]:
+    """The KV scheme installed on the quantized model, static scales calibrated on the calibration split."""
+    from lowbit.nn.kv_quant import cache_shape, calibrate_kv
+
+    calibrate_kv(model, calib, kv, values_folded=kv.rotate)
+    layers, heads, dim = cache_shape(model)
+    return {"scheme": kv.name, "bytes_per_token": kv.bytes_per_token(layers, heads, dim),
+            "bytes_per_token_16bit": 2 * layers * heads * dim * 2}
+
+
+def _kv_limits(job: QuantizeJob, found: dict[str, str]) -> None:
+    """The exports that cannot hold the job's KV scheme, added to ``found`` (target -> why)."""
+    from lowbit.files import targets as limits
+    from lowbit.files.kv_export import kv_refusal
+
+    for to in limits.REGISTRY:
+        why = None if job.kv_scheme is None else kv_refusal(to, job.kv_scheme)
+        if why is not None:
+            found.setdefault(to, why)
+
+
 def _export_limits(job: QuantizeJob, model: nn.Module, plan: Plan) -> dict[str, str]:
     """Export -> why it cannot hold the plan, known before tuning; refused when the job names that export.
 
@@ -403,6 +457,7 @@ def _export_limits(job: QuantizeJob, model: nn.Module, plan: Plan) -> dict[str, 
             notes = limits.vllm_notes(layer_specs)
             if notes:
                 found["vllm"] = notes[0]
+    _kv_limits(job, found)
     if job.export_to is not None:  # the one export the user named: refused if it cannot hold the plan
         if job.export_to in found:
             raise ConfigError(f"--export-to {job.export_to}: {found[job.export_to]}")

@@ -22,6 +22,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--embeddings", choices=EMBEDDINGS, default=None,
                    help="GGUF: token_embd and a float output tensor in llama.cpp's types for the checkpoint's mix "
                         "(llama.cpp, the default: Q8_0 / Q6_K ... as its own file has them) or kept 16-bit (f16)")
+    p.add_argument("--drop-kv", action="store_true",
+                   help="GGUF: write a checkpoint quantized with --kv without its KV-cache scheme (GGUF has none; "
+                        "llama.cpp picks its cache type at run time)")
     common.add_json(p)
     p.set_defaults(func=run)
 
@@ -30,4 +33,4 @@ def run(args: argparse.Namespace) -> dict:
     from lowbit import api
 
     return api.export(api.ExportJob(args.checkpoint, args.to, args.out, force=args.force,
-                                    allow_requant=args.allow_requant, embeddings=args.embeddings))
+                                    allow_requant=args.allow_requant, embeddings=args.embeddings, drop_kv=args.drop_kv))

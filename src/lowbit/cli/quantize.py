@@ -30,6 +30,12 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="the export the checkpoint is for: a plan it cannot hold (e.g. w4g128 on rows of 576 "
                         "columns for compressed-tensors) is refused before quantizing. Without it, each export "
                         "that cannot hold the plan is named in a warning")
+    p.add_argument("--kv", metavar="SCHEME", default=None,
+                   help="also quantize the KV cache (keys after RoPE, values): fp8 / int8 (static per-layer scales "
+                        "calibrated on the calibration split; fp8 is what vLLM's kv_cache_dtype=fp8 loads), "
+                        "fp8-head / int8-head (per KV head), fp8-token / int8-token (dynamic), int4 (groups of 32 "
+                        "along head_dim), nvfp4, mxfp4; add -rot to rotate keys and values by a Hadamard per head "
+                        "(QuaRot; for 4-bit KV). Options: int4:block=64")
     st = p.add_argument_group("streaming (data-free, for models bigger than memory)")
     st.add_argument("--stream", action="store_true",
                     help="quantize MODEL (an HF folder: float, FP8 or gpt-oss MXFP4 safetensors) tensor by tensor "
@@ -128,7 +134,8 @@ def build_job(args: argparse.Namespace):
                       calib=Calibration(args.data, **calib), evaluation=common.evaluation(args, args.data),
                       device=args.device, workdir=args.workdir, offload_dir=args.offload_dir,
                       cache_device=args.cache_device, rotate=_rotation(args), awq=args.awq, force=args.force,
-                      progress=not args.json, export_to=args.export_to, keep=common.keep(args))
+                      progress=not args.json, export_to=args.export_to, keep=common.keep(args),
+                      kv=args.kv)
     if calib and not job.needs_calib:
         raise ConfigError(f"{', '.join(common.flag(k) for k in calib)} set the calibration data, which "
                           f"--method {args.method} {'with --no-search ' if args.method == 'rtn' else ''}does not "

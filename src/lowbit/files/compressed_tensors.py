@@ -60,6 +60,7 @@ from lowbit.errors import SchemeError
 from lowbit.files import compressed_experts as moe
 from lowbit.files.compressed_read import load_decompressed, require_compressed_tensors
 from lowbit.files.fused import fused_groups
+from lowbit.files.kv_export import add_kv_cache
 from lowbit.files.native import WRITE_FIX
 from lowbit.files.specs import LayerSpec, from_model, refuse_rotations
 from lowbit.formats import InputScheme, QTensor, Scheme
@@ -351,6 +352,7 @@ def export(model: nn.Module, tokenizer: Any, out: str | Path, force: bool = Fals
     named |= {layout.projections(n.rpartition(".")[0]): t for n, t in expert_targets.items()
               if n.endswith(f".{moe.GATE_UP}")}  # one target per experts module: check_specs made both alike
     qconfig = build_config(named, ignore)
+    add_kv_cache(model, tensors, qconfig)  # kv_cache_scheme + k_scale / v_scale (lowbit.files.kv_export)
     config = model.config
     with atomic_dir(Path(out), force=force, kind="compressed-tensors export") as tmp:
         save_file(tensors, str(tmp / WEIGHTS), metadata={"format": "pt"})

@@ -109,6 +109,9 @@ def prepare(model: nn.Module, folder: Path) -> list[str]:
         raise CheckpointError(f"{folder} holds quantized mixture-of-experts experts ({experts[0]}, ...), which "
                               "transformers' loader of lowbit checkpoints does not read yet; load it with lowbit "
                               "(`lowbit eval`, lowbit.files.native.load)")
+    if manifest.get("kv_cache") is not None:  # its k_scale / v_scale would be dropped and the cache left float
+        raise CheckpointError(f"{folder} quantizes the KV cache, which transformers' loader of lowbit checkpoints "
+                              "does not apply; load it with lowbit (`lowbit eval`, lowbit.files.native.load)")
     for name, spec in manifest["layers"].items():
         try:
             layer = model.get_submodule(name)

@@ -354,8 +354,23 @@ def inspect(path: str | Path, account: Accountant | None = None) -> dict[str, An
     return {"format": fmt, "path": str(p), "quantized_layers": len(layers), "schemes": schemes, "inputs": inputs,
             "bits_per_weight": round(bits, 4), "bits_counted": COUNTED,
             **({} if nominal is None else {"bits_per_weight_nominal": round(nominal, 4), "nominal_counts": NOMINAL}),
-            "linears_16bit_weights": dense,
+            "linears_16bit_weights": dense, **_kv_cache(p, fmt),
             **({} if account is None else {"matmul_weights": account(stored_matmul_weights(p, fmt, layers))}),
             "params": params, "file_bytes": size, "fp16_bytes": 2 * params,
             "size_vs_fp16": round(size / max(2 * params, 1), 4),
             "layers": [asdict(i) | {"bits_per_weight": round(i.bits_per_weight, 4)} for i in layers]}
+
+
+def _kv_cache(p: Path, fmt: str) -> dict[str, Any]:
+    """The KV cache's scheme, where the file holds one (native ``kv_cache``, compressed-tensors ``kv_cache_scheme``)."""
+    if fmt == NATIVE:
+        from lowbit.files.native import read_manifest
+        from lowbit.formats.kv import KVScheme
+
+        entry = read_manifest(p).get("kv_cache")
+        return {} if entry is None else {"kv_cache": KVScheme.from_dict(dict(entry["scheme"])).name}
+    if fmt == CT:
+        kv = _quantization_config(p / "config.json").get("kv_cache_scheme")
+        return {} if not kv else {"kv_cache": ("fp8-head" if kv.get("strategy") == "attn_head" else "fp8")
+                                                + " (kv_cache_scheme)"}
+    return {}

@@ -44,7 +44,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from lowbit.errors import CheckpointError, ConfigError, SchemeError
+from lowbit.errors import CheckpointError, ConfigError, LowbitError, SchemeError
 from lowbit.files.sealed import Seal, digests
 from lowbit.formats import InputScheme, QTensor, Scheme
 from lowbit.formats.finite import require_finite
@@ -52,6 +52,7 @@ from lowbit.io import atomic_dir
 from lowbit.nn import QuantLinear, quant_layers, set_module
 from lowbit.nn.input_quant import InputQuantizer
 from lowbit.nn.input_rotation import InputRotation
+from lowbit.nn.kv_quant import install_kv, kv_spec
 from lowbit.nn.quant_experts import QuantExperts, QuantStack, quant_stacks
 
 FORMAT = "lowbit"
@@ -93,6 +94,9 @@ def save(model: nn.Module, tokenizer: Any, out: str | Path, meta: dict | None = 
         "layers": {n: layer_spec(m) for n, m in qlayers.items()} | {n: stack_spec(m) for n, m in stacks.items()},
         "aliases": aliases, "meta": meta or {},
     }
+    kv = kv_spec(model)
+    if kv is not None:  # the KV cache's scheme; its k_scale / v_scale buffers are in the state dict
+        manifest["kv_cache"] = kv
     with atomic_dir(out, force=force, kind="lowbit checkpoint") as tmp:
         save_file(tensors, str(tmp / WEIGHTS), metadata={"format": "pt"})
         config = getattr(model, "config", None)
@@ -311,6 +315,7 @@ def load(path: str | Path, device: str | torch.device = "cpu") -> tuple[nn.Modul
             set_module(model, name, _quant_layer(name, spec, tensors))
     for module, stacks in experts.items():
         set_module(model, module, _quant_experts(model, module, stacks))
+    _install_kv(model, manifest.get("kv_cache"), path)
     _load_rest(model, tensors, manifest)
     model.eval().to(device)
     return model, _load_tokenizer(path)
@@ -377,6 +382,25 @@ def _quant_experts(model: nn.Module, module: str, stacks: dict[str, QuantStack])
     except (AttributeError, SchemeError) as e:
         raise CheckpointError(f"experts {module}: {e}; the checkpoint does not fit its config.json (edited or "
                               "damaged) — re-create it") from None
+
+
+def _install_kv(model: nn.Module, spec: object, path: Path) -> None:
+    """The KV cache's quantization from the manifest (its scales come with the other tensors)."""
+    if spec is None:
+        return
+    from lowbit.formats.kv import KVScheme
+
+    try:
+        if not isinstance(spec, dict) or not isinstance(spec.get("scheme"), dict):
+            raise SchemeError("the entry needs a 'scheme'")
+        scheme = KVScheme.from_dict(dict(spec["scheme"]))
+        attns = install_kv(model, scheme, values_folded=spec.get("values_folded") is True)
+    except (LowbitError, TypeError, ValueError) as e:
+        raise CheckpointError(f"{path / MANIFEST}: its kv_cache entry cannot be applied ({e}); the manifest was "
+                              "edited or damaged — re-create the checkpoint") from None
+    if sorted(attns) != spec.get("layers"):
+        raise CheckpointError(f"{path / MANIFEST}: its kv_cache entry names other attention layers than the model "
+                              "has; the manifest was edited or damaged — re-create the checkpoint")
 
 
 def _load_rest(model: nn.Module, tensors: dict[str, torch.Tensor], manifest: dict) -> None:

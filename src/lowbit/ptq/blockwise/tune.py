@@ -31,6 +31,7 @@ from lowbit.models.activations import activation_stats
 from lowbit.models.attention import tuning_attention
 from lowbit.models.fused import shared_amax
 from lowbit.nn.input_quant import InputQuantizer
+from lowbit.nn.kv_quant import kv_paused
 from lowbit.nn.quant_experts import QuantStack
 from lowbit.plans.plan import Plan
 from lowbit.ptq.blockwise.access import (
@@ -163,8 +164,8 @@ class TunePass:
         x_in = x_q if x_q is not None else x_fp
         # the targets overwrite X_fp in place, unless the tuner reads X_fp itself
         y = x_fp if x_q is not None else new_cache(x_fp.shape, x_fp.dtype, x_fp.device, w.device)  # type: ignore[union-attr]
-        with torch.no_grad(), activation_stats(hooked, kinds) as h, tuning_attention(w.model):
-            if y is not None:
+        with torch.no_grad(), activation_stats(hooked, kinds) as h, tuning_attention(w.model), kv_paused(w.model):
+            if y is not None:  # FP targets: float keys / values too (the tuned chain runs with the quantized KV cache)
                 map_block(block, x_fp, y, w.kwargs, self.options.chunk, w.device, w.dtype, w.shard)  # type: ignore[arg-type]
         self.x_fp, self.y = None, y
         amax = shared_amax({n: a.amax() for n, a in reduce_across(h.result("absmax"), w.shard, "max").items()

@@ -1,0 +1,162 @@
+"""KV-cache quantization: perplexity at long context and the cache's bytes per token (issue 36).
+
+For each weight setting (float, W4A4 NVFP4, W8A8 INT8, RTN) and each KV scheme (none, FP8,
+INT8, INT4, NVFP4, each 4-bit one with and without the Hadamard Q/K rotation), the
+perplexity over the first ``--windows`` windows of ``--seqlen`` tokens of the evaluation
+split, static KV scales calibrated on ``--nsamples`` x ``--calib-seqlen`` tokens of the
+calibration split. The default window is the longest the model supports that the text
+fills (SmolLM2: 8192 of its 51k evaluation tokens). Rows with a ``-rot`` KV scheme run on
+weights quantized after the value / output rotation is folded in (a float pre-step, as
+``lowbit quantize --kv ...-rot`` does); the others on the plain weights. Each row keeps the
+relative cost against the same weights with float KV, and the KV bytes per token
+(`lowbit.formats.kv.KVScheme.bytes_per_token`: elements plus run-time scales; 16-bit = 2
+bytes an element).
+
+    python -m benchmarks.kv                                            # benchmarks/results/kv.json
+    python -m benchmarks.kv --seqlen 2048 --windows 1 --weights float,w4a4-nvfp4  # a loaded CPU
+    python -m benchmarks.kv --model offgrid --seqlen 2048 --windows 1
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import sys
+import time
+from typing import Any
+
+from benchmarks import common
+
+WEIGHTS = ("float", "w4a4-nvfp4", "w8a8-int8")
+KV = ("none", "fp8", "fp8-head", "int8", "int4", "int4-rot", "nvfp4", "nvfp4-rot")
+RESULTS = "kv.json"
+
+
+def longest_window(model: Any, n_tokens: int) -> int:
+    """The longest power-of-two window the model's positions allow that the evaluation text fills once."""
+    limit = int(getattr(model.config, "max_position_embeddings", 2048) or 2048)
+    w = 1 << (min(limit, n_tokens).bit_length() - 1)
+    return max(w, 2)
+
+
+def weights_model(float_model: Any, weights: str, rotated: bool, calib: Any) -> Any:
+    """A copy of the float model, values rotated through o_proj if asked, then RTN-quantized to ``weights``
+    (static input scales calibrated on the same calibration tokens)."""
+    from lowbit.api import build_plan
+    from lowbit.nn.kv_quant import fold_value_rotation
+    from lowbit.ptq import quantize_model
+
+    model = copy.deepcopy(float_model)
+    if rotated:
+        fold_value_rotation(model)
+    if weights != "float":
+        quantize_model(model, build_plan(model, weights, None), "rtn", calib=calib, progress=False)
+    return model
+
+
+def measure(model: Any, kv: str, tokens: Any, calib: Any, seqlen: int, windows: int) -> dict[str, Any]:
+    from lowbit.eval import perplexity
+    from lowbit.formats.kv import KVScheme
+    from lowbit.nn.kv_quant import cache_shape, calibrate_kv, remove_kv
+
+    row: dict[str, Any] = {"kv": kv}
+    layers, heads, dim = cache_shape(model)
+    row["kv_bytes_per_token_16bit"] = 2 * layers * heads * dim * 2
+    if kv != "none":
+        scheme = KVScheme.parse(kv)
+        t0 = time.perf_counter()
+        calibrate_kv(model, calib, scheme, values_folded=scheme.rotate)
+        row["calibrate_s"] = round(time.perf_counter() - t0, 1)
+        row["kv_bytes_per_token"] = scheme.bytes_per_token(layers, heads, dim)
+    else:
+        row["kv_bytes_per_token"] = row["kv_bytes_per_token_16bit"]
+    r = perplexity(model, tokens, seqlen=seqlen, windows=windows, progress=False)
+    remove_kv(model)
+    row |= {"ppl": r.ppl, "eval_tokens": r.tokens, "eval_s": r.seconds}
+    return row
+
+
+def run(args: argparse.Namespace) -> list[dict[str, Any]]:
+    from lowbit.data import eval_tokens
+
+    lm = common.bundled_model(args.threads, model=args.model)
+    tokens = eval_tokens(lm.tokenizer)
+    seqlen = args.seqlen or longest_window(lm.model, tokens.numel())
+    calib = common.calibration(lm.tokenizer, args.nsamples, args.calib_seqlen)
+    rows = []
+    for weights in args.weights.split(","):
+        base: dict[bool, float] = {}
+        for rotated in (False, True):
+            kvs = [k for k in args.kv.split(",") if k.endswith("-rot") == rotated]
+            if not kvs:
+                continue
+            if rotated and args.rotated_baseline:
+                kvs = ["none", *kvs]
+            model = weights_model(lm.model, weights, rotated, calib)
+            for kv in kvs:
+                row = measure(model, kv, tokens, calib, seqlen, args.windows)
+                row |= {"weights": weights, "values_rotated": rotated, "seqlen": seqlen, "windows": args.windows,
+                        "calib": f"{args.nsamples}x{args.calib_seqlen}", **common.model_fields(args.model),
+                        "machine": common.machine()}
+                if kv == "none":
+                    base[rotated] = row["ppl"]
+                ref = base.get(rotated, base.get(False))
+                if ref is not None:
+                    row["ppl_vs_float_kv"] = row["ppl"] / ref - 1
+                rows.append(row)
+                common.merge_row(args.out, row, ("model", "weights", "kv", "values_rotated", "seqlen", "windows"))
+                print(f"{weights:12s} {kv:10s} rot={int(rotated)} ppl {row['ppl']:.4f} "
+                      f"({100 * row.get('ppl_vs_float_kv', 0):+.2f} %) {row['kv_bytes_per_token']:.0f} B/token "
+                      f"[{row['eval_s']:.0f} s]", flush=True)
+            del model
+    return rows
+
+
+def with_costs(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Rows with ``ppl_vs_float_kv`` against the float-KV row of the same model, weights and window
+    (rows from separate runs of the script have no baseline of their own)."""
+    base = {(r["model"], r["weights"], r["seqlen"], r["windows"]): r["ppl"] for r in rows
+            if r["kv"] == "none" and not r["values_rotated"]}
+    out = []
+    for r in rows:
+        ref = base.get((r["model"], r["weights"], r["seqlen"], r["windows"]))
+        out.append(r | ({"ppl_vs_float_kv": r["ppl"] / ref - 1} if ref is not None else {}))
+    return out
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+    rows = with_costs(rows)
+    return common.markdown_table(
+        ["model", "weights", "KV", "seqlen x windows", "ppl", "vs float KV", "KV bytes/token"],
+        [[r["model"], r["weights"], r["kv"], f"{r['seqlen']} x {r['windows']}", f"{r['ppl']:.3f}",
+          f"{100 * r['ppl_vs_float_kv']:+.2f} %" if "ppl_vs_float_kv" in r else "", f"{r['kv_bytes_per_token']:.0f}"]
+         for r in rows])
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.kv", description=__doc__.split("\n")[0])
+    p.add_argument("--model", default="bundled", choices=common.MODELS, help=common.MODEL_HELP)
+    p.add_argument("--weights", default=",".join(WEIGHTS), help=f"comma-separated weight recipes ({','.join(WEIGHTS)})")
+    p.add_argument("--kv", default=",".join(KV), help=f"comma-separated KV schemes ({','.join(KV)})")
+    p.add_argument("--rotated-baseline", action="store_true",
+                   help="also measure float KV on the value-rotated weights (the -rot rows' own baseline)")
+    p.add_argument("--seqlen", type=int, default=None, help="evaluation window (default: the longest the text fills)")
+    p.add_argument("--windows", type=int, default=2)
+    p.add_argument("--nsamples", type=int, default=16)
+    p.add_argument("--calib-seqlen", type=int, default=512)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--out", default=RESULTS)
+    p.add_argument("--table", action="store_true", help="print the table of the --out file's rows and exit")
+    args = p.parse_args(argv)
+    if args.table:
+        rows = common.load_results(args.out)["rows"]
+        print(table(sorted(rows, key=lambda r: (r["model"], WEIGHTS.index(r["weights"]) if r["weights"] in WEIGHTS
+                                                else 9, r["values_rotated"], r["kv"] != "none", r["kv"]))))
+        return 0
+    rows = run(args)
+    print(table(rows))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,192 @@
+"""`KVScheme`: how the attention's keys and values are quantized as the KV cache stores them.
+
+Keys and values are quantized after the rotary embedding, as the cache holds them
+(``[batch, kv_heads, tokens, head_dim]``). Each key (value) vector of one token and one
+head is a row of ``head_dim`` numbers, so every format of an `InputScheme` applies to it
+along ``head_dim``; what the KV cache adds is where static scales live:
+
+* ``fp8`` / ``int8``: one static scale per layer for the keys and one for the values,
+  calibrated on the calibration split (vLLM's ``kv_cache_dtype=fp8`` with ``k_scale`` /
+  ``v_scale``; llm-compressor's ``kv_cache_scheme`` strategy ``tensor``);
+* ``fp8-head`` / ``int8-head``: one static scale per KV head (strategy ``attn_head``);
+* ``fp8-token`` / ``int8-token``: a run-time scale per token and head (dynamic);
+* ``int4``: INT4 in groups of 32 along ``head_dim`` with run-time fp32 scales;
+* ``nvfp4``: blocks of 16 along ``head_dim``, E4M3 block scales over a static FP32 tensor
+  scale calibrated per layer; ``mxfp4``: blocks of 32, E8M0 scales.
+
+Options after ``:`` go to the element format (``int4:block=64``, ``nvfp4:rule=4over6``),
+and a ``-rot`` suffix rotates keys and values per head with a Hadamard before they are
+quantized (QuaRot's Q/K rotation; see `lowbit.nn.kv_quant`): ``int4-rot``, ``nvfp4-rot``.
+
+Static scales are stored as ``amax / qmax`` (for E4M3 ``amax / 448``: vLLM's meaning of
+``k_scale``, ``fp8 value = x / k_scale``), one float per layer or per KV head.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from lowbit.errors import ConfigError, SchemeError, did_you_mean
+from lowbit.formats.args import _fmt
+from lowbit.formats.inputs import InputScheme, qdq_input
+
+ROTATE_SUFFIX = "-rot"
+
+
+@dataclass(frozen=True)
+class KVScheme:
+    """elements: the format of each key / value row along head_dim.
+    per_head: static scales per KV head instead of per layer (static formats only).
+    rotate: keys and values rotated per head by a normalized Hadamard before quantization."""
+
+    elements: InputScheme
+    per_head: bool = False
+    rotate: bool = False
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.elements, InputScheme):
+            raise SchemeError(f"a KV scheme's elements must be an InputScheme, got {type(self.elements).__name__}")
+        if self.per_head and not self.elements.static:
+            raise SchemeError(f"per-head KV scales are static scales; {self.elements.name} computes its scales at "
+                              "run time (use fp8-head or int8-head)")
+
+    @property
+    def static(self) -> bool:
+        """One calibrated scale per layer (or head): what vLLM's ``k_scale`` / ``v_scale`` hold."""
+        return self.elements.static
+
+    @property
+    def needs_calibration(self) -> bool:
+        return self.elements.needs_calibration
+
+    @property
+    def bits(self) -> int:
+        return self.elements.bits
+
+    @property
+    def name(self) -> str:
+        base = _base_name(self)
+        return base + (ROTATE_SUFFIX if self.rotate else "")
+
+    def bytes_per_token(self, layers: int, kv_heads: int, head_dim: int) -> float:
+        """Bytes the cache holds per token: elements plus the run-time scales stored with them (keys and values)."""
+        e = self.elements
+        per_row = head_dim * e.bits / 8
+        if not e.static:
+            group = head_dim if e.group_size == -1 else e.group_size
+            per_row += (head_dim // group) * _scale_bytes(e.scale)
+        return 2 * layers * kv_heads * per_row
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"elements": self.elements.to_dict(), "per_head": self.per_head, "rotate": self.rotate}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> KVScheme:
+        unknown = set(d) - {"elements", "per_head", "rotate"}
+        if unknown or "elements" not in d:
+            raise SchemeError(f"a KV scheme holds 'elements', 'per_head', 'rotate'; got {sorted(d)}")
+        per_head, rotate = d.get("per_head", False), d.get("rotate", False)
+        if type(per_head) is not bool or type(rotate) is not bool:
+            raise SchemeError("a KV scheme's per_head and rotate must be true or false")
+        return cls(InputScheme.from_dict(dict(d["elements"])), per_head, rotate)
+
+    @classmethod
+    def parse(cls, text: str | KVScheme) -> KVScheme:
+        """A KV name (``fp8``, ``int8-head``, ``int4:block=64``, ``nvfp4-rot``), case-insensitive."""
+        if isinstance(text, KVScheme):
+            return text
+        base, sep, opts = text.strip().lower().partition(":")
+        rotate = base.endswith(ROTATE_SUFFIX)
+        if rotate:
+            base = base[: -len(ROTATE_SUFFIX)]
+        if base not in PRESETS:
+            raise SchemeError(f"unknown KV cache scheme {base!r}{did_you_mean(base, PRESETS)}; valid: "
+                              f"{', '.join(PRESETS)} (add -rot for the Hadamard rotation, :key=value for options "
+                              "of the element format, e.g. int4:block=64)")
+        preset = PRESETS[base]
+        elements = preset.elements.with_options(opts) if sep else preset.elements
+        return cls(elements, preset.per_head, rotate)
+
+    def __str__(self) -> str:
+        return self.name
+
+
+def _scale_bytes(scale: str) -> float:
+    return {"fp32": 4, "fp16": 2, "bf16": 2}.get(scale, 1)
+
+
+def _base_name(s: KVScheme) -> str:
+    """The preset differing in fewest element fields, plus those fields as options (``int4:block=64``)."""
+    best, best_diff = "", None
+    for key, preset in PRESETS.items():
+        if preset.per_head != s.per_head:
+            continue
+        e = preset.elements
+        diff = [f for f in e.FIELD_TO_KEY if getattr(e, f) != getattr(s.elements, f)]
+        if best_diff is None or len(diff) < len(best_diff):
+            best, best_diff = key, diff
+    opts = ",".join(f"{s.elements.FIELD_TO_KEY[f]}={_fmt(getattr(s.elements, f))}" for f in best_diff or [])
+    return f"{best}:{opts}" if opts else best
+
+
+def _kv(elements: str, per_head: bool = False) -> KVScheme:
+    return KVScheme(InputScheme.parse(elements), per_head)
+
+
+PRESETS: dict[str, KVScheme] = {
+    "fp8": _kv("fp8-static"),
+    "fp8-head": _kv("fp8-static", per_head=True),
+    "fp8-token": _kv("fp8"),
+    "int8": _kv("int8-static"),
+    "int8-head": _kv("int8-static", per_head=True),
+    "int8-token": _kv("int8"),
+    "int4": _kv("int8:bits=4,block=32"),
+    "nvfp4": _kv("nvfp4"),
+    "mxfp4": _kv("mxfp4"),
+}
+
+
+def parse_kv(text: str | KVScheme | None) -> KVScheme | None:
+    """``--kv``: None stays None (keys and values in the compute dtype)."""
+    return None if text is None else KVScheme.parse(text)
+
+
+# --------------------------------------------------------------- quantization
+def kv_scale(amax: torch.Tensor, s: KVScheme) -> torch.Tensor:
+    """The stored scale of a calibrated abs-max: ``amax / qmax`` (1 where nothing was seen), float32."""
+    a = amax.detach().float()
+    return torch.where(a > 0, a / s.elements.qmax, torch.ones_like(a))
+
+
+def qdq_kv(x: torch.Tensor, s: KVScheme, scale: torch.Tensor | None = None) -> torch.Tensor:
+    """Quantize then dequantize keys or values ``x [batch, kv_heads, tokens, head_dim]`` (``x``'s dtype out).
+
+    scale: the stored static scale (`kv_scale`): ``[]`` / ``[1]`` per layer, ``[kv_heads]``
+    per head; for NVFP4 the tensor scale's abs-max is ``scale * 6``. Computed in float32.
+    """
+    if s.needs_calibration and scale is None:
+        raise ConfigError(f"KV scheme {s.name} has static scales: calibrate them on calibration data first "
+                          "(lowbit quantize --kv does so from the calibration split)")
+    if not s.static:
+        amax = None if scale is None else scale.float().reshape(()) * s.elements.qmax
+        return qdq_input(x, s.elements, amax)
+    xf = x.detach().float()
+    sc = scale.detach().float().to(x.device)
+    if s.per_head:
+        if sc.numel() != x.shape[1]:
+            raise ConfigError(f"per-head KV scales hold {sc.numel()} heads but the keys / values have "
+                              f"{x.shape[1]}; calibrate the scales for this model")
+        sc = sc.reshape(1, -1, 1, 1)
+    else:
+        sc = sc.reshape(())
+    q = s.elements.family.round_input(xf / sc, s.elements) * sc
+    return q.to(x.dtype)
+
+
+def observe_amax(x: torch.Tensor, s: KVScheme) -> torch.Tensor:
+    """What calibration keeps of ``x [b, h, t, d]``: the abs-max per KV head (per-head scales) or overall."""
+    a = x.detach().abs().float()
+    return a.amax(dim=(0, 2, 3)) if s.per_head else a.amax().reshape(1)

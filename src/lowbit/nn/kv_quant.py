@@ -1,0 +1,353 @@
+"""KV-cache quantization inside the model's own forward, for every attention transformers builds.
+
+Every transformers attention (Llama, Mistral / Qwen2 with sliding windows, Qwen3, Gemma-3,
+Phi-3, the MoE models' attention) hands its post-RoPE keys and values to
+``cache.update(key, value, layer_idx, ...)`` and attends over what it returns. A forward
+pre-hook on each attention module puts `QuantizedCache` in that argument: its ``update``
+fake-quantizes the new keys and values (`lowbit.formats.kv.qdq_kv`) and then passes them to
+the real cache (``use_cache=True``: generation stores the quantized values) or returns them
+(``use_cache=False``, as perplexity runs: the hook installs the wrapper even when the model
+passes no cache). So the attention never needs re-implementing, and what it attends over is
+exactly what a quantized cache would hold. compressed-tensors hooks the cache the same way.
+
+Static scales live on the attention module as ``k_scale`` / ``v_scale`` buffers (float32,
+``[1]`` or ``[kv_heads]``), the names vLLM's checkpoint loader reads; they travel in the
+model's state dict and so in lowbit's native checkpoint.
+
+The rotation (``-rot`` schemes, QuaRot's): keys are rotated per head by a normalized
+Hadamard H after RoPE, quantized, and rotated back, ``k_hat = Q(k H) H^T``. Scores are
+``q k_hat^T = (q H) Q(k H)^T``: the same as rotating queries and keys online and storing the
+rotated keys, the form a kernel runs, with nothing to change in the attention. Values are
+rotated offline instead (`fold_value_rotation`: H folded into ``v_proj``'s rows and
+``o_proj``'s columns of each head, exact in float), so the cache holds ``v H`` directly; on a
+model whose values were not folded they are rotated online the same way as keys.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import math
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from lowbit.errors import ConfigError, ModelError
+from lowbit.formats.kv import KVScheme, kv_scale, observe_amax, qdq_kv
+from lowbit.transforms.hadamard import factor, hadamard
+
+STATE = "_lowbit_kv"
+SCALES = ("k_scale", "v_scale")
+
+
+@dataclass
+class KVState:
+    """The quantizer one attention module carries (runtime state, not a config)."""
+
+    scheme: KVScheme
+    kv_heads: int
+    head_dim: int
+    handle: Any = None
+    cache_arg: str = "cache"
+    values_folded: bool = False
+    observed: dict[str, torch.Tensor] | None = None  # calibration: running abs-max of keys / values
+    paused: bool = False  # float keys / values (block tuning's FP targets)
+    calls: int = 0
+    rotation: torch.Tensor | None = field(default=None, repr=False)
+
+
+class QuantizedCache:
+    """What an instrumented attention sees as its cache: ``update`` quantizes, then defers to the real one."""
+
+    def __init__(self, attn: nn.Module, inner: Any) -> None:
+        self._attn, self._inner = attn, inner
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any,
+               **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        k, v = quantize_kv(self._attn, key_states, value_states)
+        if self._inner is None:
+            return k, v
+        return self._inner.update(k, v, layer_idx, *args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        inner = self.__dict__.get("_inner")
+        if inner is None:
+            raise AttributeError(name)
+        return getattr(inner, name)
+
+
+# ------------------------------------------------------------------ finding the attention
+def _cache_arg(module: nn.Module) -> str | None:
+    try:
+        params = inspect.signature(type(module).forward).parameters
+    except (TypeError, ValueError):
+        return None
+    return next((p for p in ("cache", "past_key_values", "past_key_value") if p in params), None)
+
+
+def attention_modules(model: nn.Module) -> dict[str, nn.Module]:
+    """name -> every attention module that stores keys / values in a cache (has ``layer_idx`` and ``head_dim``)."""
+    return {n: m for n, m in model.named_modules()
+            if type(m).__name__.endswith("Attention") and hasattr(m, "layer_idx") and hasattr(m, "head_dim")
+            and _cache_arg(m) is not None}
+
+
+def _kv_heads(attn: nn.Module) -> int:
+    cfg = getattr(attn, "config", None)
+    n = getattr(attn, "num_key_value_heads", None) or getattr(cfg, "num_key_value_heads", None)
+    k_proj = getattr(attn, "k_proj", None)
+    if n is None and k_proj is not None:
+        n = k_proj.out_features // attn.head_dim
+    if not n:
+        raise ModelError(f"cannot tell how many key/value heads {type(attn).__name__} has; KV quantization needs it")
+    return int(n)
+
+
+def require_attention(model: nn.Module) -> dict[str, nn.Module]:
+    """The attention modules to instrument; a model lowbit cannot instrument is refused by its architecture."""
+    found = attention_modules(model)
+    if not found:
+        arch = type(model).__name__
+        raise ModelError(f"{arch}: lowbit finds no attention module that hands its keys and values to a cache "
+                         "(a transformers *Attention with layer_idx, head_dim and a cache argument), so it cannot "
+                         "quantize its KV cache; drop --kv for this model")
+    return found
+
+
+# ------------------------------------------------------------------ installing
+def rotation_matrix(head_dim: int) -> torch.Tensor:
+    """The orthonormal Hadamard of order ``head_dim`` (float32), refused where none is constructed."""
+    if factor(head_dim) is None:
+        raise ConfigError(f"no Hadamard of order {head_dim} (the head size) is known to lowbit; use a KV scheme "
+                          "without -rot for this model")
+    return hadamard(head_dim) / math.sqrt(head_dim)
+
+
+def check_kv(model: nn.Module, scheme: KVScheme) -> None:
+    """Everything about ``scheme`` on ``model`` that can be refused before any work: the attention is
+    found, each head_dim takes the element blocks, the rotation exists and can fold into v_proj / o_proj."""
+    attns = require_attention(model)
+    for name, attn in attns.items():
+        scheme.elements.check_width(int(attn.head_dim), f"{name} (the keys' head_dim)")
+        if scheme.rotate:
+            rotation_matrix(int(attn.head_dim))
+            _value_pair(name, attn)
+
+
+def cache_shape(model: nn.Module) -> tuple[int, int, int]:
+    """(attention layers, KV heads, head_dim) of the cache (the first layer's heads and size)."""
+    attns = list(require_attention(model).values())
+    return len(attns), _kv_heads(attns[0]), int(attns[0].head_dim)
+
+
+def install_kv(model: nn.Module, scheme: KVScheme, values_folded: bool = False) -> dict[str, nn.Module]:
+    """Instrument every attention of ``model`` with ``scheme`` (replacing an earlier KV scheme).
+
+    Static schemes get ``k_scale`` / ``v_scale`` buffers of ones (to be calibrated, or filled by
+    a checkpoint's load); returns the instrumented attention modules by name.
+    """
+    attns = require_attention(model)
+    for name, attn in attns.items():
+        scheme.elements.check_width(int(attn.head_dim), f"{name} (the keys' head_dim)")
+    remove_kv(model)
+    for attn in attns.values():
+        state = KVState(scheme, _kv_heads(attn), int(attn.head_dim), cache_arg=_cache_arg(attn) or "cache",
+                        values_folded=values_folded)
+        if scheme.rotate:
+            state.rotation = rotation_matrix(state.head_dim)
+        if scheme.needs_calibration:
+            n = state.kv_heads if scheme.per_head else 1
+            device = next(attn.parameters(), torch.empty(0)).device
+            for name in SCALES:
+                attn.register_buffer(name, torch.ones(n, dtype=torch.float32, device=device))
+        state.handle = attn.register_forward_pre_hook(_swap_cache, with_kwargs=True)
+        setattr(attn, STATE, state)
+    return attns
+
+
+@contextlib.contextmanager
+def kv_paused(model: nn.Module) -> Iterator[None]:
+    """Float keys and values inside the body (the FP targets block tuning matches), quantized again after."""
+    states = [getattr(a, STATE) for a in attention_modules(model).values() if hasattr(a, STATE)]
+    for st in states:
+        st.paused = True
+    try:
+        yield
+    finally:
+        for st in states:
+            st.paused = False
+
+
+def remove_kv(model: nn.Module) -> None:
+    """Undo `install_kv`: hooks and scale buffers gone, the attention back to float keys and values."""
+    for attn in attention_modules(model).values():
+        state = getattr(attn, STATE, None)
+        if state is None:
+            continue
+        state.handle.remove()
+        delattr(attn, STATE)
+        for name in SCALES:
+            if name in attn._buffers:
+                del attn._buffers[name]
+
+
+def kv_scheme_of(model: nn.Module) -> KVScheme | None:
+    """The KV scheme installed on ``model`` (None: keys and values stay in the compute dtype)."""
+    for attn in attention_modules(model).values():
+        state = getattr(attn, STATE, None)
+        if state is not None:
+            return state.scheme
+    return None
+
+
+def values_folded(model: nn.Module) -> bool:
+    return any(getattr(getattr(a, STATE, None), "values_folded", False) for a in attention_modules(model).values())
+
+
+def _swap_cache(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    state: KVState = getattr(module, STATE)
+    inner = None
+    for name in ("cache", "past_key_values", "past_key_value"):
+        if name in kwargs:
+            inner = kwargs.pop(name)
+    if isinstance(inner, QuantizedCache):
+        inner = inner._inner
+    kwargs[state.cache_arg] = QuantizedCache(module, inner)
+    return args, kwargs
+
+
+# ------------------------------------------------------------------ the quantization
+def _rotate(x: torch.Tensor, h: torch.Tensor, back: bool = False) -> torch.Tensor:
+    h = h.to(x.device)
+    return x.float() @ (h.T if back else h)
+
+
+def quantize_kv(attn: nn.Module, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The keys and values ``attn``'s cache holds for these new ones (observed only, while calibrating)."""
+    state: KVState = getattr(attn, STATE)
+    state.calls += 1
+    if state.paused:
+        return key, value
+    h = state.rotation
+    rot_v = h is not None and not state.values_folded
+    k = key if h is None else _rotate(key, h)
+    v = value if not rot_v else _rotate(value, h)
+    if state.observed is not None:
+        for name, x in (("k", k), ("v", v)):
+            a = observe_amax(x, state.scheme)
+            prev = state.observed.get(name)
+            state.observed[name] = a if prev is None else torch.maximum(prev, a.to(prev.device))
+        return key, value
+    kq = qdq_kv(k, state.scheme, getattr(attn, "k_scale", None))
+    vq = qdq_kv(v, state.scheme, getattr(attn, "v_scale", None))
+    if h is not None:
+        kq = _rotate(kq, h, back=True).to(key.dtype)
+    if rot_v:
+        vq = _rotate(vq, h, back=True).to(value.dtype)
+    return _ste(key, kq), _ste(value, vq)
+
+
+def _ste(x: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """Straight-through: the quantized values forward, the identity gradient backward (for tuning)."""
+    return q if not x.requires_grad else x + (q - x).detach()
+
+
+# ------------------------------------------------------------------ calibration
+@torch.no_grad()  # not inference_mode: the scales and rotation are used under autograd later (tuning)
+def calibrate_kv(model: nn.Module, batches: Iterable[torch.Tensor] | None, scheme: KVScheme,
+                 values_folded: bool = False) -> dict[str, nn.Module]:
+    """Install ``scheme`` and, for static scales, set them from the abs-max of keys / values over ``batches``.
+
+    Every attention must see its cache's update during the pass (refused by class otherwise),
+    so a scheme never stands on an attention it does not reach. ``batches`` None (a dynamic
+    scheme, nothing to calibrate): a short probe of token 0 checks that.
+    """
+    if batches is None:
+        if scheme.needs_calibration:
+            raise ConfigError(f"KV scheme {scheme.name} has static scales: pass calibration batches")
+        batches = [torch.zeros(1, 4, dtype=torch.long)]
+    attns = install_kv(model, scheme, values_folded)
+    device = next(model.parameters()).device
+    for attn in attns.values():
+        getattr(attn, STATE).observed = {} if scheme.needs_calibration else None
+    for batch in _batches(batches):
+        model(input_ids=batch.to(device), use_cache=False)
+    check_reached(attns)
+    for attn in attns.values():
+        state: KVState = getattr(attn, STATE)
+        if state.observed is not None:
+            for short, buf in (("k", "k_scale"), ("v", "v_scale")):
+                getattr(attn, buf).copy_(kv_scale(state.observed[short], scheme))
+            state.observed = None
+    return attns
+
+
+def _batches(batches: Iterable[torch.Tensor]) -> Iterator[torch.Tensor]:
+    if isinstance(batches, torch.Tensor):  # [samples, tokens]: a few samples per forward
+        batches = batches.reshape(-1, batches.shape[-1]).split(4)
+    for b in batches:
+        yield b if b.dim() == 2 else b.reshape(1, -1)
+
+
+def check_reached(attns: dict[str, nn.Module]) -> None:
+    """Refuse when some attention ran without handing its keys / values to the cache (it cannot be instrumented)."""
+    missed = [n for n, a in attns.items() if getattr(a, STATE).calls == 0]
+    if missed:
+        cls = type(attns[missed[0]]).__name__
+        raise ModelError(f"{cls} ({missed[0]}) did not hand its keys and values to the cache during the forward, so "
+                         f"lowbit cannot quantize its KV cache; drop --kv for this architecture")
+
+
+def set_scales(attn: nn.Module, k_scale: torch.Tensor, v_scale: torch.Tensor) -> None:
+    """Static scales from elsewhere (a checkpoint, a test); their head count must match the attention's."""
+    state: KVState = getattr(attn, STATE)
+    want = state.kv_heads if state.scheme.per_head else 1
+    for name, t in (("k_scale", k_scale), ("v_scale", v_scale)):
+        if t.numel() != want:
+            raise ConfigError(f"{name} of {type(attn).__name__} layer {attn.layer_idx} holds {t.numel()} values, the "
+                              f"{state.scheme.name} scheme of an attention with {state.kv_heads} KV heads needs "
+                              f"{want}; calibrate the scales for this model")
+        getattr(attn, name).copy_(t.detach().float().reshape(want))
+
+
+# ------------------------------------------------------------------ the offline V/O rotation
+def fold_value_rotation(model: nn.Module) -> None:
+    """Rotate each head's values by H: H^T into ``v_proj``'s rows (and bias), H into ``o_proj``'s columns.
+
+    Exact in float (H orthonormal): ``o_proj(attn(v H)) = o_proj(attn(v)) `` with ``W_o`` per
+    head times H. Needs float ``v_proj`` / ``o_proj`` Linears and no norm on the values; run it
+    before the weights are quantized.
+    """
+    for name, attn in require_attention(model).items():
+        v, o = _value_pair(name, attn)
+        d = int(attn.head_dim)
+        h = rotation_matrix(d).to(v.weight.device)
+        with torch.no_grad():
+            w = v.weight.data.float().reshape(-1, d, v.in_features)
+            v.weight.data.copy_(torch.einsum("ed,hdi->hei", h.T, w).reshape(v.weight.shape))
+            if v.bias is not None:
+                v.bias.data.copy_((v.bias.data.float().reshape(-1, d) @ h).reshape(-1))
+            wo = o.weight.data.float().reshape(o.out_features, -1, d)
+            o.weight.data.copy_((wo @ h).reshape(o.weight.shape))
+
+
+def _value_pair(name: str, attn: nn.Module) -> tuple[nn.Linear, nn.Linear]:
+    v, o = getattr(attn, "v_proj", None), getattr(attn, "o_proj", None)
+    if type(v) is not nn.Linear or type(o) is not nn.Linear or hasattr(attn, "v_norm"):
+        raise ModelError(f"{type(attn).__name__} ({name}): the value rotation folds into float v_proj / o_proj "
+                         "Linears with no norm on the values, which this attention lacks (or they are already "
+                         "quantized); use a KV scheme without -rot, or rotate before quantizing the weights")
+    return v, o
+
+
+# ------------------------------------------------------------------ the checkpoint entry
+def kv_spec(model: nn.Module) -> dict[str, Any] | None:
+    """The manifest entry of the installed KV scheme (None when there is none)."""
+    scheme = kv_scheme_of(model)
+    if scheme is None:
+        return None
+    return {"scheme": scheme.to_dict(), "values_folded": values_folded(model),
+            "layers": sorted(n for n, a in attention_modules(model).items() if hasattr(a, STATE))}

@@ -1,0 +1,448 @@
+"""KV-cache quantization: formats against independent references, every attention variant, the checkpoint,
+the exports, the rotation."""
+
+import json
+
+import pytest
+import torch
+from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
+
+from lowbit.errors import CheckpointError, ConfigError, LowbitError, ModelError, SchemeError
+from lowbit.formats.kv import KVScheme, kv_scale, qdq_kv
+from lowbit.nn import QuantLinear, set_module
+from lowbit.nn.kv_quant import (
+    STATE,
+    attention_modules,
+    calibrate_kv,
+    fold_value_rotation,
+    install_kv,
+    remove_kv,
+    set_scales,
+)
+
+IDS = torch.randint(0, 256, (2, 24), generator=torch.Generator().manual_seed(1))
+
+
+def tiny(seed: int = 0, **kw) -> LlamaForCausalLM:
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(hidden_size=128, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, vocab_size=256, **kw)  # GQA: 2 query heads per KV head, head_dim 32
+    return LlamaForCausalLM(cfg).eval()
+
+
+def keys(x: torch.Tensor) -> torch.Tensor:
+    """Keys-like [b, h, t, d] with an outlier channel (what post-RoPE keys look like)."""
+    x = x.clone()
+    x[..., 3] *= 20
+    return x
+
+
+def fp8(x: torch.Tensor) -> torch.Tensor:
+    return x.clamp(-448, 448).to(torch.float8_e4m3fn).float()
+
+
+# ------------------------------------------------------------------ formats vs references
+@pytest.mark.parametrize("name", ["fp8", "fp8-head"])
+def test_fp8_static_equals_torch_float8_cast(name):
+    s = KVScheme.parse(name)
+    x = keys(torch.randn(2, 3, 7, 32))
+    amax = x.abs().amax(dim=(0, 2, 3)) if s.per_head else x.abs().amax().reshape(1)
+    scale = kv_scale(amax * 0.7, s)  # some values beyond the calibrated range: they saturate at 448
+    sc = scale.reshape(1, -1, 1, 1) if s.per_head else scale
+    assert torch.equal(qdq_kv(x, s, scale), fp8(x / sc) * sc)
+
+
+def test_int8_static_and_dynamic_token_references():
+    x = keys(torch.randn(2, 3, 5, 32))
+    s = KVScheme.parse("int8-head")
+    scale = kv_scale(x.abs().amax(dim=(0, 2, 3)), s).reshape(1, -1, 1, 1)
+    assert torch.equal(qdq_kv(x, s, scale.reshape(-1)), (x / scale).round().clamp(-128, 127) * scale)
+    tok = (x.abs().amax(-1, keepdim=True) / 448)
+    assert torch.allclose(qdq_kv(x, KVScheme.parse("fp8-token")), fp8(x / tok) * tok, rtol=0, atol=1e-6)
+
+
+def test_int4_groups_along_head_dim_reference():
+    x = keys(torch.randn(2, 3, 5, 64))
+    g = x.reshape(2, 3, 5, 2, 32)
+    s = g.abs().amax(-1, keepdim=True) / 7
+    ref = ((g / s).round().clamp(-8, 7) * s).reshape(x.shape)
+    assert torch.allclose(qdq_kv(x, KVScheme.parse("int4")), ref, rtol=0, atol=1e-6)
+    ref64 = x / (x.abs().amax(-1, keepdim=True) / 7)
+    assert not torch.allclose(qdq_kv(x, KVScheme.parse("int4:block=64")), ref)
+    assert torch.allclose(qdq_kv(x, KVScheme.parse("int4:block=64")),
+                          ref64.round().clamp(-8, 7) * (x.abs().amax(-1, keepdim=True) / 7), atol=1e-6)
+
+
+def test_nvfp4_blocks_of_16_along_head_dim():
+    from lowbit.formats.inputs import InputScheme, qdq_input
+
+    x = keys(torch.randn(1, 2, 4, 32))
+    s = KVScheme.parse("nvfp4")
+    scale = kv_scale(x.abs().amax().reshape(1), s)
+    out = qdq_kv(x, s, scale)
+    assert torch.equal(out, qdq_input(x, InputScheme.parse("nvfp4"), x.abs().amax()))
+    assert out.reshape(-1, 16).unique(dim=-1).shape[-1] <= 16 and not torch.equal(out, x)
+
+
+@pytest.mark.parametrize("name", ["fp8", "fp8-head", "fp8-token", "int8", "int8-head", "int8-token", "int4",
+                                  "int4:block=16", "nvfp4", "nvfp4:rule=4over6", "mxfp4", "int4-rot", "fp8-rot"])
+def test_names_round_trip(name):
+    s = KVScheme.parse(name)
+    assert KVScheme.parse(s.name) == s and s.name == name
+    assert KVScheme.from_dict(json.loads(json.dumps(s.to_dict()))) == s
+
+
+def test_bad_names_and_bytes_per_token():
+    with pytest.raises(SchemeError, match="unknown KV cache scheme 'fp7'.*fp8"):
+        KVScheme.parse("fp7")
+    with pytest.raises(SchemeError, match="per-head KV scales are static"):
+        KVScheme(KVScheme.parse("fp8-token").elements, per_head=True)
+    # SmolLM2-135M: 30 layers, 3 KV heads of 64: 16-bit = 23040 bytes a token
+    assert KVScheme.parse("fp8").bytes_per_token(30, 3, 64) == 11520
+    assert KVScheme.parse("int4").bytes_per_token(30, 3, 64) == 30 * 3 * 2 * (32 + 2 * 4)
+    assert KVScheme.parse("nvfp4").bytes_per_token(30, 3, 64) == 30 * 3 * 2 * (32 + 4)
+
+
+# ------------------------------------------------------------------ in the model's forward
+def _cache_keys(model, ids) -> list[torch.Tensor]:
+    cache = DynamicCache(config=model.config)
+    with torch.no_grad():
+        model(input_ids=ids, past_key_values=cache, use_cache=True)
+    return [layer.keys.clone() for layer in cache.layers]
+
+
+def test_cache_holds_the_fp8_keys_and_both_cache_modes_agree():
+    model = tiny()
+    float_keys = _cache_keys(model, IDS)
+    calibrate_kv(model, IDS, KVScheme.parse("fp8"))
+    attn = model.model.layers[0].self_attn
+    k0 = _cache_keys(model, IDS)[0]
+    assert torch.equal(k0, fp8(float_keys[0] / attn.k_scale) * attn.k_scale)  # layer 0 sees float inputs
+    assert float(attn.k_scale) == float(float_keys[0].abs().amax() / 448)
+    with torch.no_grad():
+        a = model(input_ids=IDS, use_cache=False).logits
+        b = model(input_ids=IDS, use_cache=True).logits
+    assert torch.equal(a, b)
+    remove_kv(model)
+    assert not hasattr(attn, "k_scale") and not hasattr(attn, STATE)
+    assert torch.equal(_cache_keys(model, IDS)[0], float_keys[0])
+
+
+def test_generation_stores_quantized_keys_step_by_step():
+    model = tiny()
+    calibrate_kv(model, IDS, KVScheme.parse("int8-head"))
+    out = model.generate(IDS[:1, :8], max_new_tokens=4, do_sample=False)
+    assert out.shape == (1, 12)
+
+
+def _moe():
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    torch.manual_seed(0)
+    return Qwen3MoeForCausalLM(Qwen3MoeConfig(hidden_size=64, intermediate_size=64, moe_intermediate_size=32,
+                                              num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                              head_dim=32, num_experts=4, num_experts_per_tok=2,
+                                              vocab_size=256)).eval()
+
+
+def _mistral_sliding():
+    from transformers import MistralConfig, MistralForCausalLM
+
+    torch.manual_seed(0)
+    return MistralForCausalLM(MistralConfig(hidden_size=64, intermediate_size=64, num_hidden_layers=2,
+                                            num_attention_heads=4, num_key_value_heads=1, head_dim=32,
+                                            sliding_window=8, vocab_size=256)).eval()
+
+
+def _qwen2_sliding():
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    return Qwen2ForCausalLM(Qwen2Config(hidden_size=64, intermediate_size=64, num_hidden_layers=2,
+                                        num_attention_heads=2, num_key_value_heads=2, use_sliding_window=True,
+                                        sliding_window=8, max_window_layers=1, vocab_size=256)).eval()
+
+
+def _gemma3():
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    torch.manual_seed(0)
+    return Gemma3ForCausalLM(Gemma3TextConfig(hidden_size=64, intermediate_size=64, num_hidden_layers=2,
+                                              num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                                              sliding_window=8, vocab_size=256,
+                                              layer_types=["sliding_attention", "full_attention"])).eval()
+
+
+@pytest.mark.parametrize("make", [_moe, _mistral_sliding, _qwen2_sliding, _gemma3],
+                         ids=["qwen3moe", "mistral-sw", "qwen2-sw", "gemma3"])
+def test_every_attention_variant_is_instrumented(make):
+    model = make()
+    float_keys = _cache_keys(model, IDS)
+    attns = calibrate_kv(model, IDS, KVScheme.parse("fp8-head"))
+    assert len(attns) == model.config.num_hidden_layers
+    assert all(getattr(a, STATE).calls > 0 for a in attns.values())
+    a0 = attention_modules(model)["model.layers.0.self_attn"]
+    assert a0.k_scale.shape == (model.config.num_key_value_heads,)
+    sc = a0.k_scale.reshape(1, -1, 1, 1)
+    assert torch.equal(_cache_keys(model, IDS)[0], fp8(float_keys[0] / sc) * sc)
+    with torch.no_grad():
+        assert torch.equal(model(input_ids=IDS, use_cache=False).logits, model(input_ids=IDS, use_cache=True).logits)
+    model.generate(IDS[:1, :10], max_new_tokens=3, do_sample=False)  # past the window, step by step
+
+
+def test_per_head_scales_must_match_the_head_count():
+    model = tiny()
+    calibrate_kv(model, IDS, KVScheme.parse("fp8-head"))
+    attn = model.model.layers[0].self_attn
+    with pytest.raises(ConfigError, match="holds 3 values.*2 KV heads needs 2"):
+        set_scales(attn, torch.ones(3), torch.ones(3))
+    install_kv(model, KVScheme.parse("fp8-head"))
+    attn.k_scale = torch.ones(3)
+    with pytest.raises(ConfigError, match="per-head KV scales hold 3 heads but the keys / values have 2"):
+        model(input_ids=IDS, use_cache=False)
+
+
+def test_architecture_it_cannot_instrument_is_refused_by_name(monkeypatch):
+    from transformers.models.llama import modeling_llama
+
+    with pytest.raises(ModelError, match="Linear: lowbit finds no attention module"):
+        install_kv(torch.nn.Linear(2, 2), KVScheme.parse("fp8"))
+    model = tiny()
+    forward = modeling_llama.LlamaAttention.forward
+
+    def no_cache(self, hidden_states, position_embeddings=None, attention_mask=None, cache=None, **kw):
+        return forward(self, hidden_states, position_embeddings, attention_mask, None, **kw)
+
+    monkeypatch.setattr(modeling_llama.LlamaAttention, "forward", no_cache)
+    with pytest.raises(ModelError, match="LlamaAttention .* did not hand its keys and values to the cache"):
+        calibrate_kv(model, IDS, KVScheme.parse("fp8-token"))
+    with pytest.raises(SchemeError, match="input block 32 does not divide the 16"):
+        install_kv(LlamaForCausalLM(LlamaConfig(hidden_size=64, num_attention_heads=4, num_hidden_layers=1,
+                                                vocab_size=64)), KVScheme.parse("int4"))
+
+
+# ------------------------------------------------------------------ rotation
+def test_rotation_alone_keeps_the_float_function(monkeypatch):
+    from lowbit.nn import kv_quant
+
+    model = tiny()
+    with torch.no_grad():
+        ref = model(input_ids=IDS).logits
+        fold_value_rotation(model)
+        assert torch.allclose(model(input_ids=IDS).logits, ref, atol=2e-5)
+        monkeypatch.setattr(kv_quant, "qdq_kv", lambda x, s, scale=None: x)  # the rotation without any rounding
+        install_kv(model, KVScheme.parse("int4-rot"), values_folded=True)
+        assert torch.allclose(model(input_ids=IDS).logits, ref, atol=2e-5)
+        install_kv(model, KVScheme.parse("int4-rot"), values_folded=False)  # values rotated online too
+        assert torch.allclose(model(input_ids=IDS).logits, ref, atol=2e-5)
+
+
+def test_rotation_spreads_a_key_outlier_channel():
+    from lowbit.nn.kv_quant import rotation_matrix
+
+    x = keys(torch.randn(1, 2, 64, 32))
+    h = rotation_matrix(32)
+    s = KVScheme.parse("int4")
+    plain = (qdq_kv(x, s) - x).pow(2).mean()
+    rotated = (qdq_kv(x @ h, s) @ h.T - x).pow(2).mean()
+    assert rotated < 0.5 * plain
+
+
+def test_value_fold_refuses_quantized_v_proj():
+    model = tiny()
+    attn = model.model.layers[0].self_attn
+    set_module(model, "model.layers.0.self_attn.v_proj", QuantLinear.from_linear(attn.v_proj, "w4g32"))
+    with pytest.raises(ModelError, match="value rotation folds into float v_proj / o_proj"):
+        fold_value_rotation(model)
+
+
+# ------------------------------------------------------------------ checkpoint and exports
+def _quantized(scheme: str = "w8", kv: str = "fp8"):
+    model = tiny()
+    for name, m in list(model.named_modules()):
+        if isinstance(m, torch.nn.Linear) and ".layers." in name:
+            set_module(model, name, QuantLinear.from_linear(m, scheme))
+    calibrate_kv(model, IDS, KVScheme.parse(kv))
+    return model
+
+
+@pytest.mark.parametrize("kv", ["fp8-head", "nvfp4-rot"])
+def test_native_checkpoint_keeps_scales_and_scheme(tmp_path, kv):
+    from lowbit.files.native import load, read_manifest, save
+
+    model = _quantized(kv=kv)
+    save(model, None, tmp_path / "q")
+    entry = read_manifest(tmp_path / "q")["kv_cache"]
+    assert KVScheme.from_dict(entry["scheme"]) == KVScheme.parse(kv) and len(entry["layers"]) == 2
+    from lowbit.files.inspect import inspect
+
+    assert inspect(tmp_path / "q")["kv_cache"] == kv
+    back, _ = load(tmp_path / "q")
+    for name, attn in attention_modules(model).items():
+        assert torch.equal(attention_modules(back)[name].k_scale, attn.k_scale)
+        assert torch.equal(attention_modules(back)[name].v_scale, attn.v_scale)
+    with torch.no_grad():
+        assert torch.equal(back(input_ids=IDS).logits, model(input_ids=IDS).logits)
+
+
+def test_native_checkpoint_with_edited_kv_entry_is_refused(tmp_path):
+    from lowbit.files.native import MANIFEST, SEAL, load, read_manifest, save
+
+    save(_quantized(kv="fp8-head"), None, tmp_path / "q")
+    m = read_manifest(tmp_path / "q")
+    m["kv_cache"]["layers"] = m["kv_cache"]["layers"][:1]
+    SEAL.write(tmp_path / "q", m, indent=1)
+    with pytest.raises(CheckpointError, match="kv_cache entry names other attention layers"):
+        load(tmp_path / "q")
+    assert (tmp_path / "q" / MANIFEST).is_file()
+
+
+def test_compressed_tensors_export_and_transformers_readback(tmp_path):
+    pytest.importorskip("compressed_tensors")
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM, CompressedTensorsConfig
+
+    from lowbit.files import compressed_tensors as ct
+
+    model = _quantized(kv="fp8-head")
+    ct.export(model, None, tmp_path / "ct")
+    cfg = json.loads((tmp_path / "ct" / "config.json").read_text())["quantization_config"]
+    assert cfg["kv_cache_scheme"] == {**cfg["kv_cache_scheme"], "num_bits": 8, "type": "float",
+                                      "strategy": "attn_head", "dynamic": False, "symmetric": True}
+    tensors = load_file(tmp_path / "ct" / "model.safetensors")
+    from lowbit.files.inspect import inspect
+
+    assert inspect(tmp_path / "ct")["kv_cache"] == "fp8-head (kv_cache_scheme)"
+    assert tensors["model.layers.1.self_attn.k_scale"].shape == (2, 1, 1)
+    assert tensors["model.layers.1.self_attn.v_scale"].dtype == torch.float32
+    assert torch.equal(tensors["model.layers.1.self_attn.k_scale"].reshape(-1), model.model.layers[1].self_attn.k_scale)
+    # transformers 5.25 + compressed-tensors 0.20.1 load the weights but not the KV scheme: compressed-tensors
+    # looks for a `past_key_values` argument, which transformers renamed `cache`, so it reports k_scale /
+    # v_scale as unexpected and runs float keys and values. Its logits are lowbit's model without the KV scheme.
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "ct", dtype=torch.float32,
+                                                  quantization_config=CompressedTensorsConfig(run_compressed=False))
+    assert not hasattr(loaded.model.layers[1].self_attn, "k_scale")
+    with torch.no_grad():
+        theirs, ours = loaded(input_ids=IDS).logits, model(input_ids=IDS).logits
+        remove_kv(model)
+        assert torch.equal(theirs, model(input_ids=IDS).logits) and not torch.equal(theirs, ours)
+
+
+@pytest.mark.parametrize("kv", ["int8", "fp8-token", "int4", "fp8-rot"])
+def test_compressed_tensors_refuses_kv_vllm_cannot_read(tmp_path, kv):
+    pytest.importorskip("compressed_tensors")
+    from lowbit.files import compressed_tensors as ct
+
+    with pytest.raises(LowbitError, match="vLLM"):
+        ct.export(_quantized(kv=kv), None, tmp_path / "ct")
+    assert not (tmp_path / "ct").exists()
+
+
+def test_export_job_gguf_needs_drop_kv(tmp_path):
+    from lowbit import api
+    from lowbit.files.native import save
+
+    save(_quantized("w4g32", kv="fp8"), None, tmp_path / "q")
+    with pytest.raises(ConfigError, match="GGUF has no KV-cache format.*--drop-kv"):
+        api.export(api.ExportJob(tmp_path / "q", "gguf", tmp_path / "m.gguf"))
+    assert not (tmp_path / "m.gguf").exists()
+    with pytest.raises(ConfigError, match="--drop-kv applies to --to gguf only"):
+        api.ExportJob(tmp_path / "q", "compressed-tensors", tmp_path / "ct", drop_kv=True)
+    with pytest.raises(ConfigError, match="vLLM reads"):
+        save(_quantized("w8", kv="int8"), None, tmp_path / "q8")
+        api.export(api.ExportJob(tmp_path / "q8", "compressed-tensors", tmp_path / "ct"))
+    assert not (tmp_path / "ct").exists()
+
+
+def test_export_gguf_with_drop_kv_writes_the_weights_and_says_so(tmp_path, tiny_tokenizer):
+    from lowbit import api
+    from lowbit.files.native import save
+
+    model = _quantized("w4g32", kv="fp8")
+    save(model, tiny_tokenizer, tmp_path / "q")
+    r = api.export(api.ExportJob(tmp_path / "q", "gguf", tmp_path / "m.gguf", drop_kv=True))
+    assert (tmp_path / "m.gguf").is_file() and r["kv_cache"].startswith("dropped: the file holds the weights only")
+    remove_kv(model)
+    save(model, tiny_tokenizer, tmp_path / "plain")
+    with pytest.raises(ConfigError, match="has no KV-cache scheme to drop"):
+        api.export(api.ExportJob(tmp_path / "plain", "gguf", tmp_path / "p.gguf", drop_kv=True))
+
+
+@pytest.mark.parametrize("kv, to, why", [("int4", "compressed-tensors", "vLLM reads"),
+                                         ("fp8", "gguf", "GGUF has no KV-cache format")])
+def test_quantize_job_refuses_a_kv_export_before_loading(tmp_path, kv, to, why):
+    from lowbit.api import QuantizeJob
+
+    with pytest.raises(ConfigError, match=f"--export-to {to}: .*{why}"):
+        QuantizeJob(out=tmp_path / "q", model=str(tmp_path / "nowhere"), kv=kv, export_to=to)
+    with pytest.raises(SchemeError, match="unknown KV cache scheme"):
+        QuantizeJob(out=tmp_path / "q", kv="int3")
+    with pytest.raises(ConfigError, match="--kv with --workdir"):
+        QuantizeJob(out=tmp_path / "q", kv="fp8", method="gptq", workdir=str(tmp_path / "w"))
+
+
+def test_quantize_cli_kv_end_to_end(tmp_path, tiny_hf_dir, capsys):
+    from lowbit.cli import main
+    from lowbit.files.native import load, read_manifest
+
+    rc = main(["quantize", str(tiny_hf_dir), "--scheme", "w4g32", "--kv", "int8-head", "--out",
+               str(tmp_path / "q"), "--nsamples", "2", "--seqlen", "32", "--windows", "1", "--eval-seqlen", "64",
+               "--json"])
+    assert rc == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["kv_cache"]["scheme"] == "int8-head"
+    assert summary["kv_cache"]["bytes_per_token"] == summary["kv_cache"]["bytes_per_token_16bit"] / 2
+    assert read_manifest(tmp_path / "q")["kv_cache"]["scheme"]["per_head"] is True
+    model, _ = load(tmp_path / "q")
+    assert attention_modules(model)["model.layers.0.self_attn"].k_scale.shape == (2,)
+    assert main(["eval", str(tmp_path / "q"), "--windows", "1", "--eval-seqlen", "64", "--json"]) == 0
+    evaluated = json.loads(capsys.readouterr().out)
+    assert evaluated["kv_cache"] == "int8-head" and evaluated["ppl"] == pytest.approx(summary["ppl_q"], rel=1e-5)
+
+
+def test_transformers_loader_of_lowbit_checkpoints_refuses_a_kv_scheme(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    import lowbit  # noqa: F401  (registers the loader)
+    from lowbit.files.native import save
+
+    save(_quantized("w8", kv="fp8"), None, tmp_path / "q")
+    with pytest.raises(CheckpointError, match="quantizes the KV cache, which transformers' loader"):
+        AutoModelForCausalLM.from_pretrained(tmp_path / "q")
+
+
+def test_block_tuning_runs_with_the_quantized_cache_and_float_targets(monkeypatch):
+    import copy
+
+    from lowbit.nn import quant_layers
+    from lowbit.nn.kv_quant import kv_paused
+    from lowbit.plans.plan import Plan
+    from lowbit.ptq import quantize_model
+    from lowbit.ptq.blockwise import tune
+
+    model = tiny()
+    plain = copy.deepcopy(model)
+    with torch.no_grad():
+        ref = model(input_ids=IDS).logits
+    install_kv(model, KVScheme.parse("int4"))
+    with torch.no_grad(), kv_paused(model):
+        assert torch.equal(model(input_ids=IDS).logits, ref)
+    paused_in_targets = []
+    real = tune.map_block
+
+    def spy(block, *a, **kw):
+        state = getattr(block.self_attn, STATE, None)
+        if state is not None:
+            paused_in_targets.append(state.paused)
+        return real(block, *a, **kw)
+
+    monkeypatch.setattr(tune, "map_block", spy)
+    names = [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and ".layers." in n]
+    calib = torch.randint(0, 256, (4, 32), generator=torch.Generator().manual_seed(2))
+    settings = {"iters": 2, "batch_size": 2}
+    quantize_model(model, Plan.uniform(names, "w2g32"), "signround", settings, calib=calib, progress=False)
+    quantize_model(plain, Plan.uniform(names, "w2g32"), "signround", settings, calib=calib, progress=False)
+    assert True in paused_in_targets and False in paused_in_targets  # FP targets float, the tuned chain quantized
+    ours, theirs = quant_layers(model), quant_layers(plain)
+    assert not torch.equal(ours["model.layers.1.self_attn.q_proj"].qweight.codes,
+                           theirs["model.layers.1.self_attn.q_proj"].qweight.codes)
