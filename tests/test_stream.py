@@ -324,7 +324,7 @@ def test_cli_stream_refuses_what_it_cannot_honour(tmp_path, capsys):
     src = _saved("llama", tmp_path / "src")
     for flags, word in ((["--method", "gptq"], "--method gptq"), (["--avg-bits", "3", "--options", "w4g8"],
                                                                   "--avg-bits"), (["--awq"], "--awq"),
-                        (["--nsamples", "4"], "--nsamples")):
+                        (["--nsamples", "4"], "--nsamples"), (["--kv", "fp8"], "--kv")):
         assert main(["quantize", str(src), "--stream", *flags, "--out", str(tmp_path / "o")]) == 2
         assert word in capsys.readouterr().err
     assert main(["quantize", str(src), "--shard-mb", "4", "--out", str(tmp_path / "o")]) == 2

@@ -195,7 +195,7 @@ def stream_job(args: argparse.Namespace):
                           "calibration data: drop --stream (with --offload-dir it keeps one block in memory)")
     defaults = {"plan": None, "lm_head": False, "keep": None, "force": False, "json": False, "no_eval": False,
                 "rotate": False, "awq": False, "export_to": None, "workdir": None, "offload_dir": None,
-                "cache_device": None, "device": None, "data": None}
+                "cache_device": None, "device": None, "data": None, "kv": None}
     odd = [k for k, v in vars(args).items() if k not in STREAM_FLAGS and k not in ("func", "command")
            and (k not in defaults or v != defaults[k])]
     if odd:
