@@ -111,8 +111,8 @@ def routing_args(args: tuple, kwargs: Mapping[str, Any]) -> tuple[torch.Tensor, 
 class ExpertStats:
     """Per-expert statistics of one experts module (see the module doc); a context manager that hooks it.
 
-    kinds: ``"sumsq"`` and/or ``"xtx"``. params: the fused parameters whose inputs to
-    accumulate (``gate_up_proj``, ``down_proj``). The sums are float64 on ``device``
+    kinds: ``"sumsq"``, ``"xtx"`` and/or ``"absmax"`` (none: token counts only). params: the
+    fused parameters whose inputs to accumulate (``gate_up_proj``, ``down_proj``). The sums are float64 on ``device``
     (default: the module's).
     """
 
@@ -151,6 +151,8 @@ class ExpertStats:
             if xe.shape[0] == 0:
                 continue
             self.seen[e] += xe.shape[0]
+            if not self.kinds:  # token counts only: no expert's activation to compute
+                continue
             inputs = {"gate_up_proj": xe}
             if "down_proj" in self.params:
                 inputs["down_proj"] = expert_activation(self.module, e, xe)

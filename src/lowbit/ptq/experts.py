@@ -108,14 +108,14 @@ def planned_modules(model: nn.Module, plan: Plan) -> dict[str, dict[str, Scheme]
 
 
 def quantize_experts(model: nn.Module, plan: Plan, stats: Mapping[str, ExpertStats] | None = None,
-                     min_tokens: int = MIN_TOKENS, importance: bool = True) -> list[str]:
+                     min_tokens: int = MIN_TOKENS) -> list[str]:
     """Replace each planned experts module by a `QuantExperts` (RTN per expert matrix); returns the quantized names.
 
     stats: experts module -> its per-expert calibration statistics (`lowbit.ptq.expert_calib`):
     each expert's scales are searched with the ``sumsq`` importance of its own input columns;
     an expert with statistics from fewer than ``min_tokens`` tokens gets uniform importance
     (the search on its weights alone), named in one warning. Without stats every expert
-    gets uniform importance, and so does every expert when ``importance`` is False (the stats
+    gets uniform importance, and so does every expert when the stats hold no ``sumsq`` (they
     then serve the token counts and input scales only).
     """
     stats = stats or {}
@@ -126,7 +126,7 @@ def quantize_experts(model: nn.Module, plan: Plan, stats: Mapping[str, ExpertSta
         if st is not None:
             cov = st.coverage()
             low = set(cov.starved(min_tokens))
-            if importance and "sumsq" in st.kinds:
+            if "sumsq" in st.kinds:
                 imp = {p: [None if e in low else v.float() for e, v in enumerate(st.result("sumsq", p))]
                        for p in schemes}
             calibration = cov.to_dict()

@@ -83,17 +83,19 @@ def rtn_quantize(model: nn.Module, plan: Plan, calib: torch.Tensor | None = None
     plan, experts = split(model, plan)
     static = plan.needs_calibration()
     expert_static = experts.needs_calibration()
-    expert_kinds = ("sumsq",) * search + ("absmax",) * bool(expert_static) if list(experts) else ()
+    # the experts' token counts come with every calibration pass; their statistics only when used
+    count_experts = bool(list(experts)) and (search or bool(expert_static))
+    expert_kinds = ("sumsq",) * (search and expert_importance) + ("absmax",) * bool(expert_static)
     kinds = (["sumsq"] if search and imp is None else []) + (["absmax"] if static else [])
-    if (kinds or expert_kinds) and calib is None:
+    if (kinds or count_experts) and calib is None:
         need = [*static, *expert_static]
         why = "RTN's importance search" if search else f"the static input scales of {need[0]}"
         raise ConfigError(f"{why} needs calibration batches; pass calib"
                           + (", or search=False (--no-search) for plain round-to-nearest" if not need else ""))
     amax = None
-    modules = {m: model.get_submodule(m) for m in planned_modules(model, experts)} if expert_kinds else {}
+    modules = {m: model.get_submodule(m) for m in planned_modules(model, experts)} if count_experts else {}
     per_expert: dict = {}
-    if kinds or expert_kinds:
+    if kinds or count_experts:
         with expert_stats(modules, expert_kinds, all_experts=all_experts) as per_expert:
             stats = collect(model, calib, list(plan), kinds, progress=progress)
         imp = stats.result("sumsq") if "sumsq" in kinds else imp
@@ -101,7 +103,7 @@ def rtn_quantize(model: nn.Module, plan: Plan, calib: torch.Tensor | None = None
     weights = {n: model.get_submodule(n).weight for n in plan}
     scales = shared_tensor_scales(weights, plan.weights())
     replace_linears(model, plan, imp=imp, progress=progress, amax=amax, tensor_scales=scales)
-    quantize_experts(model, experts, per_expert, min_expert_tokens, importance=expert_importance)
+    quantize_experts(model, experts, per_expert, min_expert_tokens)
     return applied
 
 
