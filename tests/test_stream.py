@@ -204,14 +204,14 @@ def _mxfp4_source(tmp_path):
     from test_accounting import SMALL
 
     from lowbit.formats import quantize
-    from lowbit.models.source_dequant import E2M1
+    from lowbit.formats.grids import e2m1_table
 
     torch.manual_seed(0)
     cfg = tf.GptOssConfig(**SMALL, intermediate_size=32, num_local_experts=4, num_experts_per_tok=2)
     src = tmp_path / "src"
     tf.GptOssForCausalLM(cfg).save_pretrained(src)
     t = load_file(src / "model.safetensors")
-    lut = torch.tensor(E2M1)
+    lut = e2m1_table()
     for k in [k for k in t if k.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
         w = t.pop(k).transpose(1, 2)  # [E, out, in]
         blocks, scales = [], []

@@ -33,6 +33,7 @@ from torch import nn
 from lowbit.errors import CheckpointError, LowbitError
 from lowbit.files import compressed_experts as moe
 from lowbit.formats import QTensor, Scheme
+from lowbit.formats.minifloat import e8m0_from_code
 
 QUANT_METHOD = "compressed-tensors"
 
@@ -270,20 +271,16 @@ def qtensor_from(parts: dict[str, torch.Tensor], fmt: str, args: dict, shape: tu
             scales = parts["weight_scale"].float()
         elif fmt in ("nvfp4-pack-quantized", "mxfp4-pack-quantized"):
             codes = packing.unpack(parts["weight_packed"].view(torch.uint8), 4, cols)
-            scales = parts["weight_scale"].float() if fmt.startswith("nvfp4") else _e8m0(parts["weight_scale"])
+            scales = parts["weight_scale"].float() if fmt.startswith("nvfp4") else e8m0_from_code(parts["weight_scale"])
             if fmt.startswith("nvfp4"):
                 tensor_scale = parts["weight_global_scale"].float().reshape(())
         else:  # float-quantized, mxfp8-quantized: the E4M3 bytes
             codes = parts["weight"].view(torch.uint8)
-            scales = parts["weight_scale"].float() if fmt == "float-quantized" else _e8m0(parts["weight_scale"])
+            scales = parts["weight_scale"].float() if fmt == "float-quantized" else e8m0_from_code(parts["weight_scale"])
         return QTensor(codes.reshape(out, ng, g).contiguous(), scales.reshape(out, ng).contiguous(),
                        None if zeros is None else zeros.reshape(out, ng).contiguous(), tensor_scale, (out, cols), s)
     except (KeyError, RuntimeError, ValueError) as e:
         raise CheckpointError(f"{where}: its {fmt} tensors do not hold a {out}x{cols} {s.name} matrix ({e})") from None
-
-
-def _e8m0(t: torch.Tensor) -> torch.Tensor:
-    return torch.exp2(t.to(torch.int32).float() - 127)
 
 
 def _stack_rows(gate: QTensor, up: QTensor, where: str) -> QTensor:

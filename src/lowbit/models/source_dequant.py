@@ -22,8 +22,9 @@ from __future__ import annotations
 import torch
 
 from lowbit.errors import ModelError
+from lowbit.formats.grids import decode_e2m1
+from lowbit.formats.minifloat import e8m0_from_code
 
-E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 
@@ -57,9 +58,8 @@ def mxfp4(blocks: torch.Tensor, scales: torch.Tensor, name: str) -> torch.Tensor
         raise ModelError(f"{name}: MXFP4 blocks {list(blocks.shape)} ({blocks.dtype}) and scales "
                          f"{list(scales.shape)} ({scales.dtype}) are not gpt-oss's layout (uint8 [..., G, 16] and "
                          "uint8 [..., G])")
-    lut = torch.tensor(E2M1, dtype=torch.float32)
     codes = torch.stack((blocks & 0x0F, blocks >> 4), dim=-1).reshape(*blocks.shape[:-1], 32)
-    vals = lut[codes.long()] * torch.exp2(scales.float() - 127.0).unsqueeze(-1)
+    vals = decode_e2m1(codes) * e8m0_from_code(scales).unsqueeze(-1)
     return vals.reshape(*blocks.shape[:-2], blocks.shape[-2] * 32)
 
 
@@ -89,9 +89,9 @@ def ct_fp4(packed: torch.Tensor, scale: torch.Tensor, global_scale: torch.Tensor
 
     out = packed.shape[0]
     codes = packing.unpack(packed.reshape(-1), 4, out * cols).reshape(out, cols)
-    vals = torch.tensor(E2M1, dtype=torch.float32)[codes.long()]
+    vals = decode_e2m1(codes)
     if scale.dtype == torch.uint8:  # MXFP4: biased power-of-two exponents
-        s = torch.exp2(scale.float() - 127.0)
+        s = e8m0_from_code(scale)
     elif scale.dtype == torch.float8_e4m3fn:
         s = scale.float() / (global_scale.float().reshape(()) if global_scale is not None else 1.0)
     else:
