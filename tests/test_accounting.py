@@ -50,7 +50,7 @@ def make(arch: str, vocab: int = 128):
         "deepseek_v3": lambda: tf.DeepseekV3ForCausalLM(tf.DeepseekV3Config(
             **{**small, "num_key_value_heads": 4}, **moe, intermediate_size=64, moe_intermediate_size=16,
             n_routed_experts=8, n_shared_experts=1, first_k_dense_replace=1, q_lora_rank=16, kv_lora_rank=16,
-            qk_rope_head_dim=4, qk_nope_head_dim=4, v_head_dim=8, n_group=2, topk_group=1)),
+            qk_rope_head_dim=8, qk_nope_head_dim=4, v_head_dim=8, n_group=2, topk_group=1)),
         "granitemoe": lambda: tf.GraniteMoeForCausalLM(tf.GraniteMoeConfig(**small, **moe, intermediate_size=16,
                                                                            num_local_experts=8)),
     }

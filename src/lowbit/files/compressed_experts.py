@@ -8,7 +8,7 @@ maps (``RoutedExperts.build_expert_params_mapping``: ``experts.{e}.gate_proj`` -
 w1 of ``w13``, ``up_proj`` -> w3, ``down_proj`` -> w2):
 
 * ``model.layers.{l}.mlp.experts.{e}.{gate_proj,up_proj,down_proj}.<part>`` (Qwen3-MoE,
-  Qwen2-MoE, OLMoE), ``model.layers.{l}.block_sparse_moe.experts.{e}.{w1,w3,w2}.<part>``
+  Qwen2-MoE, OLMoE, DeepSeek-V3), ``model.layers.{l}.block_sparse_moe.experts.{e}.{w1,w3,w2}.<part>``
   (Mixtral: its checkpoints and vLLM's module say ``block_sparse_moe``, so every
   ``.mlp.`` key of the file, the router's too, is written under that name);
 * ``<part>`` exactly what a Linear of the same recipe gets (`compressed_tensors.layer_tensors`):
@@ -68,7 +68,9 @@ class Layout:
 
 
 STANDARD = Layout("mlp", "gate_proj", "up_proj", "down_proj")
-LAYOUTS: dict[str, Layout] = {"qwen3_moe": STANDARD, "qwen2_moe": STANDARD, "olmoe": STANDARD,
+# deepseek_v3: vLLM's deepseek_v2.py maps experts.{e}.{gate,up,down}_proj (ckpt_*_proj_name) and loads the
+# shared experts and MLA projections as Linears; transformers merges its per-expert tensors like Qwen's
+LAYOUTS: dict[str, Layout] = {"qwen3_moe": STANDARD, "qwen2_moe": STANDARD, "olmoe": STANDARD, "deepseek_v3": STANDARD,
                               "mixtral": Layout("block_sparse_moe", "w1", "w3", "w2")}
 
 

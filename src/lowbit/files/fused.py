@@ -1,7 +1,9 @@
 """The Linears that inference engines fuse into one matmul, by name.
 
 vLLM loads a llama-style block's ``q_proj`` / ``k_proj`` / ``v_proj`` as one ``qkv_proj``
-and ``gate_proj`` / ``up_proj`` as one ``gate_up_proj`` (its ``packed_modules_mapping``).
+and ``gate_proj`` / ``up_proj`` as one ``gate_up_proj`` (its ``packed_modules_mapping``);
+DeepSeek-V2/V3's MLA ``q_a_proj`` and ``kv_a_proj_with_mqa`` as one ``fused_qkv_a_proj``
+(deepseek_v2.py's ``mla_params_mapping``: both read the hidden states).
 That is a fact about the engines that read the files lowbit writes, so it lives with the
 writers: the compressed-tensors writer refuses parts of one matmul that disagree, and
 `lowbit.models.fused` gives such a group one shared tensor scale while quantizing.
@@ -15,7 +17,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 # the parts of each fused matmul, as vLLM's llama-family models name them
-FUSED_PARTS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+FUSED_PARTS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"), ("q_a_proj", "kv_a_proj_with_mqa"))
 
 
 def fused_groups(names: Iterable[str]) -> list[list[str]]:
