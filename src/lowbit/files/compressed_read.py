@@ -12,7 +12,11 @@ Per-expert quantized mixture-of-experts tensors (``...experts.{e}.gate_proj.weig
 `lowbit.files.compressed_experts`) are read here, not by transformers: its MoE loader
 decompresses every layer's experts with one config group and drops zero points and NVFP4
 global scales. lowbit rebuilds each expert's codes and scales exactly (`read_experts`)
-into `QuantExperts`, so the loaded model runs the very codes the file holds.
+into `QuantExperts`, so the loaded model runs the very codes the file holds. Experts that
+quantize their inputs (``input_activations``) get the input scheme whose written args are
+the file's (`input_scheme_from`) and, for static schemes, each expert's calibrated abs-max
+back from its stored ``input_scale`` / ``input_global_scale`` (`amax_from`), so they run
+`QuantStack.with_input` exactly as the model that was exported did.
 """
 
 from __future__ import annotations
@@ -32,7 +36,8 @@ from torch import nn
 
 from lowbit.errors import CheckpointError, LowbitError
 from lowbit.files import compressed_experts as moe
-from lowbit.formats import QTensor, Scheme
+from lowbit.formats import InputScheme, QTensor, Scheme
+from lowbit.formats.inputs import encode_scale
 from lowbit.formats.minifloat import e8m0_from_code
 
 QUANT_METHOD = "compressed-tensors"
@@ -186,20 +191,39 @@ def read_experts(path: str | Path, config: dict, model: nn.Module, keys: dict[st
         moe.check_count(ckpt_module, experts, up_p.shape[0])
         half, hidden = up_p.shape[1] // 2, up_p.shape[2]
         ups, downs = [], []
+        inputs: dict[str, InputScheme | None] = {}
+        amax: dict[str, list[torch.Tensor]] = {moe.GATE_UP: [], moe.DOWN: []}
         for e in range(up_p.shape[0]):
             parts = experts[e]
             want = {layout.gate: (half, hidden), layout.up: (half, hidden), layout.down: tuple(down_p.shape[1:])}
             if set(parts) != set(want):
                 raise CheckpointError(f"{ckpt_module}.{e}: the file holds {sorted(parts)}, not {sorted(want)}")
-            q = {}
+            q, a = {}, {}
             for proj, shape in want.items():
                 name = f"{ckpt_module}.{e}.{proj}"
-                fmt, args = _group_for(name, groups, config["quantization_config"].get("format"))
-                q[proj] = qtensor_from({k: tensor(v) for k, v in parts[proj].items()}, fmt, args, shape, name)
+                fmt, args, inp_args = _group_for(name, groups, config["quantization_config"].get("format"))
+                stored = {k: tensor(v) for k, v in parts[proj].items()}
+                q[proj] = qtensor_from(stored, fmt, args, shape, name)
+                role = moe.DOWN if proj == layout.down else moe.GATE_UP
+                inp = None if inp_args is None else input_scheme_from(inp_args, name)
+                if inputs.setdefault(role, inp) != inp:
+                    raise CheckpointError(f"{name}: its input scheme differs from the other experts' of {module}")
+                a[proj] = None if inp is None else amax_from(inp, stored, name)
             ups.append(_stack_rows(q[layout.gate], q[layout.up], f"{ckpt_module}.{e}"))
             downs.append(q[layout.down])
+            if a[layout.gate] is not None and not torch.equal(a[layout.gate], a[layout.up]):
+                raise CheckpointError(f"{ckpt_module}.{e}: gate and up have different input scales; they read the "
+                                      "same input (vLLM refuses such files too: input_scales of w1 and w3 must be "
+                                      "equal)")
+            amax[moe.GATE_UP].append(a[layout.gate])
+            amax[moe.DOWN].append(a[layout.down])
         try:
-            out[module] = QuantExperts(float_experts, {moe.GATE_UP: QuantStack(ups), moe.DOWN: QuantStack(downs)})
+            stacks = {moe.GATE_UP: QuantStack(ups), moe.DOWN: QuantStack(downs)}
+            for role, stack in stacks.items():
+                if inputs.get(role) is not None:
+                    static = amax[role][0] is not None
+                    stack.with_input(inputs[role], torch.stack(amax[role]) if static else None)
+            out[module] = QuantExperts(float_experts, stacks)
         except LowbitError as err:
             raise CheckpointError(f"{ckpt_module}: {err}") from None
     for h in handles.values():
@@ -207,17 +231,79 @@ def read_experts(path: str | Path, config: dict, model: nn.Module, keys: dict[st
     return out
 
 
-def _group_for(name: str, groups: dict, top_format: str | None) -> tuple[str, dict]:
-    """The (format, weight args) of the config group whose targets match ``name`` (exact, ``re:``, or a class)."""
+def _group_for(name: str, groups: dict, top_format: str | None) -> tuple[str, dict, dict | None]:
+    """The (format, weight args, input args or None) of the config group whose targets match ``name`` (exact,
+    ``re:``, or a class)."""
     for g in groups.values():
         for t in g.get("targets", []):
             hit = re.match(t[3:], name) if t.startswith("re:") else (t == name or "." not in t)
             if hit:
-                if g.get("input_activations"):
-                    raise ForeignLayout(f"{name}: experts that quantize their inputs are not rebuilt by lowbit yet "
-                                        "(their inputs run unquantized); evaluate the native checkpoint for those")
-                return g.get("format") or top_format, dict(g["weights"])
+                inp = g.get("input_activations")
+                return g.get("format") or top_format, dict(g["weights"]), (dict(inp) if inp else None)
     raise CheckpointError(f"{name}: no config group of the file targets it, yet it holds quantized tensors")
+
+
+def _input_candidates() -> list[InputScheme]:
+    """lowbit's input schemes that compressed-tensors can hold: every preset, and the MX ones with the ``even``
+    E8M0 rounding compressed-tensors computes (the only MX rounding `compressed_tensors.input_args` writes)."""
+    out = list(InputScheme.presets().values())
+    out += [InputScheme.parse(f"{s.name}:round=even") for s in out if s.scale == "e8m0"]
+    return out
+
+
+def _comparable(args: dict) -> dict:
+    """Input args as JSON holds them (dtypes as the strings compressed-tensors serialises, unknown keys dropped)."""
+    keys = ("num_bits", "type", "symmetric", "strategy", "group_size", "dynamic")
+    return {k: args.get(k) for k in keys if args.get(k) is not None}
+
+
+def input_scheme_from(args: dict, where: str) -> InputScheme:
+    """The lowbit input scheme whose compressed-tensors ``input_activations`` are ``args`` (the writer's inverse).
+
+    Where several lowbit schemes write the same args (they differ in nothing the file records), the first
+    preset wins: it is the one the file's consumers (vLLM, compressed-tensors) compute.
+    """
+    from lowbit.files.compressed_tensors import input_args
+
+    want = _comparable(args)
+    for s in _input_candidates():
+        try:
+            if _comparable(input_args(s)) == want:
+                return s
+        except LowbitError:
+            continue
+    raise ForeignLayout(f"{where}: input_activations {args} are no input scheme lowbit runs")
+
+
+def amax_from(inp: InputScheme, parts: dict[str, torch.Tensor], where: str) -> torch.Tensor | None:
+    """The calibrated abs-max a stored static input scale stands for: the float whose `encode_scale` is the stored
+    value exactly (None for dynamic schemes, which store none).
+
+    static: ``input_scale = amax / qmax``; NVFP4: ``input_global_scale = 6 * 448 / amax``. The inverse is
+    computed in float64 and then checked, and nudged by an ulp where float32 rounding of the quotient differs,
+    so the loaded experts quantize their inputs with the very scale the file holds.
+    """
+    if not inp.needs_calibration:
+        return None
+    key = "input_global_scale" if inp.tensor_scale else "input_scale"
+    if key not in parts:
+        raise CheckpointError(f"{where}: input scheme {inp.name} needs its calibrated {key}, which the file lacks")
+    stored = parts[key].float().reshape(-1)
+    if stored.numel() != 1 or not bool(torch.isfinite(stored).all()) or not bool((stored > 0).all()):
+        raise CheckpointError(f"{where}: {key} must be one finite positive value, got {stored.tolist()}")
+    one = torch.ones((), dtype=torch.float64)
+    if inp.tensor_scale:
+        num = float(encode_scale(inp, one))  # enc of amax 1 = elem_max * S_max
+        guess = torch.tensor(num / float(stored[0]), dtype=torch.float32)
+    else:
+        guess = torch.tensor(float(stored[0]) * inp.qmax, dtype=torch.float32)
+    a = guess
+    for _ in range(8):  # a float32 quotient is at most an ulp or two off
+        got = encode_scale(inp, a).float().reshape(())
+        if torch.equal(got, stored[0]):
+            return a
+        a = torch.nextafter(a, torch.tensor(float("inf") if (got > stored[0]) == bool(inp.tensor_scale) else 0.0))
+    raise CheckpointError(f"{where}: no input abs-max gives the stored {key} {float(stored[0]):.9g} exactly")
 
 
 def scheme_from(fmt: str, args: dict) -> Scheme:
