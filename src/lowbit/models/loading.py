@@ -134,8 +134,12 @@ def _load_lazy(source: str | Path | None, dtype: torch.dtype) -> LoadedModel:
         folder, kind, name = _gguf_cache_folder(gguf, dtype), ("bundled" if path is None else "gguf"), text
     elif path.is_dir() and (path / "config.json").is_file():
         from lowbit.models.hf_folder import check_folder
+        from lowbit.models.quantized_source import is_quantized_source
 
         check_folder(path)
+        if is_quantized_source(path):  # the lazy blocks read float tensors from the files as they are
+            raise ModelError(f"{path} holds MXFP4 / FP8 weights, which --offload-dir cannot read block by block; "
+                             "drop --offload-dir (lowbit dequantizes the whole model in memory) or use --stream")
         folder, kind, name = path, "hf_dir", text
     elif path.exists() or _looks_like_path(text):
         return load_model(source, dtype)  # a lowbit checkpoint (already small) or a clear error
@@ -248,9 +252,12 @@ def _load_dir(path: Path, dtype: torch.dtype) -> LoadedModel:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from lowbit.files import compressed_read as compressed
+    from lowbit.models import quantized_source
     from lowbit.models.hf_folder import check_folder, check_loaded, quiet
 
     packed = compressed.is_compressed_tensors(_read_config(path))
+    # MXFP4 / FP8 weights: dequantized by lowbit, as --stream does (`lowbit.models.quantized_source` says why)
+    dequant = not packed and quantized_source.is_quantized_source(path)
     # config.json against the weight headers, before anything is built (a compressed-tensors folder stores
     # packed codes under other names and dtypes, so only its headers, config and blocks are checked)
     check_folder(path, skeleton=not packed)
@@ -258,6 +265,8 @@ def _load_dir(path: Path, dtype: torch.dtype) -> LoadedModel:
         with quiet():
             if packed:  # decompressed now, in ``dtype``
                 model, info = compressed.load_decompressed(path, dtype), {}
+            elif dequant:
+                model, info = quantized_source.load_dequantized(path, dtype)[0], {}
             else:
                 model, info = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, use_safetensors=True,
                                                                    output_loading_info=True)
