@@ -82,11 +82,12 @@ def test_mxfp4_dequantization_agrees_with_transformers_and_records_the_source_pr
         assert torch.equal(load_model(src).model(ids).logits, ours(ids).logits)
 
 
-@pytest.mark.parametrize("config", (False, True))
-def test_fp8_block_source_requantizes_in_model_as_its_float_dequantization(tmp_path, tiny_tokenizer, config):
+@pytest.mark.parametrize("arch, config", (("llama", False), ("llama", True), ("deepseek_v3", True)))
+def test_fp8_block_source_requantizes_in_model_as_its_float_dequantization(tmp_path, tiny_tokenizer, arch, config):
     """Without a quantization_config transformers used to load the FP8 bytes unscaled (the scales dropped as
-    unexpected keys): other codes than the dequantization's, silently."""
-    src = _saved("llama", tmp_path / "src", dtype=torch.float32)
+    unexpected keys): other codes than the dequantization's, silently. DeepSeek-V3 as it ships: FP8 block-scaled
+    Linears, experts one by one on disk, the router's correction bias a buffer."""
+    src = _saved(arch, tmp_path / "src", dtype=torch.float32)
     _fp8_source(src, tmp_path / "fp8", "block")
     if config:  # DeepSeek-V3's form
         _with_config(tmp_path / "fp8", {"quant_method": "fp8", "weight_block_size": [16, 16],
