@@ -254,8 +254,9 @@ def arch_for(kind: str | None, moe: bool = False) -> Arch:
     if moe and kind not in MOE_ARCHS:
         raise ModelError(f"GGUF export of mixture-of-experts models supports {', '.join(MOE_ARCHS)} (llama.cpp's "
                          f"{', '.join(sorted(set(gguf_moe.MOE_ARCHS.values())))}), not {kind!r}: lowbit has no "
-                         "mapping of its experts onto llama.cpp's tensors; export it with --to compressed-tensors "
-                         "or keep lowbit's native checkpoint")
+                         "mapping of its experts onto llama.cpp's tensors"
+                         + (f" ({gguf_moe.UNMAPPED_WHY[kind]})" if kind in gguf_moe.UNMAPPED_WHY else "")
+                         + "; export it with --to compressed-tensors or keep lowbit's native checkpoint")
     if kind not in ARCH_MAP:
         raise ModelError(f"GGUF export supports {', '.join(ARCHS)} models, not {kind!r}; export this model "
                          "with --to compressed-tensors, or quantize a model of a supported architecture")

@@ -34,6 +34,13 @@ from lowbit.nn.quant_experts import QuantExperts, QuantStack
 # HF model_type -> llama.cpp architecture, for the mixture-of-experts models GGUF export maps
 MOE_ARCHS = {"qwen3_moe": "qwen3moe", "qwen2_moe": "qwen2moe", "mixtral": "llama", "olmoe": "olmoe",
              "gpt_oss": "gpt-oss"}
+# why an MoE architecture llama.cpp runs has no mapping here yet (said in the refusal)
+UNMAPPED_WHY = {
+    "deepseek_v3": "llama.cpp's deepseek2 splits MLA's kv_b_proj per head into attn_v_b and a TRANSPOSED attn_k_b "
+                   "([heads, kv_lora_rank, qk_nope]: its quantization blocks run along qk_nope, not along the "
+                   "kv_lora_rank input lowbit groups kv_b_proj by), so kv_b_proj's codes cannot be written as they "
+                   "are",
+}
 # whether llama.cpp's graph renormalises the top-k routing weights (build_moe_ffn's norm_w), per model_type
 _NORM_TOPK = {"qwen3_moe": True, "qwen2_moe": False, "olmoe": False}
 
