@@ -14,10 +14,12 @@ Methods (each run in a fresh child process, so its peak RSS is its own):
   path with the most per-expert work: ``search=True, expert_importance=True, all_experts=True``);
 - ``gptq``: GPTQ with its defaults (per-expert Hessians from all-experts calibration).
 
-Per row: the median of ``--runs`` runs of the ``quantize_model`` call's seconds, the child's
-peak RSS and its RSS before quantizing (the model and the data: that part grows with the
-expert weights by construction), and seconds per million expert parameters (flat or falling
-= at most linear). SignRoundV2's rows are ``moe_tuned.py``'s, in the same file.
+Per row: the median of ``--runs`` runs of the ``quantize_model`` call's wall seconds and its
+process CPU seconds (one thread: on a machine shared with other jobs the CPU time is the stable
+measure, wall time waits on the others), the child's peak RSS and its RSS before quantizing
+(the model and the data: that part grows with the expert weights by construction), and time
+per million expert parameters relative to the 8-expert row (at most 1 = at most linear).
+SignRoundV2's rows are ``moe_tuned.py``'s (wall seconds only), in the same file.
 
     nice -n 10 python -m benchmarks.moe_scaling --methods rtn,gptq --experts 8,32,128 --runs 3
     python -m benchmarks.moe_scaling --table
@@ -78,13 +80,13 @@ def one_run(method: str, experts: int) -> dict:
     model, plan = block(experts)
     params = sum(t.numel for t in expert_tensors(model).values())
     before = _rss_mib()
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     quantize_model(model, plan, method, SETTINGS[method], calib=calib, progress=False, keep16=False)
-    seconds = time.perf_counter() - t0
+    seconds, cpu = time.perf_counter() - t0, time.process_time() - c0
     acc = account_model(model).by_kind()
     if acc["experts"] != (params, 0):  # every expert weight quantized, or the row means nothing
         raise SystemExit(f"experts not all quantized: {acc['experts']}")
-    return {"seconds": seconds, "rss_before_mib": before, "peak_rss_mib": peak_rss_mib(), "expert_params": params}
+    return {"seconds": seconds, "cpu_seconds": cpu, "rss_before_mib": before, "peak_rss_mib": peak_rss_mib(), "expert_params": params}
 
 
 def measure(method: str, experts: int, runs: int) -> dict:
@@ -95,12 +97,14 @@ def measure(method: str, experts: int, runs: int) -> dict:
                              check=True, capture_output=True, text=True).stdout
         got.append(json.loads(out.strip().splitlines()[-1]))
     sec = [g["seconds"] for g in got]
-    med = statistics.median(sec)
+    cpu = [g["cpu_seconds"] for g in got]
+    med, cmed = statistics.median(sec), statistics.median(cpu)
     params = got[0]["expert_params"]
     return {"tool": f"lowbit-{method}-block-E{experts}", "scheme": SCHEME, "seed": 0, "experts": experts,
             "method": method, "settings": SETTINGS[method], "seconds": round(med, 3),
-            "runs_seconds": [round(s, 3) for s in sec], "expert_params": params,
-            "seconds_per_mparam": round(med / params * 1e6, 3),
+            "runs_seconds": [round(s, 3) for s in sec], "cpu_seconds": round(cmed, 3),
+            "runs_cpu_seconds": [round(c, 3) for c in cpu], "expert_params": params,
+            "seconds_per_mparam": round(med / params * 1e6, 3), "cpu_seconds_per_mparam": round(cmed / params * 1e6, 3),
             "peak_rss_mib": round(statistics.median(g["peak_rss_mib"] for g in got), 1),
             "rss_before_mib": round(statistics.median(g["rss_before_mib"] for g in got), 1),
             "machine": {**machine(), "threads": 1}}
@@ -114,17 +118,22 @@ def table() -> str:
     """Per method and expert count: seconds, seconds per M expert params vs the 8-expert row, memory."""
     p = result_path(RESULTS)
     rows = json.loads(p.read_text())["rows"] if p.exists() else []
-    out, base = [], {}
+    out, base, cbase = [], {}, {}
     for r in sorted(rows, key=lambda r: (r["tool"].rsplit("-E", 1)[0], r["experts"])):
         method = r["tool"].rsplit("-block-E", 1)[0].removeprefix("lowbit-")
         sec = r.get("block_seconds", r["seconds"])
         per = sec / r["expert_params"] * 1e6
         base.setdefault(method, per)
         grow = "" if r.get("rss_before_mib") is None else f"{r['peak_rss_mib'] - r['rss_before_mib']:.1f}"
-        out.append((method, r["experts"], f"{r['expert_params'] / 1e6:.3f}", f"{sec:.2f}", f"{per:.2f}",
-                    f"{per / base[method]:.2f}", f"{r['peak_rss_mib']:.0f}", grow))
-    return markdown_table(("method", "experts", "expert M params", "s / block", "s per M params",
-                           "vs 8 experts", "peak RSS MiB", "peak - before MiB"), out)
+        cpu = r.get("cpu_seconds")
+        cper = None if cpu is None else cpu / r["expert_params"] * 1e6
+        if cper is not None:
+            cbase.setdefault(method, cper)
+        out.append((method, r["experts"], f"{r['expert_params'] / 1e6:.3f}", f"{sec:.2f}", f"{per / base[method]:.2f}",
+                    "" if cpu is None else f"{cpu:.2f}", "" if cper is None else f"{cper / cbase[method]:.2f}",
+                    f"{r['peak_rss_mib']:.0f}", grow))
+    return markdown_table(("method", "experts", "expert M params", "wall s / block", "wall s per param vs 8",
+                           "CPU s / block", "CPU s per param vs 8", "peak RSS MiB", "peak - before MiB"), out)
 
 
 def main() -> None:

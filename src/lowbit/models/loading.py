@@ -256,11 +256,11 @@ def _load_dir(path: Path, dtype: torch.dtype) -> LoadedModel:
     from lowbit.models.hf_folder import check_folder, check_loaded, quiet
 
     packed = compressed.is_compressed_tensors(_read_config(path))
-    # MXFP4 / FP8 weights: dequantized by lowbit, as --stream does (`lowbit.models.quantized_source` says why)
-    dequant = not packed and quantized_source.is_quantized_source(path)
     # config.json against the weight headers, before anything is built (a compressed-tensors folder stores
     # packed codes under other names and dtypes, so only its headers, config and blocks are checked)
     check_folder(path, skeleton=not packed)
+    # MXFP4 / FP8 weights: dequantized by lowbit, as --stream does (`lowbit.models.quantized_source` says why)
+    dequant = not packed and quantized_source.is_quantized_source(path)
     try:
         with quiet():
             if packed:  # decompressed now, in ``dtype``
