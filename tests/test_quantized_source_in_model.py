@@ -89,6 +89,13 @@ def test_fp8_block_source_requantizes_in_model_as_its_float_dequantization(tmp_p
     Linears, experts one by one on disk, the router's correction bias a buffer."""
     src = _saved(arch, tmp_path / "src", dtype=torch.float32)
     _fp8_source(src, tmp_path / "fp8", "block")
+    if arch == "deepseek_v3":  # its checkpoints carry a multi-token-prediction layer the model class skips
+        f = sorted((tmp_path / "fp8").glob("model*.safetensors"))[0]
+        save_file({**load_file(f), "model.layers.61.eh_proj.weight": torch.ones(4, 4)}, f, metadata={"format": "pt"})
+        index = tmp_path / "fp8" / "model.safetensors.index.json"
+        m = json.loads(index.read_text())
+        m["weight_map"]["model.layers.61.eh_proj.weight"] = f.name
+        index.write_text(json.dumps(m))
     if config:  # DeepSeek-V3's form
         _with_config(tmp_path / "fp8", {"quant_method": "fp8", "weight_block_size": [16, 16],
                                         "activation_scheme": "dynamic", "fmt": "e4m3"})

@@ -14,13 +14,15 @@ So lowbit dequantizes them itself, with the very readers ``--stream`` uses: the 
 built from its config (``quantization_config`` dropped, no weight initialisation), every
 tensor of its state dict is read from the source by its name (fused experts expert by
 expert, in the parameter's own layout), and a source tensor the model has no place for
-is refused. Both paths then start from the same float32 values, so in-model and streaming
+is refused (but for those its class declares it does not load, as transformers skips them:
+DeepSeek-V3's multi-token-prediction layer). Both paths then start from the same float32 values, so in-model and streaming
 requantization of one source agree, and both agree with requantizing a float copy of the
 dequantized weights.
 """
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any
 
@@ -113,7 +115,9 @@ def load_dequantized(folder: Path, dtype: torch.dtype = torch.float32) -> tuple[
         raise ModelError(f"the weights in {folder} lack {missing[0]}" + (f" and {len(missing) - 1} more tensor(s)"
                          if len(missing) > 1 else "") + " that config.json's model needs; fix config.json or use the "
                          "complete weights")
-    unused = source.unused()
+    # what the model class itself declares it does not load (DeepSeek-V3's multi-token-prediction layer 61)
+    skip = [re.compile(r) for r in getattr(model, "_keys_to_ignore_on_load_unexpected", None) or ()]
+    unused = [n for n in source.unused() if not any(r.search(n) for r in skip)]
     if unused:
         raise ModelError(f"{folder} holds {len(unused)} tensor(s) config.json's model has no place for, e.g. "
                          f"{unused[0]}; lowbit drops nothing silently: fix config.json or use the matching weights")
