@@ -207,3 +207,28 @@ def test_kv_cache_quantization_of_mla_is_refused_by_name(tmp_path, tiny_tokenize
     assert main(["quantize", str(src), "--scheme", "w4g8", "--method", "rtn", "--no-search", "--no-eval", "--json",
                  "--out", str(out)]) == 0
     assert set(_last(capsys)["matmul_weights"]["float"]) == {"router", "embeddings", "lm_head"}
+
+
+def test_w4a4_nvfp4_experts_with_per_expert_input_scales_round_trip_through_compressed_tensors(tmp_path):
+    """RTN calibrates one input scale per expert (the routed sum written out per expert); lowbit's reader brings
+    the very scales back from the per-expert export, so the folder evaluates as the model did."""
+    pytest.importorskip("compressed_tensors")
+    from lowbit.files import compressed_tensors as ct
+    from lowbit.formats.inputs import encode_scale
+
+    model = deepseek()
+    nv, rest = build_plan(model, "w4a4-nvfp4"), build_plan(model, "w4g8")
+    # the other Linears in a format compressed-tensors decompresses exactly (its NVFP4 Linears run bf16 weights)
+    plan = Plan({n: nv[n] if ".experts." in n else r for n, r in rest.items()})
+    quantize_model(model, plan, "rtn", {"search": False}, calib=_ids(0, 4, 32), progress=False)
+    stacks = quant_stacks(model)
+    assert all(s.input_amax is not None and s.input_amax.shape == (8,) for s in stacks.values())
+    ct.export(model, None, tmp_path / "ct")
+    back = ct.load_decompressed(tmp_path / "ct")
+    for name, s in stacks.items():
+        t = quant_stacks(back)[name]
+        assert torch.equal(t.codes, s.codes) and t.input_scheme == s.input_scheme
+        assert torch.equal(encode_scale(t.input_scheme, t.input_amax), encode_scale(s.input_scheme, s.input_amax))
+    ids = _ids()
+    with torch.no_grad():
+        assert torch.equal(back(ids).logits, model(ids).logits)
