@@ -12,7 +12,9 @@ Methods (each run in a fresh child process, so its peak RSS is its own):
 - ``rtn``: RTN with the importance search weighted by each expert's own statistics,
   gathered with all-experts calibration (every token's statistics reach every expert; the
   path with the most per-expert work: ``search=True, expert_importance=True, all_experts=True``);
-- ``gptq``: GPTQ with its defaults (per-expert Hessians from all-experts calibration).
+- ``gptq``: GPTQ with its defaults (per-expert Hessians from all-experts calibration);
+- ``signround2``: SignRoundV2, 10 iterations, mini-batch 4 (``moe_tuned.py --rows scaling``'s
+  settings; recorded as ``lowbit-signround2-median-block-E*`` beside that script's one-run rows).
 
 Per row: the median of ``--runs`` runs of the ``quantize_model`` call's wall seconds and its
 process CPU seconds (one thread: on a machine shared with other jobs the CPU time is the stable
@@ -37,11 +39,14 @@ import time
 from benchmarks.common import machine, markdown_table, merge_row, peak_rss_mib, result_path
 
 RESULTS = "moe_scaling"
-METHODS = ("rtn", "gptq")
+METHODS = ("rtn", "gptq", "signround2")
 EXPERTS = (8, 32, 128)
 SCHEME = "w4g32"
 SETTINGS = {"rtn": {"search": True, "expert_importance": True, "all_experts": True},
-            "gptq": {"all_experts": True}}
+            "gptq": {"all_experts": True},
+            "signround2": {"iters": 10, "batch_size": 4}}  # moe_tuned.py's scaling rows' settings
+# moe_tuned.py records its one-run SignRoundV2 rows as lowbit-signround2-block-E*: these are medians of runs
+TOOL = {"signround2": "signround2-median"}
 
 
 def _rss_mib() -> float:
@@ -100,7 +105,7 @@ def measure(method: str, experts: int, runs: int) -> dict:
     cpu = [g["cpu_seconds"] for g in got]
     med, cmed = statistics.median(sec), statistics.median(cpu)
     params = got[0]["expert_params"]
-    return {"tool": f"lowbit-{method}-block-E{experts}", "scheme": SCHEME, "seed": 0, "experts": experts,
+    return {"tool": f"lowbit-{TOOL.get(method, method)}-block-E{experts}", "scheme": SCHEME, "seed": 0, "experts": experts,
             "method": method, "settings": SETTINGS[method], "seconds": round(med, 3),
             "runs_seconds": [round(s, 3) for s in sec], "cpu_seconds": round(cmed, 3),
             "runs_cpu_seconds": [round(c, 3) for c in cpu], "expert_params": params,
