@@ -13,7 +13,9 @@ expert (routed / behind its statistics) and their minimum (``coverage``).
 
 Rows (``ROWS``): plain RTN, RTN with the importance search (per-expert statistics, all-experts or
 routed-only, or the weights-alone search), GPTQ with per-expert Hessians (all-experts or
-routed-only). ``--stats-cost`` times a calibration forward with and without per-expert statistics.
+routed-only; ``gptq-absmax``: min-max group scales, llm-compressor's rule), SignRoundV2 (50
+iterations; its tuning seed = the row's seed). ``--stats-cost`` times a calibration forward with and
+without per-expert statistics.
 
     python -m benchmarks.moe --rows gptq,gptq-routed --schemes w4g128,w3g128,w2g64 --seeds 0,1
     python -m benchmarks.moe --rows rtn,rtn-search --schemes w4a4-nvfp4 --seeds 0,1

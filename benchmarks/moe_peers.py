@@ -21,7 +21,10 @@ Protocol: calibration 32 x 256 tokens of the calibration split (seed 0, the wind
 ``lowbit.data.calibration_batches`` draws); symmetric INT weights, groups along the input,
 the router, embeddings and head left in 16 bits; auto-round ``iters=0`` is its RTN,
 ``--iters`` (default 50) its SignRound; llm-compressor's GPTQ with ``actorder="static"``,
-dampening 0.01, block 128, and its default all-experts calibration.
+dampening 0.01, block 128, and its default all-experts calibration (``llmc-rtn``: its
+QuantizationModifier, min-max scales). ``w4a4-nvfp4`` is each peer's own ``NVFP4`` preset (weights
+and inputs in NVFP4, the inputs' global scale calibrated); there auto-round's tuning seed is the
+row's seed too.
 
 The peers need an environment of their own: llm-compressor 0.14.0.1 pins transformers <= 5.17,
 auto-round <= 0.15.1 and compressed-tensors 0.19, which clash with auto-round 0.16 and
