@@ -13,7 +13,9 @@ expert (routed / behind its statistics) and their minimum (``coverage``).
 
 Rows (``ROWS``): plain RTN, RTN with the importance search (per-expert statistics, all-experts or
 routed-only, or the weights-alone search), GPTQ with per-expert Hessians (all-experts or
-routed-only). ``--stats-cost`` times a calibration forward with and without per-expert statistics.
+routed-only; ``gptq-absmax``: min-max group scales, llm-compressor's rule), SignRoundV2 (50
+iterations; its tuning seed = the row's seed). ``--stats-cost`` times a calibration forward with and
+without per-expert statistics.
 
     python -m benchmarks.moe --rows gptq,gptq-routed --schemes w4g128,w3g128,w2g64 --seeds 0,1
     python -m benchmarks.moe --rows rtn,rtn-search --schemes w4a4-nvfp4 --seeds 0,1
@@ -44,7 +46,10 @@ RESULTS = "moe"
 ROWS = {"rtn": ("rtn", {"search": False}), "rtn-search": ("rtn", {"expert_importance": True}),
         "rtn-search-routed": ("rtn", {"all_experts": False, "expert_importance": True}),
         "rtn-search-uniform": ("rtn", {}),
-        "gptq": ("gptq", {}), "gptq-routed": ("gptq", {"all_experts": False})}
+        "gptq": ("gptq", {}), "gptq-routed": ("gptq", {"all_experts": False}),
+        "gptq-absmax": ("gptq", {"search": False}),
+        "signround2": ("signround2", {"iters": 50, "batch_size": 8})}  # the settings of benchmarks/moe_tuned.py
+SEED_KIND = "calibration windows' draw (organism_data)"  # SignRoundV2's tuning seed is the same number
 
 
 def row_key(r: dict) -> tuple:
@@ -71,6 +76,8 @@ def row(name: str, scheme: str, organism: Path, seed: int = 0) -> dict:
     ppl_fp = perplexity(fp, ev, seqlen=EVAL_SEQLEN, windows=EVAL_WINDOWS, progress=False).ppl
     model = copy.deepcopy(fp)
     method, settings = ROWS[name]
+    if method == "signround2":
+        settings = {**settings, "seed": seed}
     rss0 = peak_rss_mib()
     t0 = time.perf_counter()
     plan = quantize_model(model, build_plan(model, scheme), method, settings, calib=calib, progress=False)
@@ -80,7 +87,7 @@ def row(name: str, scheme: str, organism: Path, seed: int = 0) -> dict:
     return {"tool": f"lowbit-{name}", "scheme": scheme, "seed": seed, "method": method, "settings": settings,
             "seconds": round(seconds, 2), "peak_rss_mib": peak_rss_mib(), "peak_rss_before_mib": rss0,
             "ppl_fp": ppl_fp, "ppl": ppl, "plan": plan.describe(), "matmul_weights": account_model(model).to_dict(),
-            "expert_tokens": tokens, "coverage": coverage(tokens), "machine": machine()}
+            "expert_tokens": tokens, "coverage": coverage(tokens), "seed_kind": SEED_KIND, "machine": machine()}
 
 
 def stats_cost(organism: Path, repeats: int = 5) -> dict:

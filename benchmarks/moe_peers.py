@@ -21,7 +21,10 @@ Protocol: calibration 32 x 256 tokens of the calibration split (seed 0, the wind
 ``lowbit.data.calibration_batches`` draws); symmetric INT weights, groups along the input,
 the router, embeddings and head left in 16 bits; auto-round ``iters=0`` is its RTN,
 ``--iters`` (default 50) its SignRound; llm-compressor's GPTQ with ``actorder="static"``,
-dampening 0.01, block 128, and its default all-experts calibration.
+dampening 0.01, block 128, and its default all-experts calibration (``llmc-rtn``: its
+QuantizationModifier, min-max scales). ``w4a4-nvfp4`` is each peer's own ``NVFP4`` preset (weights
+and inputs in NVFP4, the inputs' global scale calibrated); there auto-round's tuning seed is the
+row's seed too.
 
 The peers need an environment of their own: llm-compressor 0.14.0.1 pins transformers <= 5.17,
 auto-round <= 0.15.1 and compressed-tensors 0.19, which clash with auto-round 0.16 and
@@ -60,8 +63,12 @@ EVAL_WINDOWS, EVAL_SEQLEN = 40, 512
 # CPU, more than the tuning of a model this small)
 AUTOROUND = {"autoround-rtn": (0, {"disable_opt_rtn": True}), "autoround-optrtn": (0, {}),
              "autoround": (None, {"enable_torch_compile": False})}
-TOOLS = (*AUTOROUND, "llmc-gptq")
-SCHEMES = {"w4g128": (4, 128), "w3g128": (3, 128), "w2g64": (2, 64)}
+TOOLS = (*AUTOROUND, "llmc-gptq", "llmc-rtn")
+SCHEMES = {"w4g128": (4, 128), "w3g128": (3, 128), "w2g64": (2, 64), "w4a4-nvfp4": (4, 16)}
+# W4A4 NVFP4 (weights and inputs in NVFP4: 16-element E2M1 blocks, E4M3 scales, a per-tensor FP32 scale; the inputs'
+# per-tensor scale calibrated) is each peer's own preset of that name
+PRESETS = {"w4a4-nvfp4": "NVFP4"}
+SEED_KIND = "calibration windows' draw (organism_data)"
 
 
 # ------------------------------------------------------------------ data
@@ -98,12 +105,15 @@ def routed_tokens(model, calib) -> list[list[int]]:
 
 
 # ------------------------------------------------------------------ peers
-def run_autoround(model, tokenizer, calib, bits: int, group: int, iters: int, out: Path, **settings: Any) -> dict:
+def run_autoround(model, tokenizer, calib, scheme: str, iters: int, out: Path, seed: int = 0, **settings: Any) -> dict:
+    """auto-round on the organism; ``seed`` is its tuning seed (0 for the weight-only rows, whose second seed was
+    the tuning order; the W4A4 rows draw windows and tuning order from the same seed)."""
     from auto_round import AutoRound
 
-    ar = AutoRound(model, tokenizer, bits=bits, group_size=group, sym=True, iters=iters,
-                   dataset=[r.unsqueeze(0) for r in calib], nsamples=len(calib), seqlen=calib.shape[1],
-                   batch_size=BATCH, device_map="cpu", seed=0, **settings)
+    fmt = {"scheme": PRESETS[scheme]} if scheme in PRESETS else \
+        {"bits": SCHEMES[scheme][0], "group_size": SCHEMES[scheme][1], "sym": True}
+    ar = AutoRound(model, tokenizer, iters=iters, dataset=[r.unsqueeze(0) for r in calib], nsamples=len(calib),
+                   seqlen=calib.shape[1], batch_size=BATCH, device_map="cpu", seed=seed, **fmt, **settings)
     ar.quantize()  # quantize_and_save's immediate saving frees the weights: evaluate first, then save
     import auto_round
 
@@ -115,16 +125,22 @@ def run_autoround(model, tokenizer, calib, bits: int, group: int, iters: int, ou
             "save": save}
 
 
-def run_llmc_gptq(model, tokenizer, calib, bits: int, group: int, out: Path) -> dict:
+def run_llmc(model, tokenizer, calib, scheme: str, out: Path, gptq: bool = True) -> dict:
+    """llm-compressor's GPTQ (or, ``gptq=False``, its QuantizationModifier: min-max RTN, calibrated input scales)."""
     import torch
     from llmcompressor import oneshot
     from llmcompressor.modifiers.gptq import GPTQModifier
+    from llmcompressor.modifiers.quantization import QuantizationModifier
     from torch.utils.data import DataLoader
 
-    groups = {"group_0": {"targets": ["Linear"], "weights": {
-        "num_bits": bits, "type": "int", "symmetric": True, "strategy": "group", "group_size": group}}}
-    recipe = [GPTQModifier(config_groups=groups, ignore=["lm_head"], block_size=128, dampening_frac=0.01,
-                           actorder="static")]
+    if scheme in PRESETS:
+        fmt: dict[str, Any] = {"scheme": PRESETS[scheme], "targets": ["Linear"]}
+    else:
+        bits, group = SCHEMES[scheme]
+        fmt = {"config_groups": {"group_0": {"targets": ["Linear"], "weights": {
+            "num_bits": bits, "type": "int", "symmetric": True, "strategy": "group", "group_size": group}}}}
+    recipe = [GPTQModifier(ignore=["lm_head"], block_size=128, dampening_frac=0.01, actorder="static", **fmt)
+              if gptq else QuantizationModifier(ignore=["lm_head"], **fmt)]
     rows = [{"input_ids": r.unsqueeze(0), "attention_mask": torch.ones(1, r.numel(), dtype=torch.long)} for r in calib]
     model = oneshot(model=model, tokenizer=tokenizer, dataset=DataLoader(rows, batch_size=None), recipe=recipe,
                     num_calibration_samples=len(calib), max_seq_length=calib.shape[1])
@@ -202,14 +218,14 @@ def child(tool: str, scheme: str, iters: int, organism: Path, keep: Path | None,
     cfg = model.config
     ppl_fp = perplexity(model, ev, seqlen=EVAL_SEQLEN, windows=EVAL_WINDOWS, progress=False).ppl
     coverage = routed_tokens(model, calib)
-    bits, group = SCHEMES[scheme]
     out = keep / f"{tool}-{scheme}-s{seed}" if keep else Path(tempfile.mkdtemp(prefix=f"moe-{tool}-"))
     t0 = time.perf_counter()
     if tool in AUTOROUND:
         steps, settings = AUTOROUND[tool]
-        extra = run_autoround(model, tok, calib, bits, group, iters if steps is None else steps, out, **settings)
+        extra = run_autoround(model, tok, calib, scheme, iters if steps is None else steps, out,
+                              seed if scheme in PRESETS else 0, **settings)
     else:
-        extra = run_llmc_gptq(model, tok, calib, bits, group, out)
+        extra = run_llmc(model, tok, calib, scheme, out, gptq=tool == "llmc-gptq")
     seconds = time.perf_counter() - t0
     rss = peak_rss_mib()
     quantized, save = extra.pop("model"), extra.pop("save")
@@ -224,7 +240,7 @@ def child(tool: str, scheme: str, iters: int, organism: Path, keep: Path | None,
             "layout": layout(out, cfg.num_hidden_layers, cfg.num_experts), "out": str(out),
             "calib_tokens_per_expert": coverage,
             "experts_without_calib_tokens": sum(c == 0 for layer in coverage for c in layer),
-            "versions": _versions(), "machine": machine(), **extra}
+            "versions": _versions(), "machine": machine(), "seed_kind": SEED_KIND, **extra}
 
 
 def _folder_with_config(path: Path) -> Path:

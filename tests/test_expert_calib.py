@@ -313,3 +313,64 @@ def test_input_quantized_experts_use_each_experts_own_static_scale_and_round_tri
     ids = _calib(2, 16, seed=4)
     with torch.no_grad():
         assert torch.equal(back(ids).logits, q(ids).logits)
+
+
+def test_statistics_behind_an_input_quantizer_are_those_of_the_quantized_inputs():
+    """With quantizers, gate_up's Hessian is q(x)^T q(x) and down's that of q(act(q(x) W_gu^T)), expert by expert."""
+    from lowbit.formats.inputs import qdq_input
+    from lowbit.formats.recipe import Recipe
+
+    model = make("qwen3_moe")
+    ids = _calib(2, 16)
+    seen = _capture(model, ids)
+    scheme = Recipe.parse("w4a4-nvfp4").input
+    amax = {"gate_up_proj": torch.linspace(1.0, 4.0, 8), "down_proj": torch.linspace(0.02, 0.09, 8)}
+    fns = {p: (lambda e, v, p=p: qdq_input(v, scheme, amax[p][e])) for p in amax}
+    with torch.no_grad(), expert_stats(_experts(model), ("xtx",), all_experts=False) as plain:
+        model(ids)
+    mods = _experts(model)
+    from lowbit.ptq.expert_calib import ExpertStats
+
+    stats = {n: ExpertStats(m, n, ("xtx",), all_experts=False, quantizers=fns) for n, m in mods.items()}
+    for s in stats.values():
+        s.__enter__()
+    with torch.no_grad():
+        model(ids)
+    for s in stats.values():
+        s.__exit__()
+    for name, s in stats.items():
+        x, idx = seen[name]
+        m = mods[name]
+        for e in (0, 5):
+            xq = fns["gate_up_proj"](e, x[(idx == e).any(-1)])
+            gate, up = (xq @ m.gate_up_proj[e].T).chunk(2, -1)
+            aq = fns["down_proj"](e, torch.nn.functional.silu(gate) * up)
+            torch.testing.assert_close(s.result("xtx", "gate_up_proj")[e].float(), xq.T @ xq)
+            torch.testing.assert_close(s.result("xtx", "down_proj")[e].float(), aq.T @ aq)
+            assert not torch.allclose(s.result("xtx", "down_proj")[e], plain[name].result("xtx", "down_proj")[e])
+
+
+def test_gptq_with_an_input_recipe_calibrates_rtns_static_scales_and_quantizes_under_the_quantized_hessian():
+    """W4A4 on experts with GPTQ: each expert's static input abs-max is the one RTN calibrates from the same tokens,
+    and its codes = gptq_layers under H = q(X_e)^T q(X_e), its routed tokens through that quantizer."""
+    from lowbit.formats.inputs import qdq_input
+
+    model = make("qwen3_moe")
+    c = _calib(8, 32)
+    name = "model.layers.0.mlp.experts"
+    x, idx = _capture(model, c)[name]
+    plan = Plan({f"{name}.gate_up_proj": build_plan(model, "w4a4-nvfp4")[f"{name}.gate_up_proj"]})
+    s = GPTQSettings(all_experts=False)
+    q, r = copy.deepcopy(model), copy.deepcopy(model)
+    quantize_model(q, plan, "gptq", s, calib=c, progress=False)
+    quantize_model(r, plan, "rtn", {"all_experts": False}, calib=c, progress=False)
+    stack = q.get_submodule(name).stacks()["gate_up_proj"]
+    amax = stack.input_amax
+    assert torch.equal(amax, r.get_submodule(name).stacks()["gate_up_proj"].input_amax)
+    assert len(set(amax.tolist())) > 4  # routed-only: each expert's own range (two may share a token's maximum)
+    scheme = searched(plan).weight(f"{name}.gate_up_proj")
+    for e in (0, 3, 7):
+        xe = qdq_input(x[(idx == e).any(-1)].float(), stack.input_scheme, amax[e])
+        want = gptq_layers({"w": (model.get_submodule(name).gate_up_proj[e].detach(), scheme)},
+                           (xe.T @ xe).double(), s)[0]["w"]
+        assert torch.equal(stack.expert(e).codes, want.codes) and torch.equal(stack.expert(e).scales, want.scales)

@@ -210,3 +210,54 @@ def test_an_expert_no_token_reaches_keeps_its_rtn_start_finite():
         assert torch.equal(a[n].codes[7], b[n].codes[7]) and torch.equal(a[n].scales[7], b[n].scales[7])
         assert torch.isfinite(b[n].scales).all()
     assert any(not torch.equal(a[n].codes[:7], b[n].codes[:7]) for n in a)
+
+
+@pytest.mark.parametrize("arch, scheme, v2", [("qwen3_moe", "w4a4-nvfp4", True), ("gpt_oss", "w4a4-nvfp4", False),
+                                              ("qwen3_moe", "w8a8-int8", True), ("gpt_oss", "w8a8-fp8-static", True)])
+def test_frozen_experts_with_quantized_inputs_compute_exactly_what_the_tuned_forward_did(arch, scheme, v2):
+    """Input recipes: the tuned forward quantizes each expert's two inputs with its own static scale, as the frozen
+    module will (the same routed loop), and differs from the weight-only forward (the inputs really are quantized)."""
+    from lowbit.formats.recipe import Recipe
+
+    model = make(arch).eval()
+    experts = decoder_blocks(model)[0].mlp.experts
+    recipe = Recipe.parse(scheme)
+    transposed = bool(getattr(experts, "is_transposed", False))
+    rounders, inputs = {}, {}
+    for i, (name, p) in enumerate((n, p) for n, p in experts.named_parameters(recurse=False) if p.dim() == 3):
+        w = p.detach().transpose(1, 2) if transposed else p.detach()
+        rounders[name] = StackRounder(w, recipe.weight, None, v2)
+        _perturb(rounders[name], i)
+        amax = torch.linspace(0.5, 3.0, 8) * (1 + i) if recipe.needs_calibration else None
+        inputs[name] = (recipe.input, amax)
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(20, experts.gate_up_proj.shape[-1 if not transposed else 1], generator=g)
+    idx = torch.stack([torch.randperm(8, generator=g)[:2] for _ in range(20)])
+    wts = torch.rand(20, 2, generator=g)
+    with torch.no_grad():
+        want = TunedExperts(experts, rounders, inputs)(x, idx, wts)
+        weight_only = TunedExperts(experts, rounders)(x, idx, wts)
+        frozen = QuantExperts(experts, {n: r.export().with_input(*inputs[n]) for n, r in rounders.items()})
+        got = frozen(x, idx, wts)
+    assert torch.equal(got, want)
+    assert (want - weight_only).abs().max() > 1e-3 * weight_only.abs().max()
+    xg = x.clone().requires_grad_(True)  # tuning: the input quantization passes gradients straight through
+    TunedExperts(experts, rounders, inputs)(xg, idx, wts).sum().backward()
+    assert xg.grad is not None and bool(xg.grad.abs().sum() > 0)
+    assert all(p.grad is not None for r in rounders.values() for p in r.parameters() if p.requires_grad)
+
+
+def test_signround2_with_an_input_recipe_tunes_on_quantized_inputs_with_rtns_static_scales():
+    model = make("qwen3_moe").eval()
+    plan = _experts_plan(model, "w4a4-nvfp4")
+    calib = _calib()
+    rtn, tuned = copy.deepcopy(model), copy.deepcopy(model)
+    quantize_model(rtn, plan, "rtn", {}, calib=calib, progress=False, keep16=False)
+    infos = signround_quantize(tuned, plan, make_config(iters=20, batch_size=4, v2=True), calib, progress=False)
+    assert all(i["loss"] <= i["rtn_loss"] for i in infos) and any(i["loss"] < i["rtn_loss"] for i in infos)
+    got, ref = quant_stacks(tuned), quant_stacks(rtn)
+    assert got.keys() == ref.keys() and len(got) == 4
+    for n, s in got.items():  # block 0's experts read the float states: the same calibration as RTN's
+        assert s.input_scheme == ref[n].input_scheme
+        if ".0." in n:
+            assert torch.equal(s.input_amax, ref[n].input_amax)

@@ -148,14 +148,24 @@ def test_quantize_rtn_quantizes_the_experts_and_inspect_and_eval_read_them(moe_d
 
 
 @pytest.mark.parametrize("method", ("gptq", "signround2"))
-def test_tuning_methods_with_input_recipes_on_experts_are_refused_naming_rtn(moe_dir, tmp_path, capsys, method):
-    """Every method quantizes experts' weights; only RTN calibrates per-expert static input scales yet."""
-    assert main(["quantize", str(moe_dir), "--scheme", "w4a4-nvfp4", "--method", method, "--no-eval",
-                 "--out", str(tmp_path / "q")]) == 2
-    err = [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("lowbit")]
-    assert len(err) == 1 and f"--method {method} does not calibrate per-expert input scales" in err[0]
-    assert "--method rtn does" in err[0] and "--keep experts" in err[0]
-    assert list(tmp_path.iterdir()) == []
+def test_tuning_methods_quantize_experts_with_input_recipes_and_the_file_keeps_their_scales(moe_dir, tmp_path, capsys,
+                                                                                          method):
+    """W4A4 with GPTQ / SignRoundV2 (refused before issue 34's second pass): every expert gets its static input scale,
+    and the native file reloads to the same logits."""
+    out = tmp_path / "q"
+    iters = ["--iters", "2"] if method == "signround2" else []
+    assert main(["quantize", str(moe_dir), "--scheme", "w4a4-nvfp4", "--method", method, "--no-eval", "--nsamples",
+                 "4", "--seqlen", "32", *iters, "--json", "--out", str(out)]) == 0
+    acc = _last(capsys)["matmul_weights"]
+    assert "experts" in acc["quantized"] and "experts" not in acc["float"]
+    model, _ = load(out)
+    stacks = quant_stacks(model)
+    assert len(stacks) == 4 and all(s.input_scheme is not None and s.input_scheme.name == "nvfp4" for s in stacks.values())
+    assert all(s.input_amax.shape == (8,) and bool((s.input_amax > 0).all()) for s in stacks.values())
+    ids = torch.randint(0, 100, (1, 16))
+    again, _ = load(out)
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, again(ids).logits) and bool(torch.isfinite(model(ids).logits).all())
 
 
 def test_tuning_methods_still_run_with_experts_kept_in_float(moe_dir, tmp_path, capsys):
@@ -165,7 +175,6 @@ def test_tuning_methods_still_run_with_experts_kept_in_float(moe_dir, tmp_path, 
 
 
 @pytest.mark.parametrize("how, needle", (
-    (["--scheme", "w4a4-nvfp4", "--method", "gptq"], "--method gptq does not calibrate per-expert input scales yet"),
     (["--scheme", "w4g16", "--rotate"], "--rotate do not handle mixture-of-experts experts yet"),
     (["--scheme", "w4g32"], "group size 32 is larger than the 16 input columns of model.layers.0.mlp.experts.down_proj"),
 ))
@@ -198,11 +207,9 @@ def test_keep_experts_drops_them_from_a_uniform_plan():
     assert gate(model, list(plan)) == set()  # nothing left in float unasked: no refusal
 
 
-def test_experts_with_input_recipe_refused_by_the_library_entry_too():
+def test_experts_with_a_static_input_recipe_and_no_calibration_refused_by_the_library_entry():
     model = make("qwen3_moe")
     plan = Plan(build_plan(model, "w4a4-nvfp4").layers)
-    with pytest.raises(ConfigError, match="--method gptq does not calibrate per-expert input scales"):
-        quantize_model(model, plan, "gptq", {}, calib=torch.zeros(2, 8, dtype=torch.long), progress=False)
     with pytest.raises(ConfigError, match="static input scales of model.layers.0.mlp.experts.* needs calibration"):
         quantize_model(model, Plan({n: r for n, r in plan.items() if "experts" in n}), "rtn", {"search": False},
                        progress=False)

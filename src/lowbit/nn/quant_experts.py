@@ -26,7 +26,7 @@ would need the per-expert loop re-implemented and is left for a fused kernel.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -214,44 +214,53 @@ class QuantExperts(nn.Module):
                 inner.__dict__.pop(name, None)
 
     def _expert_loop(self, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
-        """The experts forward with each expert's inputs quantized by its own static scale.
-
-        The module's own forward cannot quantize per expert (it sees one input for all of
-        them), so the routed sum is written out here as the eager forward of transformers'
-        experts computes it: per expert hit, its tokens, ``gate_up`` (+ bias), the module's
-        activation (``_apply_gate`` for gpt-oss, else ``act_fn(gate) * up``), ``down`` (+ bias),
-        times the router's weight, summed with ``index_add_``; the two matrices' inputs pass
-        their stack's `QuantStack.quantize_input` first. Only gate_up_proj / down_proj
-        experts get here (`lowbit.ptq.expert_calib` checks the module).
-        """
-        idx = args[0] if args else next(kwargs[k] for k in ("top_k_index", "router_indices") if k in kwargs)
-        weights = args[1] if len(args) > 1 else next(kwargs[k] for k in ("top_k_weights", "routing_weights")
-                                                     if k in kwargs)
-        inner, stacks, out = self._float, self.stacks(), torch.zeros_like(hidden_states)
+        """The experts forward with each expert's inputs quantized by its own static scale (`routed_experts`)."""
+        stacks = self.stacks()
         w = {n: st.dequantize(torch.float32).to(hidden_states.dtype) for n, st in stacks.items()}
         for n in ("gate_up_proj", "down_proj"):
             if n not in w:  # a parameter the plan left in float
                 p = self._parameters[n]
                 w[n] = p.transpose(1, 2) if self.transposed else p
         ident = _IdentityStack()
-        gate_up, down = stacks.get("gate_up_proj", ident), stacks.get("down_proj", ident)
-        gu_bias, d_bias = getattr(self, "gate_up_proj_bias", None), getattr(self, "down_proj_bias", None)
-        for e in torch.unique(idx[(idx >= 0) & (idx < w["down_proj"].shape[0])]).tolist():
-            tok, pos = torch.where(idx == e)
-            h = torch.nn.functional.linear(gate_up.quantize_input(e, hidden_states[tok]), w["gate_up_proj"][e],
-                                           None if gu_bias is None else gu_bias[e])
-            if hasattr(inner, "_apply_gate"):
-                a = inner._apply_gate(h)
-            else:
-                g, u = h.chunk(2, dim=-1)
-                a = inner.act_fn(g) * u
-            y = torch.nn.functional.linear(down.quantize_input(e, a), w["down_proj"][e],
-                                           None if d_bias is None else d_bias[e])
-            out.index_add_(0, tok, (y * weights[tok, pos, None]).to(out.dtype))
-        return out
+        quant = {n: stacks.get(n, ident).quantize_input for n in ("gate_up_proj", "down_proj")}
+        bias = {n: getattr(self, f"{n}_bias", None) for n in ("gate_up_proj", "down_proj")}
+        return routed_experts(self._float, w, bias, quant, hidden_states, *args, **kwargs)
 
     def extra_repr(self) -> str:
         return f"float_class={self.float_class}, transposed={self.transposed}"
+
+
+def routed_experts(inner: nn.Module, w: Mapping[str, torch.Tensor], bias: Mapping[str, torch.Tensor | None],
+                   quant: Mapping[str, Callable[[int, torch.Tensor], torch.Tensor]], hidden_states: torch.Tensor,
+                   *args: Any, **kwargs: Any) -> torch.Tensor:
+    """The routed experts sum with each expert's two inputs passed through ``quant[param](expert, x)`` first.
+
+    The float module's forward cannot quantize per expert (it sees one input for all of
+    them), so the routed sum is written out here as the eager forward of transformers'
+    experts computes it: per expert hit, its tokens, ``gate_up`` (+ bias), the module's
+    activation (``_apply_gate`` for gpt-oss, else ``act_fn(gate) * up``), ``down`` (+ bias),
+    times the router's weight, summed with ``index_add_``. ``w``: ``[E, out, in]`` matrices of
+    ``gate_up_proj`` / ``down_proj``; ``inner``: the float module (its activation). Only
+    gate_up_proj / down_proj experts get here (`lowbit.ptq.expert_calib` checks the module).
+    One loop for the frozen `QuantExperts` and the module SignRound tunes, so the two agree bit for bit.
+    """
+    idx = args[0] if args else next(kwargs[k] for k in ("top_k_index", "router_indices") if k in kwargs)
+    weights = args[1] if len(args) > 1 else next(kwargs[k] for k in ("top_k_weights", "routing_weights")
+                                                 if k in kwargs)
+    out = torch.zeros_like(hidden_states)
+    gu_bias, d_bias = bias.get("gate_up_proj"), bias.get("down_proj")
+    for e in torch.unique(idx[(idx >= 0) & (idx < w["down_proj"].shape[0])]).tolist():
+        tok, pos = torch.where(idx == e)
+        h = torch.nn.functional.linear(quant["gate_up_proj"](e, hidden_states[tok]), w["gate_up_proj"][e],
+                                       None if gu_bias is None else gu_bias[e])
+        if hasattr(inner, "_apply_gate"):
+            a = inner._apply_gate(h)
+        else:
+            g, u = h.chunk(2, dim=-1)
+            a = inner.act_fn(g) * u
+        y = torch.nn.functional.linear(quant["down_proj"](e, a), w["down_proj"][e], None if d_bias is None else d_bias[e])
+        out.index_add_(0, tok, (y * weights[tok, pos, None]).to(out.dtype))
+    return out
 
 
 class _IdentityStack:

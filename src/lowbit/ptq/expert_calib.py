@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import contextlib
 import warnings
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -46,7 +46,10 @@ from torch import nn
 from torch.nn import functional as F
 
 from lowbit.errors import ConfigError
+from lowbit.formats.inputs import InputScheme, qdq_input
 
+ExpertInput = tuple[InputScheme, "torch.Tensor | None"]  # an experts tensor's input scheme, [E] static abs-max or None
+InputFn = Callable[[int, torch.Tensor], torch.Tensor]  # (expert, its input) -> the input as its recipe quantizes it
 MIN_TOKENS = 16  # default threshold: an expert with statistics from fewer tokens gets the fallback
 STAT_PARAMS = ("gate_up_proj", "down_proj")  # the fused parameters whose inputs are known (see module doc)
 ALL_EXPERTS_HELP = ("mixture-of-experts calibration: every token's statistics also reach every expert (the block's "
@@ -113,15 +116,19 @@ class ExpertStats:
 
     kinds: ``"sumsq"``, ``"xtx"`` and/or ``"absmax"`` (none: token counts only). params: the
     fused parameters whose inputs to accumulate (``gate_up_proj``, ``down_proj``). The sums are float64 on ``device``
-    (default: the module's).
+    (default: the module's). quantizers: parameter -> ``(expert, x) -> x`` as the recipe quantizes that matrix's
+    inputs (`QuantStack.quantize_input`): the statistics are then those of the inputs the quantized expert will
+    see (its activation computed from the quantized hidden states), as a Linear's Hessian behind its
+    `InputQuantizer` is.
     """
 
     def __init__(self, module: nn.Module, name: str, kinds: tuple[str, ...] = ("sumsq",),
                  params: tuple[str, ...] = STAT_PARAMS, all_experts: bool = True,
-                 device: torch.device | None = None) -> None:
+                 device: torch.device | None = None, quantizers: Mapping[str, InputFn] | None = None) -> None:
         check_stat_experts(module, name)
         self.module, self.name, self.kinds, self.params = module, name, kinds, params
         self.all_experts = all_experts
+        self.quantizers = dict(quantizers or {})
         w = _matrices(module, "gate_up_proj")
         self.count = w.shape[0]
         self.device = device or w.device
@@ -153,11 +160,16 @@ class ExpertStats:
             self.seen[e] += xe.shape[0]
             if not self.kinds:  # token counts only: no expert's activation to compute
                 continue
-            inputs = {"gate_up_proj": xe}
+            inputs = {"gate_up_proj": self._quantized("gate_up_proj", e, xe)}
             if "down_proj" in self.params:
-                inputs["down_proj"] = expert_activation(self.module, e, xe)
+                inputs["down_proj"] = self._quantized("down_proj", e,
+                                                      expert_activation(self.module, e, inputs["gate_up_proj"]))
             for param in self.params:
                 self._accumulate(param, e, inputs[param].float())
+
+    def _quantized(self, param: str, e: int, x: torch.Tensor) -> torch.Tensor:
+        q = self.quantizers.get(param)
+        return x if q is None else q(e, x)
 
     def _accumulate(self, param: str, e: int, x: torch.Tensor) -> None:
         n = x.shape[-1]
@@ -182,6 +194,12 @@ class ExpertStats:
     def coverage(self) -> Coverage:
         return Coverage(self.name, tuple(self.routed.tolist()), tuple(self.seen.tolist()), self.all_experts)
 
+    def reduce(self, fn: Callable[[torch.Tensor, str], torch.Tensor]) -> None:
+        """Combine with the other processes' statistics: ``fn(tensor, "sum" | "max")`` reduces one over the ranks
+        (counts and sums summed, abs-max maxed), so every rank derives the same scales."""
+        self.routed, self.seen = fn(self.routed, "sum"), fn(self.seen, "sum")
+        self.sums = {k: fn(v, "max" if k[0] == "absmax" else "sum") for k, v in self.sums.items()}
+
 
 def _shape(kind: str, count: int, n: int) -> tuple[int, ...]:
     return {"absmax": (count,), "sumsq": (count, n), "xtx": (count, n, n)}[kind]
@@ -199,6 +217,20 @@ def input_amax(stats: ExpertStats, param: str, min_tokens: int) -> torch.Tensor:
                           f"scales of {param}; pass more calibration tokens (--nsamples) or all-experts calibration")
     amax[low] = amax[fed].max()
     return amax
+
+
+def input_fn(scheme: InputScheme, amax: torch.Tensor | None) -> InputFn:
+    """``(expert, x) -> x`` quantized as `QuantStack.quantize_input` does with ``scheme`` and per-expert ``amax [E]``."""
+    return lambda e, x: qdq_input(x, scheme, None if amax is None else amax[e])
+
+
+def static_input_amax(stats: Mapping[str, ExpertStats], params: Mapping[str, tuple[str, ...]], min_tokens: int
+                      ) -> dict[str, torch.Tensor]:
+    """``module.param`` -> ``[E]`` static input abs-max (`input_amax`) of each named parameter of each module's stats.
+
+    params: experts module (the key of ``stats``) -> its parameters whose recipe has a static input scale.
+    """
+    return {f"{m}.{p}": input_amax(stats[m], p, min_tokens) for m, ps in params.items() for p in ps}
 
 
 @contextlib.contextmanager

@@ -32,7 +32,8 @@ from torch import nn
 
 from lowbit.formats import Scheme
 from lowbit.nn import set_module
-from lowbit.nn.quant_experts import QuantStack, expert_matrices
+from lowbit.nn.quant_experts import QuantStack, expert_matrices, routed_experts
+from lowbit.ptq.expert_calib import ExpertInput, InputFn, input_fn
 from lowbit.ptq.rounders import make_rounder
 
 
@@ -56,6 +57,10 @@ class StackRounder(nn.Module):
 
     def export(self) -> QuantStack:
         return QuantStack([r.export() for r in self.parts])
+
+
+def _identity(_e: int, x: torch.Tensor) -> torch.Tensor:
+    return x
 
 
 def _expert_imp(imp: torch.Tensor | None, e: int) -> torch.Tensor | None:
@@ -87,11 +92,13 @@ class TunedExperts(nn.Module):
     fake-quantized tensors lent in their place.
     """
 
-    def __init__(self, experts: nn.Module, rounders: Mapping[str, StackRounder]) -> None:
+    def __init__(self, experts: nn.Module, rounders: Mapping[str, StackRounder],
+                 inputs: Mapping[str, ExpertInput] | None = None) -> None:
         super().__init__()
         self.inner = experts
         self.transposed = bool(getattr(experts, "is_transposed", False))
         self.rounders = nn.ModuleDict(rounders)
+        self.inputs = dict(inputs or {})  # parameter -> (input scheme, [E] static abs-max or None)
 
     def weights(self, dtype: torch.dtype) -> dict[str, torch.Tensor]:
         """parameter -> the fake-quantized 3-D tensor in the module's layout (as `QuantExperts.float_weights`)."""
@@ -102,6 +109,8 @@ class TunedExperts(nn.Module):
         return out
 
     def forward(self, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        if self.inputs:
+            return self._quantized_inputs(hidden_states, *args, **kwargs)
         inner = self.inner
         weights = self.weights(hidden_states.dtype)
         saved = {name: inner._parameters.pop(name) for name in weights}
@@ -113,6 +122,28 @@ class TunedExperts(nn.Module):
             for name, p in saved.items():
                 inner.__dict__.pop(name, None)
                 inner._parameters[name] = p
+
+    def _quantized_inputs(self, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        """The routed sum with each expert's inputs quantized (`routed_experts`, the loop the frozen
+        `QuantExperts` runs), on the rounders' weights; the input quantization passes gradients straight through."""
+        inner, dtype = self.inner, hidden_states.dtype
+        w = {n: r().to(dtype) for n, r in self.rounders.items()}
+        for n in ("gate_up_proj", "down_proj"):
+            if n not in w:  # left in float by the plan
+                p = inner.get_parameter(n)
+                w[n] = p.transpose(1, 2) if self.transposed else p
+        quant = {n: _ste(input_fn(*self.inputs[n])) if n in self.inputs else _identity
+                 for n in ("gate_up_proj", "down_proj")}
+        bias = {n: getattr(inner, f"{n}_bias", None) for n in ("gate_up_proj", "down_proj")}
+        return routed_experts(inner, w, bias, quant, hidden_states, *args, **kwargs)
+
+
+def _ste(fn: InputFn) -> InputFn:
+    """``fn``'s values forward, an identity gradient backward (as `InputQuantizer` passes a Linear's)."""
+    def f(e: int, x: torch.Tensor) -> torch.Tensor:
+        q = fn(e, x)
+        return q if not x.requires_grad else x + (q - x).detach()
+    return f
 
 
 def stack_rounder(experts: nn.Module, param: str, scheme: Scheme, imp: torch.Tensor | None, v2: bool

@@ -13,9 +13,13 @@ on the block-wise engine (`lowbit.ptq.gptq_experts`).
 SignRound and SignRoundV2 tune a rounder per expert matrix inside the block, the router
 frozen (`lowbit.ptq.expert_rounding`).
 
+Input-quantized recipes (W4A4, W8A8) work with every method above: the block-wise engine
+calibrates one static input abs-max per expert on the float inputs, as RTN does (all-experts
+calibration, the layer's range for a starved expert), and GPTQ's Hessians and SignRound's
+tuned forward see each expert's quantized inputs, as a Linear's do behind its input quantizer.
+
 What does not quantize experts yet is refused before any work, with one line naming
-what works today: GPTQ with input-quantized recipes (its Hessians would need each expert's
-quantized inputs), SignRound with input-quantized recipes, and the float pre-steps: rotation
+what works today: the float pre-steps: rotation
 rewrites Linears and would leave the experts' inputs unmatched; AWQ's channel scales are
 defined per group of Linears reading one input and folded into what produces it, and for
 ``gate_up_proj`` that group is every expert of the layer plus the router (all read the
@@ -47,7 +51,6 @@ from lowbit.ptq.expert_calib import (
     warn_unrouted,
 )
 
-INPUT_METHODS = ("rtn",)  # methods that calibrate per-expert static input scales (input-quantized recipes)
 STAT_METHODS = ("gptq",)  # methods that always read per-expert statistics (RTN only with its search)
 EXPERT_METHODS = (  # methods that quantize experts today, one a line
     "rtn",  # per-expert importance search (lowbit.ptq.expert_calib)
@@ -80,12 +83,7 @@ def check_experts(model: nn.Module, plan: Plan, method: str, pre_steps: tuple[st
     if method not in EXPERT_METHODS:
         raise ConfigError(f"--method {method} does not quantize mixture-of-experts experts yet ({first}, ...); "
                           f"{' and '.join(f'--method {m}' for m in EXPERT_METHODS)} do today, {keep}")
-    inputs = [n for n in experts if plan[n].input is not None]
-    if inputs and method not in INPUT_METHODS:
-        raise ConfigError(f"experts {inputs[0]}: recipe {plan[inputs[0]].name} quantizes inputs, and --method {method} "
-                          f"does not calibrate per-expert input scales yet; --method "
-                          f"{' / '.join(INPUT_METHODS)} does, or give the experts a weight-only scheme (a --plan), "
-                          f"{keep}")
+    inputs = [n for n in experts if plan[n].input is not None]  # every expert method calibrates their input scales
     if inputs:
         for module in {experts[n].module for n in inputs}:
             check_stat_experts(model.get_submodule(module), module)

@@ -433,7 +433,7 @@ class GPTQTuner:
         for rel, planned in experts.items():
             full = next(iter(planned.values()))[0].rsplit(".", 1)[0]  # the model's name of the experts module
             got, e, cov = gptq_experts(job.block.get_submodule(rel), full, planned, run, one, s.all_experts,
-                                       s.min_expert_tokens, s.true_sequential)
+                                       s.min_expert_tokens, s.true_sequential, job.expert_inputs)
             stacks |= got
             errs += e
             coverage.append(cov)

@@ -7,7 +7,10 @@ token in all-experts calibration, else from its routed tokens) and `gptq_layers`
 on each ``[out, in]`` matrix under its own Hessian exactly as it does for a Linear
 (same scale rules, act-order, static groups, NVFP4 tensor scale per matrix as RTN gives
 it). With ``true_sequential`` the down Hessians are taken with the quantized gate/up in
-place (the inputs down will really see), as a block's Linears are.
+place (the inputs down will really see), as a block's Linears are. A recipe that quantizes
+inputs (W4A4, W8A8) gives each expert's Hessians from its quantized inputs, with the
+per-expert static scales the block-wise pass calibrated on the float inputs, as a Linear's
+Hessian is taken behind its input quantizer.
 
 An expert whose Hessian comes from fewer than ``min_tokens`` tokens is not GPTQ'd from a
 near-empty Hessian (all-zero for an expert no token reached: GPTQ would be RTN with an
@@ -25,7 +28,7 @@ from torch import nn
 from lowbit.formats import QTensor, Scheme, quantize
 from lowbit.models.experts import expert_tensors
 from lowbit.nn.quant_experts import QuantStack, expert_matrices
-from lowbit.ptq.expert_calib import Coverage, ExpertStats, warn_starved, warn_unrouted
+from lowbit.ptq.expert_calib import Coverage, ExpertInput, ExpertStats, input_fn, warn_starved, warn_unrouted
 
 # GPTQ of one matrix under one Hessian: (weights, scheme, hessian, where) -> (QTensor, relative error)
 MatrixGPTQ = Callable[[torch.Tensor, Scheme, torch.Tensor, str], tuple[QTensor, float]]
@@ -44,9 +47,12 @@ def experts_in(block: nn.Module, layers: Mapping[str, tuple[str, Scheme]]) -> di
 
 def gptq_experts(module: nn.Module, name: str, planned: Mapping[str, tuple[str, Scheme]],
                  run: Callable[[], None], one: MatrixGPTQ, all_experts: bool, min_tokens: int,
-                 sequential: bool) -> tuple[dict[str, QuantStack], list[float], Coverage]:
+                 sequential: bool, inputs: Mapping[str, ExpertInput] | None = None
+                 ) -> tuple[dict[str, QuantStack], list[float], Coverage]:
     """GPTQ of one experts module's planned parameters; ``run()`` pushes the calibration samples through its block.
 
+    inputs: full name -> (input scheme, per-expert static abs-max) of the parameters whose recipe
+    quantizes inputs: their Hessians are taken on the quantized inputs each expert will see.
     Returns full name -> `QuantStack`, the matrices' relative errors, and the coverage.
     The module's parameters are left as they were (float).
     """
@@ -54,12 +60,13 @@ def gptq_experts(module: nn.Module, name: str, planned: Mapping[str, tuple[str, 
     passes = [[p] for p in order] if sequential else [order]
     transposed = bool(getattr(module, "is_transposed", False))
     original = {p: module._parameters[p] for p in order}
+    quantizers = {p: input_fn(*inputs[full]) for p, (full, _) in planned.items() if full in (inputs or {})}
     stacks: dict[str, QuantStack] = {}
     errs: list[float] = []
     coverage: Coverage | None = None
     try:
         for params in passes:
-            stats = ExpertStats(module, name, ("xtx",), tuple(params), all_experts)
+            stats = ExpertStats(module, name, ("xtx",), tuple(params), all_experts, quantizers=quantizers)
             with stats:
                 run()
             coverage = coverage or stats.coverage()

@@ -43,6 +43,7 @@ from lowbit.ptq.blockwise import (
     reduce_tensor,
 )
 from lowbit.ptq.blockwise.access import block_experts, block_linears
+from lowbit.ptq.expert_calib import ExpertInput
 from lowbit.ptq.expert_rounding import (
     StackRounder,
     TunedExperts,
@@ -340,13 +341,16 @@ class SignRoundTuner:
         """A `StackRounder` per planned experts tensor; each experts module becomes a `TunedExperts` on them."""
         experts = block_experts(job.block, job.layers)
         by_module: dict[str, dict[str, StackRounder]] = {}
+        inputs: dict[str, dict[str, ExpertInput]] = {}  # the recipe's input quantization, per experts module
         rounders: dict[str, nn.Module] = {}
         for name, t in experts.items():
             module = job.block.get_submodule(t.module)
             r = stack_rounder(module, t.param, job.layers[name][1], expert_importance(job.imp, name), self.config.v2)
             by_module.setdefault(t.module, {})[t.param] = rounders[name] = r
+            if name in job.expert_inputs:
+                inputs.setdefault(t.module, {})[t.param] = job.expert_inputs[name]
         for module, parts in by_module.items():
-            set_module(job.block, module, TunedExperts(job.block.get_submodule(module), parts))
+            set_module(job.block, module, TunedExperts(job.block.get_submodule(module), parts, inputs.get(module)))
         return rounders
 
     def _use_filter(self, job: BlockJob) -> bool:
@@ -354,7 +358,8 @@ class SignRoundTuner:
             return self.config.loss_filter
         # V2: every width, not only < 4 bits (at W4 it took ppl 15.99 -> 15.80); V1 as the
         # reference: on when a layer's inputs are quantized to 4 bits or fewer
-        return self.config.v2 or any(q.scheme.bits <= 4 for q in job.inputs.values())
+        return self.config.v2 or any(q.scheme.bits <= 4 for q in job.inputs.values()) \
+            or any(sch.bits <= 4 for sch, _ in job.expert_inputs.values())
 
     def _groups(self, rounders: Mapping[str, nn.Module]) -> list[tuple[list[nn.Parameter], float]]:
         """(parameters, lr multiplier): rounding offsets at lr, FP block-scale factors at fp_scale_lr."""

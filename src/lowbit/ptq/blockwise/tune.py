@@ -35,6 +35,7 @@ from lowbit.nn.kv_quant import kv_paused
 from lowbit.nn.quant_experts import QuantStack
 from lowbit.plans.plan import Plan
 from lowbit.ptq.blockwise.access import (
+    block_experts,
     block_layers,
     block_linears,
     block_tensor_scales,
@@ -46,8 +47,9 @@ from lowbit.ptq.blockwise.access import (
 from lowbit.ptq.blockwise.cache import CACHE_DTYPES, gather_rows, map_block, new_cache
 from lowbit.ptq.blockwise.loop import Walk, walk_blocks
 from lowbit.ptq.blockwise.options import PipelineOptions
-from lowbit.ptq.blockwise.shards import Shard, reduce_across
+from lowbit.ptq.blockwise.shards import Shard, reduce_across, reduce_tensor
 from lowbit.ptq.blockwise.store import work_settings
+from lowbit.ptq.expert_calib import MIN_TOKENS, ExpertInput, expert_stats, static_input_amax
 from lowbit.ptq.methods import RunContext
 
 
@@ -75,6 +77,8 @@ class BlockJob:
     dtype: torch.dtype | None = None  # the block's activation dtype (None = ``x``'s)
     shard: Shard | None = None  # this process's part of each mini-batch under torch.distributed
     inputs: dict[str, InputQuantizer] = field(default_factory=dict)  # input quantizers of the recipe
+    # fused experts tensors whose recipe quantizes inputs: full name -> (input scheme, [E] static abs-max or None)
+    expert_inputs: dict[str, ExpertInput] = field(default_factory=dict)
     # full layer name -> the weight tensor scale to quantize with (schemes that have one; fused groups share it)
     tensor_scales: dict[str, torch.Tensor] = field(default_factory=dict)
 
@@ -128,6 +132,7 @@ class TunePass:
         self.x_q: torch.Tensor | None = None
         self.y: torch.Tensor | None = None
         self.inputs: dict[str, InputQuantizer] = {}
+        self.expert_inputs: dict[str, ExpertInput] = {}
 
     def begin(self, walk: Walk, x: torch.Tensor) -> None:
         self.walk = walk
@@ -160,17 +165,26 @@ class TunePass:
         static = [n for n in linears if plan[n].needs_calibration]
         hooked = {n: block.get_submodule(r) for n, (r, _) in linears.items() if want_imp or n in static}
         kinds = ("sumsq",) * want_imp + ("absmax",) * bool(static)
+        ex_in, ex_static = _expert_input_layers(block, layers, plan)
+        all_experts, min_tokens = _expert_calibration(tuner)
         x_fp, x_q = self.x_fp, self.x_q
         x_in = x_q if x_q is not None else x_fp
         # the targets overwrite X_fp in place, unless the tuner reads X_fp itself
         y = x_fp if x_q is not None else new_cache(x_fp.shape, x_fp.dtype, x_fp.device, w.device)  # type: ignore[union-attr]
-        with torch.no_grad(), activation_stats(hooked, kinds) as h, tuning_attention(w.model), kv_paused(w.model):
+        with torch.no_grad(), activation_stats(hooked, kinds) as h, tuning_attention(w.model), kv_paused(w.model), \
+                expert_stats(ex_static, ("absmax",), all_experts=all_experts) as est:
             if y is not None:  # FP targets: float keys / values too (the tuned chain runs with the quantized KV cache)
                 map_block(block, x_fp, y, w.kwargs, self.options.chunk, w.device, w.dtype, w.shard)  # type: ignore[arg-type]
         self.x_fp, self.y = None, y
         amax = shared_amax({n: a.amax() for n, a in reduce_across(h.result("absmax"), w.shard, "max").items()
                             if n in static}) if static else {}
         self.inputs = input_quantizers(plan, linears, amax, w.device)
+        for st in est.values():
+            st.reduce(lambda t, op: reduce_tensor(t, w.shard, op))
+        ex_amax = static_input_amax(est, {m: tuple(n.rsplit(".", 1)[1] for n in ex_in
+                                                   if n.rsplit(".", 1)[0] == m and plan[n].needs_calibration)
+                                          for m in est}, min_tokens)
+        self.expert_inputs = {n: (plan[n].input, ex_amax.get(n)) for n in ex_in}  # type: ignore[misc]
         if saved is not None:
             return saved, {"resumed": 1.0}
         # summed over the ranks in float64 and cast once: the scales searched from it must not
@@ -178,12 +192,14 @@ class TunePass:
         imp = ({n: t.float() for n, t in reduce_across(h.result("sumsq", torch.float64), w.shard).items()}
                if want_imp else None)
         job = BlockJob(i, block, layers, x_in, y, w.kwargs, imp, w.device, w.dtype, w.shard, self.inputs,  # type: ignore[arg-type]
-                       block_tensor_scales(block, linears))
+                       self.expert_inputs, block_tensor_scales(block, linears))
         with tuning_attention(w.model):
             return tuner(job)
 
     def finish(self, i: int, block: nn.Module, result: Mapping[str, QTensor]) -> None:
         w = self.walk
+        for name, (scheme, amax) in self.expert_inputs.items():  # experts keep the input quantization they were tuned with
+            result[name].with_input(scheme, amax)  # type: ignore[attr-defined]
         install(block, self.layers(i), result, w.device, self.inputs)  # Linears and experts modules alike
         if self.x_q is not None:
             with torch.no_grad(), tuning_attention(w.model):
@@ -192,6 +208,23 @@ class TunePass:
 
     def end(self) -> None:
         quantize_rest(self.walk.model, self.plan, self.walk.names, self.walk.blocks)
+
+
+def _expert_input_layers(block: nn.Module, layers: Mapping[str, tuple[str, Scheme]], plan: Plan
+                         ) -> tuple[list[str], dict[str, nn.Module]]:
+    """(the block's planned experts tensors whose recipe quantizes inputs, full name -> experts module of those with
+    static input scales to calibrate on the FP inputs)."""
+    experts = {n: t for n, t in block_experts(block, layers).items() if plan[n].input is not None}
+    static = {n.rsplit(".", 1)[0]: block.get_submodule(t.module) for n, t in experts.items()
+              if plan[n].needs_calibration}
+    return list(experts), static
+
+
+def _expert_calibration(tuner: BlockTuner) -> tuple[bool, int]:
+    """(all-experts calibration, token threshold) for the experts' static input scales: the method's own settings
+    where it has them (GPTQ's ``all_experts`` / ``min_expert_tokens``), else the defaults RTN uses."""
+    s = getattr(tuner, "settings", None)
+    return bool(getattr(s, "all_experts", True)), int(getattr(s, "min_expert_tokens", MIN_TOKENS))
 
 
 def _tracks_fp(tuner: BlockTuner, plan: Plan) -> bool:
