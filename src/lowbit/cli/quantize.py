@@ -71,8 +71,13 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "small GPUs)")
     g.add_argument("--workdir", default=None,
                    help="gptq, signround, signround2 (and --awq): folder for per-block results (resume)")
+    from lowbit.api.quantize import memory_help
+
     g.add_argument("--offload-dir", default=None,
-                   help="gptq, signround, signround2 (and --awq): keep blocks on disk, one block's weights in memory")
+                   help="gptq, signround, signround2 (and --awq): keep blocks on disk, one block's weights in memory. "
+                        "On a safetensors folder the model is built on meta and each block read from the checkpoint "
+                        "when its turn comes; with --no-eval each finished block is written here and freed too, so "
+                        "memory does not grow with depth. " + memory_help().replace("%", "%%"))
     m = p.add_argument_group("mixed precision (any method)")
     m.add_argument("--avg-bits", type=float, default=UNSET, help="average bits per weight budget")
     m.add_argument("--options", default=UNSET, help="comma-separated candidate schemes, e.g. w2g64,w4g128")

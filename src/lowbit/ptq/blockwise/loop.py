@@ -32,13 +32,14 @@ from tqdm.auto import tqdm
 
 from lowbit.errors import ConfigError
 from lowbit.models.layers import decoder_blocks
-from lowbit.models.lazy import is_lazy, materialize
+from lowbit.models.lazy import forget_source, is_lazy, materialize
 from lowbit.models.placement import check_device
 from lowbit.ptq.blockwise import shards
 from lowbit.ptq.blockwise.access import block_dtype, module_names
 from lowbit.ptq.blockwise.capture import capture_inputs
 from lowbit.ptq.blockwise.offload import DiskOffload, block_loader
 from lowbit.ptq.blockwise.options import cache_place
+from lowbit.ptq.blockwise.release import release_block
 from lowbit.ptq.blockwise.shards import Shard, check_world, rank_folder
 from lowbit.ptq.blockwise.store import open_workdir, resume_point
 from lowbit.ptq.methods import RunContext
@@ -119,6 +120,8 @@ def walk_blocks(model: nn.Module, task: BlockPass, record: Mapping[str, Any], ct
     task.begin(walk, x)
     del x
     loader = block_loader(model, blocks, rank_folder(ctx.offload_dir, shard))
+    release = rank_folder(ctx.offload_dir, shard) if ctx.release and is_lazy(model) and not task.changes_float \
+        else None
     start = resume_point(wd, len(blocks), shard, task.decode)
     infos: list[dict[str, float]] = []
     bar = tqdm(range(len(blocks)), desc=task.desc, unit="block", disable=not ctx.progress or shard.rank != 0)
@@ -138,6 +141,8 @@ def walk_blocks(model: nn.Module, task: BlockPass, record: Mapping[str, Any], ct
         task.finish(i, block, result)
         if task.changes_float and isinstance(loader, DiskOffload):
             loader.store(i, block)  # the folder holds the block as the pass left it; memory holds none
+        elif release:
+            release_block(model, walk.names[id(block)], i, block, release)
         else:
             block.to(task.home(i))
         info["seconds"] = time.perf_counter() - t0
@@ -150,6 +155,8 @@ def walk_blocks(model: nn.Module, task: BlockPass, record: Mapping[str, Any], ct
             loader.load(i, block, torch.device("cpu"))
             block.to(task.home(i))
     task.end()
-    if is_lazy(model):
+    if is_lazy(model) and release:  # every block is written out by now: only the marker goes
+        forget_source(model)
+    elif is_lazy(model):
         materialize(model)  # every block is loaded by now: this only drops the marker
     return infos

@@ -1,0 +1,241 @@
+"""Models bigger than the machine, calibrated: GPTQ and SignRoundV2 block by block on a lazily loaded model.
+
+The random bf16 checkpoints of ``benchmarks/bigmodel.py`` (TinyLlama-1.1B, Llama-3.2-3B and, once
+built, Llama-3.1-8B shapes under ``~/.cache/lowbit/bigmodel``) are read in place: a work folder
+per shape links their shards and adds a byte-level BPE tokenizer trained on the bundled corpus
+(8000 ids, fewer than any of the shapes' vocabularies; the checkpoints ship none). **Random
+weights measure time and memory, not quality**: nothing here says anything about accuracy.
+
+Each row is one child process running ``lowbit quantize SRC --method M --offload-dir D --no-eval``
+(the model built on meta, each block read from the checkpoint when its turn comes). The child
+records, after every block, the block's wall and CPU seconds and the process's resident set
+(``VmRSS``) and high-water mark (``VmHWM``) from ``/proc/self/status``; the parent takes the
+child's peak RSS from the kernel (``os.wait4``'s ``ru_maxrss``: resident pages, file-backed ones
+included, not Python's allocator). ``--blocks N`` stops a row after N blocks (the 8B shape, where
+the whole model does not fit the session): its peak and per-block series cover those blocks.
+Beside each row: the up-front estimate of ``lowbit.ptq.memory`` for the same job.
+
+Flatness: the peak RSS after the last block over the peak after the first quarter of the blocks
+(1.0 = flat in depth), and the ratio of peaks between shapes per block width (peak minus the
+interpreter's floor, over one block's float bytes).
+
+Peer: llm-compressor's ``oneshot`` with ``GPTQModifier`` (W4A16, the sequential pipeline: one
+decoder layer onloaded at a time) on the same checkpoint and the same calibration token ids,
+``--peer-python`` pointing at an interpreter that imports it (installed apart: its pins clash).
+
+    python -m benchmarks.bigmodel_calib --shapes tinyllama-1.1b --methods gptq,signround2
+    python -m benchmarks.bigmodel_calib --shapes llama-3.1-8b --methods gptq --blocks 6
+    python -m benchmarks.bigmodel_calib --table
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+CACHE = Path.home() / ".cache" / "lowbit" / "bigmodel"
+WORK = Path(os.environ.get("LOWBIT_BENCH_WORK", "/tmp/lowbit-bigmodel-calib"))
+RESULTS = Path(__file__).parent / "results" / "bigmodel_calib.json"
+TOKENIZER_VOCAB = 8000
+
+
+def prepare(shape: str) -> Path:
+    """A folder with links to the cached checkpoint of ``shape`` and a tokenizer of its own (made once)."""
+    src = CACHE / shape
+    if not (src / "complete.json").is_file():
+        raise SystemExit(f"{src} is not built (benchmarks/bigmodel.py builds it); not building it here")
+    dst = WORK / "ckpt" / shape
+    dst.mkdir(parents=True, exist_ok=True)
+    for p in src.iterdir():
+        if p.name != "complete.json" and not (dst / p.name).exists():
+            os.symlink(p, dst / p.name)
+    if not (dst / "tokenizer.json").is_file():
+        _tokenizer().save_pretrained(dst)
+    return dst
+
+
+def _tokenizer():
+    """A byte-level BPE trained on the bundled corpus: every id below the smallest vocabulary here."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    from lowbit.data.sources import bundled_documents
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=TOKENIZER_VOCAB, special_tokens=["<|endoftext|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(bundled_documents(), trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>")
+
+
+def _status() -> dict[str, int]:
+    """VmRSS and VmHWM of this process, bytes."""
+    out = {}
+    for line in Path("/proc/self/status").read_text().splitlines():
+        key, _, rest = line.partition(":")
+        if key in ("VmRSS", "VmHWM"):
+            out[key] = int(rest.split()[0]) * 1024
+    return out
+
+
+def child_main(argv: list[str]) -> int:
+    """Run ``lowbit quantize argv`` here, logging each block (seconds, CPU seconds, RSS) to $BLOCK_LOG;
+    $STOP_AFTER blocks end the run (exit code 3) when set."""
+    from lowbit.cli import main
+    from lowbit.ptq.blockwise import tune
+
+    log = open(os.environ["BLOCK_LOG"], "a")  # noqa: SIM115 - held for the run
+    stop = int(os.environ.get("STOP_AFTER", "0"))
+    finish = tune.TunePass.finish
+    last = [time.perf_counter(), _cpu()]
+
+    def timed(self, i, block, result):
+        finish(self, i, block, result)
+        now, cpu = time.perf_counter(), _cpu()
+        log.write(json.dumps({"block": i, "s": now - last[0], "cpu_s": cpu - last[1], **_status()}) + "\n")
+        log.flush()
+        last[:] = [now, cpu]
+        if stop and i + 1 >= stop:
+            log.close()
+            os._exit(3)
+
+    tune.TunePass.finish = timed
+    log.write(json.dumps({"block": -1, "s": 0.0, "cpu_s": _cpu(), **_status()}) + "\n")
+    return main(["quantize", *argv])
+
+
+def _cpu() -> float:
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
+
+
+def child(cmd: list[str], log: Path, env: dict | None = None) -> tuple[int, float, float, int]:
+    """(exit code, wall seconds, CPU seconds, peak RSS bytes from the kernel) of one child process."""
+    t0 = time.perf_counter()
+    with open(log, "w") as f:
+        p = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env)
+        _, status, usage = os.wait4(p.pid, 0)
+    cpu = usage.ru_utime + usage.ru_stime
+    return os.waitstatus_to_exitcode(status), time.perf_counter() - t0, cpu, usage.ru_maxrss * 1024
+
+
+def method_args(method: str, iters: int) -> list[str]:
+    if method == "gptq":
+        return ["--method", "gptq", "--no-search"]
+    if method == "signround2":
+        return ["--method", "signround2", "--iters", str(iters)]
+    raise SystemExit(f"unknown method {method}")
+
+
+def run_lowbit(shape: str, method: str, a: argparse.Namespace) -> dict:
+    src = prepare(shape)
+    tag = f"{shape}-{method}-n{a.nsamples}x{a.seqlen}" + (f"-b{a.blocks}" if a.blocks else "")
+    out, off, blog = WORK / "out" / tag, WORK / "offload" / tag, WORK / "logs" / f"{tag}.blocks.jsonl"
+    for p in (out, off):
+        shutil.rmtree(p, ignore_errors=True)
+    blog.parent.mkdir(parents=True, exist_ok=True)
+    blog.unlink(missing_ok=True)
+    args = [str(src), *method_args(method, a.iters), "--scheme", "w4g128", "--nsamples", str(a.nsamples),
+            "--seqlen", str(a.seqlen), "--offload-dir", str(off), "--no-eval", "--out", str(out), "--json",
+            "--threads", str(a.threads)]
+    env = {**os.environ, "BLOCK_LOG": str(blog), "STOP_AFTER": str(a.blocks or 0)}
+    cmd = [sys.executable, "-m", "benchmarks.bigmodel_calib", "--child", *args]
+    code, wall, cpu, peak = child(cmd, WORK / "logs" / f"{tag}.log", env)
+    blocks = [json.loads(x) for x in blog.read_text().splitlines()] if blog.is_file() else []
+    ok = code == 0 or (a.blocks and code == 3)
+    row = {"shape": shape, "method": method, "tool": "lowbit", "nsamples": a.nsamples, "seqlen": a.seqlen,
+           "iters": a.iters if method == "signround2" else None, "blocks_run": len(blocks) - 1,
+           "stopped_after": a.blocks or None, "ok": bool(ok), "exit": code, "s": round(wall, 1),
+           "cpu_s": round(cpu, 1), "peak_rss": peak, "out_bytes": _size(out), "per_block": blocks[1:],
+           "estimate": estimate(src, method, a), "commit": _commit()}
+    row |= flatness(blocks[1:])
+    shutil.rmtree(out, ignore_errors=True)
+    shutil.rmtree(off, ignore_errors=True)
+    return row
+
+
+def estimate(src: Path, method: str, a: argparse.Namespace) -> dict | None:
+    try:
+        from transformers import AutoConfig
+
+        from lowbit.ptq.memory import estimate_job
+    except ImportError:
+        return None
+    return estimate_job(AutoConfig.from_pretrained(src), method, a.nsamples, a.seqlen).to_dict()
+
+
+def flatness(blocks: list[dict]) -> dict:
+    """HWM after the last block over HWM after the first quarter (1.0 = flat in depth)."""
+    if len(blocks) < 4:
+        return {}
+    q = blocks[max(len(blocks) // 4 - 1, 0)]
+    return {"hwm_quarter": q["VmHWM"], "hwm_last": blocks[-1]["VmHWM"],
+            "depth_flatness": round(blocks[-1]["VmHWM"] / q["VmHWM"], 3),
+            "median_block_cpu_s": sorted(b["cpu_s"] for b in blocks)[len(blocks) // 2]}
+
+
+def _size(path: Path) -> int:
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file()) if path.exists() else 0
+
+
+def _commit() -> str:
+    try:
+        return subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], text=True,
+                                       cwd=Path(__file__).parent).strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "?"
+
+
+def save_row(row: dict) -> None:
+    rows = json.loads(RESULTS.read_text()) if RESULTS.is_file() else []
+    key = ("shape", "method", "tool", "nsamples", "seqlen", "stopped_after")
+    rows = [r for r in rows if tuple(r.get(k) for k in key) != tuple(row.get(k) for k in key)] + [row]
+    RESULTS.write_text(json.dumps(rows, indent=1) + "\n")
+
+
+def table() -> str:
+    rows = json.loads(RESULTS.read_text()) if RESULTS.is_file() else []
+    g = 1 << 30
+    lines = [f"{'shape':16} {'method':10} {'tool':8} {'calib':8} {'blocks':>6} {'cpu s':>8} {'cpu s/blk':>9} "
+             f"{'peak GiB':>8} {'est GiB':>7} {'depth':>6}"]
+    for r in sorted(rows, key=lambda r: (r["shape"], r["method"], r["tool"])):
+        est = (r.get("estimate") or {}).get("peak_bytes")
+        lines.append(f"{r['shape']:16} {r['method']:10} {r['tool']:8} {r['nsamples']}x{r['seqlen']:<5} "
+                     f"{r.get('blocks_run', 0):>6} {r['cpu_s']:>8.0f} {r.get('median_block_cpu_s', 0):>9.1f} "
+                     f"{r['peak_rss'] / g:>8.2f} {(est or 0) / g:>7.2f} {r.get('depth_flatness', 0):>6.3f}")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    if len(sys.argv) > 1 and sys.argv[1] == "--child":
+        raise SystemExit(child_main(sys.argv[2:]))
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--shapes", default="tinyllama-1.1b")
+    p.add_argument("--methods", default="gptq")
+    p.add_argument("--nsamples", type=int, default=16)
+    p.add_argument("--seqlen", type=int, default=512)
+    p.add_argument("--iters", type=int, default=10)
+    p.add_argument("--blocks", type=int, default=0, help="stop each row after this many blocks (0 = all)")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--table", action="store_true")
+    a = p.parse_args()
+    if not a.table:
+        for shape in a.shapes.split(","):
+            for method in a.methods.split(","):
+                row = run_lowbit(shape, method, a)
+                save_row(row)
+                print(json.dumps({k: v for k, v in row.items() if k != "per_block"}), flush=True)
+    print(table())
+
+
+if __name__ == "__main__":
+    main()
