@@ -142,3 +142,34 @@ def test_a_run_the_machine_cannot_hold_is_refused_before_loading(tmp_path, capsy
     assert main(argv) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "--out needs about" in err[0] and "free some space" in err[0]
+
+
+def test_the_refusal_names_the_flag_that_loads_the_whole_model(tmp_path, capsys, tiny_hf_dir, monkeypatch):
+    monkeypatch.setattr("lowbit.ptq.memory.mem_available", lambda: 1 << 20)
+    assert main(["quantize", str(tiny_hf_dir), "--method", "gptq", "--awq", "--nsamples", "4", "--seqlen", "32",
+                 "--no-eval", "--offload-dir", str(tmp_path / "off"), "--out", str(tmp_path / "q")]) == 2
+    assert "--awq needs the whole float model in memory" in capsys.readouterr().err
+
+
+def test_a_killed_released_run_resumes_to_the_same_checkpoint(tmp_path, capsys, tiny_hf_dir, monkeypatch):
+    """--workdir with released blocks: killed after block 0 was written out, the rerun replays it and writes the
+    checkpoint the uninterrupted run writes."""
+    from lowbit.ptq.blockwise import release
+
+    common = [str(tiny_hf_dir), "--method", "gptq", "--no-search", "--scheme", "w4g32", "--nsamples", "4",
+              "--seqlen", "32", "--no-eval", "--offload-dir", str(tmp_path / "off"), "--workdir", str(tmp_path / "wd")]
+    real = release.release_block
+
+    def killed(model, prefix, i, block, folder):
+        real(model, prefix, i, block, folder)
+        if i == 0:
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr("lowbit.ptq.blockwise.loop.release_block", killed)
+    assert main(["quantize", *common, "--out", str(tmp_path / "a")]) == 130
+    assert not (tmp_path / "a").exists()
+    monkeypatch.setattr("lowbit.ptq.blockwise.loop.release_block", real)
+    _run(capsys, *common, "--out", str(tmp_path / "a"))
+    _run(capsys, *[c for c in common if c != str(tmp_path / "wd") and c != "--workdir"], "--out", str(tmp_path / "b"))
+    a, b = _weights(tmp_path / "a"), _weights(tmp_path / "b")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)

@@ -244,6 +244,17 @@ def memory_help() -> str:
             "--offload-dir cannot hold it")
 
 
+def _whole_by(job: QuantizeJob) -> str | None:
+    """The flag that loads the whole model although --offload-dir asks for one block at a time."""
+    if job.offload_dir is None or job.loads_lazily:
+        return None
+    for flag, on in (("--avg-bits", job.mixed is not None), ("--rotate", job.rotate is not None),
+                     ("--awq", job.awq is not None)):
+        if on:
+            return flag
+    return f"--method {job.method}"
+
+
 def check_memory(job: QuantizeJob) -> Estimate | None:
     """Refuse, before loading anything, a job this machine's free memory (a CPU run) or disk cannot hold."""
     import shutil
@@ -257,7 +268,7 @@ def check_memory(job: QuantizeJob) -> Estimate | None:
     folders = {"out": job.out, "offload": job.offload_dir}
     free = {role: shutil.disk_usage(existing_ancestor(Path(f).expanduser().absolute())).free
             for role, f in folders.items() if f is not None}
-    why = memory.refusal(est, memory.mem_available() if cpu else None, free)
+    why = memory.refusal(est, memory.mem_available() if cpu else None, free, whole_by=_whole_by(job))
     if why is not None:
         raise (OutputError if why.startswith("--") else ConfigError)(why)
     return est

@@ -203,14 +203,19 @@ def mem_available(meminfo: Path = Path("/proc/meminfo")) -> int | None:
 
 
 def refusal(est: Estimate, available: int | None, free_disk: dict[str, int | None],
-            margin: float = 1.1) -> str | None:
+            margin: float = 1.1, whole_by: str | None = None) -> str | None:
     """Why the machine cannot run it (with the numbers), or None when it can.
 
     available: free memory (MemAvailable); free_disk: folder role ("out", "offload") -> free bytes.
+    whole_by: the flag that makes the run load the whole model although --offload-dir was given.
     """
     if available is not None and est.peak * margin > available:
-        fix = ("pass --offload-dir DIR (one block in memory), fewer --nsamples / a shorter --seqlen, or --no-eval"
-               if not est.flat else "fewer --nsamples or a shorter --seqlen, or a machine with more memory")
+        if whole_by is not None:
+            fix = f"{whole_by} needs the whole float model in memory: drop it to run block by block"
+        elif not est.flat:
+            fix = "pass --offload-dir DIR (one block in memory) and --no-eval, or fewer --nsamples / a shorter --seqlen"
+        else:
+            fix = "fewer --nsamples or a shorter --seqlen, or a machine with more memory"
         return (f"this run needs about {est.describe()} of memory and {available / GiB:.1f} GiB is available "
                 f"(MemAvailable); {fix}")
     for role, need in est.disk.items():
