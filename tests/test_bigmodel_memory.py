@@ -173,3 +173,38 @@ def test_a_killed_released_run_resumes_to_the_same_checkpoint(tmp_path, capsys, 
     _run(capsys, *[c for c in common if c != str(tmp_path / "wd") and c != "--workdir"], "--out", str(tmp_path / "b"))
     a, b = _weights(tmp_path / "a"), _weights(tmp_path / "b")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_caches_on_disk_give_the_same_checkpoint_and_are_chosen_when_only_they_do_not_fit(
+        tmp_path, capsys, tiny_hf_dir, monkeypatch):
+    """--cache-device disk: the activations live in memory-mapped files in --offload-dir (unlinked once mapped:
+    nothing left), same checkpoint; a machine whose memory holds all but the caches gets them there by itself."""
+    from lowbit.api.quantize import QuantizeJob, job_estimate
+    from lowbit.ptq.blockwise import cache
+
+    made = []
+    real = cache._file_tensor
+    monkeypatch.setattr(cache, "_file_tensor", lambda *a: made.append(a[1]) or real(*a))
+    common = [str(tiny_hf_dir), "--method", "signround2", "--iters", "2", "--batch-size", "2", "--scheme", "w4g32",
+              "--nsamples", "4", "--seqlen", "32", "--no-eval", "--offload-dir", str(tmp_path / "off")]
+    _run(capsys, *common, "--out", str(tmp_path / "ram"))
+    assert not made
+    _run(capsys, *common, "--cache-device", "disk", "--out", str(tmp_path / "disk"))
+    assert len(made) == 2 and made[0] == (4, 32, 64)  # X_q and the float chain, [nsamples, seqlen, hidden]
+    assert not list((tmp_path / "off").glob("cache_*"))
+    a, b = _weights(tmp_path / "ram"), _weights(tmp_path / "disk")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    from lowbit.api.common import Calibration
+    from lowbit.api.quantize import check_memory
+    from lowbit.ptq.memory import caches_on_disk
+
+    big = QuantizeJob(out=tmp_path / "x", model=str(tiny_hf_dir), method="signround2", evaluation=None,
+                      offload_dir=str(tmp_path / "off"), calib=Calibration(nsamples=1024, seqlen=2048))
+    est = job_estimate(big)
+    room = int(caches_on_disk(est).peak * 1.1) + 1
+    assert room < est.peak * 1.1
+    monkeypatch.setattr("lowbit.ptq.memory.mem_available", lambda: room)
+    with pytest.warns(UserWarning, match="kept in files in --offload-dir"):
+        need, job = check_memory(big)
+    assert job.cache_device == "disk" and "caches" not in need.parts
+    assert need.disk["offload"] == est.disk["offload"] + est.parts["caches"]

@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import time
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -111,8 +111,10 @@ class QuantizeJob:
         if self.kv_scheme is not None and self.loads_lazily:
             raise ConfigError("--kv calibrates and checks the KV cache on the whole model, which --offload-dir does "
                               "not hold in memory; drop --offload-dir (or --kv)")
-        if self.cache_device is not None and self.cache_device not in ("device", "cpu"):
-            raise ConfigError(f"--cache-device must be device or cpu, got {self.cache_device!r}")
+        if self.cache_device is not None and self.cache_device not in ("device", "cpu", "disk"):
+            raise ConfigError(f"--cache-device must be device, cpu or disk, got {self.cache_device!r}")
+        if self.cache_device == "disk" and self.offload_dir is None:
+            raise ConfigError("--cache-device disk keeps the activations in files in --offload-dir; pass --offload-dir")
         for name, value in (("--workdir", self.workdir), ("--offload-dir", self.offload_dir),
                             ("--cache-device", self.cache_device)):
             if value is not None and not spec.blockwise and self.awq is None:  # AWQ walks the blocks on the engine
@@ -185,7 +187,7 @@ def quantize(job: QuantizeJob) -> dict[str, Any]:
     for flag, folder in (("--workdir", job.workdir), ("--offload-dir", job.offload_dir)):
         if folder is not None:
             outputs.check_folder(folder, job.out, flag, job.inputs())
-    memory = check_memory(job)
+    need, job = check_memory(job)
     rank, world = _join_world(job)
     phases = Phases()
     if rank != 0:  # under torchrun: tunes its share of the samples; rank 0 alone writes --out
@@ -203,8 +205,8 @@ def quantize(job: QuantizeJob) -> dict[str, Any]:
         with phases("save"):
             run.save(out, result)
     result["out"] = str(out)
-    if memory is not None:
-        result["memory_estimate"] = memory.to_dict()
+    if need is not None:
+        result["memory_estimate"] = need.to_dict()
     if world > 1:
         result["world"] = world
     result["seconds"] = round(time.perf_counter() - t0, 2)
@@ -255,23 +257,38 @@ def _whole_by(job: QuantizeJob) -> str | None:
     return f"--method {job.method}"
 
 
-def check_memory(job: QuantizeJob) -> Estimate | None:
-    """Refuse, before loading anything, a job this machine's free memory (a CPU run) or disk cannot hold."""
+def check_memory(job: QuantizeJob) -> tuple[Estimate | None, QuantizeJob]:
+    """Refuse, before loading anything, a job this machine's free memory (a CPU run) or disk cannot hold.
+
+    A lazy run whose activation caches alone do not fit keeps them on disk in --offload-dir
+    instead (``--cache-device disk``, with a warning), when the user did not place them.
+    Returns the estimate and the job as it will run.
+    """
     import shutil
 
     from lowbit.io import OutputError, existing_ancestor
 
     est = job_estimate(job)
     if est is None:
-        return None
+        return None, job
     cpu = job.device is None or str(job.device).startswith("cpu")
+    available = memory.mem_available() if cpu else None
+    if job.cache_device is None and job.loads_lazily:
+        moved = memory.caches_on_disk(est)
+        if available is not None and est.peak * 1.1 > available and moved.peak * 1.1 <= available:
+            warnings.warn(f"the activation caches ({est.parts['caches'] / memory.GiB:.2f} GiB) do not fit in the "
+                          f"{available / memory.GiB:.1f} GiB of free memory: they are kept in files in --offload-dir "
+                          "(--cache-device disk)", stacklevel=2)
+            est, job = moved, replace(job, cache_device="disk")
+    elif job.cache_device == "disk":
+        est = memory.caches_on_disk(est)
     folders = {"out": job.out, "offload": job.offload_dir}
     free = {role: shutil.disk_usage(existing_ancestor(Path(f).expanduser().absolute())).free
             for role, f in folders.items() if f is not None}
-    why = memory.refusal(est, memory.mem_available() if cpu else None, free, whole_by=_whole_by(job))
+    why = memory.refusal(est, available, free, whole_by=_whole_by(job))
     if why is not None:
         raise (OutputError if why.startswith("--") else ConfigError)(why)
-    return est
+    return est, job
 
 
 def _join_world(job: QuantizeJob) -> tuple[int, int]:

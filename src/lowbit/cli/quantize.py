@@ -64,11 +64,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     g = p.add_argument_group("method settings (each applies to the methods named)")
     for spec in method_flags():  # generated from each method's settings dataclass
         _add_method_flag(g, spec)
-    g.add_argument("--cache-device", choices=("device", "cpu"), default=None,
+    g.add_argument("--cache-device", choices=("device", "cpu", "disk"), default=None,
                    help="gptq, signround, signround2 (and --awq): where the cached activations live: device "
                         "(default) or cpu "
                         "(host memory streamed per mini-batch: the most memory-lean mode for large models on "
-                        "small GPUs)")
+                        "small GPUs) or disk (memory-mapped files in --offload-dir, for calibration sets whose "
+                        "activations memory cannot hold; chosen by itself, with a warning, when only they do not fit)")
     g.add_argument("--workdir", default=None,
                    help="gptq, signround, signround2 (and --awq): folder for per-block results (resume)")
     from lowbit.api.quantize import memory_help

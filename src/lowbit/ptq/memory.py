@@ -188,6 +188,15 @@ def _outside_stored(s: Shape, lm_head: bool, weight_bits: float) -> int:
     return int(s.vocab * s.hidden * 2 + head + 2 * s.hidden)
 
 
+def caches_on_disk(est: Estimate) -> Estimate:
+    """``est`` with the activation caches in files in the offload folder (``--cache-device disk``)."""
+    parts = dict(est.parts)
+    caches = parts.pop("caches", 0)
+    disk = dict(est.disk)
+    disk["offload"] = disk.get("offload", 0) + caches
+    return Estimate(parts, disk, est.flat)
+
+
 # ----------------------------------------------------------------------------------------------- machine
 
 

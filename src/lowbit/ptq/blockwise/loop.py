@@ -36,6 +36,7 @@ from lowbit.models.lazy import forget_source, is_lazy, materialize
 from lowbit.models.placement import check_device
 from lowbit.ptq.blockwise import shards
 from lowbit.ptq.blockwise.access import block_dtype, module_names
+from lowbit.ptq.blockwise.cache import disk_caches
 from lowbit.ptq.blockwise.capture import capture_inputs
 from lowbit.ptq.blockwise.offload import DiskOffload, block_loader
 from lowbit.ptq.blockwise.options import cache_place
@@ -113,6 +114,15 @@ def walk_blocks(model: nn.Module, task: BlockPass, record: Mapping[str, Any], ct
     where = cache_place(ctx.cache_device, device)
     if task.changes_float:
         materialize(model)  # a lazily loaded model's checkpoint cannot take the changed blocks back
+    if ctx.cache_device == "disk" and not ctx.offload_dir:
+        raise ConfigError("--cache-device disk keeps the activations in files in --offload-dir; pass --offload-dir")
+    with disk_caches(rank_folder(ctx.offload_dir, shard) if ctx.cache_device == "disk" else None):
+        return _walk(model, task, record, ctx, chunk, on_block, device, where, shard)
+
+
+def _walk(model: nn.Module, task: BlockPass, record: Mapping[str, Any], ctx: RunContext, chunk: int,
+          on_block: Callable[[int], None] | None, device: torch.device, where: torch.device, shard: Shard
+          ) -> list[dict[str, float]]:
     blocks = decoder_blocks(model)
     x, kwargs = capture_inputs(model, blocks[0], ctx.calib, device, task.cache_dtype, where, shard)
     walk = Walk(model, blocks, module_names(model), kwargs, device, block_dtype(blocks[0]), shard, chunk)
