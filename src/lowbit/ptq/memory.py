@@ -13,9 +13,10 @@ holds, at its peak, the parts below; nothing in it grows with the number of bloc
 - ``forward``: one chunk of samples through a block (the MLP's widest activations,
   attention's queries, keys and values);
 - ``method``: the method's own state on the block: GPTQ's Hessian of the widest Linear input
-  (with its factor and a working copy), SignRound's rounding and scale parameters with their
+  in float64 with the copies its factorization makes (~48 bytes per entry), SignRound's rounding and scale parameters with their
   optimizer moments and gradients, and the backward pass of a mini-batch;
-- ``save``: the checkpoint's tensors outside the blocks in their stored width while writing.
+- ``save``: the checkpoint's tensors outside the blocks in their stored width while writing
+  (after the walk: the peak is the larger of the two).
 
 Any other run (RTN, which quantizes the whole model at once, a run without ``--offload-dir``,
 or a pre-step that needs the whole float model: --rotate, --awq, --avg-bits) holds the whole
@@ -102,9 +103,13 @@ class Shape:
         return max(self.hidden, self.intermediate, self.heads * self.head_dim)
 
 
+WALK = ("block", "caches", "forward", "method")  # held while a block is worked on, gone when the output is written
+
+
 @dataclass(frozen=True)
 class Estimate:
-    """Bytes a run holds at its peak (``parts`` add up to ``peak``) and writes to disk (``disk`` by folder)."""
+    """Bytes a run holds (``parts``: the walk's parts and the save's are not held at once) and writes to disk
+    (``disk`` by folder)."""
 
     parts: dict[str, int]
     disk: dict[str, int] = field(default_factory=dict)
@@ -112,7 +117,10 @@ class Estimate:
 
     @property
     def peak(self) -> int:
-        return sum(self.parts.values())
+        """The parts held throughout, plus the larger of the walk's (the block and its work) and the save's."""
+        walk = sum(v for k, v in self.parts.items() if k in WALK)
+        held = sum(v for k, v in self.parts.items() if k not in WALK and k != "save")
+        return held + max(walk, self.parts.get("save", 0))
 
     def to_dict(self) -> dict[str, Any]:
         return {"peak_bytes": self.peak, "parts": dict(self.parts), "disk": dict(self.disk), "flat_in_depth": self.flat}
@@ -166,8 +174,12 @@ def _block_parts(s: Shape, method: str, tokens: int, seqlen: int, search: bool, 
     caches = 1 + int(TRACKS_FP.get(method, False) or search)
     parts = {"caches": caches * tokens * s.hidden * f32, "forward": _forward(s, seqlen)}
     if method == "gptq":
+        # the widest input's Hessian in float64 (kept for the error), its permuted copy, J H J and its dampened
+        # copy, then the float32 factor and solve (~48 bytes per entry at the peak); the widest group of Linears
+        # sharing an input (gate + up) stacked in float32, with its dequantized copy and the error rows
         n = s.widest_input
-        parts["method"] = 3 * n * n * f32 + 2 * n * s.hidden * f32  # H, its factor and inverse; weight + error
+        group = 2 * s.intermediate * s.experts * s.hidden
+        parts["method"] = 48 * n * n + 4 * group * f32
     else:  # SignRound: V, scale / min parameters, Adam's two moments and the gradients, per block weight
         per_weight = 4 * f32
         backward = batch_size * seqlen * (4 * s.intermediate + 8 * s.hidden) * f32 * 2
