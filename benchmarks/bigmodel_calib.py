@@ -163,24 +163,28 @@ def run_lowbit(shape: str, method: str, a: argparse.Namespace) -> dict:
     return row
 
 
-def estimate(src: Path, method: str, a: argparse.Namespace) -> dict | None:
-    try:
-        from transformers import AutoConfig
+def estimate(src: Path, method: str, a: argparse.Namespace) -> dict:
+    """What `lowbit.ptq.memory` predicts for the row's job (block by block, blocks released, no evaluation)."""
+    from lowbit.ptq.memory import Shape
+    from lowbit.ptq.memory import estimate as predict
 
-        from lowbit.ptq.memory import estimate_job
-    except ImportError:
-        return None
-    return estimate_job(AutoConfig.from_pretrained(src), method, a.nsamples, a.seqlen).to_dict()
+    shape = Shape.from_config(json.loads((src / "config.json").read_text()))
+    return predict(shape, method, a.nsamples, a.seqlen, batch_size=min(8, a.nsamples)).to_dict()
 
 
 def flatness(blocks: list[dict]) -> dict:
-    """HWM after the last block over HWM after the first quarter (1.0 = flat in depth)."""
-    if len(blocks) < 4:
+    """How memory moves with depth: the resident set's growth per block after block 0 (bytes; 0 = flat), the
+    high-water mark after the last block over the one after block 0, and the blocks' median CPU seconds
+    (block 0 also pays for loading and capture, so it is left out where there are others)."""
+    if not blocks:
         return {}
-    q = blocks[max(len(blocks) // 4 - 1, 0)]
-    return {"hwm_quarter": q["VmHWM"], "hwm_last": blocks[-1]["VmHWM"],
-            "depth_flatness": round(blocks[-1]["VmHWM"] / q["VmHWM"], 3),
-            "median_block_cpu_s": sorted(b["cpu_s"] for b in blocks)[len(blocks) // 2]}
+    later = blocks[1:] or blocks
+    out = {"hwm_first": blocks[0]["VmHWM"], "hwm_last": blocks[-1]["VmHWM"],
+           "depth_flatness": round(blocks[-1]["VmHWM"] / blocks[0]["VmHWM"], 3),
+           "median_block_cpu_s": round(sorted(b["cpu_s"] for b in later)[len(later) // 2], 1)}
+    if len(blocks) >= 2:
+        out["rss_growth_per_block"] = int((blocks[-1]["VmRSS"] - blocks[0]["VmRSS"]) / (len(blocks) - 1))
+    return out
 
 
 def _size(path: Path) -> int:
@@ -197,7 +201,7 @@ def _commit() -> str:
 
 def save_row(row: dict) -> None:
     rows = json.loads(RESULTS.read_text()) if RESULTS.is_file() else []
-    key = ("shape", "method", "tool", "nsamples", "seqlen", "stopped_after")
+    key = ("shape", "method", "tool", "nsamples", "seqlen", "stopped_after", "variant")
     rows = [r for r in rows if tuple(r.get(k) for k in key) != tuple(row.get(k) for k in key)] + [row]
     RESULTS.write_text(json.dumps(rows, indent=1) + "\n")
 
@@ -205,13 +209,16 @@ def save_row(row: dict) -> None:
 def table() -> str:
     rows = json.loads(RESULTS.read_text()) if RESULTS.is_file() else []
     g = 1 << 30
-    lines = [f"{'shape':16} {'method':10} {'tool':8} {'calib':8} {'blocks':>6} {'cpu s':>8} {'cpu s/blk':>9} "
-             f"{'peak GiB':>8} {'est GiB':>7} {'depth':>6}"]
-    for r in sorted(rows, key=lambda r: (r["shape"], r["method"], r["tool"])):
+    m = 1 << 20
+    lines = [f"{'shape':15} {'method':10} {'tool':12} {'calib':7} {'blocks':>6} {'cpu s':>6} {'cpu s/blk':>9} "
+             f"{'peak GiB':>8} {'est GiB':>7} {'HWM last/first':>14} {'RSS MiB/blk':>11}"]
+    for r in sorted(rows, key=lambda r: (r["shape"], r["method"], r["tool"], r.get("variant", ""))):
         est = (r.get("estimate") or {}).get("peak_bytes")
-        lines.append(f"{r['shape']:16} {r['method']:10} {r['tool']:8} {r['nsamples']}x{r['seqlen']:<5} "
-                     f"{r.get('blocks_run', 0):>6} {r['cpu_s']:>8.0f} {r.get('median_block_cpu_s', 0):>9.1f} "
-                     f"{r['peak_rss'] / g:>8.2f} {(est or 0) / g:>7.2f} {r.get('depth_flatness', 0):>6.3f}")
+        tool = r["tool"] + (f" ({r['variant']})" if r.get("variant") else "")
+        lines.append(f"{r['shape']:15} {r['method']:10} {tool:12} {r['nsamples']}x{r['seqlen']:<4} "
+                     f"{r.get('blocks_run', 0):>6} {r['cpu_s']:>6.0f} {r.get('median_block_cpu_s', 0):>9.1f} "
+                     f"{r['peak_rss'] / g:>8.2f} {(est or 0) / g:>7.2f} {r.get('depth_flatness', 0):>14.3f} "
+                     f"{r.get('rss_growth_per_block', 0) / m:>11.1f}")
     return "\n".join(lines)
 
 
