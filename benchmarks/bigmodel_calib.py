@@ -187,6 +187,75 @@ def flatness(blocks: list[dict]) -> dict:
     return out
 
 
+def llmc_child(argv: list[str]) -> int:
+    """llm-compressor's sequential GPTQ (W4A16: int4 g128 symmetric, static act-order, dampening 0.01 as lowbit's
+    defaults) on ``SRC`` in float32 with the token ids of ``IDS``; after ``BLOCKS`` decoder layers (0 = all) the
+    run stops when the next layer is reached. Each layer's first call is logged to $BLOCK_LOG."""
+    import torch
+    from llmcompressor import oneshot
+    from llmcompressor.modifiers.gptq import GPTQModifier
+    from torch.utils.data import DataLoader
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    src, ids_file, blocks = argv[0], argv[1], int(argv[2])
+    log = open(os.environ["BLOCK_LOG"], "a")  # noqa: SIM115 - held for the run
+    log.write(json.dumps({"block": -1, "s": 0.0, "cpu_s": _cpu(), **_status()}) + "\n")
+    model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
+    tok = AutoTokenizer.from_pretrained(src)
+    calib = torch.load(ids_file)
+    last = [time.perf_counter(), _cpu()]
+    seen: set[int] = set()
+
+    def reached(i: int):
+        def hook(*_):
+            if i in seen:
+                return
+            seen.add(i)
+            now, cpu = time.perf_counter(), _cpu()
+            if i > 0:
+                log.write(json.dumps({"block": i - 1, "s": now - last[0], "cpu_s": cpu - last[1], **_status()}) + "\n")
+                log.flush()
+            last[:] = [now, cpu]
+            if blocks and i >= blocks:
+                log.close()
+                os._exit(3)
+        return hook
+
+    for i, layer in enumerate(model.model.layers):
+        layer.register_forward_pre_hook(reached(i))
+    groups = {"group_0": {"targets": ["Linear"], "weights": {
+        "num_bits": 4, "type": "int", "symmetric": True, "strategy": "group", "group_size": 128}}}
+    recipe = [GPTQModifier(config_groups=groups, ignore=["lm_head"], block_size=128, dampening_frac=0.01,
+                           actorder="static")]
+    rows = [{"input_ids": r.unsqueeze(0), "attention_mask": torch.ones(1, r.numel(), dtype=torch.long)} for r in calib]
+    oneshot(model=model, tokenizer=tok, dataset=DataLoader(rows, batch_size=None), recipe=recipe,
+            num_calibration_samples=len(calib), max_seq_length=calib.shape[1], pipeline="sequential")
+    return 0
+
+
+def run_llmc(shape: str, a: argparse.Namespace) -> dict:
+    import torch
+    from transformers import AutoTokenizer
+
+    from lowbit.data.batches import calibration_batches
+
+    src = prepare(shape)
+    tag = f"{shape}-gptq-llmc-n{a.nsamples}x{a.seqlen}" + (f"-b{a.blocks}" if a.blocks else "")
+    blog, ids = WORK / "logs" / f"{tag}.blocks.jsonl", WORK / "logs" / f"{tag}.ids.pt"
+    blog.parent.mkdir(parents=True, exist_ok=True)
+    blog.unlink(missing_ok=True)
+    torch.save(calibration_batches(AutoTokenizer.from_pretrained(src), None, a.nsamples, a.seqlen), ids)
+    cmd = [a.peer_python, "-m", "benchmarks.bigmodel_calib", "--llmc-child", str(src), str(ids), str(a.blocks)]
+    env = {**os.environ, "BLOCK_LOG": str(blog), "PYTHONPATH": str(Path(__file__).parent.parent)}
+    code, wall, cpu, peak = child(cmd, WORK / "logs" / f"{tag}.log", env)
+    blocks = [json.loads(x) for x in blog.read_text().splitlines()] if blog.is_file() else []
+    row = {"shape": shape, "method": "gptq", "tool": "llmc-seq", "nsamples": a.nsamples, "seqlen": a.seqlen,
+           "iters": None, "blocks_run": len(blocks) - 1, "stopped_after": a.blocks or None,
+           "ok": code == 0 or bool(a.blocks and code == 3), "exit": code, "s": round(wall, 1), "cpu_s": round(cpu, 1),
+           "peak_rss": peak, "out_bytes": 0, "per_block": blocks[1:], "commit": _commit()}
+    return row | flatness(blocks[1:])
+
+
 def _size(path: Path) -> int:
     return sum(p.stat().st_size for p in path.rglob("*") if p.is_file()) if path.exists() else 0
 
@@ -225,6 +294,8 @@ def table() -> str:
 def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] == "--child":
         raise SystemExit(child_main(sys.argv[2:]))
+    if len(sys.argv) > 1 and sys.argv[1] == "--llmc-child":
+        raise SystemExit(llmc_child(sys.argv[2:]))
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--shapes", default="tinyllama-1.1b")
     p.add_argument("--methods", default="gptq")
@@ -234,11 +305,12 @@ def main() -> None:
     p.add_argument("--blocks", type=int, default=0, help="stop each row after this many blocks (0 = all)")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--table", action="store_true")
+    p.add_argument("--peer-python", default=None, help="an interpreter importing llm-compressor (methods: llmc)")
     a = p.parse_args()
     if not a.table:
         for shape in a.shapes.split(","):
             for method in a.methods.split(","):
-                row = run_lowbit(shape, method, a)
+                row = run_llmc(shape, a) if method == "llmc" else run_lowbit(shape, method, a)
                 save_row(row)
                 print(json.dumps({k: v for k, v in row.items() if k != "per_block"}), flush=True)
     print(table())

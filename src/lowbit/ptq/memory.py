@@ -235,8 +235,13 @@ def refusal(est: Estimate, available: int | None, free_disk: dict[str, int | Non
             fix = f"{whole_by} needs the whole float model in memory: drop it to run block by block"
         elif not est.flat:
             fix = "pass --offload-dir DIR (one block in memory) and --no-eval, or fewer --nsamples / a shorter --seqlen"
+        elif est.parts.get("method", 0) > est.parts.get("caches", 0) + est.parts.get("forward", 0):
+            fix = (f"the method's work on one block ({est.parts['method'] / GiB:.2f} GiB) does not shrink with fewer "
+                   "samples: a machine with more memory, or a GPU (--device cuda) for the block's work")
         else:
             fix = "fewer --nsamples or a shorter --seqlen, or a machine with more memory"
+        if est.parts.get("caches", 0) >= GiB // 10 and whole_by is None:
+            fix += f" (--cache-device disk moves the {est.parts['caches'] / GiB:.2f} GiB of activation caches to disk)"
         return (f"this run needs about {est.describe()} of memory and {available / GiB:.1f} GiB is available "
                 f"(MemAvailable); {fix}")
     for role, need in est.disk.items():
