@@ -40,7 +40,9 @@ import sys
 import time
 from pathlib import Path
 
-CACHE = Path.home() / ".cache" / "lowbit" / "bigmodel"
+# the checkpoints benchmarks/bigmodel.py builds, and its child runner (peak RSS from wait4)
+from benchmarks.bigmodel import CACHE, child
+
 WORK = Path(os.environ.get("LOWBIT_BENCH_WORK", "/tmp/lowbit-bigmodel-calib"))
 RESULTS = Path(__file__).parent / "results" / "bigmodel_calib.json"
 TOKENIZER_VOCAB = 8000
@@ -116,16 +118,6 @@ def child_main(argv: list[str]) -> int:
 def _cpu() -> float:
     r = resource.getrusage(resource.RUSAGE_SELF)
     return r.ru_utime + r.ru_stime
-
-
-def child(cmd: list[str], log: Path, env: dict | None = None) -> tuple[int, float, float, int]:
-    """(exit code, wall seconds, CPU seconds, peak RSS bytes from the kernel) of one child process."""
-    t0 = time.perf_counter()
-    with open(log, "w") as f:
-        p = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env)
-        _, status, usage = os.wait4(p.pid, 0)
-    cpu = usage.ru_utime + usage.ru_stime
-    return os.waitstatus_to_exitcode(status), time.perf_counter() - t0, cpu, usage.ru_maxrss * 1024
 
 
 def method_args(method: str, iters: int) -> list[str]:
