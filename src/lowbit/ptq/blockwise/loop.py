@@ -6,7 +6,9 @@ lazily loaded checkpoint) onto the compute device, let the pass do its work ther
 (`BlockPass.step`), write the block's result to the work folder, let the pass finish the
 block (install it, propagate its caches), and move it back. Only the block being worked
 on sits on the compute device; with an offload folder the float weights of all other
-blocks live on disk, so peak memory grows with one block plus the cached activations.
+blocks live on disk, so peak memory grows with one block plus the cached activations. A lazily
+loaded run with nothing after the walk that reads the quantized blocks also writes each finished
+block out and frees it (`lowbit.ptq.blockwise.release`), so nothing grows with depth.
 
 Resume: a rerun with the same settings hands each finished block's saved result to the
 pass instead of computing it (forward passes only, the same chunking and order, hence
@@ -151,9 +153,7 @@ def _walk(model: nn.Module, task: BlockPass, record: Mapping[str, Any], ctx: Run
         task.finish(i, block, result)
         if task.changes_float and isinstance(loader, DiskOffload):
             loader.store(i, block)  # the folder holds the block as the pass left it; memory holds none
-        elif release:
-            release_block(model, walk.names[id(block)], i, block, release)
-        else:
+        elif not (release and release_block(model, walk.names[id(block)], i, block, release)):
             block.to(task.home(i))
         info["seconds"] = time.perf_counter() - t0
         infos.append(info)

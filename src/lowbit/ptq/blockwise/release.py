@@ -38,20 +38,24 @@ def released(model: nn.Module) -> Released | None:
     return getattr(model, ATTR, None)
 
 
-def release_block(model: nn.Module, prefix: str, i: int, block: nn.Module, folder: str | Path) -> None:
-    """Write block ``i`` (full name ``prefix``) as the checkpoint stores it to ``folder``, then empty it to meta."""
+def release_block(model: nn.Module, prefix: str, i: int, block: nn.Module, folder: str | Path) -> bool:
+    """Write block ``i`` (full name ``prefix``) as the checkpoint stores it to ``folder``, then empty it to meta.
+
+    Returns False, writing nothing, for a block whose tensors share storage (the checkpoint
+    records such pairs as aliases, which cannot point across files): it stays in memory and
+    is saved with the rest.
+    """
     from lowbit.files.native import WRITE_FIX, module_tensors
     from lowbit.nn import quant_layers
     from lowbit.nn.quant_experts import quant_stacks
 
+    tensors, aliases = module_tensors(block)
+    if aliases:
+        return False
     rel = released(model)
     if rel is None:
         rel = Released(Path(folder))
         setattr(model, ATTR, rel)
-    tensors, aliases = module_tensors(block)
-    if aliases:  # tensors shared inside one block: the writer would have to alias across files
-        raise NotImplementedError(f"{prefix} shares tensors between its parameters ({next(iter(aliases))}); "
-                                  "drop --no-eval to keep the quantized model in memory")
     named = {f"{prefix}.{k}": t for k, t in tensors.items()}
     path = rel.folder / f"q_{i:05d}.safetensors"
     require_finite(named.items(), f"cannot write {path}", WRITE_FIX)
@@ -61,3 +65,4 @@ def release_block(model: nn.Module, prefix: str, i: int, block: nn.Module, folde
     rel.storage |= {f"{prefix}.{n}": sum(t.numel() * t.element_size() for t in s.pack().values())
                     for n, s in quant_stacks(block).items()}
     block.to_empty(device="meta")
+    return True
