@@ -37,9 +37,10 @@ def test_released_blocks_give_the_same_checkpoint(tmp_path, capsys, tiny_hf_dir,
     real = release.release_block
 
     def spy(model, prefix, i, block, folder):
-        real(model, prefix, i, block, folder)
+        done = real(model, prefix, i, block, folder)
         blocks = model.model.layers
         held.append(sum(t.device.type != "meta" for b in blocks for t in b.state_dict().values()))
+        return done
 
     monkeypatch.setattr("lowbit.ptq.blockwise.loop.release_block", spy)
     lazy = _run(capsys, *common, "--offload-dir", str(tmp_path / "off"), "--out", str(tmp_path / "lazy"))
@@ -161,9 +162,10 @@ def test_a_killed_released_run_resumes_to_the_same_checkpoint(tmp_path, capsys, 
     real = release.release_block
 
     def killed(model, prefix, i, block, folder):
-        real(model, prefix, i, block, folder)
+        done = real(model, prefix, i, block, folder)
         if i == 0:
             raise KeyboardInterrupt
+        return done
 
     monkeypatch.setattr("lowbit.ptq.blockwise.loop.release_block", killed)
     assert main(["quantize", *common, "--out", str(tmp_path / "a")]) == 130
