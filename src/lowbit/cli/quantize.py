@@ -78,7 +78,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="gptq, signround, signround2 (and --awq): keep blocks on disk, one block's weights in memory. "
                         "On a safetensors folder the model is built on meta and each block read from the checkpoint "
                         "when its turn comes; with --no-eval each finished block is written here and freed too, so "
-                        "memory does not grow with depth. " + memory_help().replace("%", "%%"))
+                        "the quantized blocks do not pile up in memory. " + memory_help().replace("%", "%%"))
     m = p.add_argument_group("mixed precision (any method)")
     m.add_argument("--avg-bits", type=float, default=UNSET, help="average bits per weight budget")
     m.add_argument("--options", default=UNSET, help="comma-separated candidate schemes, e.g. w2g64,w4g128")

@@ -2,7 +2,8 @@
 
 A block-wise run on a lazily loaded model (``--offload-dir``: the model built on meta, each
 decoder block read from the checkpoint when its turn comes, written out and released after)
-holds, at its peak, the parts below; nothing in it grows with the number of blocks:
+holds, at its peak, the parts below, none of which grows with the number of blocks (the measured
+runs still grow by ~60 MiB per block at the 1.1B shape, cause open: benchmarks/results/bigmodel_calib.md):
 
 - ``runtime``: the interpreter with torch and transformers (measured: ~0.4 GiB);
 - ``outside``: the tensors outside the decoder blocks, in float32 (embeddings, the lm_head

@@ -8,7 +8,7 @@ block (install it, propagate its caches), and move it back. Only the block being
 on sits on the compute device; with an offload folder the float weights of all other
 blocks live on disk, so peak memory grows with one block plus the cached activations. A lazily
 loaded run with nothing after the walk that reads the quantized blocks also writes each finished
-block out and frees it (`lowbit.ptq.blockwise.release`), so nothing grows with depth.
+block out and frees it (`lowbit.ptq.blockwise.release`), so quantized blocks do not pile up.
 
 Resume: a rerun with the same settings hands each finished block's saved result to the
 pass instead of computing it (forward passes only, the same chunking and order, hence

@@ -1,4 +1,4 @@
-"""Finished blocks written out and released: what keeps a lazily loaded run flat in the model's depth.
+"""Finished blocks written out and released, so a lazily loaded run does not pile up quantized blocks.
 
 A lazily loaded model (`lowbit.models.lazy`) holds one block's float weights at a time,
 but each tuned block used to stay in memory as QuantLinears (a byte per weight of codes)
