@@ -152,12 +152,15 @@ def bits_summary(model: nn.Module, plan: Plan, lm_head: bool) -> dict[str, Any]:
     from lowbit.models import linear_layers
     from lowbit.nn import quant_layers
     from lowbit.nn.quant_experts import quant_stacks
+    from lowbit.ptq.blockwise.release import released
 
     layers = linear_layers(model, include_lm_head=lm_head)
     sizes = {n: (m.out_features, m.in_features) for n, m in layers.items()}
     sizes.update({n: _shape(model, n) for n in plan if n not in sizes})
-    quant = {n: m.qweight.storage_bytes() for n, m in quant_layers(model).items()}
-    quant |= {n: _packed_bytes(m) for n, m in quant_stacks(model).items()}
+    rel = released(model)  # blocks written out and emptied: their packed sizes were kept
+    written = rel.storage if rel is not None else {}
+    quant = {n: written[n] if n in written else m.qweight.storage_bytes() for n, m in quant_layers(model).items()}
+    quant |= {n: written[n] if n in written else _packed_bytes(m) for n, m in quant_stacks(model).items()}
     dense = sum(o * i for n, (o, i) in sizes.items() if n not in plan) + _float_block_matrices(model, sizes)
     stored = [(o * i, 8 * quant[n] / (o * i)) for n, (o, i) in sizes.items() if n in plan]
     nominal = [(o * i, plan.weight(n).bits_per_weight(i)) for n, (o, i) in sizes.items() if n in plan]

@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import time
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -30,15 +30,18 @@ from lowbit.models.accounting import keep_patterns
 from lowbit.plans import kmix, source
 from lowbit.plans.plan import Plan
 from lowbit.plans.source import DEFAULT_SCHEME, MixedBudget, PlanFile, PlanSource, build_plan
+from lowbit.ptq import memory
 from lowbit.ptq import methods as ptq_methods
 from lowbit.ptq.awq import AWQSettings
 from lowbit.ptq.conductor import PtqOutcome, PtqSpec, conduct, preflight
+from lowbit.ptq.memory import Estimate
 from lowbit.ptq.methods import FlagSpec, RunContext, coerce_settings, get, make_settings
 from lowbit.ptq.mixed import MixedSettings
 from lowbit.ptq.rotation import RotationSettings
 
 __all__ = ["DEFAULT_SCHEME", "AWQSettings", "FlagSpec", "MixedSettings", "QuantizeJob", "RotationSettings",
-           "build_plan", "make_settings", "method_flags", "method_names", "method_options", "quantize"]
+           "build_plan", "check_memory", "job_estimate", "make_settings", "memory_help", "method_flags",
+           "method_names", "method_options", "quantize"]
 
 
 @dataclass(frozen=True)
@@ -108,8 +111,10 @@ class QuantizeJob:
         if self.kv_scheme is not None and self.loads_lazily:
             raise ConfigError("--kv calibrates and checks the KV cache on the whole model, which --offload-dir does "
                               "not hold in memory; drop --offload-dir (or --kv)")
-        if self.cache_device is not None and self.cache_device not in ("device", "cpu"):
-            raise ConfigError(f"--cache-device must be device or cpu, got {self.cache_device!r}")
+        if self.cache_device is not None and self.cache_device not in ("device", "cpu", "disk"):
+            raise ConfigError(f"--cache-device must be device, cpu or disk, got {self.cache_device!r}")
+        if self.cache_device == "disk" and self.offload_dir is None:
+            raise ConfigError("--cache-device disk keeps the activations in files in --offload-dir; pass --offload-dir")
         for name, value in (("--workdir", self.workdir), ("--offload-dir", self.offload_dir),
                             ("--cache-device", self.cache_device)):
             if value is not None and not spec.blockwise and self.awq is None:  # AWQ walks the blocks on the engine
@@ -132,6 +137,12 @@ class QuantizeJob:
         """A block-wise run with --offload-dir reads blocks from disk; mixed precision and the pre-steps need all."""
         return (self.offload_dir is not None and get(self.method).blockwise and self.mixed is None
                 and self.rotate is None and self.awq is None)
+
+    @property
+    def releases_blocks(self) -> bool:
+        """A lazy run that evaluates nothing writes each finished block to --offload-dir and frees it, so its
+        memory stays flat in the model's depth (`lowbit.ptq.blockwise.release`); a perplexity pass needs them."""
+        return self.loads_lazily and self.evaluation is None and self.kv_scheme is None
 
     def inputs(self) -> list[str | None]:
         return [self.model, self.plan_file, self.calib.data, self.evaluation and self.evaluation.data]
@@ -176,6 +187,7 @@ def quantize(job: QuantizeJob) -> dict[str, Any]:
     for flag, folder in (("--workdir", job.workdir), ("--offload-dir", job.offload_dir)):
         if folder is not None:
             outputs.check_folder(folder, job.out, flag, job.inputs())
+    need, job = check_memory(job)
     rank, world = _join_world(job)
     phases = Phases()
     if rank != 0:  # under torchrun: tunes its share of the samples; rank 0 alone writes --out
@@ -193,11 +205,91 @@ def quantize(job: QuantizeJob) -> dict[str, Any]:
         with phases("save"):
             run.save(out, result)
     result["out"] = str(out)
+    if need is not None:
+        result["memory_estimate"] = need.to_dict()
     if world > 1:
         result["world"] = world
     result["seconds"] = round(time.perf_counter() - t0, 2)
     result["time_s"] = phases.report()
     return result
+
+
+def job_estimate(job: QuantizeJob) -> Estimate | None:
+    """The memory and disk ``job`` takes (`lowbit.ptq.memory`), from the model folder's config.json alone; None
+    for a source without one (the bundled model, a GGUF file, a hub id: read after loading) or without the sizes."""
+    from lowbit.io import read_json
+
+    folder = Path(job.model).expanduser() if job.model is not None else None
+    if folder is None or not (folder / "config.json").is_file():
+        return None
+    try:
+        shape = memory.Shape.from_config(read_json(folder / "config.json", ConfigError, "fix the model's config"))
+    except (ConfigError, TypeError, ValueError):
+        return None
+    tokens = (job.calib.nsamples, job.calib.seqlen) if job.needs_calib else (0, 0)
+    bits = (job.source.recipe.weight.bits_per_weight(shape.hidden) if isinstance(job.source, source.Uniform)
+            else memory.WEIGHT_BITS)  # a mix or a plan file: about 4 bits (the output is checked after loading)
+    return memory.estimate(shape, job.method, *tokens, lazy=job.loads_lazily,
+                           search=bool(getattr(job.settings, "search", False)), evaluate=not job.releases_blocks,
+                           batch_size=getattr(job.settings, "batch_size", 8) or 8, lm_head=job.lm_head,
+                           weight_bits=bits)
+
+
+def memory_help() -> str:
+    """What --help says about memory: the formula and examples (`lowbit.ptq.memory`)."""
+    return ("Memory of such a run: ~0.45 GiB of runtime + the embeddings and lm_head in fp32 + one block in fp32 + "
+            "nsamples x seqlen x hidden x 4 bytes per activation cache (gptq 1, signround 2) + the method's state "
+            "(gptq: 48 bytes x widest Linear input^2, its Hessian and the factorization's copies; signround: 16 bytes "
+            "per block weight and a mini-batch's backward); "
+            f"at 128 x 2048 calibration tokens: {memory.help_table()}. Without --offload-dir (and with --rotate, "
+            "--awq, --avg-bits or --method rtn) the whole float model is loaded (4 bytes per weight). The run is "
+            "refused before loading, with these numbers, when free memory (MemAvailable) or the disk of --out / "
+            "--offload-dir cannot hold it")
+
+
+def _whole_by(job: QuantizeJob) -> str | None:
+    """The flag that loads the whole model although --offload-dir asks for one block at a time."""
+    if job.offload_dir is None or job.loads_lazily:
+        return None
+    for flag, on in (("--avg-bits", job.mixed is not None), ("--rotate", job.rotate is not None),
+                     ("--awq", job.awq is not None)):
+        if on:
+            return flag
+    return f"--method {job.method}"
+
+
+def check_memory(job: QuantizeJob) -> tuple[Estimate | None, QuantizeJob]:
+    """Refuse, before loading anything, a job this machine's free memory (a CPU run) or disk cannot hold.
+
+    A lazy run whose activation caches alone do not fit keeps them on disk in --offload-dir
+    instead (``--cache-device disk``, with a warning), when the user did not place them.
+    Returns the estimate and the job as it will run.
+    """
+    import shutil
+
+    from lowbit.io import OutputError, existing_ancestor
+
+    est = job_estimate(job)
+    if est is None:
+        return None, job
+    cpu = job.device is None or str(job.device).startswith("cpu")
+    available = memory.mem_available() if cpu else None
+    if job.cache_device is None and job.loads_lazily:
+        moved = memory.caches_on_disk(est)
+        if available is not None and est.peak * 1.1 > available and moved.peak * 1.1 <= available:
+            warnings.warn(f"the activation caches ({est.parts['caches'] / memory.GiB:.2f} GiB) do not fit in the "
+                          f"{available / memory.GiB:.1f} GiB of free memory: they are kept in files in --offload-dir "
+                          "(--cache-device disk)", stacklevel=2)
+            est, job = moved, replace(job, cache_device="disk")
+    elif job.cache_device == "disk":
+        est = memory.caches_on_disk(est)
+    folders = {"out": job.out, "offload": job.offload_dir}
+    free = {role: shutil.disk_usage(existing_ancestor(Path(f).expanduser().absolute())).free
+            for role, f in folders.items() if f is not None}
+    why = memory.refusal(est, available, free, whole_by=_whole_by(job))
+    if why is not None:
+        raise (OutputError if why.startswith("--") else ConfigError)(why)
+    return est, job
 
 
 def _join_world(job: QuantizeJob) -> tuple[int, int]:
@@ -266,7 +358,8 @@ class _Run:
         """What the method runs with: the device as resolved once by `quantize`, the job's folders."""
         job = self.job
         return RunContext(calib=self.calib, device=self.device, workdir=job.workdir, offload_dir=job.offload_dir,
-                          progress=job.progress, cache_device=job.cache_device or "device")
+                          progress=job.progress, cache_device=job.cache_device or "device",
+                          release=job.releases_blocks)
 
     def _check_whole_model_fits(self) -> None:
         """The whole-model passes (perplexities, RTN, DeltaLoss) must fit the device: checked before any work.
@@ -360,6 +453,7 @@ class _Run:
 
     def save(self, out: Path, result: dict[str, Any]) -> None:
         from lowbit.files.native import save
+        from lowbit.ptq.blockwise.release import released
 
         mix = source.mix_name(self.job.source)
         meta = {"source": self.lm.source, "source_kind": self.lm.kind,
@@ -369,8 +463,11 @@ class _Run:
                    else {"gguf_output_importance": self.output_importance}),
                 **{k: result[k] for k in ("ppl_fp", "ppl_q", "matmul_weights", "kv_cache") if k in result},
                 **{k: s.to_dict() for k, s in (("rotation", self.job.rotate), ("awq", self.job.awq)) if s is not None}}
+        rel = released(self.lm.model)
+        written = [rel.files[i] for i in sorted(rel.files)] if rel is not None else []
         try:
-            save(self.lm.model, self.lm.tokenizer, out, meta=meta, force=True, extra_files=self._plan_files())
+            save(self.lm.model, self.lm.tokenizer, out, meta=meta, force=True, extra_files=self._plan_files(),
+                 written=written)
         except WriteError as e:
             blockwise = get(self.job.method).blockwise
             kept = (f"; the tuned blocks are kept in --workdir {self.job.workdir}: rerun the same command to resume "

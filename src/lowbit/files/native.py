@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import shutil
 import warnings
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -78,27 +79,35 @@ def is_checkpoint(path: str | Path) -> bool:
 
 
 def save(model: nn.Module, tokenizer: Any, out: str | Path, meta: dict | None = None, force: bool = False,
-         extra_files: dict[str, bytes | Path] | None = None) -> Path:
+         extra_files: dict[str, bytes | Path] | None = None, written: Sequence[Path] = ()) -> Path:
     """Write ``model`` (with its `QuantLinear` layers) to the folder ``out`` atomically.
 
     extra_files: name -> bytes, or a file to copy, written into the folder too (a
     mixed-precision plan and its plot, a training run's metrics).
+    written: safetensors files already holding some of the model's tensors as this writer
+    stores them (blocks written out and emptied to meta as a lazily loaded run finished
+    them, `lowbit.ptq.blockwise.release`); they are moved into the folder as further weight
+    files, and the tensors left on meta are not written again.
     """
     out = Path(out)
     qlayers = quant_layers(model)
     stacks = quant_stacks(model)
-    tensors, aliases = _tensors_to_save(model, qlayers, stacks)
+    tensors, aliases = _tensors_to_save(model, qlayers, stacks, skip_meta=bool(written))
     require_finite(tensors.items(), f"cannot write {out}", WRITE_FIX)
     manifest = {
         "format": FORMAT, "version": VERSION,
         "layers": {n: layer_spec(m) for n, m in qlayers.items()} | {n: stack_spec(m) for n, m in stacks.items()},
         "aliases": aliases, "meta": meta or {},
     }
+    if written:
+        manifest["weights"] = [WEIGHTS, *(Path(w).name for w in written)]
     kv = kv_spec(model)
     if kv is not None:  # the KV cache's scheme; its k_scale / v_scale buffers are in the state dict
         manifest["kv_cache"] = kv
     with atomic_dir(out, force=force, kind="lowbit checkpoint") as tmp:
         save_file(tensors, str(tmp / WEIGHTS), metadata={"format": "pt"})
+        for w in written:
+            shutil.move(str(w), tmp / Path(w).name)
         config = getattr(model, "config", None)
         if config is not None:
             config.quantization_config = {"quant_method": FORMAT, "format_version": VERSION}
@@ -203,15 +212,26 @@ def input_quantizer(name: str, spec: dict, amax: torch.Tensor | None) -> InputQu
     return InputQuantizer(inp, None if amax is None else amax.float().reshape(()))
 
 
+def module_tensors(module: nn.Module) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """The tensors (and aliases) the checkpoint stores for ``module``, named relative to it: a block written
+    out on its own (`lowbit.ptq.blockwise.release`) holds exactly what `save` would have written for it."""
+    return _tensors_to_save(module, quant_layers(module), quant_stacks(module))
+
+
 def _tensors_to_save(model: nn.Module, qlayers: dict[str, QuantLinear],
-                     stacks: dict[str, QuantStack]) -> tuple[dict, dict]:
-    """State dict with quantized layers (and experts stacks) packed; tensors sharing storage saved once."""
+                     stacks: dict[str, QuantStack], skip_meta: bool = False) -> tuple[dict, dict]:
+    """State dict with quantized layers (and experts stacks) packed; tensors sharing storage saved once.
+
+    skip_meta: leave out layers and tensors on the meta device (already written elsewhere)."""
+    if skip_meta:
+        qlayers = {n: m for n, m in qlayers.items() if m.codes.device.type != "meta"}
+        stacks = {n: s for n, s in stacks.items() if s.codes.device.type != "meta"}
     tensors: dict[str, torch.Tensor] = {}
     seen: dict[tuple, str] = {}
     aliases: dict[str, str] = {}
-    qbuf = {f"{n}.{k}" for n in [*qlayers, *stacks] for k in (*_QKEYS, "input_quant.amax")}
+    qbuf = {f"{n}.{k}" for n in [*quant_layers(model), *quant_stacks(model)] for k in (*_QKEYS, "input_quant.amax")}
     for key, t in model.state_dict().items():
-        if key in qbuf:
+        if key in qbuf or (skip_meta and t.device.type == "meta"):
             continue
         ident = (t.data_ptr(), t.shape, t.dtype)
         if t.numel() and ident in seen:

@@ -135,6 +135,12 @@ def materialize(model: nn.Module) -> None:
     delattr(model, SOURCE_ATTR)
 
 
+def forget_source(model: nn.Module) -> None:
+    """Drop the checkpoint marker without loading anything (blocks written out and released stay on meta)."""
+    if is_lazy(model):
+        delattr(model, SOURCE_ATTR)
+
+
 def _state(module: nn.Module) -> dict[str, torch.Tensor]:
     d: dict[str, torch.Tensor] = dict(module.named_parameters(remove_duplicate=False))
     d.update(dict(module.named_buffers(remove_duplicate=False)))

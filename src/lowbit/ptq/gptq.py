@@ -132,8 +132,12 @@ def inverse_factor(h: torch.Tensor, damp: float, where: str) -> tuple[torch.Tens
     diag[dead] = 1.0
     mean = diag.mean()
     flipped = h.flip(0, 1)  # J H J, J the order reversal
+    del h, diag  # an n x n float64 copy fewer while factoring (14336^2: 1.6 GB each at the 8B shape)
     for d in (damp, *(x for x in DAMP_RETRIES if x > damp)):
-        u = _factor(flipped + d * mean * torch.eye(h.shape[0], dtype=h.dtype, device=h.device))
+        dampened = flipped.clone()  # + d * mean * I, without the identity and the product as n x n tensors
+        dampened.diagonal().add_(d * mean)
+        u = _factor(dampened)
+        del dampened
         if u is not None:
             if d != damp:
                 warnings.warn(f"GPTQ: the Hessian of {where} is singular with dampening {damp} (fraction of its "
@@ -151,11 +155,11 @@ def _factor(flipped: torch.Tensor) -> torch.Tensor | None:
     With ``J H J = L L^T``: ``H^-1 = (J L^-1 J)^T (J L^-1 J)`` and ``J L^-1 J`` is upper
     triangular, so it is the factor wanted: one Cholesky and one triangular solve.
     """
+    n, device = flipped.shape[0], flipped.device
     for dt in (torch.float32, torch.float64):
-        a = flipped.to(dt)
-        chol, info = torch.linalg.cholesky_ex(a)
+        chol, info = torch.linalg.cholesky_ex(flipped.to(dt))
         if int(info) == 0:
-            eye = torch.eye(a.shape[0], dtype=dt, device=a.device)
+            eye = torch.eye(n, dtype=dt, device=device)
             u = torch.linalg.solve_triangular(chol, eye, upper=False).flip(0, 1).float()
             if bool(torch.isfinite(u).all()):
                 return u

@@ -34,6 +34,8 @@ class RunContext:
     interrupted block-wise run resumes. offload_dir: keep FP blocks on disk (block-wise only).
     cache_device: where a block-wise method keeps its cached activations: "device" (the
     compute device) or "cpu" (host memory streamed per mini-batch, the leanest mode).
+    release: a lazily loaded model's finished blocks are written to offload_dir as the checkpoint
+    stores them and emptied (`lowbit.ptq.blockwise.release`): nothing after the walk reads them.
     """
 
     calib: torch.Tensor | None = None
@@ -42,6 +44,7 @@ class RunContext:
     offload_dir: str | None = None
     progress: bool = True
     cache_device: str = "device"
+    release: bool = False
 
 
 RunFn = Callable[[nn.Module, Plan, Any, RunContext], Plan]  # returns the plan it applied

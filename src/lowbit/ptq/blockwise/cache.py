@@ -1,14 +1,20 @@
 """The block-wise engine's activation caches: one tensor per chain, ``[nsamples, seqlen, hidden]``.
 
-A cache lives on the compute device or in host memory (page-locked on a GPU machine, so
-each mini-batch copies asynchronously), in fp32 or bf16; a block always computes in its
+A cache lives on the compute device, in host memory (page-locked on a GPU machine, so
+each mini-batch copies asynchronously) or in a memory-mapped file on disk (`disk_caches`), in fp32 or bf16; a block always computes in its
 own dtype, each chunk is cast on the way in. ``map_block`` pushes a cache through a block
 in place, so the walk keeps as few caches as its chains need.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import contextlib
+import contextvars
+import itertools
+import math
+import os
+from collections.abc import Iterator, Mapping
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -17,17 +23,53 @@ from torch import nn
 from lowbit.ptq.blockwise.shards import SOLO, Shard
 
 CACHE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-CACHE_DEVICES = ("device", "cpu")
+CACHE_DEVICES = ("device", "cpu", "disk")
+_DISK: contextvars.ContextVar[Path | None] = contextvars.ContextVar("lowbit_disk_caches", default=None)
+_count = itertools.count()
+
+
+@contextlib.contextmanager
+def disk_caches(folder: str | Path | None) -> Iterator[None]:
+    """Inside the body, host caches are memory-mapped files in ``folder`` (None: in memory as usual).
+
+    For calibration sets whose activations do not fit in memory (``--cache-device disk``): the
+    kernel writes the pages back to the file and drops them when memory runs short, so the
+    caches cost disk, not memory. Each file is unlinked as soon as it is mapped, so nothing is
+    left behind however the run ends.
+    """
+    token = _DISK.set(None if folder is None else Path(folder))
+    try:
+        yield
+    finally:
+        _DISK.reset(token)
 
 
 def new_cache(shape: tuple[int, ...], dtype: torch.dtype, where: torch.device, device: torch.device
               ) -> torch.Tensor:
-    """An empty activation cache on ``where``; page-locked when it sits on the host of a GPU ``device``.
+    """An empty activation cache on ``where``; page-locked when it sits on the host of a GPU ``device``; a
+    memory-mapped file inside `disk_caches`.
 
     Page-locked memory lets each mini-batch copy to the GPU asynchronously (``non_blocking``).
     """
+    folder = _DISK.get()
+    if folder is not None and where.type == "cpu":
+        return _file_tensor(folder, shape, dtype)
     pin = where.type == "cpu" and device.type == "cuda"
     return torch.empty(shape, dtype=dtype, device=where, pin_memory=pin)
+
+
+def _file_tensor(folder: Path, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A tensor backed by a shared mapping of a new file in ``folder`` (unlinked once mapped)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    numel = math.prod(shape)
+    path = folder / f"cache_{os.getpid()}_{next(_count)}.bin"
+    with open(path, "wb") as f:
+        f.truncate(numel * torch.empty((), dtype=dtype).element_size())
+    try:
+        t = torch.from_file(str(path), shared=True, size=numel, dtype=dtype)
+    finally:
+        path.unlink()
+    return t.view(shape)
 
 
 def gather_rows(cache: torch.Tensor, idx: torch.Tensor, device: torch.device, dtype: torch.dtype) -> torch.Tensor:

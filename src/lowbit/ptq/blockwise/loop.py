@@ -6,7 +6,9 @@ lazily loaded checkpoint) onto the compute device, let the pass do its work ther
 (`BlockPass.step`), write the block's result to the work folder, let the pass finish the
 block (install it, propagate its caches), and move it back. Only the block being worked
 on sits on the compute device; with an offload folder the float weights of all other
-blocks live on disk, so peak memory grows with one block plus the cached activations.
+blocks live on disk, so peak memory grows with one block plus the cached activations. A lazily
+loaded run with nothing after the walk that reads the quantized blocks also writes each finished
+block out and frees it (`lowbit.ptq.blockwise.release`), so quantized blocks do not pile up.
 
 Resume: a rerun with the same settings hands each finished block's saved result to the
 pass instead of computing it (forward passes only, the same chunking and order, hence
@@ -32,13 +34,15 @@ from tqdm.auto import tqdm
 
 from lowbit.errors import ConfigError
 from lowbit.models.layers import decoder_blocks
-from lowbit.models.lazy import is_lazy, materialize
+from lowbit.models.lazy import forget_source, is_lazy, materialize
 from lowbit.models.placement import check_device
 from lowbit.ptq.blockwise import shards
 from lowbit.ptq.blockwise.access import block_dtype, module_names
+from lowbit.ptq.blockwise.cache import disk_caches
 from lowbit.ptq.blockwise.capture import capture_inputs
 from lowbit.ptq.blockwise.offload import DiskOffload, block_loader
 from lowbit.ptq.blockwise.options import cache_place
+from lowbit.ptq.blockwise.release import release_block
 from lowbit.ptq.blockwise.shards import Shard, check_world, rank_folder
 from lowbit.ptq.blockwise.store import open_workdir, resume_point
 from lowbit.ptq.methods import RunContext
@@ -112,6 +116,15 @@ def walk_blocks(model: nn.Module, task: BlockPass, record: Mapping[str, Any], ct
     where = cache_place(ctx.cache_device, device)
     if task.changes_float:
         materialize(model)  # a lazily loaded model's checkpoint cannot take the changed blocks back
+    if ctx.cache_device == "disk" and not ctx.offload_dir:
+        raise ConfigError("--cache-device disk keeps the activations in files in --offload-dir; pass --offload-dir")
+    with disk_caches(rank_folder(ctx.offload_dir, shard) if ctx.cache_device == "disk" else None):
+        return _walk(model, task, record, ctx, chunk, on_block, device, where, shard)
+
+
+def _walk(model: nn.Module, task: BlockPass, record: Mapping[str, Any], ctx: RunContext, chunk: int,
+          on_block: Callable[[int], None] | None, device: torch.device, where: torch.device, shard: Shard
+          ) -> list[dict[str, float]]:
     blocks = decoder_blocks(model)
     x, kwargs = capture_inputs(model, blocks[0], ctx.calib, device, task.cache_dtype, where, shard)
     walk = Walk(model, blocks, module_names(model), kwargs, device, block_dtype(blocks[0]), shard, chunk)
@@ -119,6 +132,8 @@ def walk_blocks(model: nn.Module, task: BlockPass, record: Mapping[str, Any], ct
     task.begin(walk, x)
     del x
     loader = block_loader(model, blocks, rank_folder(ctx.offload_dir, shard))
+    release = rank_folder(ctx.offload_dir, shard) if ctx.release and is_lazy(model) and not task.changes_float \
+        else None
     start = resume_point(wd, len(blocks), shard, task.decode)
     infos: list[dict[str, float]] = []
     bar = tqdm(range(len(blocks)), desc=task.desc, unit="block", disable=not ctx.progress or shard.rank != 0)
@@ -138,7 +153,7 @@ def walk_blocks(model: nn.Module, task: BlockPass, record: Mapping[str, Any], ct
         task.finish(i, block, result)
         if task.changes_float and isinstance(loader, DiskOffload):
             loader.store(i, block)  # the folder holds the block as the pass left it; memory holds none
-        else:
+        elif not (release and release_block(model, walk.names[id(block)], i, block, release)):
             block.to(task.home(i))
         info["seconds"] = time.perf_counter() - t0
         infos.append(info)
@@ -150,6 +165,8 @@ def walk_blocks(model: nn.Module, task: BlockPass, record: Mapping[str, Any], ct
             loader.load(i, block, torch.device("cpu"))
             block.to(task.home(i))
     task.end()
-    if is_lazy(model):
+    if is_lazy(model) and release:  # every block is written out by now: only the marker goes
+        forget_source(model)
+    elif is_lazy(model):
         materialize(model)  # every block is loaded by now: this only drops the marker
     return infos

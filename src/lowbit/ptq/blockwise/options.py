@@ -44,8 +44,9 @@ def cache_place(cache_device: str, device: torch.device) -> torch.device:
     """Where the activation caches live: on the compute ``device`` ("device") or in host memory ("cpu").
 
     "cpu" keeps them in (page-locked) host memory, streamed per mini-batch: the leanest
-    mode, for large models on small GPUs.
+    mode, for large models on small GPUs. "disk" keeps them in memory-mapped files in the
+    offload folder (`lowbit.ptq.blockwise.cache.disk_caches`), for activations memory cannot hold.
     """
     if cache_device not in CACHE_DEVICES:
         raise ConfigError(f"--cache-device must be one of {list(CACHE_DEVICES)}, got {cache_device!r}")
-    return device if cache_device == "device" else torch.device("cpu")
+    return device if cache_device == "device" else torch.device("cpu")  # "disk": host tensors mapped from files

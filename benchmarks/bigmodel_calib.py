@@ -1,0 +1,312 @@
+"""Models bigger than the machine, calibrated: GPTQ and SignRoundV2 block by block on a lazily loaded model.
+
+The random bf16 checkpoints of ``benchmarks/bigmodel.py`` (TinyLlama-1.1B, Llama-3.2-3B and, once
+built, Llama-3.1-8B shapes under ``~/.cache/lowbit/bigmodel``) are read in place: a work folder
+per shape links their shards and adds a byte-level BPE tokenizer trained on the bundled corpus
+(8000 ids, fewer than any of the shapes' vocabularies; the checkpoints ship none). **Random
+weights measure time and memory, not quality**: nothing here says anything about accuracy.
+
+Each row is one child process running ``lowbit quantize SRC --method M --offload-dir D --no-eval``
+(the model built on meta, each block read from the checkpoint when its turn comes). The child
+records, after every block, the block's wall and CPU seconds and the process's resident set
+(``VmRSS``) and high-water mark (``VmHWM``) from ``/proc/self/status``; the parent takes the
+child's peak RSS from the kernel (``os.wait4``'s ``ru_maxrss``: resident pages, file-backed ones
+included, not Python's allocator). ``--blocks N`` stops a row after N blocks (the 8B shape, where
+the whole model does not fit the session): its peak and per-block series cover those blocks.
+Beside each row: the up-front estimate of ``lowbit.ptq.memory`` for the same job.
+
+Flatness: the peak RSS after the last block over the peak after the first quarter of the blocks
+(1.0 = flat in depth), and the ratio of peaks between shapes per block width (peak minus the
+interpreter's floor, over one block's float bytes).
+
+Peer: llm-compressor's ``oneshot`` with ``GPTQModifier`` (W4A16, the sequential pipeline: one
+decoder layer onloaded at a time) on the same checkpoint and the same calibration token ids,
+``--peer-python`` pointing at an interpreter that imports it (installed apart: its pins clash).
+
+    python -m benchmarks.bigmodel_calib --shapes tinyllama-1.1b --methods gptq,signround2
+    python -m benchmarks.bigmodel_calib --shapes llama-3.1-8b --methods gptq --blocks 6
+    python -m benchmarks.bigmodel_calib --table
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+# the checkpoints benchmarks/bigmodel.py builds, and its child runner (peak RSS from wait4)
+from benchmarks.bigmodel import CACHE, child
+
+WORK = Path(os.environ.get("LOWBIT_BENCH_WORK", "/tmp/lowbit-bigmodel-calib"))
+RESULTS = Path(__file__).parent / "results" / "bigmodel_calib.json"
+TOKENIZER_VOCAB = 8000
+
+
+def prepare(shape: str) -> Path:
+    """A folder with links to the cached checkpoint of ``shape`` and a tokenizer of its own (made once)."""
+    src = CACHE / shape
+    if not (src / "complete.json").is_file():
+        raise SystemExit(f"{src} is not built (benchmarks/bigmodel.py builds it); not building it here")
+    dst = WORK / "ckpt" / shape
+    dst.mkdir(parents=True, exist_ok=True)
+    for p in src.iterdir():
+        if p.name != "complete.json" and not (dst / p.name).exists():
+            os.symlink(p, dst / p.name)
+    if not (dst / "tokenizer.json").is_file():
+        _tokenizer().save_pretrained(dst)
+    return dst
+
+
+def _tokenizer():
+    """A byte-level BPE trained on the bundled corpus: every id below the smallest vocabulary here."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    from lowbit.data.sources import bundled_documents
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=TOKENIZER_VOCAB, special_tokens=["<|endoftext|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(bundled_documents(), trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>")
+
+
+def _status() -> dict[str, int]:
+    """VmRSS and VmHWM of this process, bytes."""
+    out = {}
+    for line in Path("/proc/self/status").read_text().splitlines():
+        key, _, rest = line.partition(":")
+        if key in ("VmRSS", "VmHWM"):
+            out[key] = int(rest.split()[0]) * 1024
+    return out
+
+
+def child_main(argv: list[str]) -> int:
+    """Run ``lowbit quantize argv`` here, logging each block (seconds, CPU seconds, RSS) to $BLOCK_LOG;
+    $STOP_AFTER blocks end the run (exit code 3) when set."""
+    from lowbit.cli import main
+    from lowbit.ptq.blockwise import tune
+
+    log = open(os.environ["BLOCK_LOG"], "a")  # noqa: SIM115 - held for the run
+    stop = int(os.environ.get("STOP_AFTER", "0"))
+    finish = tune.TunePass.finish
+    last = [time.perf_counter(), _cpu()]
+
+    def timed(self, i, block, result):
+        finish(self, i, block, result)
+        now, cpu = time.perf_counter(), _cpu()
+        log.write(json.dumps({"block": i, "s": now - last[0], "cpu_s": cpu - last[1], **_status()}) + "\n")
+        log.flush()
+        last[:] = [now, cpu]
+        if stop and i + 1 >= stop:
+            log.close()
+            os._exit(3)
+
+    tune.TunePass.finish = timed
+    log.write(json.dumps({"block": -1, "s": 0.0, "cpu_s": _cpu(), **_status()}) + "\n")
+    return main(["quantize", *argv])
+
+
+def _cpu() -> float:
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
+
+
+def method_args(method: str, iters: int) -> list[str]:
+    if method == "gptq":
+        return ["--method", "gptq", "--no-search"]
+    if method == "signround2":
+        return ["--method", "signround2", "--iters", str(iters)]
+    raise SystemExit(f"unknown method {method}")
+
+
+def run_lowbit(shape: str, method: str, a: argparse.Namespace) -> dict:
+    src = prepare(shape)
+    tag = f"{shape}-{method}-n{a.nsamples}x{a.seqlen}" + (f"-b{a.blocks}" if a.blocks else "")
+    out, off, blog = WORK / "out" / tag, WORK / "offload" / tag, WORK / "logs" / f"{tag}.blocks.jsonl"
+    for p in (out, off):
+        shutil.rmtree(p, ignore_errors=True)
+    blog.parent.mkdir(parents=True, exist_ok=True)
+    blog.unlink(missing_ok=True)
+    args = [str(src), *method_args(method, a.iters), "--scheme", "w4g128", "--nsamples", str(a.nsamples),
+            "--seqlen", str(a.seqlen), "--offload-dir", str(off), "--no-eval", "--out", str(out), "--json",
+            "--threads", str(a.threads)]
+    env = {**os.environ, "BLOCK_LOG": str(blog), "STOP_AFTER": str(a.blocks or 0)}
+    cmd = [sys.executable, "-m", "benchmarks.bigmodel_calib", "--child", *args]
+    code, wall, cpu, peak = child(cmd, WORK / "logs" / f"{tag}.log", env)
+    blocks = [json.loads(x) for x in blog.read_text().splitlines()] if blog.is_file() else []
+    ok = code == 0 or (a.blocks and code == 3)
+    row = {"shape": shape, "method": method, "tool": "lowbit", "nsamples": a.nsamples, "seqlen": a.seqlen,
+           "iters": a.iters if method == "signround2" else None, "blocks_run": len(blocks) - 1,
+           "stopped_after": a.blocks or None, "ok": bool(ok), "exit": code, "s": round(wall, 1),
+           "cpu_s": round(cpu, 1), "peak_rss": peak, "out_bytes": _size(out), "per_block": blocks[1:],
+           "estimate": estimate(src, method, a), "commit": _commit()}
+    row |= flatness(blocks[1:])
+    shutil.rmtree(out, ignore_errors=True)
+    shutil.rmtree(off, ignore_errors=True)
+    return row
+
+
+def estimate(src: Path, method: str, a: argparse.Namespace) -> dict:
+    """What `lowbit.ptq.memory` predicts for the row's job (block by block, blocks released, no evaluation)."""
+    from lowbit.ptq.memory import Shape
+    from lowbit.ptq.memory import estimate as predict
+
+    shape = Shape.from_config(json.loads((src / "config.json").read_text()))
+    return predict(shape, method, a.nsamples, a.seqlen, batch_size=min(8, a.nsamples)).to_dict()
+
+
+def flatness(blocks: list[dict]) -> dict:
+    """How memory moves with depth: the resident set's growth per block after block 0 (bytes; 0 = flat), the
+    high-water mark after the last block over the one after block 0, and the blocks' median CPU seconds
+    (block 0 also pays for loading and capture, so it is left out where there are others)."""
+    if not blocks:
+        return {}
+    later = blocks[1:] or blocks
+    out = {"hwm_first": blocks[0]["VmHWM"], "hwm_last": blocks[-1]["VmHWM"],
+           "depth_flatness": round(blocks[-1]["VmHWM"] / blocks[0]["VmHWM"], 3),
+           "median_block_cpu_s": round(sorted(b["cpu_s"] for b in later)[len(later) // 2], 1)}
+    if len(blocks) >= 2:
+        out["rss_growth_per_block"] = int((blocks[-1]["VmRSS"] - blocks[0]["VmRSS"]) / (len(blocks) - 1))
+    return out
+
+
+def llmc_child(argv: list[str]) -> int:
+    """llm-compressor's sequential GPTQ (W4A16: int4 g128 symmetric, static act-order, dampening 0.01 as lowbit's
+    defaults) on ``SRC`` in float32 with the token ids of ``IDS``; after ``BLOCKS`` decoder layers (0 = all) the
+    run stops when the next layer is reached. Each layer's first call is logged to $BLOCK_LOG."""
+    import torch
+    from llmcompressor import oneshot
+    from llmcompressor.modifiers.gptq import GPTQModifier
+    from torch.utils.data import DataLoader
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    src, ids_file, blocks = argv[0], argv[1], int(argv[2])
+    log = open(os.environ["BLOCK_LOG"], "a")  # noqa: SIM115 - held for the run
+    log.write(json.dumps({"block": -1, "s": 0.0, "cpu_s": _cpu(), **_status()}) + "\n")
+    model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
+    tok = AutoTokenizer.from_pretrained(src)
+    calib = torch.load(ids_file)
+    last = [time.perf_counter(), _cpu()]
+    seen: set[int] = set()
+
+    def reached(i: int):
+        def hook(*_):
+            if i in seen:
+                return
+            seen.add(i)
+            now, cpu = time.perf_counter(), _cpu()
+            if i > 0:
+                log.write(json.dumps({"block": i - 1, "s": now - last[0], "cpu_s": cpu - last[1], **_status()}) + "\n")
+                log.flush()
+            last[:] = [now, cpu]
+            if blocks and i >= blocks:
+                log.close()
+                os._exit(3)
+        return hook
+
+    for i, layer in enumerate(model.model.layers):
+        layer.register_forward_pre_hook(reached(i))
+    groups = {"group_0": {"targets": ["Linear"], "weights": {
+        "num_bits": 4, "type": "int", "symmetric": True, "strategy": "group", "group_size": 128}}}
+    recipe = [GPTQModifier(config_groups=groups, ignore=["lm_head"], block_size=128, dampening_frac=0.01,
+                           actorder="static")]
+    rows = [{"input_ids": r.unsqueeze(0), "attention_mask": torch.ones(1, r.numel(), dtype=torch.long)} for r in calib]
+    oneshot(model=model, tokenizer=tok, dataset=DataLoader(rows, batch_size=None), recipe=recipe,
+            num_calibration_samples=len(calib), max_seq_length=calib.shape[1], pipeline="sequential")
+    return 0
+
+
+def run_llmc(shape: str, a: argparse.Namespace) -> dict:
+    import torch
+    from transformers import AutoTokenizer
+
+    from lowbit.data.batches import calibration_batches
+
+    src = prepare(shape)
+    tag = f"{shape}-gptq-llmc-n{a.nsamples}x{a.seqlen}" + (f"-b{a.blocks}" if a.blocks else "")
+    blog, ids = WORK / "logs" / f"{tag}.blocks.jsonl", WORK / "logs" / f"{tag}.ids.pt"
+    blog.parent.mkdir(parents=True, exist_ok=True)
+    blog.unlink(missing_ok=True)
+    torch.save(calibration_batches(AutoTokenizer.from_pretrained(src), None, a.nsamples, a.seqlen), ids)
+    cmd = [a.peer_python, "-m", "benchmarks.bigmodel_calib", "--llmc-child", str(src), str(ids), str(a.blocks)]
+    env = {**os.environ, "BLOCK_LOG": str(blog), "PYTHONPATH": str(Path(__file__).parent.parent)}
+    code, wall, cpu, peak = child(cmd, WORK / "logs" / f"{tag}.log", env)
+    blocks = [json.loads(x) for x in blog.read_text().splitlines()] if blog.is_file() else []
+    row = {"shape": shape, "method": "gptq", "tool": "llmc-seq", "nsamples": a.nsamples, "seqlen": a.seqlen,
+           "iters": None, "blocks_run": len(blocks) - 1, "stopped_after": a.blocks or None,
+           "ok": code == 0 or bool(a.blocks and code == 3), "exit": code, "s": round(wall, 1), "cpu_s": round(cpu, 1),
+           "peak_rss": peak, "out_bytes": 0, "per_block": blocks[1:], "commit": _commit()}
+    return row | flatness(blocks[1:])
+
+
+def _size(path: Path) -> int:
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file()) if path.exists() else 0
+
+
+def _commit() -> str:
+    try:
+        return subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], text=True,
+                                       cwd=Path(__file__).parent).strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "?"
+
+
+def save_row(row: dict) -> None:
+    rows = json.loads(RESULTS.read_text()) if RESULTS.is_file() else []
+    key = ("shape", "method", "tool", "nsamples", "seqlen", "stopped_after", "variant")
+    rows = [r for r in rows if tuple(r.get(k) for k in key) != tuple(row.get(k) for k in key)] + [row]
+    RESULTS.write_text(json.dumps(rows, indent=1) + "\n")
+
+
+def table() -> str:
+    rows = json.loads(RESULTS.read_text()) if RESULTS.is_file() else []
+    g = 1 << 30
+    m = 1 << 20
+    lines = [f"{'shape':15} {'method':10} {'tool':12} {'calib':7} {'blocks':>6} {'cpu s':>6} {'cpu s/blk':>9} "
+             f"{'peak GiB':>8} {'est GiB':>7} {'HWM last/first':>14} {'RSS MiB/blk':>11}"]
+    for r in sorted(rows, key=lambda r: (r["shape"], r["method"], r["tool"], r.get("variant", ""))):
+        est = (r.get("estimate") or {}).get("peak_bytes")
+        tool = r["tool"] + (f" ({r['variant']})" if r.get("variant") else "")
+        lines.append(f"{r['shape']:15} {r['method']:10} {tool:12} {r['nsamples']}x{r['seqlen']:<4} "
+                     f"{r.get('blocks_run', 0):>6} {r['cpu_s']:>6.0f} {r.get('median_block_cpu_s', 0):>9.1f} "
+                     f"{r['peak_rss'] / g:>8.2f} {(est or 0) / g:>7.2f} {r.get('depth_flatness', 0):>14.3f} "
+                     f"{r.get('rss_growth_per_block', 0) / m:>11.1f}")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    if len(sys.argv) > 1 and sys.argv[1] == "--child":
+        raise SystemExit(child_main(sys.argv[2:]))
+    if len(sys.argv) > 1 and sys.argv[1] == "--llmc-child":
+        raise SystemExit(llmc_child(sys.argv[2:]))
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--shapes", default="tinyllama-1.1b")
+    p.add_argument("--methods", default="gptq")
+    p.add_argument("--nsamples", type=int, default=16)
+    p.add_argument("--seqlen", type=int, default=512)
+    p.add_argument("--iters", type=int, default=10)
+    p.add_argument("--blocks", type=int, default=0, help="stop each row after this many blocks (0 = all)")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--table", action="store_true")
+    p.add_argument("--peer-python", default=None, help="an interpreter importing llm-compressor (methods: llmc)")
+    a = p.parse_args()
+    if not a.table:
+        for shape in a.shapes.split(","):
+            for method in a.methods.split(","):
+                row = run_llmc(shape, a) if method == "llmc" else run_lowbit(shape, method, a)
+                save_row(row)
+                print(json.dumps({k: v for k, v in row.items() if k != "per_block"}), flush=True)
+    print(table())
+
+
+if __name__ == "__main__":
+    main()

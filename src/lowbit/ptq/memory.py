@@ -1,0 +1,275 @@
+"""How much memory and disk a quantize run takes, from the model's config alone: told before, refused up front.
+
+A block-wise run on a lazily loaded model (``--offload-dir``: the model built on meta, each
+decoder block read from the checkpoint when its turn comes, written out and released after)
+holds, at its peak, the parts below, none of which grows with the number of blocks (the measured
+runs still grow by ~60 MiB per block at the 1.1B shape, cause open: benchmarks/results/bigmodel_calib.md):
+
+- ``runtime``: the interpreter with torch and transformers (measured: ~0.4 GiB);
+- ``outside``: the tensors outside the decoder blocks, in float32 (embeddings, the lm_head
+  when it is not tied to them, the final norm), loaded once;
+- ``block``: one decoder block's float32 weights;
+- ``caches``: the cached block inputs, ``nsamples x seqlen x hidden`` each, one for GPTQ
+  (the quantized chain alone), two for the methods that also track the float outputs;
+- ``forward``: one chunk of samples through a block (the MLP's widest activations,
+  attention's queries, keys and values);
+- ``method``: the method's own state on the block: GPTQ's Hessian of the widest Linear input
+  in float64 with the copies its factorization makes (~48 bytes per entry), SignRound's rounding and scale parameters with their
+  optimizer moments and gradients, and the backward pass of a mini-batch;
+- ``save``: the checkpoint's tensors outside the blocks in their stored width while writing
+  (after the walk: the peak is the larger of the two).
+
+Any other run (RTN, which quantizes the whole model at once, a run without ``--offload-dir``,
+or a pre-step that needs the whole float model: --rotate, --awq, --avg-bits) holds the whole
+float model instead (``whole``), and a run that evaluates perplexities holds the quantized
+model (about a byte per weight) at the end. Disk: the output checkpoint, and with
+``--offload-dir`` the finished blocks kept there until the output is written (the same bytes).
+
+The figures are upper-side estimates for CPU runs (a GPU holds ``block``, ``caches`` with
+--cache-device device, ``forward`` and ``method`` in its own memory instead); the
+measurements beside them are in benchmarks/results/bigmodel_calib.md.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from lowbit.errors import ConfigError
+
+GiB = 1 << 30
+RUNTIME_BYTES = int(0.45 * GiB)  # python + torch + transformers imported, measured on this project's CPU wheel
+CHUNK = 8  # samples per block forward (PipelineOptions.chunk)
+WEIGHT_BITS = 4.25  # a 4-bit grouped scheme with fp16 scales per 128 (the default w4g128), for the output's size
+
+
+@dataclass(frozen=True)
+class Shape:
+    """The sizes of a decoder-only model that memory depends on (a llama-style block; experts counted whole)."""
+
+    layers: int
+    hidden: int
+    intermediate: int
+    vocab: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    tied: bool = False
+    experts: int = 1  # routed experts per block (1 = dense)
+
+    @classmethod
+    def from_config(cls, config: Any) -> Shape:
+        """From an HF config (attributes or a dict); a config without these sizes is refused by name."""
+        get = config.get if isinstance(config, dict) else (lambda k, d=None: getattr(config, k, d))
+        need = ("num_hidden_layers", "hidden_size", "vocab_size", "num_attention_heads")
+        missing = [k for k in need if get(k) is None]
+        if missing:
+            raise ConfigError(f"the model's config has no {missing[0]}; lowbit cannot estimate its memory")
+        hidden, heads = int(get("hidden_size")), int(get("num_attention_heads"))
+        experts = int(get("num_local_experts") or get("n_routed_experts") or get("num_experts") or 1)
+        inter = get("moe_intermediate_size") if experts > 1 and get("moe_intermediate_size") else None
+        inter = int(inter or get("intermediate_size") or 4 * hidden)
+        return cls(layers=int(get("num_hidden_layers")), hidden=hidden, intermediate=inter,
+                   vocab=int(get("vocab_size")), heads=heads, kv_heads=int(get("num_key_value_heads") or heads),
+                   head_dim=int(get("head_dim") or hidden // heads), tied=bool(get("tie_word_embeddings", False)),
+                   experts=experts)
+
+    @property
+    def attention_params(self) -> int:
+        q = self.hidden * self.heads * self.head_dim
+        return 2 * q + 2 * self.hidden * self.kv_heads * self.head_dim
+
+    @property
+    def mlp_params(self) -> int:
+        return 3 * self.hidden * self.intermediate * self.experts
+
+    @property
+    def block_params(self) -> int:
+        """The matmul weights of one decoder block (norms are negligible)."""
+        return self.attention_params + self.mlp_params
+
+    @property
+    def outside_params(self) -> int:
+        """Embeddings, the lm_head unless tied to them, the final norm."""
+        return self.vocab * self.hidden * (1 if self.tied else 2) + self.hidden
+
+    @property
+    def params(self) -> int:
+        return self.layers * self.block_params + self.outside_params
+
+    @property
+    def widest_input(self) -> int:
+        """The widest Linear input of a block (GPTQ's largest Hessian is this square)."""
+        return max(self.hidden, self.intermediate, self.heads * self.head_dim)
+
+
+WALK = ("block", "caches", "forward", "method")  # held while a block is worked on, gone when the output is written
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """Bytes a run holds (``parts``: the walk's parts and the save's are not held at once) and writes to disk
+    (``disk`` by folder)."""
+
+    parts: dict[str, int]
+    disk: dict[str, int] = field(default_factory=dict)
+    flat: bool = True  # whether the peak is independent of the model's depth
+
+    @property
+    def peak(self) -> int:
+        """The parts held throughout, plus the larger of the walk's (the block and its work) and the save's."""
+        walk = sum(v for k, v in self.parts.items() if k in WALK)
+        held = sum(v for k, v in self.parts.items() if k not in WALK and k != "save")
+        return held + max(walk, self.parts.get("save", 0))
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"peak_bytes": self.peak, "parts": dict(self.parts), "disk": dict(self.disk), "flat_in_depth": self.flat}
+
+    def describe(self) -> str:
+        """One line: the peak and its largest parts, in GiB."""
+        parts = sorted(self.parts.items(), key=lambda kv: -kv[1])
+        body = ", ".join(f"{k} {v / GiB:.2f}" for k, v in parts if v >= GiB // 100)
+        return f"~{self.peak / GiB:.1f} GiB ({body} GiB)"
+
+
+TRACKS_FP = {"signround": True, "signround2": True, "gptq": False}  # the float chain's cache besides X_q
+
+
+def estimate(shape: Shape, method: str, nsamples: int, seqlen: int, *, lazy: bool = True, search: bool = False,
+             evaluate: bool = False, batch_size: int = 8, lm_head: bool = False,
+             weight_bits: float = WEIGHT_BITS) -> Estimate:
+    """The memory and disk of quantizing ``shape`` with ``method`` on ``nsamples x seqlen`` calibration tokens.
+
+    lazy: block-wise from the checkpoint (``--offload-dir``), else the whole float model is
+    loaded. search: GPTQ's importance-weighted scale search (another cache for the float
+    chain's statistics). evaluate: perplexity passes (the quantized model held whole).
+    """
+    f32 = 4
+    s = shape
+    tokens = nsamples * seqlen
+    blockwise = method in TRACKS_FP
+    out_bytes = int(s.layers * s.block_params * weight_bits / 8) + _outside_stored(s, lm_head, weight_bits)
+    disk = {"out": out_bytes}
+    if not (lazy and blockwise):
+        parts = {"runtime": RUNTIME_BYTES, "whole": s.params * f32}
+        if blockwise:
+            parts |= _block_parts(s, method, tokens, seqlen, search, batch_size)
+        elif nsamples:  # RTN's importance: the sums of squares of every Linear input
+            parts["forward"] = _forward(s, seqlen)
+        parts["save"] = out_bytes
+        return Estimate(parts, disk, flat=False)
+    parts = {"runtime": RUNTIME_BYTES, "outside": s.outside_params * f32, "block": s.block_params * f32}
+    parts |= _block_parts(s, method, tokens, seqlen, search, batch_size)
+    if evaluate:  # the quantized blocks stay in memory to be evaluated: a byte per weight (codes) plus scales
+        parts["quantized"] = int(s.layers * s.block_params * 1.07)
+        parts["save"] = out_bytes
+        return Estimate(parts, disk, flat=False)
+    parts["save"] = _outside_stored(s, lm_head, weight_bits)
+    disk["offload"] = out_bytes - parts["save"]  # the finished blocks, moved into the output at the end
+    return Estimate(parts, disk)
+
+
+def _block_parts(s: Shape, method: str, tokens: int, seqlen: int, search: bool, batch_size: int) -> dict[str, int]:
+    f32 = 4
+    caches = 1 + int(TRACKS_FP.get(method, False) or search)
+    parts = {"caches": caches * tokens * s.hidden * f32, "forward": _forward(s, seqlen)}
+    if method == "gptq":
+        # the widest input's Hessian in float64 (kept for the error), its permuted copy, J H J and its dampened
+        # copy, then the float32 factor and solve (~48 bytes per entry at the peak); the widest group of Linears
+        # sharing an input (gate + up) stacked in float32, with its dequantized copy and the error rows
+        n = s.widest_input
+        group = 2 * s.intermediate * s.experts * s.hidden
+        parts["method"] = 48 * n * n + 4 * group * f32
+    else:  # SignRound: V, scale / min parameters, Adam's two moments and the gradients, per block weight
+        per_weight = 4 * f32
+        backward = batch_size * seqlen * (4 * s.intermediate + 8 * s.hidden) * f32 * 2
+        parts["method"] = s.block_params * per_weight + backward
+    return parts
+
+
+def _forward(s: Shape, seqlen: int) -> int:
+    """One chunk through one block: the MLP's widest activations and attention's queries, keys, values and output
+    (float32; the CPU's fused attention kernel never stores the score matrix)."""
+    attention = 2 * s.heads * s.head_dim + 2 * s.kv_heads * s.head_dim
+    return CHUNK * seqlen * (3 * s.intermediate + 2 * s.hidden + attention) * 4
+
+
+def _outside_stored(s: Shape, lm_head: bool, weight_bits: float) -> int:
+    """The stored bytes of the tensors outside the blocks: fp16 embeddings, the lm_head quantized or fp16."""
+    head = 0 if s.tied else s.vocab * s.hidden * (weight_bits / 8 if lm_head else 2)
+    return int(s.vocab * s.hidden * 2 + head + 2 * s.hidden)
+
+
+def caches_on_disk(est: Estimate) -> Estimate:
+    """``est`` with the activation caches in files in the offload folder (``--cache-device disk``)."""
+    parts = dict(est.parts)
+    caches = parts.pop("caches", 0)
+    disk = dict(est.disk)
+    disk["offload"] = disk.get("offload", 0) + caches
+    return Estimate(parts, disk, est.flat)
+
+
+# ----------------------------------------------------------------------------------------------- machine
+
+
+def mem_available(meminfo: Path = Path("/proc/meminfo")) -> int | None:
+    """The kernel's MemAvailable (bytes), None where there is no /proc/meminfo."""
+    try:
+        for line in meminfo.read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def refusal(est: Estimate, available: int | None, free_disk: dict[str, int | None],
+            margin: float = 1.1, whole_by: str | None = None) -> str | None:
+    """Why the machine cannot run it (with the numbers), or None when it can.
+
+    available: free memory (MemAvailable); free_disk: folder role ("out", "offload") -> free bytes.
+    whole_by: the flag that makes the run load the whole model although --offload-dir was given.
+    """
+    if available is not None and est.peak * margin > available:
+        if whole_by is not None:
+            fix = f"{whole_by} needs the whole float model in memory: drop it to run block by block"
+        elif not est.flat:
+            fix = "pass --offload-dir DIR (one block in memory) and --no-eval, or fewer --nsamples / a shorter --seqlen"
+        elif est.parts.get("method", 0) > est.parts.get("caches", 0) + est.parts.get("forward", 0):
+            fix = (f"the method's work on one block ({est.parts['method'] / GiB:.2f} GiB) does not shrink with fewer "
+                   "samples: a machine with more memory, or a GPU (--device cuda) for the block's work")
+        else:
+            fix = "fewer --nsamples or a shorter --seqlen, or a machine with more memory"
+        if est.parts.get("caches", 0) >= GiB // 10 and whole_by is None:
+            fix += f" (--cache-device disk moves the {est.parts['caches'] / GiB:.2f} GiB of activation caches to disk)"
+        return (f"this run needs about {est.describe()} of memory and {available / GiB:.1f} GiB is available "
+                f"(MemAvailable); {fix}")
+    for role, need in est.disk.items():
+        free = free_disk.get(role)
+        if free is not None and need > free:
+            flag = "--out" if role == "out" else "--offload-dir"
+            return (f"{flag} needs about {need / GiB:.2f} GiB of disk ({'the quantized checkpoint' if role == 'out' else 'the finished blocks until the output is written'}) "
+                    f"and its device has {free / GiB:.2f} GiB free; free some space or choose another {flag}")
+    return None
+
+
+def help_table(nsamples: int = 128, seqlen: int = 2048) -> str:
+    """The --help text's examples: peak memory of GPTQ / SignRoundV2 block by block at common shapes."""
+    rows = []
+    for name, cfg in EXAMPLES.items():
+        s = Shape.from_config(cfg)
+        g = estimate(s, "gptq", nsamples, seqlen).peak / GiB
+        r = estimate(s, "signround2", nsamples, seqlen).peak / GiB
+        rows.append(f"{name} gptq ~{g:.0f} GiB, signround2 ~{r:.0f} GiB")
+    return "; ".join(rows)
+
+
+EXAMPLES = {  # public configs' sizes
+    "1.1B (TinyLlama)": dict(num_hidden_layers=22, hidden_size=2048, intermediate_size=5632, vocab_size=32000,
+                             num_attention_heads=32, num_key_value_heads=4),
+    "8B (Llama-3.1)": dict(num_hidden_layers=32, hidden_size=4096, intermediate_size=14336, vocab_size=128256,
+                           num_attention_heads=32, num_key_value_heads=8),
+    "70B (Llama-3.1)": dict(num_hidden_layers=80, hidden_size=8192, intermediate_size=28672, vocab_size=128256,
+                            num_attention_heads=64, num_key_value_heads=8),
+}

@@ -1,0 +1,212 @@
+"""Calibrated runs at any size: finished blocks written out and released, the memory estimate, the refusal."""
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from lowbit.cli import main
+
+
+def _weights(folder):
+    out = {}
+    for f in sorted(folder.glob("*.safetensors")):
+        out |= load_file(str(f))
+    return out
+
+
+def _run(capsys, *argv):
+    code = main(["quantize", *argv, "--json"])
+    captured = capsys.readouterr()
+    assert code == 0, captured.err
+    return json.loads(captured.out.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("method", ["gptq", "signround2"])
+def test_released_blocks_give_the_same_checkpoint(tmp_path, capsys, tiny_hf_dir, method, monkeypatch):
+    """--offload-dir --no-eval writes each finished block out and empties it: the checkpoint (now one weight file
+    per block) holds the same tensors as the in-memory run's, loads, and no tuned block stayed in memory."""
+    from lowbit.ptq.blockwise import release
+
+    extra = ["--no-search"] if method == "gptq" else ["--iters", "2", "--batch-size", "2"]
+    common = [str(tiny_hf_dir), "--method", method, *extra, "--scheme", "w4g32", "--nsamples", "4", "--seqlen",
+              "32", "--no-eval"]
+    mem = _run(capsys, *common, "--out", str(tmp_path / "mem"))
+    held = []
+    real = release.release_block
+
+    def spy(model, prefix, i, block, folder):
+        done = real(model, prefix, i, block, folder)
+        blocks = model.model.layers
+        held.append(sum(t.device.type != "meta" for b in blocks for t in b.state_dict().values()))
+        return done
+
+    monkeypatch.setattr("lowbit.ptq.blockwise.loop.release_block", spy)
+    lazy = _run(capsys, *common, "--offload-dir", str(tmp_path / "off"), "--out", str(tmp_path / "lazy"))
+    assert held and max(held) == 0  # after each block: every block (finished or not yet read) on meta
+    assert lazy["bits_per_weight"] == mem["bits_per_weight"]
+    assert lazy["matmul_weights"] == mem["matmul_weights"]
+    a, b = _weights(tmp_path / "mem"), _weights(tmp_path / "lazy")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    files = json.loads((tmp_path / "lazy" / "lowbit.json").read_text())["weights"]
+    assert files[0] == "model.safetensors" and len(files) == 3  # the rest, then one file per block
+    assert not list((tmp_path / "off").glob("q_*"))  # moved into the checkpoint
+    from lowbit.files.native import load
+
+    ids = torch.arange(16).reshape(1, 16)
+    m1, _ = load(tmp_path / "mem")
+    m2, _ = load(tmp_path / "lazy")
+    assert torch.equal(m1(ids).logits, m2(ids).logits)
+
+
+def test_evaluated_lazy_runs_keep_their_blocks(tmp_path, capsys, tiny_hf_dir):
+    """A perplexity pass needs the quantized model: the blocks are not released (one weight file)."""
+    r = _run(capsys, str(tiny_hf_dir), "--method", "gptq", "--no-search", "--scheme", "w4g32", "--nsamples", "4",
+             "--seqlen", "32", "--eval-seqlen", "32", "--windows", "2", "--offload-dir", str(tmp_path / "off"),
+             "--out", str(tmp_path / "q"))
+    assert "ppl_q" in r
+    assert "weights" not in json.loads((tmp_path / "q" / "lowbit.json").read_text())
+
+
+# ------------------------------------------------------------------------------------------- the estimate
+
+TINY = dict(num_hidden_layers=4, hidden_size=64, intermediate_size=128, vocab_size=512, num_attention_heads=4,
+            num_key_value_heads=2)
+
+
+def test_shape_counts_the_parameters_a_model_has(tiny_hf_dir):
+    """The config arithmetic gives the matmul weights a built model has, untied and tied."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from lowbit.ptq.memory import Shape
+
+    for tie in (False, True):
+        config = AutoConfig.from_pretrained(tiny_hf_dir)
+        config.tie_word_embeddings = tie
+        model = AutoModelForCausalLM.from_config(config)
+        s = Shape.from_config(config)
+        block = sum(p.numel() for p in model.model.layers[0].parameters() if p.dim() == 2)
+        assert s.block_params == block
+        assert s.params == sum(p.numel() for p in model.parameters() if p.dim() == 2) + s.hidden  # + final norm
+
+
+def test_the_lazy_estimate_is_flat_in_depth_and_grows_with_calibration():
+    from lowbit.ptq.memory import Shape, estimate
+
+    shallow, deep = Shape.from_config(TINY), Shape.from_config({**TINY, "num_hidden_layers": 400})
+    for method in ("gptq", "signround2"):
+        a, b = estimate(shallow, method, 16, 512), estimate(deep, method, 16, 512)
+        assert a.peak == b.peak and a.flat  # only the disk grows with depth
+        assert b.disk["offload"] == 100 * a.disk["offload"]
+        more = estimate(shallow, method, 64, 512)
+        assert more.parts["caches"] == 4 * a.parts["caches"]
+    whole = estimate(deep, "gptq", 16, 512, lazy=False)
+    assert not whole.flat and whole.parts["whole"] == deep.params * 4
+    kept = estimate(deep, "gptq", 16, 512, evaluate=True)
+    assert not kept.flat and kept.parts["quantized"] >= deep.layers * deep.block_params
+    # GPTQ caches the quantized chain alone, SignRound the float chain too
+    assert estimate(shallow, "gptq", 16, 512).parts["caches"] * 2 == estimate(shallow, "signround2", 16, 512).parts[
+        "caches"]
+
+
+def test_refusal_names_the_numbers():
+    from lowbit.ptq.memory import GiB, Shape, estimate, refusal
+
+    est = estimate(Shape.from_config(TINY), "gptq", 16, 512)
+    assert refusal(est, 64 * GiB, {"out": 64 * GiB, "offload": 64 * GiB}) is None
+    why = refusal(est, est.peak // 2, {})
+    assert why and "of memory and" in why and f"{est.peak / 2 / GiB:.1f} GiB is available" in why
+    why = refusal(est, None, {"out": 10, "offload": 64 * GiB})
+    assert why.startswith("--out needs about") and "0.00 GiB free" in why
+    why = refusal(est, None, {"out": 64 * GiB, "offload": 0})
+    assert why.startswith("--offload-dir needs")
+    whole = estimate(Shape.from_config(TINY), "gptq", 16, 512, lazy=False)
+    assert "pass --offload-dir" in refusal(whole, 1, {})
+
+
+def test_a_run_the_machine_cannot_hold_is_refused_before_loading(tmp_path, capsys, tiny_hf_dir, monkeypatch):
+    """Too little memory (MemAvailable faked) or disk: exit 2, one line with the numbers, nothing written."""
+    import shutil
+    from collections import namedtuple
+
+    monkeypatch.setattr("lowbit.ptq.memory.mem_available", lambda: 1 << 20)
+    argv = ["quantize", str(tiny_hf_dir), "--method", "gptq", "--nsamples", "4", "--seqlen", "32", "--no-eval",
+            "--offload-dir", str(tmp_path / "off"), "--out", str(tmp_path / "q")]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "of memory and 0.0 GiB is available (MemAvailable)" in err[0]
+    assert not (tmp_path / "q").exists() and not (tmp_path / "off").exists()
+    monkeypatch.setattr("lowbit.ptq.memory.mem_available", lambda: 1 << 40)
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: usage(1 << 40, 1 << 40, 1000))
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--out needs about" in err[0] and "free some space" in err[0]
+
+
+def test_the_refusal_names_the_flag_that_loads_the_whole_model(tmp_path, capsys, tiny_hf_dir, monkeypatch):
+    monkeypatch.setattr("lowbit.ptq.memory.mem_available", lambda: 1 << 20)
+    assert main(["quantize", str(tiny_hf_dir), "--method", "gptq", "--awq", "--nsamples", "4", "--seqlen", "32",
+                 "--no-eval", "--offload-dir", str(tmp_path / "off"), "--out", str(tmp_path / "q")]) == 2
+    assert "--awq needs the whole float model in memory" in capsys.readouterr().err
+
+
+def test_a_killed_released_run_resumes_to_the_same_checkpoint(tmp_path, capsys, tiny_hf_dir, monkeypatch):
+    """--workdir with released blocks: killed after block 0 was written out, the rerun replays it and writes the
+    checkpoint the uninterrupted run writes."""
+    from lowbit.ptq.blockwise import release
+
+    common = [str(tiny_hf_dir), "--method", "gptq", "--no-search", "--scheme", "w4g32", "--nsamples", "4",
+              "--seqlen", "32", "--no-eval", "--offload-dir", str(tmp_path / "off"), "--workdir", str(tmp_path / "wd")]
+    real = release.release_block
+
+    def killed(model, prefix, i, block, folder):
+        done = real(model, prefix, i, block, folder)
+        if i == 0:
+            raise KeyboardInterrupt
+        return done
+
+    monkeypatch.setattr("lowbit.ptq.blockwise.loop.release_block", killed)
+    assert main(["quantize", *common, "--out", str(tmp_path / "a")]) == 130
+    assert not (tmp_path / "a").exists()
+    monkeypatch.setattr("lowbit.ptq.blockwise.loop.release_block", real)
+    _run(capsys, *common, "--out", str(tmp_path / "a"))
+    _run(capsys, *[c for c in common if c != str(tmp_path / "wd") and c != "--workdir"], "--out", str(tmp_path / "b"))
+    a, b = _weights(tmp_path / "a"), _weights(tmp_path / "b")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_caches_on_disk_give_the_same_checkpoint_and_are_chosen_when_only_they_do_not_fit(
+        tmp_path, capsys, tiny_hf_dir, monkeypatch):
+    """--cache-device disk: the activations live in memory-mapped files in --offload-dir (unlinked once mapped:
+    nothing left), same checkpoint; a machine whose memory holds all but the caches gets them there by itself."""
+    from lowbit.api.quantize import QuantizeJob, job_estimate
+    from lowbit.ptq.blockwise import cache
+
+    made = []
+    real = cache._file_tensor
+    monkeypatch.setattr(cache, "_file_tensor", lambda *a: made.append(a[1]) or real(*a))
+    common = [str(tiny_hf_dir), "--method", "signround2", "--iters", "2", "--batch-size", "2", "--scheme", "w4g32",
+              "--nsamples", "4", "--seqlen", "32", "--no-eval", "--offload-dir", str(tmp_path / "off")]
+    _run(capsys, *common, "--out", str(tmp_path / "ram"))
+    assert not made
+    _run(capsys, *common, "--cache-device", "disk", "--out", str(tmp_path / "disk"))
+    assert len(made) == 2 and made[0] == (4, 32, 64)  # X_q and the float chain, [nsamples, seqlen, hidden]
+    assert not list((tmp_path / "off").glob("cache_*"))
+    a, b = _weights(tmp_path / "ram"), _weights(tmp_path / "disk")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    from lowbit.api.common import Calibration
+    from lowbit.api.quantize import check_memory
+    from lowbit.ptq.memory import caches_on_disk
+
+    big = QuantizeJob(out=tmp_path / "x", model=str(tiny_hf_dir), method="signround2", evaluation=None,
+                      offload_dir=str(tmp_path / "off"), calib=Calibration(nsamples=1024, seqlen=2048))
+    est = job_estimate(big)
+    room = int(caches_on_disk(est).peak * 1.1) + 1
+    assert room < est.peak * 1.1
+    monkeypatch.setattr("lowbit.ptq.memory.mem_available", lambda: room)
+    with pytest.warns(UserWarning, match="kept in files in --offload-dir"):
+        need, job = check_memory(big)
+    assert job.cache_device == "disk" and "caches" not in need.parts
+    assert need.disk["offload"] == est.disk["offload"] + est.parts["caches"]
