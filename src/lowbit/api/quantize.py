@@ -222,6 +222,9 @@ def job_estimate(job: QuantizeJob) -> Estimate | None:
     folder = Path(job.model).expanduser() if job.model is not None else None
     if folder is None or not (folder / "config.json").is_file():
         return None
+    from lowbit.models.loading import check_hf_folder
+
+    check_hf_folder(folder)  # a config.json that contradicts its weights is named, not estimated from
     try:
         shape = memory.Shape.from_config(read_json(folder / "config.json", ConfigError, "fix the model's config"))
     except (ConfigError, TypeError, ValueError):

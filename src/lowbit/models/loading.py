@@ -253,12 +253,9 @@ def _load_dir(path: Path, dtype: torch.dtype) -> LoadedModel:
 
     from lowbit.files import compressed_read as compressed
     from lowbit.models import quantized_source
-    from lowbit.models.hf_folder import check_folder, check_loaded, quiet
+    from lowbit.models.hf_folder import check_loaded, quiet
 
-    packed = compressed.is_compressed_tensors(_read_config(path))
-    # config.json against the weight headers, before anything is built (a compressed-tensors folder stores
-    # packed codes under other names and dtypes, so only its headers, config and blocks are checked)
-    check_folder(path, skeleton=not packed)
+    packed = check_hf_folder(path)
     # MXFP4 / FP8 weights: dequantized by lowbit, as --stream does (`lowbit.models.quantized_source` says why)
     dequant = not packed and quantized_source.is_quantized_source(path)
     try:
@@ -275,6 +272,18 @@ def _load_dir(path: Path, dtype: torch.dtype) -> LoadedModel:
         raise ModelError(f"cannot load the model folder {path}: {_first_line(e)}") from None
     check_loaded(path, info)
     return LoadedModel(model.eval(), tok, str(path), "hf_dir")
+
+
+def check_hf_folder(path: Path) -> bool:
+    """config.json against the weight headers, before anything is built; returns whether the folder is a
+    compressed-tensors export (it stores packed codes under other names and dtypes, so only its headers,
+    config and blocks are checked). Memory estimates run it first: they trust config.json's sizes."""
+    from lowbit.files import compressed_read as compressed
+    from lowbit.models.hf_folder import check_folder
+
+    packed = compressed.is_compressed_tensors(_read_config(path))
+    check_folder(path, skeleton=not packed)
+    return packed
 
 
 def _read_config(path: Path) -> dict:
