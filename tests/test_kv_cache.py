@@ -85,7 +85,8 @@ def test_nvfp4_blocks_of_16_along_head_dim():
 
 
 @pytest.mark.parametrize("name", ["fp8", "fp8-head", "fp8-token", "int8", "int8-head", "int8-token", "int4",
-                                  "int4:block=16", "nvfp4", "nvfp4:rule=4over6", "mxfp4", "int4-rot", "fp8-rot"])
+                                  "int4:block=16", "nvfp4", "nvfp4:rule=4over6", "mxfp4", "int4-rot", "fp8-rot",
+                                  "int4-rot:block=16"])
 def test_names_round_trip(name):
     s = KVScheme.parse(name)
     assert KVScheme.parse(s.name) == s and s.name == name
@@ -377,8 +378,47 @@ def test_quantize_job_refuses_a_kv_export_before_loading(tmp_path, kv, to, why):
         QuantizeJob(out=tmp_path / "q", model=str(tmp_path / "nowhere"), kv=kv, export_to=to)
     with pytest.raises(SchemeError, match="unknown KV cache scheme"):
         QuantizeJob(out=tmp_path / "q", kv="int3")
-    with pytest.raises(ConfigError, match="--kv with --workdir"):
-        QuantizeJob(out=tmp_path / "q", kv="fp8", method="gptq", workdir=str(tmp_path / "w"))
+
+
+def _kv_job(tmp_path, model_dir, kv, out="a", evaluation=None):
+    from lowbit.api import QuantizeJob
+    from lowbit.api.common import Calibration
+
+    return QuantizeJob(out=tmp_path / out, model=str(model_dir), scheme="w4g32", method="gptq", kv=kv,
+                       calib=Calibration(nsamples=4, seqlen=32), evaluation=evaluation, workdir=str(tmp_path / "wd"),
+                       progress=False, force=True)
+
+
+@pytest.mark.parametrize("kv", ["fp8", "int4-rot:block=16"])
+def test_kv_with_workdir_resumes_to_the_same_checkpoint(tmp_path, tiny_hf_dir, kv):
+    """--kv with --workdir: the work folder records the KV scheme the blocks were tuned under (and, through the
+    model's fingerprint, its calibrated scales and the value rotation), so an interrupted run resumes to the same
+    bytes; the last block's result deleted stands for a run killed before it was saved."""
+    from safetensors.torch import load_file
+
+    from lowbit.api.quantize import quantize
+
+    quantize(_kv_job(tmp_path, tiny_hf_dir, kv))
+    run = json.loads((tmp_path / "wd" / "run.json").read_text())
+    assert run["kv_cache"] == {"scheme": KVScheme.parse(kv).to_dict(), "values_folded": "-rot" in kv}
+    blocks = sorted((tmp_path / "wd").glob("block_*.safetensors"))
+    assert len(blocks) == 2
+    blocks[-1].unlink()
+    quantize(_kv_job(tmp_path, tiny_hf_dir, kv, out="b"))
+    a, b = (load_file(str(next((tmp_path / n).glob("*.safetensors")))) for n in ("a", "b"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert any(k.endswith("self_attn.k_scale") for k in a) == (kv == "fp8")
+
+
+def test_kv_workdir_with_another_kv_scheme_is_refused_before_the_float_pass(tmp_path, tiny_hf_dir, monkeypatch):
+    from lowbit.api.common import Evaluation
+    from lowbit.api.quantize import quantize
+
+    quantize(_kv_job(tmp_path, tiny_hf_dir, "fp8"))
+    monkeypatch.setattr(Evaluation, "perplexity", lambda *a, **k: pytest.fail("evaluated before refusing"))
+    for other in ("int8", None):
+        with pytest.raises(ConfigError, match=r"holds a run with different settings \(kv_cache"):
+            quantize(_kv_job(tmp_path, tiny_hf_dir, other, out="b", evaluation=Evaluation(seqlen=32, windows=1)))
 
 
 def test_quantize_cli_kv_end_to_end(tmp_path, tiny_hf_dir, capsys):

@@ -68,8 +68,8 @@ class KVScheme:
 
     @property
     def name(self) -> str:
-        base = _base_name(self)
-        return base + (ROTATE_SUFFIX if self.rotate else "")
+        base, sep, opts = _base_name(self).partition(":")  # the suffix goes on the preset, before the options
+        return base + (ROTATE_SUFFIX if self.rotate else "") + sep + opts
 
     def bytes_per_token(self, layers: int, kv_heads: int, head_dim: int) -> float:
         """Bytes the cache holds per token: elements plus the run-time scales stored with them (keys and values)."""

@@ -349,5 +349,11 @@ def kv_spec(model: nn.Module) -> dict[str, Any] | None:
     scheme = kv_scheme_of(model)
     if scheme is None:
         return None
-    return {"scheme": scheme.to_dict(), "values_folded": values_folded(model),
+    return {**kv_entry(scheme, values_folded(model)),
             "layers": sorted(n for n, a in attention_modules(model).items() if hasattr(a, STATE))}
+
+
+def kv_entry(scheme: KVScheme, folded: bool) -> dict[str, Any]:
+    """The scheme and whether the values were rotated offline: what a KV cache's quantization depends on
+    besides its calibrated scales (a checkpoint's manifest, a tuning work folder's record)."""
+    return {"scheme": scheme.to_dict(), "values_folded": folded}
