@@ -486,3 +486,105 @@ def test_block_tuning_runs_with_the_quantized_cache_and_float_targets(monkeypatc
     ours, theirs = quant_layers(model), quant_layers(plain)
     assert not torch.equal(ours["model.layers.1.self_attn.q_proj"].qweight.codes,
                            theirs["model.layers.1.self_attn.q_proj"].qweight.codes)
+
+
+# ------------------------------------------------------------------ DeltaLoss over KV choices, a cache per layer
+def test_kv_delta_loss_is_the_first_order_loss_change_of_each_layers_cache(monkeypatch):
+    """The signed KV term of the last layer equals the loss's derivative along its quantization error (central
+    differences on a float64 model; earlier layers' nudges re-round the later caches, which a first-order term
+    does not see), the abs term bounds it in every layer, and coarser KV scores higher."""
+    import lowbit.nn.kv_quant as kvq
+    from lowbit.ptq.sensitivity import kv_delta_loss
+
+    model = tiny(3).double()
+    ids = IDS[:1]
+    signed = kv_delta_loss(model, ["int4"], ids, mode="signed", progress=False)["int4"]
+    absolute = kv_delta_loss(model, ["int4", "int8-token"], ids, progress=False)
+    assert not any(hasattr(a, STATE) for a in attention_modules(model).values())  # left as it was
+    for name in signed:
+        assert absolute["int4"][name] >= abs(signed[name])
+        assert absolute["int4"][name] > absolute["int8-token"][name] > 0
+    real = kvq.qdq_kv
+    layer, name = len(signed) - 1, sorted(signed)[-1]
+    calls = []
+
+    def nudged(x, s, scale=None, eps=0.0, layer=layer):
+        q = real(x, s, scale)
+        calls.append(1)
+        return q + eps * (q - x) if (len(calls) - 1) // 2 == layer else q
+
+    losses = []
+    for eps in (0.05, -0.05):
+        calls.clear()
+        monkeypatch.setattr(kvq, "qdq_kv", lambda x, s, scale=None, eps=eps: nudged(x, s, scale, eps))
+        install_kv(model, KVScheme.parse("int4"))
+        with torch.no_grad():
+            logits = model(input_ids=ids).logits.double()
+        losses.append(float(torch.nn.functional.cross_entropy(logits[0, :-1], ids[0, 1:])))
+        remove_kv(model)
+    monkeypatch.setattr(kvq, "qdq_kv", real)
+    fd = (losses[0] - losses[1]) / 0.1
+    assert signed[name] == pytest.approx(fd, rel=0.02)
+
+
+def test_allocate_kv_is_the_exact_knapsack():
+    import itertools
+    import random
+
+    from lowbit.ptq.mixed import allocate_kv, kv_bits
+
+    rng = random.Random(0)
+    shapes = {f"l{i}": (2, 32) for i in range(5)}
+    opts = ["fp8", "int4", "nvfp4"]
+    scores = {o: {n: rng.random() * (1 if o == "fp8" else 5) for n in shapes} for o in opts}
+    elements = 5 * 2 * 2 * 32
+    for budget in (5.0, 6.0, 7.0, 8.0):
+        best = min((sum(scores[o][n] for n, o in zip(shapes, pick, strict=True)), pick)
+                   for pick in itertools.product(opts, repeat=5)
+                   if sum(kv_bits(KVScheme.parse(o), 2, 32) for o in pick) <= budget * elements)
+        got = allocate_kv(scores, shapes, budget)
+        assert sum(scores[got[n]][n] for n in shapes) == pytest.approx(best[0])
+    with pytest.raises(ConfigError, match="need at least 4.50 bits per cached element"):
+        allocate_kv(scores, shapes, 4.0)
+
+
+def test_a_cache_per_layer_installs_saves_loads_and_refuses_vllm(tmp_path):
+    """A per-layer KV choice (what the KV DeltaLoss allocation gives): each attention quantizes with its own
+    scheme, the native checkpoint keeps the choice, compressed-tensors (one kv_cache_dtype) refuses it."""
+    from lowbit.files.native import load, read_manifest, save
+    from lowbit.ptq.mixed import mixed_kv
+
+    model = tiny()
+    for name, m in list(model.named_modules()):
+        if isinstance(m, torch.nn.Linear) and ".layers." in name:
+            set_module(model, name, QuantLinear.from_linear(m, "w8"))
+    names = sorted(attention_modules(model))
+    with pytest.raises(ConfigError, match="must name every attention"):
+        install_kv(model, {names[0]: KVScheme.parse("fp8")})
+    choice = {names[0]: KVScheme.parse("fp8"), names[1]: KVScheme.parse("int4")}
+    calibrate_kv(model, IDS, choice)
+    k = torch.randn(1, 2, 5, 32)
+    attns = attention_modules(model)
+    assert torch.equal(kvq_of(attns[names[0]], k), qdq_kv(k, KVScheme.parse("fp8"), attns[names[0]].k_scale))
+    assert torch.equal(kvq_of(attns[names[1]], k), qdq_kv(k, KVScheme.parse("int4")))
+    save(model, None, tmp_path / "q")
+    entry = read_manifest(tmp_path / "q")["kv_cache"]
+    assert {n: KVScheme.from_dict(d).name for n, d in entry["per_layer"].items()} == {n: s.name for n, s in
+                                                                                      choice.items()}
+    back, _ = load(tmp_path / "q")
+    with torch.no_grad():
+        assert torch.equal(back(input_ids=IDS).logits, model(input_ids=IDS).logits)
+    from lowbit.api.export import ExportJob, export
+
+    with pytest.raises(ConfigError, match="a scheme per layer .* one for all layers"):
+        export(ExportJob(checkpoint=str(tmp_path / "q"), out=tmp_path / "ct", to="compressed-tensors"))
+    assert not (tmp_path / "ct").exists()
+    remove_kv(model)
+    picked = mixed_kv(model, ["int8", "int4"], 6.5, IDS, nsamples=2, progress=False)
+    assert sorted(s.name for s in picked.values()) == ["int4", "int8"]  # 8 and 5 bits: room for one 8-bit layer
+
+
+def kvq_of(attn, k):
+    from lowbit.nn.kv_quant import quantize_kv
+
+    return quantize_kv(attn, k, k)[0]

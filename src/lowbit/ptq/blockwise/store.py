@@ -62,10 +62,10 @@ def work_settings(settings: Mapping[str, Any], plan: Plan, options: PipelineOpti
 def kv_setting(model: nn.Module) -> dict[str, Any]:
     """``{"kv_cache": ...}`` when a KV scheme is installed (tuned blocks ran with that quantized cache), else {}:
     a run without one records nothing, so its folders read as before."""
-    from lowbit.nn.kv_quant import kv_entry, kv_scheme_of, values_folded
+    from lowbit.nn.kv_quant import kv_entry, kv_schemes, values_folded
 
-    scheme = kv_scheme_of(model)
-    return {} if scheme is None else {"kv_cache": kv_entry(scheme, values_folded(model))}
+    schemes = kv_schemes(model)
+    return {"kv_cache": kv_entry(schemes, values_folded(model))} if schemes else {}
 
 
 def check_work_folder(path: str | Path, settings: Mapping[str, Any], later: tuple[str, ...] = ()) -> None:
