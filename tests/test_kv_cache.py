@@ -115,7 +115,7 @@ def _cache_keys(model, ids) -> list[torch.Tensor]:
 def test_cache_holds_the_fp8_keys_and_both_cache_modes_agree():
     model = tiny()
     float_keys = _cache_keys(model, IDS)
-    calibrate_kv(model, IDS, KVScheme.parse("fp8"))
+    calibrate_kv(model, IDS, KVScheme.parse("fp8:scale=amax"))
     attn = model.model.layers[0].self_attn
     k0 = _cache_keys(model, IDS)[0]
     assert torch.equal(k0, fp8(float_keys[0] / attn.k_scale) * attn.k_scale)  # layer 0 sees float inputs
@@ -588,3 +588,43 @@ def kvq_of(attn, k):
     from lowbit.nn.kv_quant import quantize_kv
 
     return quantize_kv(attn, k, k)[0]
+
+
+# ------------------------------------------------------------------ FP8 scale search (scale=mse)
+@pytest.mark.parametrize("name", ["fp8", "fp8-head"])
+def test_fp8_scale_search_picks_the_least_error_candidate_and_never_clips(name):
+    """Static FP8 scales are amax / 448 * 2^(j/16) with the least squared error over the calibration keys (brute
+    force over the 16 candidates with torch's float8 cast), never below amax / 448; scale=amax keeps amax / 448."""
+    model = tiny(4)
+    amax_model = tiny(4)
+    calibrate_kv(amax_model, IDS, KVScheme.parse(name + ":scale=amax"))
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    keys = {}
+
+    def grab(module, args, kwargs):
+        h = kwargs.get("hidden_states", args[0] if args else None)
+        cos, sin = kwargs["position_embeddings"]
+        k = module.k_proj(h).view(*h.shape[:-1], -1, module.head_dim).transpose(1, 2)
+        keys.setdefault(module.layer_idx, []).append(apply_rotary_pos_emb(k, k, cos, sin)[1].detach())
+
+    handles = [a.register_forward_pre_hook(grab, with_kwargs=True) for a in attention_modules(model).values()]
+    with torch.no_grad():
+        model(input_ids=IDS)
+    for h in handles:
+        h.remove()
+    calibrate_kv(model, IDS, KVScheme.parse(name))
+    s = KVScheme.parse(name)
+    for (n, attn), ref in zip(attention_modules(model).items(), attention_modules(amax_model).values(), strict=True):
+        k = torch.cat(keys[attn.layer_idx])
+        base = ref.k_scale
+        dims = (0, 2, 3) if s.per_head else (0, 1, 2, 3)
+        shape = (1, -1, 1, 1) if s.per_head else ()
+        errs = torch.stack([(fp8(k / (base * 2 ** (j / 16)).reshape(shape)) * (base * 2 ** (j / 16)).reshape(shape)
+                             - k).pow(2).sum(dim=dims) for j in range(16)])
+        want = base * 2 ** (errs.argmin(0).float() / 16)
+        assert torch.allclose(attn.k_scale, want.reshape(attn.k_scale.shape), rtol=1e-6), n
+        assert (attn.k_scale >= base * (1 - 1e-6)).all()
+        got = fp8(k / attn.k_scale.reshape(shape)) * attn.k_scale.reshape(shape)
+        plain = fp8(k / base.reshape(shape)) * base.reshape(shape)
+        assert (got - k).pow(2).sum() <= (plain - k).pow(2).sum()

@@ -36,7 +36,7 @@ import torch
 from torch import nn
 
 from lowbit.errors import ConfigError, ModelError
-from lowbit.formats.kv import KVScheme, kv_scale, observe_amax, qdq_kv
+from lowbit.formats.kv import SEARCH_STEPS, KVScheme, kv_scale, observe_amax, qdq_kv, search_errors
 from lowbit.transforms.hadamard import factor, hadamard
 
 STATE = "_lowbit_kv"
@@ -54,6 +54,7 @@ class KVState:
     cache_arg: str = "cache"
     values_folded: bool = False
     observed: dict[str, torch.Tensor] | None = None  # calibration: running abs-max of keys / values
+    errors: dict[str, torch.Tensor] | None = None  # scale search: squared error per candidate scale
     paused: bool = False  # float keys / values (block tuning's FP targets)
     calls: int = 0
     rotation: torch.Tensor | None = field(default=None, repr=False)
@@ -286,6 +287,11 @@ def quantize_kv(attn: nn.Module, key: torch.Tensor, value: torch.Tensor) -> tupl
             prev = state.observed.get(name)
             state.observed[name] = a if prev is None else torch.maximum(prev, a.to(prev.device))
         return key, value
+    if state.errors is not None:
+        for name, x in (("k", k), ("v", v)):
+            e = search_errors(x, state.scheme, getattr(attn, f"{name}_scale")).cpu()
+            state.errors[name] = state.errors[name] + e if name in state.errors else e
+        return key, value
     kq = qdq_kv(k, state.scheme, getattr(attn, "k_scale", None))
     vq = qdq_kv(v, state.scheme, getattr(attn, "v_scale", None))
     if h is not None:
@@ -326,7 +332,8 @@ def calibrate_kv(model: nn.Module, batches: Iterable[torch.Tensor] | None, schem
     for attn in attns.values():
         state: KVState = getattr(attn, STATE)
         state.observed = {} if state.scheme.needs_calibration else None
-    for batch in _batches(batches):
+    batches = list(_batches(batches))
+    for batch in batches:
         model(input_ids=batch.to(device), use_cache=False)
     check_reached(attns)
     for attn in attns.values():
@@ -335,7 +342,33 @@ def calibrate_kv(model: nn.Module, batches: Iterable[torch.Tensor] | None, schem
             for short, buf in (("k", "k_scale"), ("v", "v_scale")):
                 getattr(attn, buf).copy_(kv_scale(state.observed[short], state.scheme))
             state.observed = None
+    _search_scales(model, attns, batches)
     return attns
+
+
+def _search_scales(model: nn.Module, attns: dict[str, nn.Module], batches: list[torch.Tensor]) -> None:
+    """``scale=mse``: a second pass over the batches keeps, per scale, the candidate ``amax / 448 * 2^(j/16)``
+    with the least squared error (`lowbit.formats.kv.search_errors`); the first (amax) on ties."""
+    searching = [getattr(a, STATE) for a in attns.values() if getattr(a, STATE).scheme.search]
+    if not searching:
+        return
+    for state in searching:
+        state.errors = {}
+    device = next(model.parameters()).device
+    try:
+        for batch in batches:
+            model(input_ids=batch.to(device), use_cache=False)
+        for attn in attns.values():
+            state = getattr(attn, STATE)
+            if state.errors is None:
+                continue
+            for short in ("k", "v"):
+                best = state.errors[short].argmin(dim=0)  # [n]: the first minimum, amax itself on ties
+                buf = getattr(attn, f"{short}_scale")
+                buf.mul_((2 ** (best.float() / SEARCH_STEPS)).to(buf.device).reshape(buf.shape))
+    finally:
+        for state in searching:
+            state.errors = None
 
 
 def _batches(batches: Iterable[torch.Tensor]) -> Iterator[torch.Tensor]:
