@@ -592,9 +592,9 @@ def kvq_of(attn, k):
 
 # ------------------------------------------------------------------ FP8 scale search (scale=mse)
 @pytest.mark.parametrize("name", ["fp8", "fp8-head"])
-def test_fp8_scale_search_picks_the_least_error_candidate_and_never_clips(name):
-    """Static FP8 scales are amax / 448 * 2^(j/16) with the least squared error over the calibration keys (brute
-    force over the 16 candidates with torch's float8 cast), never below amax / 448; scale=amax keeps amax / 448."""
+def test_fp8_scale_search_picks_the_least_error_candidate(name):
+    """Static FP8 scales are amax / 448 * 2^(j/16), j = -16..15, with the least squared error over the calibration
+    keys (brute force over the 32 candidates with torch's float8 cast, saturating); scale=amax keeps amax / 448."""
     model = tiny(4)
     amax_model = tiny(4)
     calibrate_kv(amax_model, IDS, KVScheme.parse(name + ":scale=amax"))
@@ -620,11 +620,11 @@ def test_fp8_scale_search_picks_the_least_error_candidate_and_never_clips(name):
         base = ref.k_scale
         dims = (0, 2, 3) if s.per_head else (0, 1, 2, 3)
         shape = (1, -1, 1, 1) if s.per_head else ()
+        js = torch.arange(-16, 16)
         errs = torch.stack([(fp8(k / (base * 2 ** (j / 16)).reshape(shape)) * (base * 2 ** (j / 16)).reshape(shape)
-                             - k).pow(2).sum(dim=dims) for j in range(16)])
-        want = base * 2 ** (errs.argmin(0).float() / 16)
+                             - k).pow(2).sum(dim=dims) for j in js.tolist()])
+        want = base * 2 ** (js[errs.argmin(0)].float() / 16)
         assert torch.allclose(attn.k_scale, want.reshape(attn.k_scale.shape), rtol=1e-6), n
-        assert (attn.k_scale >= base * (1 - 1e-6)).all()
         got = fp8(k / attn.k_scale.reshape(shape)) * attn.k_scale.reshape(shape)
         plain = fp8(k / base.reshape(shape)) * base.reshape(shape)
         assert (got - k).pow(2).sum() <= (plain - k).pow(2).sum()

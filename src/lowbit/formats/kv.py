@@ -23,8 +23,8 @@ Static scales are stored as ``amax / qmax`` (for E4M3 ``amax / 448``: vLLM's mea
 relative precision, so beyond saturation the scale only decides where each value falls
 between two grid points (its "phase"), which matters where many keys share a magnitude (the
 large, nearly constant low-frequency RoPE channels); static FP8 schemes therefore pick, by
-default (``scale=mse``), among ``amax / 448 * 2^(j/16)``, j = 0..15 (never clipping), the
-scale with the least squared error over the calibration split. ``scale=amax`` keeps
+default (``scale=mse``), among ``amax / 448 * 2^(j/16)``, j = -16..15 (the smaller ones clip
+the rarest largest values), the scale with the least squared error over the calibration split. ``scale=amax`` keeps
 ``amax / 448`` (llm-compressor's choice, and lowbit's before). The choice is a calibration
 rule: a checkpoint's scales are used as stored.
 """
@@ -221,16 +221,18 @@ def qdq_kv(x: torch.Tensor, s: KVScheme, scale: torch.Tensor | None = None) -> t
     return q.to(x.dtype)
 
 
-SEARCH_STEPS = 16  # candidate scales amax / qmax * 2^(j / 16): one octave, E4M3's grid repeats past it
+SEARCH_STEPS = 16  # candidates per octave: E4M3's grid repeats past a factor of 2
+SEARCH_EXPONENTS = tuple(range(-SEARCH_STEPS, SEARCH_STEPS))  # amax / qmax * 2^(j/16), j = -16..15
 
 
 def search_errors(x: torch.Tensor, s: KVScheme, scale: torch.Tensor) -> torch.Tensor:
-    """Squared error of ``x [b, h, t, d]`` under each candidate ``scale * 2^(j/16)``: ``[SEARCH_STEPS, n]``,
+    """Squared error of ``x [b, h, t, d]`` under each candidate ``scale * 2^(j/16)`` (j in `SEARCH_EXPONENTS`:
+    down to half the abs-max scale, where the largest values clip at 448): ``[len(SEARCH_EXPONENTS), n]``,
     n = KV heads (per-head scales) or 1."""
     xf = x.detach().float()
     base = scale.detach().float().to(x.device).reshape(1, -1, 1, 1) if s.per_head else scale.float().reshape(())
     out = []
-    for j in range(SEARCH_STEPS):
+    for j in SEARCH_EXPONENTS:
         sc = base * 2 ** (j / SEARCH_STEPS)
         err = (s.elements.family.round_input(xf / sc, s.elements) * sc - xf).pow(2)
         out.append(err.sum(dim=(0, 2, 3)) if s.per_head else err.sum().reshape(1))

@@ -36,7 +36,15 @@ import torch
 from torch import nn
 
 from lowbit.errors import ConfigError, ModelError
-from lowbit.formats.kv import SEARCH_STEPS, KVScheme, kv_scale, observe_amax, qdq_kv, search_errors
+from lowbit.formats.kv import (
+    SEARCH_EXPONENTS,
+    SEARCH_STEPS,
+    KVScheme,
+    kv_scale,
+    observe_amax,
+    qdq_kv,
+    search_errors,
+)
 from lowbit.transforms.hadamard import factor, hadamard
 
 STATE = "_lowbit_kv"
@@ -348,7 +356,7 @@ def calibrate_kv(model: nn.Module, batches: Iterable[torch.Tensor] | None, schem
 
 def _search_scales(model: nn.Module, attns: dict[str, nn.Module], batches: list[torch.Tensor]) -> None:
     """``scale=mse``: a second pass over the batches keeps, per scale, the candidate ``amax / 448 * 2^(j/16)``
-    with the least squared error (`lowbit.formats.kv.search_errors`); the first (amax) on ties."""
+    with the least squared error (`lowbit.formats.kv.search_errors`)."""
     searching = [getattr(a, STATE) for a in attns.values() if getattr(a, STATE).scheme.search]
     if not searching:
         return
@@ -363,7 +371,7 @@ def _search_scales(model: nn.Module, attns: dict[str, nn.Module], batches: list[
             if state.errors is None:
                 continue
             for short in ("k", "v"):
-                best = state.errors[short].argmin(dim=0)  # [n]: the first minimum, amax itself on ties
+                best = torch.tensor(SEARCH_EXPONENTS)[state.errors[short].argmin(dim=0)]  # [n]
                 buf = getattr(attn, f"{short}_scale")
                 buf.mul_((2 ** (best.float() / SEARCH_STEPS)).to(buf.device).reshape(buf.shape))
     finally:
