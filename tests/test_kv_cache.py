@@ -85,7 +85,8 @@ def test_nvfp4_blocks_of_16_along_head_dim():
 
 
 @pytest.mark.parametrize("name", ["fp8", "fp8-head", "fp8-token", "int8", "int8-head", "int8-token", "int4",
-                                  "int4:block=16", "nvfp4", "nvfp4:rule=4over6", "mxfp4", "int4-rot", "fp8-rot"])
+                                  "int4:block=16", "nvfp4", "nvfp4:rule=4over6", "mxfp4", "int4-rot", "fp8-rot",
+                                  "int4-rot:block=16"])
 def test_names_round_trip(name):
     s = KVScheme.parse(name)
     assert KVScheme.parse(s.name) == s and s.name == name
@@ -114,7 +115,7 @@ def _cache_keys(model, ids) -> list[torch.Tensor]:
 def test_cache_holds_the_fp8_keys_and_both_cache_modes_agree():
     model = tiny()
     float_keys = _cache_keys(model, IDS)
-    calibrate_kv(model, IDS, KVScheme.parse("fp8"))
+    calibrate_kv(model, IDS, KVScheme.parse("fp8:scale=amax"))
     attn = model.model.layers[0].self_attn
     k0 = _cache_keys(model, IDS)[0]
     assert torch.equal(k0, fp8(float_keys[0] / attn.k_scale) * attn.k_scale)  # layer 0 sees float inputs
@@ -377,8 +378,47 @@ def test_quantize_job_refuses_a_kv_export_before_loading(tmp_path, kv, to, why):
         QuantizeJob(out=tmp_path / "q", model=str(tmp_path / "nowhere"), kv=kv, export_to=to)
     with pytest.raises(SchemeError, match="unknown KV cache scheme"):
         QuantizeJob(out=tmp_path / "q", kv="int3")
-    with pytest.raises(ConfigError, match="--kv with --workdir"):
-        QuantizeJob(out=tmp_path / "q", kv="fp8", method="gptq", workdir=str(tmp_path / "w"))
+
+
+def _kv_job(tmp_path, model_dir, kv, out="a", evaluation=None):
+    from lowbit.api import QuantizeJob
+    from lowbit.api.common import Calibration
+
+    return QuantizeJob(out=tmp_path / out, model=str(model_dir), scheme="w4g32", method="gptq", kv=kv,
+                       calib=Calibration(nsamples=4, seqlen=32), evaluation=evaluation, workdir=str(tmp_path / "wd"),
+                       progress=False, force=True)
+
+
+@pytest.mark.parametrize("kv", ["fp8", "int4-rot:block=16"])
+def test_kv_with_workdir_resumes_to_the_same_checkpoint(tmp_path, tiny_hf_dir, kv):
+    """--kv with --workdir: the work folder records the KV scheme the blocks were tuned under (and, through the
+    model's fingerprint, its calibrated scales and the value rotation), so an interrupted run resumes to the same
+    bytes; the last block's result deleted stands for a run killed before it was saved."""
+    from safetensors.torch import load_file
+
+    from lowbit.api.quantize import quantize
+
+    quantize(_kv_job(tmp_path, tiny_hf_dir, kv))
+    run = json.loads((tmp_path / "wd" / "run.json").read_text())
+    assert run["kv_cache"] == {"scheme": KVScheme.parse(kv).to_dict(), "values_folded": "-rot" in kv}
+    blocks = sorted((tmp_path / "wd").glob("block_*.safetensors"))
+    assert len(blocks) == 2
+    blocks[-1].unlink()
+    quantize(_kv_job(tmp_path, tiny_hf_dir, kv, out="b"))
+    a, b = (load_file(str(next((tmp_path / n).glob("*.safetensors")))) for n in ("a", "b"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert any(k.endswith("self_attn.k_scale") for k in a) == (kv == "fp8")
+
+
+def test_kv_workdir_with_another_kv_scheme_is_refused_before_the_float_pass(tmp_path, tiny_hf_dir, monkeypatch):
+    from lowbit.api.common import Evaluation
+    from lowbit.api.quantize import quantize
+
+    quantize(_kv_job(tmp_path, tiny_hf_dir, "fp8"))
+    monkeypatch.setattr(Evaluation, "perplexity", lambda *a, **k: pytest.fail("evaluated before refusing"))
+    for other in ("int8", None):
+        with pytest.raises(ConfigError, match=r"holds a run with different settings \(kv_cache"):
+            quantize(_kv_job(tmp_path, tiny_hf_dir, other, out="b", evaluation=Evaluation(seqlen=32, windows=1)))
 
 
 def test_quantize_cli_kv_end_to_end(tmp_path, tiny_hf_dir, capsys):
@@ -446,3 +486,145 @@ def test_block_tuning_runs_with_the_quantized_cache_and_float_targets(monkeypatc
     ours, theirs = quant_layers(model), quant_layers(plain)
     assert not torch.equal(ours["model.layers.1.self_attn.q_proj"].qweight.codes,
                            theirs["model.layers.1.self_attn.q_proj"].qweight.codes)
+
+
+# ------------------------------------------------------------------ DeltaLoss over KV choices, a cache per layer
+def test_kv_delta_loss_is_the_first_order_loss_change_of_each_layers_cache(monkeypatch):
+    """The signed KV term of the last layer equals the loss's derivative along its quantization error (central
+    differences on a float64 model; earlier layers' nudges re-round the later caches, which a first-order term
+    does not see), the abs term bounds it in every layer, and coarser KV scores higher."""
+    import lowbit.nn.kv_quant as kvq
+    from lowbit.ptq.sensitivity import kv_delta_loss
+
+    model = tiny(3).double()
+    ids = IDS[:1]
+    signed = kv_delta_loss(model, ["int4"], ids, mode="signed", progress=False)["int4"]
+    absolute = kv_delta_loss(model, ["int4", "int8-token"], ids, progress=False)
+    assert not any(hasattr(a, STATE) for a in attention_modules(model).values())  # left as it was
+    for name in signed:
+        assert absolute["int4"][name] >= abs(signed[name])
+        assert absolute["int4"][name] > absolute["int8-token"][name] > 0
+    real = kvq.qdq_kv
+    layer, name = len(signed) - 1, sorted(signed)[-1]
+    calls = []
+
+    def nudged(x, s, scale=None, eps=0.0, layer=layer):
+        q = real(x, s, scale)
+        calls.append(1)
+        return q + eps * (q - x) if (len(calls) - 1) // 2 == layer else q
+
+    losses = []
+    for eps in (0.05, -0.05):
+        calls.clear()
+        monkeypatch.setattr(kvq, "qdq_kv", lambda x, s, scale=None, eps=eps: nudged(x, s, scale, eps))
+        install_kv(model, KVScheme.parse("int4"))
+        with torch.no_grad():
+            logits = model(input_ids=ids).logits.double()
+        losses.append(float(torch.nn.functional.cross_entropy(logits[0, :-1], ids[0, 1:])))
+        remove_kv(model)
+    monkeypatch.setattr(kvq, "qdq_kv", real)
+    fd = (losses[0] - losses[1]) / 0.1
+    assert signed[name] == pytest.approx(fd, rel=0.02)
+
+
+def test_allocate_kv_is_the_exact_knapsack():
+    import itertools
+    import random
+
+    from lowbit.ptq.mixed import allocate_kv, kv_bits
+
+    rng = random.Random(0)
+    shapes = {f"l{i}": (2, 32) for i in range(5)}
+    opts = ["fp8", "int4", "nvfp4"]
+    scores = {o: {n: rng.random() * (1 if o == "fp8" else 5) for n in shapes} for o in opts}
+    elements = 5 * 2 * 2 * 32
+    for budget in (5.0, 6.0, 7.0, 8.0):
+        best = min((sum(scores[o][n] for n, o in zip(shapes, pick, strict=True)), pick)
+                   for pick in itertools.product(opts, repeat=5)
+                   if sum(kv_bits(KVScheme.parse(o), 2, 32) for o in pick) <= budget * elements)
+        got = allocate_kv(scores, shapes, budget)
+        assert sum(scores[got[n]][n] for n in shapes) == pytest.approx(best[0])
+    with pytest.raises(ConfigError, match="need at least 4.50 bits per cached element"):
+        allocate_kv(scores, shapes, 4.0)
+
+
+def test_a_cache_per_layer_installs_saves_loads_and_refuses_vllm(tmp_path):
+    """A per-layer KV choice (what the KV DeltaLoss allocation gives): each attention quantizes with its own
+    scheme, the native checkpoint keeps the choice, compressed-tensors (one kv_cache_dtype) refuses it."""
+    from lowbit.files.native import load, read_manifest, save
+    from lowbit.ptq.mixed import mixed_kv
+
+    model = tiny()
+    for name, m in list(model.named_modules()):
+        if isinstance(m, torch.nn.Linear) and ".layers." in name:
+            set_module(model, name, QuantLinear.from_linear(m, "w8"))
+    names = sorted(attention_modules(model))
+    with pytest.raises(ConfigError, match="must name every attention"):
+        install_kv(model, {names[0]: KVScheme.parse("fp8")})
+    choice = {names[0]: KVScheme.parse("fp8"), names[1]: KVScheme.parse("int4")}
+    calibrate_kv(model, IDS, choice)
+    k = torch.randn(1, 2, 5, 32)
+    attns = attention_modules(model)
+    assert torch.equal(kvq_of(attns[names[0]], k), qdq_kv(k, KVScheme.parse("fp8"), attns[names[0]].k_scale))
+    assert torch.equal(kvq_of(attns[names[1]], k), qdq_kv(k, KVScheme.parse("int4")))
+    save(model, None, tmp_path / "q")
+    entry = read_manifest(tmp_path / "q")["kv_cache"]
+    assert {n: KVScheme.from_dict(d).name for n, d in entry["per_layer"].items()} == {n: s.name for n, s in
+                                                                                      choice.items()}
+    back, _ = load(tmp_path / "q")
+    with torch.no_grad():
+        assert torch.equal(back(input_ids=IDS).logits, model(input_ids=IDS).logits)
+    from lowbit.api.export import ExportJob, export
+
+    with pytest.raises(ConfigError, match="a scheme per layer .* one for all layers"):
+        export(ExportJob(checkpoint=str(tmp_path / "q"), out=tmp_path / "ct", to="compressed-tensors"))
+    assert not (tmp_path / "ct").exists()
+    remove_kv(model)
+    picked = mixed_kv(model, ["int8", "int4"], 6.5, IDS, nsamples=2, progress=False)
+    assert sorted(s.name for s in picked.values()) == ["int4", "int8"]  # 8 and 5 bits: room for one 8-bit layer
+
+
+def kvq_of(attn, k):
+    from lowbit.nn.kv_quant import quantize_kv
+
+    return quantize_kv(attn, k, k)[0]
+
+
+# ------------------------------------------------------------------ FP8 scale search (scale=mse)
+@pytest.mark.parametrize("name", ["fp8", "fp8-head"])
+def test_fp8_scale_search_picks_the_least_error_candidate(name):
+    """Static FP8 scales are amax / 448 * 2^(j/16), j = -16..15, with the least squared error over the calibration
+    keys (brute force over the 32 candidates with torch's float8 cast, saturating); scale=amax keeps amax / 448."""
+    model = tiny(4)
+    amax_model = tiny(4)
+    calibrate_kv(amax_model, IDS, KVScheme.parse(name + ":scale=amax"))
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    keys = {}
+
+    def grab(module, args, kwargs):
+        h = kwargs.get("hidden_states", args[0] if args else None)
+        cos, sin = kwargs["position_embeddings"]
+        k = module.k_proj(h).view(*h.shape[:-1], -1, module.head_dim).transpose(1, 2)
+        keys.setdefault(module.layer_idx, []).append(apply_rotary_pos_emb(k, k, cos, sin)[1].detach())
+
+    handles = [a.register_forward_pre_hook(grab, with_kwargs=True) for a in attention_modules(model).values()]
+    with torch.no_grad():
+        model(input_ids=IDS)
+    for h in handles:
+        h.remove()
+    calibrate_kv(model, IDS, KVScheme.parse(name))
+    s = KVScheme.parse(name)
+    for (n, attn), ref in zip(attention_modules(model).items(), attention_modules(amax_model).values(), strict=True):
+        k = torch.cat(keys[attn.layer_idx])
+        base = ref.k_scale
+        dims = (0, 2, 3) if s.per_head else (0, 1, 2, 3)
+        shape = (1, -1, 1, 1) if s.per_head else ()
+        js = torch.arange(-16, 16)
+        errs = torch.stack([(fp8(k / (base * 2 ** (j / 16)).reshape(shape)) * (base * 2 ** (j / 16)).reshape(shape)
+                             - k).pow(2).sum(dim=dims) for j in js.tolist()])
+        want = base * 2 ** (js[errs.argmin(0)].float() / 16)
+        assert torch.allclose(attn.k_scale, want.reshape(attn.k_scale.shape), rtol=1e-6), n
+        got = fp8(k / attn.k_scale.reshape(shape)) * attn.k_scale.reshape(shape)
+        plain = fp8(k / base.reshape(shape)) * base.reshape(shape)
+        assert (got - k).pow(2).sum() <= (plain - k).pow(2).sum()

@@ -105,7 +105,7 @@ def _check_kv(job: ExportJob, manifest: dict) -> Any:
     except (SchemeError, KeyError, TypeError, ValueError) as e:
         raise CheckpointError(f"{job.checkpoint}: its kv_cache entry cannot be read ({e}); re-create the "
                               "checkpoint") from None
-    why = kv_refusal(job.to, kv, job.drop_kv)
+    why = kv_refusal(job.to, kv, job.drop_kv, mixed="per_layer" in entry)
     if why is not None:
         raise ConfigError(f"--to {job.to}: {why}")
     return kv

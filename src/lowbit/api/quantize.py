@@ -104,10 +104,6 @@ class QuantizeJob:
             why = kv_refusal(self.export_to, self.kv_scheme)
             if why is not None:
                 raise ConfigError(f"--export-to {self.export_to}: {why}")
-        if self.kv_scheme is not None and self.workdir is not None:
-            raise ConfigError("--kv with --workdir: the work folder does not record the KV scheme the blocks were "
-                              "tuned with, so a resumed run could mix blocks tuned under another; drop --workdir "
-                              "(or --kv)")
         if self.kv_scheme is not None and self.loads_lazily:
             raise ConfigError("--kv calibrates and checks the KV cache on the whole model, which --offload-dir does "
                               "not hold in memory; drop --offload-dir (or --kv)")
@@ -352,10 +348,15 @@ class _Run:
         job = self.job
         if job.workdir is None:
             return
-        later = (("model",) if job.rotate is not None or job.awq is not None else ()) + \
+        # tuned blocks run under the quantized cache, whose static scales (buffers) are installed before the
+        # pre-steps and so enter the model's fingerprint; -rot folds the value rotation into the weights first
+        kv = job.kv_scheme if get(job.method).blockwise else None
+        kv_changes = job.kv_scheme is not None and (job.kv_scheme.rotate or kv is not None and kv.needs_calibration)
+        changed = job.rotate is not None or kv_changes
+        later = (("model",) if changed or job.awq is not None else ()) + \
                 (("plan", "shared_tensor_scales") if job.mixed is not None else ())
         check_resume(job.method, job.settings, self.plan, self.lm.model, self.calib, self._context(), later,
-                     awq=job.awq, awq_later=("model",) if job.rotate is not None else ())
+                     awq=job.awq, awq_later=("model",) if changed else (), kv=kv)
 
     def _context(self) -> RunContext:
         """What the method runs with: the device as resolved once by `quantize`, the job's folders."""

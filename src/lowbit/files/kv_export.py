@@ -24,8 +24,9 @@ VLLM_LIMIT = ("vLLM reads a compressed-tensors kv_cache_scheme only as FP8 (E4M3
               "per-head scales (kv fp8 / fp8-head)")
 
 
-def kv_refusal(to: str, kv: KVScheme, drop_kv: bool = False) -> str | None:
-    """Why the export ``to`` cannot hold ``kv`` (None: it can); one line naming the fix."""
+def kv_refusal(to: str, kv: KVScheme, drop_kv: bool = False, mixed: bool = False) -> str | None:
+    """Why the export ``to`` cannot hold ``kv`` (None: it can); one line naming the fix.
+    mixed: the layers hold different KV schemes (``kv`` is the one most hold)."""
     if to == "gguf":
         return None if drop_kv else (f"GGUF has no KV-cache format (llama.cpp chooses its cache type at run time, "
                                      f"--cache-type-k), so the KV scheme {kv.name} cannot go into the file; pass "
@@ -35,6 +36,9 @@ def kv_refusal(to: str, kv: KVScheme, drop_kv: bool = False) -> str | None:
                 "would stay float); evaluate the checkpoint with `lowbit eval`")
     if to != "compressed-tensors":
         return None
+    if mixed:
+        return ("the KV cache has a scheme per layer (mixed precision), and vLLM's kv_cache_scheme / kv_cache_dtype "
+                f"is one for all layers; {VLLM_LIMIT}, one for every layer")
     if kv.rotate:
         return (f"KV scheme {kv.name} rotates the keys, which needs the queries rotated at run time and vLLM does "
                 f"not do that; {VLLM_LIMIT}, without -rot")
@@ -67,12 +71,12 @@ def kv_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
 def add_kv_cache(model: nn.Module, tensors: dict[str, torch.Tensor], qconfig: dict[str, Any]) -> None:
     """Put the model's KV scheme into a compressed-tensors export (refused where vLLM cannot read it)."""
     from lowbit.errors import SchemeError
-    from lowbit.nn.kv_quant import kv_scheme_of
+    from lowbit.nn.kv_quant import kv_scheme_of, kv_schemes
 
     kv = kv_scheme_of(model)
     if kv is None:
         return
-    why = kv_refusal("compressed-tensors", kv)
+    why = kv_refusal("compressed-tensors", kv, mixed=len(set(kv_schemes(model).values())) > 1)
     if why is not None:
         raise SchemeError(why)
     tensors.update(kv_tensors(model))

@@ -414,6 +414,11 @@ def _install_kv(model: nn.Module, spec: object, path: Path) -> None:
         if not isinstance(spec, dict) or not isinstance(spec.get("scheme"), dict):
             raise SchemeError("the entry needs a 'scheme'")
         scheme = KVScheme.from_dict(dict(spec["scheme"]))
+        if "per_layer" in spec:  # a mixed-precision cache: each attention its own scheme
+            layers = spec["per_layer"]
+            if not isinstance(layers, dict):
+                raise SchemeError("its per_layer must map attention names to schemes")
+            scheme = {n: KVScheme.from_dict(dict(d)) for n, d in layers.items()}
         attns = install_kv(model, scheme, values_folded=spec.get("values_folded") is True)
     except (LowbitError, TypeError, ValueError) as e:
         raise CheckpointError(f"{path / MANIFEST}: its kv_cache entry cannot be applied ({e}); the manifest was "

@@ -15,11 +15,18 @@ along ``head_dim``; what the KV cache adds is where static scales live:
   scale calibrated per layer; ``mxfp4``: blocks of 32, E8M0 scales.
 
 Options after ``:`` go to the element format (``int4:block=64``, ``nvfp4:rule=4over6``),
-and a ``-rot`` suffix rotates keys and values per head with a Hadamard before they are
+except ``scale=amax|mse``, how static FP8 scales are calibrated (below), and a ``-rot`` suffix rotates keys and values per head with a Hadamard before they are
 quantized (QuaRot's Q/K rotation; see `lowbit.nn.kv_quant`): ``int4-rot``, ``nvfp4-rot``.
 
 Static scales are stored as ``amax / qmax`` (for E4M3 ``amax / 448``: vLLM's meaning of
-``k_scale``, ``fp8 value = x / k_scale``), one float per layer or per KV head.
+``k_scale``, ``fp8 value = x / k_scale``), one float per layer or per KV head. E4M3 keeps a
+relative precision, so beyond saturation the scale only decides where each value falls
+between two grid points (its "phase"), which matters where many keys share a magnitude (the
+large, nearly constant low-frequency RoPE channels); static FP8 schemes therefore pick, by
+default (``scale=mse``), among ``amax / 448 * 2^(j/16)``, j = -16..15 (the smaller ones clip
+the rarest largest values), the scale with the least squared error over the calibration split. ``scale=amax`` keeps
+``amax / 448`` (llm-compressor's choice, and lowbit's before). The choice is a calibration
+rule: a checkpoint's scales are used as stored.
 """
 
 from __future__ import annotations
@@ -45,6 +52,7 @@ class KVScheme:
     elements: InputScheme
     per_head: bool = False
     rotate: bool = False
+    search: bool = False  # static E4M3: calibrate the scale's phase by squared error (scale=mse), not amax alone
 
     def __post_init__(self) -> None:
         if not isinstance(self.elements, InputScheme):
@@ -52,6 +60,9 @@ class KVScheme:
         if self.per_head and not self.elements.static:
             raise SchemeError(f"per-head KV scales are static scales; {self.elements.name} computes its scales at "
                               "run time (use fp8-head or int8-head)")
+        if self.search and not searchable(self.elements):
+            raise SchemeError(f"scale=mse searches the phase of static FP8 (E4M3) scales; {self.elements.name} "
+                              "has none to search (drop scale=mse)")
 
     @property
     def static(self) -> bool:
@@ -68,8 +79,8 @@ class KVScheme:
 
     @property
     def name(self) -> str:
-        base = _base_name(self)
-        return base + (ROTATE_SUFFIX if self.rotate else "")
+        base, sep, opts = _base_name(self).partition(":")  # the suffix goes on the preset, before the options
+        return base + (ROTATE_SUFFIX if self.rotate else "") + sep + opts
 
     def bytes_per_token(self, layers: int, kv_heads: int, head_dim: int) -> float:
         """Bytes the cache holds per token: elements plus the run-time scales stored with them (keys and values)."""
@@ -81,17 +92,19 @@ class KVScheme:
         return 2 * layers * kv_heads * per_row
 
     def to_dict(self) -> dict[str, Any]:
-        return {"elements": self.elements.to_dict(), "per_head": self.per_head, "rotate": self.rotate}
+        return {"elements": self.elements.to_dict(), "per_head": self.per_head, "rotate": self.rotate,
+                "search": self.search}
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> KVScheme:
-        unknown = set(d) - {"elements", "per_head", "rotate"}
+        """A manifest's entry; one written before ``search`` existed had amax scales (search false)."""
+        unknown = set(d) - {"elements", "per_head", "rotate", "search"}
         if unknown or "elements" not in d:
-            raise SchemeError(f"a KV scheme holds 'elements', 'per_head', 'rotate'; got {sorted(d)}")
-        per_head, rotate = d.get("per_head", False), d.get("rotate", False)
-        if type(per_head) is not bool or type(rotate) is not bool:
-            raise SchemeError("a KV scheme's per_head and rotate must be true or false")
-        return cls(InputScheme.from_dict(dict(d["elements"])), per_head, rotate)
+            raise SchemeError(f"a KV scheme holds 'elements', 'per_head', 'rotate', 'search'; got {sorted(d)}")
+        flags = [d.get(k, False) for k in ("per_head", "rotate", "search")]
+        if any(type(f) is not bool for f in flags):
+            raise SchemeError("a KV scheme's per_head, rotate and search must be true or false")
+        return cls(InputScheme.from_dict(dict(d["elements"])), *flags)
 
     @classmethod
     def parse(cls, text: str | KVScheme) -> KVScheme:
@@ -107,11 +120,30 @@ class KVScheme:
                               f"{', '.join(PRESETS)} (add -rot for the Hadamard rotation, :key=value for options "
                               "of the element format, e.g. int4:block=64)")
         preset = PRESETS[base]
-        elements = preset.elements.with_options(opts) if sep else preset.elements
-        return cls(elements, preset.per_head, rotate)
+        rule, rest = _scale_rule(opts)
+        elements = preset.elements.with_options(rest) if rest else preset.elements
+        search = searchable(elements) if rule is None else rule == "mse"
+        return cls(elements, preset.per_head, rotate, search)
 
     def __str__(self) -> str:
         return self.name
+
+
+def searchable(e: InputScheme) -> bool:
+    """Static E4M3 elements: the scales whose phase `scale=mse` calibrates."""
+    return e.static and e.elem == "e4m3"
+
+
+def _scale_rule(opts: str) -> tuple[str | None, str]:
+    """``scale=amax|mse`` taken out of the options (None: not given), and the element format's options left."""
+    rule, rest = None, []
+    for item in filter(None, opts.split(",")):
+        key, _, value = item.partition("=")
+        if key.strip() == "scale" and value.strip() in ("amax", "mse"):
+            rule = value.strip()
+        else:
+            rest.append(item)
+    return rule, ",".join(rest)
 
 
 def _scale_bytes(scale: str) -> float:
@@ -128,12 +160,15 @@ def _base_name(s: KVScheme) -> str:
         diff = [f for f in e.FIELD_TO_KEY if getattr(e, f) != getattr(s.elements, f)]
         if best_diff is None or len(diff) < len(best_diff):
             best, best_diff = key, diff
-    opts = ",".join(f"{s.elements.FIELD_TO_KEY[f]}={_fmt(getattr(s.elements, f))}" for f in best_diff or [])
-    return f"{best}:{opts}" if opts else best
+    opts = [f"{s.elements.FIELD_TO_KEY[f]}={_fmt(getattr(s.elements, f))}" for f in best_diff or []]
+    if s.search != searchable(s.elements):
+        opts.append(f"scale={'mse' if s.search else 'amax'}")
+    return f"{best}:{','.join(opts)}" if opts else best
 
 
 def _kv(elements: str, per_head: bool = False) -> KVScheme:
-    return KVScheme(InputScheme.parse(elements), per_head)
+    e = InputScheme.parse(elements)
+    return KVScheme(e, per_head, search=searchable(e))
 
 
 PRESETS: dict[str, KVScheme] = {
@@ -184,6 +219,24 @@ def qdq_kv(x: torch.Tensor, s: KVScheme, scale: torch.Tensor | None = None) -> t
         sc = sc.reshape(())
     q = s.elements.family.round_input(xf / sc, s.elements) * sc
     return q.to(x.dtype)
+
+
+SEARCH_STEPS = 16  # candidates per octave: E4M3's grid repeats past a factor of 2
+SEARCH_EXPONENTS = tuple(range(-SEARCH_STEPS, SEARCH_STEPS))  # amax / qmax * 2^(j/16), j = -16..15
+
+
+def search_errors(x: torch.Tensor, s: KVScheme, scale: torch.Tensor) -> torch.Tensor:
+    """Squared error of ``x [b, h, t, d]`` under each candidate ``scale * 2^(j/16)`` (j in `SEARCH_EXPONENTS`:
+    down to half the abs-max scale, where the largest values clip at 448): ``[len(SEARCH_EXPONENTS), n]``,
+    n = KV heads (per-head scales) or 1."""
+    xf = x.detach().float()
+    base = scale.detach().float().to(x.device).reshape(1, -1, 1, 1) if s.per_head else scale.float().reshape(())
+    out = []
+    for j in SEARCH_EXPONENTS:
+        sc = base * 2 ** (j / SEARCH_STEPS)
+        err = (s.elements.family.round_input(xf / sc, s.elements) * sc - xf).pow(2)
+        out.append(err.sum(dim=(0, 2, 3)) if s.per_head else err.sum().reshape(1))
+    return torch.stack(out)
 
 
 def observe_amax(x: torch.Tensor, s: KVScheme) -> torch.Tensor:

@@ -28,7 +28,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import math
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -36,7 +36,15 @@ import torch
 from torch import nn
 
 from lowbit.errors import ConfigError, ModelError
-from lowbit.formats.kv import KVScheme, kv_scale, observe_amax, qdq_kv
+from lowbit.formats.kv import (
+    SEARCH_EXPONENTS,
+    SEARCH_STEPS,
+    KVScheme,
+    kv_scale,
+    observe_amax,
+    qdq_kv,
+    search_errors,
+)
 from lowbit.transforms.hadamard import factor, hadamard
 
 STATE = "_lowbit_kv"
@@ -54,9 +62,31 @@ class KVState:
     cache_arg: str = "cache"
     values_folded: bool = False
     observed: dict[str, torch.Tensor] | None = None  # calibration: running abs-max of keys / values
+    errors: dict[str, torch.Tensor] | None = None  # scale search: squared error per candidate scale
     paused: bool = False  # float keys / values (block tuning's FP targets)
     calls: int = 0
     rotation: torch.Tensor | None = field(default=None, repr=False)
+    score: KVScore | None = None  # DeltaLoss: the first-order loss change of this layer's KV quantization
+
+
+class KVScore:
+    """DeltaLoss's activation term of one attention's cache: ``sum |g (.) (Q(x) - x)|`` (``signed``: without
+    the abs) over its keys and values, ``g`` the loss gradient at the quantized keys / values the attention reads."""
+
+    def __init__(self, mode: str = "abs") -> None:
+        self.mode, self.total = mode, torch.zeros((), dtype=torch.float64)
+
+    def watch(self, out: torch.Tensor, diff: torch.Tensor) -> None:
+        """Add ``g (.) diff`` when the backward pass reaches ``out`` (``diff = Q(x) - x``, kept in bf16: it only ranks)."""
+        if not out.requires_grad:
+            return
+        d = diff.detach().to(torch.bfloat16)
+
+        def hook(g: torch.Tensor) -> None:
+            term = g.float() * d.float()
+            self.total += (term.abs().sum() if self.mode == "abs" else term.sum()).double().cpu()
+
+        out.register_hook(hook)
 
 
 class QuantizedCache:
@@ -143,17 +173,38 @@ def cache_shape(model: nn.Module) -> tuple[int, int, int]:
     return len(attns), _kv_heads(attns[0]), int(attns[0].head_dim)
 
 
-def install_kv(model: nn.Module, scheme: KVScheme, values_folded: bool = False) -> dict[str, nn.Module]:
-    """Instrument every attention of ``model`` with ``scheme`` (replacing an earlier KV scheme).
+def cache_shapes(model: nn.Module) -> dict[str, tuple[int, int]]:
+    """Attention name -> (KV heads, head_dim) of its cache."""
+    return {n: (_kv_heads(a), int(a.head_dim)) for n, a in require_attention(model).items()}
+
+
+def per_layer(model: nn.Module, scheme: KVScheme | Mapping[str, KVScheme]) -> dict[str, KVScheme]:
+    """Attention name -> its scheme: one for all, or a per-layer choice that must name every attention."""
+    attns = require_attention(model)
+    if isinstance(scheme, KVScheme):
+        return dict.fromkeys(attns, scheme)
+    if sorted(scheme) != sorted(attns):
+        odd = sorted(set(scheme) ^ set(attns))
+        raise ConfigError(f"a per-layer KV choice must name every attention of the model once; {odd[0]} "
+                          f"{'is not an attention of it' if odd[0] in scheme else 'has no scheme'}")
+    return {n: KVScheme.parse(scheme[n]) for n in attns}
+
+
+def install_kv(model: nn.Module, scheme: KVScheme | Mapping[str, KVScheme],
+               values_folded: bool = False) -> dict[str, nn.Module]:
+    """Instrument every attention of ``model`` with ``scheme`` (replacing an earlier KV scheme); a mapping
+    gives each attention (by name) its own scheme: a mixed-precision cache.
 
     Static schemes get ``k_scale`` / ``v_scale`` buffers of ones (to be calibrated, or filled by
     a checkpoint's load); returns the instrumented attention modules by name.
     """
     attns = require_attention(model)
+    schemes = per_layer(model, scheme)
     for name, attn in attns.items():
-        scheme.elements.check_width(int(attn.head_dim), f"{name} (the keys' head_dim)")
+        schemes[name].elements.check_width(int(attn.head_dim), f"{name} (the keys' head_dim)")
     remove_kv(model)
-    for attn in attns.values():
+    for name, attn in attns.items():
+        scheme = schemes[name]
         state = KVState(scheme, _kv_heads(attn), int(attn.head_dim), cache_arg=_cache_arg(attn) or "cache",
                         values_folded=values_folded)
         if scheme.rotate:
@@ -161,8 +212,8 @@ def install_kv(model: nn.Module, scheme: KVScheme, values_folded: bool = False) 
         if scheme.needs_calibration:
             n = state.kv_heads if scheme.per_head else 1
             device = next(attn.parameters(), torch.empty(0)).device
-            for name in SCALES:
-                attn.register_buffer(name, torch.ones(n, dtype=torch.float32, device=device))
+            for buf in SCALES:
+                attn.register_buffer(buf, torch.ones(n, dtype=torch.float32, device=device))
         state.handle = attn.register_forward_pre_hook(_swap_cache, with_kwargs=True)
         setattr(attn, STATE, state)
     return attns
@@ -231,6 +282,9 @@ def quantize_kv(attn: nn.Module, key: torch.Tensor, value: torch.Tensor) -> tupl
     state.calls += 1
     if state.paused:
         return key, value
+    if state.score is not None and state.observed is None:  # leaves, so the gradient reaches the hooks
+        key = key if key.requires_grad else key.detach().requires_grad_(True)
+        value = value if value.requires_grad else value.detach().requires_grad_(True)
     h = state.rotation
     rot_v = h is not None and not state.values_folded
     k = key if h is None else _rotate(key, h)
@@ -241,13 +295,22 @@ def quantize_kv(attn: nn.Module, key: torch.Tensor, value: torch.Tensor) -> tupl
             prev = state.observed.get(name)
             state.observed[name] = a if prev is None else torch.maximum(prev, a.to(prev.device))
         return key, value
+    if state.errors is not None:
+        for name, x in (("k", k), ("v", v)):
+            e = search_errors(x, state.scheme, getattr(attn, f"{name}_scale")).cpu()
+            state.errors[name] = state.errors[name] + e if name in state.errors else e
+        return key, value
     kq = qdq_kv(k, state.scheme, getattr(attn, "k_scale", None))
     vq = qdq_kv(v, state.scheme, getattr(attn, "v_scale", None))
     if h is not None:
         kq = _rotate(kq, h, back=True).to(key.dtype)
     if rot_v:
         vq = _rotate(vq, h, back=True).to(value.dtype)
-    return _ste(key, kq), _ste(value, vq)
+    kout, vout = _ste(key, kq), _ste(value, vq)
+    if state.score is not None:
+        state.score.watch(kout, kq - key.detach())
+        state.score.watch(vout, vq - value.detach())
+    return kout, vout
 
 
 def _ste(x: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
@@ -257,32 +320,63 @@ def _ste(x: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
 
 # ------------------------------------------------------------------ calibration
 @torch.no_grad()  # not inference_mode: the scales and rotation are used under autograd later (tuning)
-def calibrate_kv(model: nn.Module, batches: Iterable[torch.Tensor] | None, scheme: KVScheme,
+def calibrate_kv(model: nn.Module, batches: Iterable[torch.Tensor] | None, scheme: KVScheme | Mapping[str, KVScheme],
                  values_folded: bool = False) -> dict[str, nn.Module]:
-    """Install ``scheme`` and, for static scales, set them from the abs-max of keys / values over ``batches``.
+    """Install ``scheme`` (one for all, or per attention) and, for static scales, set them from the abs-max of
+    keys / values over ``batches``.
 
     Every attention must see its cache's update during the pass (refused by class otherwise),
-    so a scheme never stands on an attention it does not reach. ``batches`` None (a dynamic
-    scheme, nothing to calibrate): a short probe of token 0 checks that.
+    so a scheme never stands on an attention it does not reach. ``batches`` None (dynamic
+    schemes only, nothing to calibrate): a short probe of token 0 checks that.
     """
+    schemes = per_layer(model, scheme)
+    static = [s for s in schemes.values() if s.needs_calibration]
     if batches is None:
-        if scheme.needs_calibration:
-            raise ConfigError(f"KV scheme {scheme.name} has static scales: pass calibration batches")
+        if static:
+            raise ConfigError(f"KV scheme {static[0].name} has static scales: pass calibration batches")
         batches = [torch.zeros(1, 4, dtype=torch.long)]
-    attns = install_kv(model, scheme, values_folded)
+    attns = install_kv(model, schemes, values_folded)
     device = next(model.parameters()).device
     for attn in attns.values():
-        getattr(attn, STATE).observed = {} if scheme.needs_calibration else None
-    for batch in _batches(batches):
+        state: KVState = getattr(attn, STATE)
+        state.observed = {} if state.scheme.needs_calibration else None
+    batches = list(_batches(batches))
+    for batch in batches:
         model(input_ids=batch.to(device), use_cache=False)
     check_reached(attns)
     for attn in attns.values():
-        state: KVState = getattr(attn, STATE)
+        state = getattr(attn, STATE)
         if state.observed is not None:
             for short, buf in (("k", "k_scale"), ("v", "v_scale")):
-                getattr(attn, buf).copy_(kv_scale(state.observed[short], scheme))
+                getattr(attn, buf).copy_(kv_scale(state.observed[short], state.scheme))
             state.observed = None
+    _search_scales(model, attns, batches)
     return attns
+
+
+def _search_scales(model: nn.Module, attns: dict[str, nn.Module], batches: list[torch.Tensor]) -> None:
+    """``scale=mse``: a second pass over the batches keeps, per scale, the candidate ``amax / 448 * 2^(j/16)``
+    with the least squared error (`lowbit.formats.kv.search_errors`)."""
+    searching = [getattr(a, STATE) for a in attns.values() if getattr(a, STATE).scheme.search]
+    if not searching:
+        return
+    for state in searching:
+        state.errors = {}
+    device = next(model.parameters()).device
+    try:
+        for batch in batches:
+            model(input_ids=batch.to(device), use_cache=False)
+        for attn in attns.values():
+            state = getattr(attn, STATE)
+            if state.errors is None:
+                continue
+            for short in ("k", "v"):
+                best = torch.tensor(SEARCH_EXPONENTS)[state.errors[short].argmin(dim=0)]  # [n]
+                buf = getattr(attn, f"{short}_scale")
+                buf.mul_((2 ** (best.float() / SEARCH_STEPS)).to(buf.device).reshape(buf.shape))
+    finally:
+        for state in searching:
+            state.errors = None
 
 
 def _batches(batches: Iterable[torch.Tensor]) -> Iterator[torch.Tensor]:
@@ -346,8 +440,27 @@ def _value_pair(name: str, attn: nn.Module) -> tuple[nn.Linear, nn.Linear]:
 # ------------------------------------------------------------------ the checkpoint entry
 def kv_spec(model: nn.Module) -> dict[str, Any] | None:
     """The manifest entry of the installed KV scheme (None when there is none)."""
-    scheme = kv_scheme_of(model)
-    if scheme is None:
+    schemes = kv_schemes(model)
+    if not schemes:
         return None
-    return {"scheme": scheme.to_dict(), "values_folded": values_folded(model),
-            "layers": sorted(n for n, a in attention_modules(model).items() if hasattr(a, STATE))}
+    return {**kv_entry(schemes, values_folded(model)), "layers": sorted(schemes)}
+
+
+def kv_schemes(model: nn.Module) -> dict[str, KVScheme]:
+    """Attention name -> the KV scheme installed on it (empty: keys and values stay in the compute dtype)."""
+    return {n: getattr(a, STATE).scheme for n, a in attention_modules(model).items() if hasattr(a, STATE)}
+
+
+def kv_entry(scheme: KVScheme | Mapping[str, KVScheme], folded: bool) -> dict[str, Any]:
+    """The scheme and whether the values were rotated offline: what a KV cache's quantization depends on
+    besides its calibrated scales (a checkpoint's manifest, a tuning work folder's record). A per-layer
+    choice that differs between layers adds ``per_layer`` (name -> scheme); ``scheme`` is then the one
+    most layers hold."""
+    if isinstance(scheme, KVScheme):
+        return {"scheme": scheme.to_dict(), "values_folded": folded}
+    names = [s.name for s in scheme.values()]
+    common = max(dict.fromkeys(names), key=names.count)
+    entry = {"scheme": KVScheme.parse(common).to_dict(), "values_folded": folded}
+    if len(set(names)) > 1:
+        entry["per_layer"] = {n: s.to_dict() for n, s in sorted(scheme.items())}
+    return entry

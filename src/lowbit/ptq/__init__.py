@@ -16,6 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from lowbit.formats.kv import KVScheme
 from lowbit.models.placement import check_device
 from lowbit.plans.plan import Plan
 from lowbit.ptq import gptq, rtn, signround  # noqa: F401  (register gptq, rtn, signround, signround2)
@@ -35,7 +36,7 @@ __all__ = ["AWQSettings", "GPTQSettings", "MixedSettings", "PtqOutcome", "PtqSpe
 
 def check_resume(method: str, settings: Any, plan: Plan, model: nn.Module, calib: torch.Tensor,
                  ctx: RunContext, later: tuple[str, ...] = (), awq: AWQSettings | None = None,
-                 awq_later: tuple[str, ...] = ()) -> None:
+                 awq_later: tuple[str, ...] = (), kv: KVScheme | None = None) -> None:
     """Refuse a work folder (``ctx.workdir``) that holds a run with other settings, before any heavy work.
 
     Builds what the method's pipeline will record (`lowbit.ptq.blockwise.work_settings`)
@@ -45,7 +46,11 @@ def check_resume(method: str, settings: Any, plan: Plan, model: nn.Module, calib
     awq: the AWQ pre-step's settings, whose own record (``WORKDIR/awq``) is checked too, for
     every method (AWQ walks the blocks before any of them); awq_later: its keys only the run
     can know (``model`` after a rotation).
+    kv: the KV scheme the blocks will be tuned under (installed only later, on the way to the
+    method); its static scales are buffers of the model, so its fingerprint is then compared
+    by the pipeline too.
     """
+    from lowbit.nn.kv_quant import kv_entry
     from lowbit.ptq.awq import awq_record, awq_workdir
     from lowbit.ptq.blockwise import check_work_folder, work_settings
 
@@ -57,7 +62,10 @@ def check_resume(method: str, settings: Any, plan: Plan, model: nn.Module, calib
     if spec.work is None:
         return
     recorded, options, applied = spec.work(coerce_settings(method, settings), plan, ctx)
-    check_work_folder(ctx.workdir, work_settings(recorded, applied, options, model, calib), later)
+    entry = {} if kv is None else {"kv_cache": kv_entry(kv, kv.rotate)}
+    if kv is not None and (kv.needs_calibration or kv.rotate):
+        later = (*later, "model")
+    check_work_folder(ctx.workdir, work_settings(recorded, applied, options, model, calib, kv=entry), later)
 
 
 def quantize_model(model: nn.Module, plan: Plan, method: str = "rtn", settings: Any = None, *,

@@ -15,6 +15,8 @@ gives one recipe to a fused tensor, as GGUF's 3-D tensors and vLLM's MoE layers 
 
 from __future__ import annotations
 
+import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -24,6 +26,7 @@ from lowbit.configs import check_fields
 from lowbit.errors import ConfigError
 from lowbit.formats import Recipe
 from lowbit.formats.kquants import fit_width
+from lowbit.formats.kv import KVScheme
 from lowbit.models.experts import expert_tensors, planned_shape
 from lowbit.models.placement import model_device, on_device
 from lowbit.nn.precision import resolve_dtype
@@ -116,3 +119,66 @@ def mixed_plan(model: nn.Module, plan: Plan, settings: MixedSettings, calib: tor
 
 def _shape(model: nn.Module, name: str) -> tuple[int, int]:
     return planned_shape(model, name)
+
+
+# ------------------------------------------------------------------ the KV cache, per layer
+def kv_bits(scheme: KVScheme, kv_heads: int, head_dim: int) -> int:
+    """Bits one token takes in one attention's cache under ``scheme`` (keys and values, run-time scales included)."""
+    return round(8 * scheme.bytes_per_token(1, kv_heads, head_dim))
+
+
+def allocate_kv(scores: dict[str, dict[str, float]], shapes: dict[str, tuple[int, int]], avg_bits: float,
+                ) -> dict[str, str]:
+    """The KV scheme of each attention minimising the summed DeltaLoss with the cache's average bits per element
+    (scales included) at most ``avg_bits``: an exact multiple-choice knapsack over the layers.
+
+    scores: scheme name -> attention name -> DeltaLoss (`sensitivity.kv_delta_loss`); shapes:
+    attention name -> (KV heads, head_dim). Refused when even the smallest choice everywhere exceeds
+    the budget.
+    """
+    names = sorted(shapes)
+    options = [KVScheme.parse(s) for s in scores]
+    elements = sum(2 * h * d for h, d in shapes.values())
+    budget = math.floor(avg_bits * elements + 1e-9)
+    # state: total bits so far -> (summed score, choices); a state no cheaper and no better than another is dropped
+    states: dict[int, tuple[float, tuple[str, ...]]] = {0: (0.0, ())}
+    for n in names:
+        nxt: dict[int, tuple[float, tuple[str, ...]]] = {}
+        for bits, (score, picks) in states.items():
+            for o in options:
+                b = bits + kv_bits(o, *shapes[n])
+                cand = (score + scores[o.name][n], (*picks, o.name))
+                if b <= budget and (b not in nxt or cand[0] < nxt[b][0]):
+                    nxt[b] = cand
+        states = _pareto(nxt)
+        if not states:
+            least = min(kv_bits(o, *shapes[names[0]]) for o in options) / (2 * shapes[names[0]][0] * shapes[names[0]][1])
+            raise ConfigError(f"--kv-bits {avg_bits}: the KV options {', '.join(scores)} need at least {least:.2f} "
+                              "bits per cached element; raise the budget or add a smaller option")
+    best = min(states.values(), key=lambda t: t[0])
+    return dict(zip(names, best[1], strict=True))
+
+
+def _pareto(states: dict[int, tuple[float, tuple[str, ...]]]) -> dict[int, tuple[float, tuple[str, ...]]]:
+    out, best = {}, math.inf
+    for bits in sorted(states):
+        if states[bits][0] < best:
+            out[bits], best = states[bits], states[bits][0]
+    return out
+
+
+def mixed_kv(model: nn.Module, options: Sequence[str], avg_bits: float, calib: torch.Tensor, mode: str = "abs",
+             nsamples: int = 16, progress: bool = True) -> dict[str, KVScheme]:
+    """Attention name -> KV scheme chosen by DeltaLoss over the KV ``options`` within ``avg_bits`` per element."""
+    from lowbit.nn.kv_quant import cache_shapes
+    from lowbit.ptq.sensitivity import kv_delta_loss
+
+    if calib is None or calib.numel() == 0:
+        raise ConfigError("per-layer KV choices need calibration batches for their DeltaLoss passes")
+    shapes = cache_shapes(model)
+    kvs = [KVScheme.parse(o) for o in options]
+    floor = min(sum(kv_bits(k, *s) for s in shapes.values()) for k in kvs)
+    if floor > avg_bits * sum(2 * h * d for h, d in shapes.values()) + 1e-9:
+        allocate_kv({k.name: dict.fromkeys(shapes, 0.0) for k in kvs}, shapes, avg_bits)  # raises, naming the floor
+    scores = kv_delta_loss(model, kvs, calib[:nsamples], mode=mode, progress=progress)
+    return {n: KVScheme.parse(s) for n, s in allocate_kv(scores, shapes, avg_bits).items()}

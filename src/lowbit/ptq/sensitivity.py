@@ -47,6 +47,7 @@ from tqdm.auto import tqdm
 from lowbit.errors import ConfigError
 from lowbit.formats import Recipe, Scheme, qdq, qdq_input
 from lowbit.formats.kquants import fit_width
+from lowbit.formats.kv import KVScheme
 from lowbit.models.activations import input_amax
 from lowbit.models.experts import ExpertTensor, expert_tensors
 from lowbit.models.placement import model_device
@@ -205,3 +206,48 @@ def _refuse_tied(model: nn.Module, tensors: WeightTensors) -> None:
         if owner != own:
             raise ConfigError(f"{n} shares its weight with {owner}; leave tied layers out of the "
                               "mixed-precision search (the lm_head is excluded by default)")
+
+
+# ------------------------------------------------------------------ the KV cache's term
+def kv_delta_loss(model: nn.Module, schemes: Sequence[KVScheme | str], batches: torch.Tensor, mode: str = "abs",
+                  batch_size: int = 4, progress: bool = True, dtype: str = "fp32") -> dict[str, dict[str, float]]:
+    """Scores ``KV scheme name -> attention name -> DeltaLoss`` of quantizing that attention's cache.
+
+    The activation term of the inputs, applied to what the cache holds: each scheme is installed
+    on every attention (static scales calibrated on the same batches), the causal-LM loss is
+    back-propagated, and each attention is scored by ``sum |g (.) (Q(x) - x)|`` over its keys and
+    values (`lowbit.nn.kv_quant.KVScore`; ``signed`` without the abs), ``g`` the gradient at
+    the quantized keys / values it attends over. The weights stay as they are (float or
+    already quantized) and get no gradient; the model leaves with no KV scheme installed.
+    """
+    from lowbit.nn.kv_quant import STATE, KVScore, calibrate_kv, remove_kv
+
+    if mode not in MODES:
+        raise ConfigError(f"DeltaLoss mode must be one of {MODES}, got {mode!r}")
+    if batches.dim() != 2 or batches.shape[1] < 2:
+        raise ConfigError("DeltaLoss needs token batches [n, seqlen >= 2]")
+    kvs = list(dict.fromkeys(KVScheme.parse(s) for s in schemes))
+    flags = [(p, p.requires_grad) for p in model.parameters()]
+    device = model_device(model)
+    out: dict[str, dict[str, float]] = {}
+    try:
+        for p, _ in flags:
+            p.requires_grad_(False)
+        chunks = batches.split(batch_size)
+        with tqdm(total=len(kvs) * len(chunks), desc="deltaloss kv", unit="batch", disable=not progress) as bar:
+            for kv in kvs:
+                attns = calibrate_kv(model, batches if kv.needs_calibration else None, kv)
+                for a in attns.values():
+                    getattr(a, STATE).score = KVScore(mode)
+                for chunk in chunks:
+                    ids = chunk.to(device)
+                    with torch.autocast(device.type, dtype=torch.bfloat16, enabled=dtype == "bf16"):
+                        loss = model(input_ids=ids, labels=ids, use_cache=False).loss.float()
+                    (loss * (len(chunk) / len(batches))).backward()
+                    bar.update()
+                out[kv.name] = {n: float(getattr(a, STATE).score.total) for n, a in attns.items()}
+    finally:
+        remove_kv(model)
+        for p, flag in flags:
+            p.requires_grad_(flag)
+    return out

@@ -49,10 +49,23 @@ def fingerprint(model: nn.Module, calib: torch.Tensor) -> dict[str, str]:
 
 
 def work_settings(settings: Mapping[str, Any], plan: Plan, options: PipelineOptions, model: nn.Module,
-                  calib: torch.Tensor) -> dict[str, Any]:
-    """Everything that decides a block-wise run's result, as its work folder's ``run.json`` records it."""
+                  calib: torch.Tensor, kv: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """Everything that decides a block-wise run's result, as its work folder's ``run.json`` records it.
+
+    kv: the KV-cache entry the blocks are tuned under (`kv_setting`); None = read it from ``model``
+    (whose static KV scales, as buffers, are also in its fingerprint)."""
     return {**settings, "plan": plan.to_dict(), "fp_inputs": options.fp_inputs, "chunk": options.chunk,
-            **_cache_setting(options), **_fused_setting(plan), **fingerprint(model, calib)}
+            **_cache_setting(options), **_fused_setting(plan), **fingerprint(model, calib),
+            **(kv_setting(model) if kv is None else kv)}
+
+
+def kv_setting(model: nn.Module) -> dict[str, Any]:
+    """``{"kv_cache": ...}`` when a KV scheme is installed (tuned blocks ran with that quantized cache), else {}:
+    a run without one records nothing, so its folders read as before."""
+    from lowbit.nn.kv_quant import kv_entry, kv_schemes, values_folded
+
+    schemes = kv_schemes(model)
+    return {"kv_cache": kv_entry(schemes, values_folded(model))} if schemes else {}
 
 
 def check_work_folder(path: str | Path, settings: Mapping[str, Any], later: tuple[str, ...] = ()) -> None:
