@@ -108,9 +108,9 @@ HEADLINE: list[tuple[str, list, list, str]] = [
      [("ptq", {"config": _W2_AR, "tool": "autoround"})], "auto-round V2"),
     # bf16 tuning (auto-round: amp): a fifth of the fp32 rows' CPU time, the off-grid rows' setting
     ("SignRoundV2 W4 g128, bf16", [("ptq", {"config": ["w4g128-bf16", "w4g128-bf16-seed1"], "tool": "lowbit"})],
-     [("ptq", {"config": "w4g128-bf16", "tool": "autoround"})], "auto-round amp"),
-    ("SignRoundV2 W3 g128, bf16", [("ptq", {"config": "w3g128-bf16", "tool": "lowbit"})],
-     [("ptq", {"config": "w3g128-bf16", "tool": "autoround"})], "auto-round amp"),
+     [("ptq", {"config": ["w4g128-bf16", "w4g128-bf16-seed1"], "tool": "autoround"})], "auto-round amp"),
+    ("SignRoundV2 W3 g128, bf16", [("ptq", {"config": ["w3g128-bf16", "w3g128-bf16-seed1"], "tool": "lowbit"})],
+     [("ptq", {"config": ["w3g128-bf16", "w3g128-bf16-seed1"], "tool": "autoround"})], "auto-round amp"),
     ("SignRoundV2 W2 g64, bf16, mean of seeds",
      [("ptq", {"config": ["w2g64-bf16", "w2g64-bf16-seed1", "w2g64-bf16-seed2"], "tool": "lowbit"})],
      [("ptq", {"config": ["w2g64-bf16", "w2g64-v2-amp-seed1"], "tool": "autoround"})], "auto-round V2 amp"),
