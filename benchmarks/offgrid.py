@@ -126,6 +126,11 @@ HEADLINE: list[tuple[str, list, list, str]] = [
      [("acts", {"row": "nvfp4-fouroversix-46"})], "fouroversix"),
     ("W4A4 NVFP4 RTN abs-max", [("acts", {"row": "nvfp4-rtn-absmax"})], [("acts", {"row": "nvfp4-ar-rtn"})],
      "auto-round"),
+    # the peers' input convention (each input's own tensor scale at every call): a diagnostic of the rows above
+    ("W4A4 NVFP4 4-over-6 RTN, no search, per-call input scale", [("acts", {"row": "nvfp4-rtn-46-percall"})],
+     [("acts", {"row": "nvfp4-fouroversix-46"})], "fouroversix"),
+    ("W4A4 NVFP4 RTN abs-max, per-call input scale", [("acts", {"row": "nvfp4-rtn-absmax-percall"})],
+     [("acts", {"row": "nvfp4-ar-rtn"})], "auto-round"),
     ("W4A4 MXFP4 RTN", [("acts", {"row": "mxfp4-rtn"})], [("acts", {"row": "mxfp4-ar-rtn"})], "auto-round"),
     ("SignRoundV2 W4A4 NVFP4, mean of seeds", [("acts", {"row": ["nvfp4-sr2-s0", "nvfp4-sr2-s1"]})],
      [("acts", {"row": ["nvfp4-ar-s0", "nvfp4-ar-s1"]})], "auto-round"),
