@@ -45,6 +45,13 @@ ROWS: dict[str, dict[str, Any]] = {
     "nvfp4-rtn-span": {"tool": "lowbit", "method": "rtn", "scheme": "w4a4-nvfp4-span", "search": False},
     "nvfp4-rtn-spanw-46a": {"tool": "lowbit", "method": "rtn", "scheme": "nvfp4-46:rule=span@nvfp4-46",
                             "search": False},  # span on the weights, 4-over-6 on the inputs
+    # the peers' convention (diagnostic, not a deployable file): the FP32 tensor scale of each input taken from
+    # that input's own abs-max at every call, as fouroversix does and as auto-round's in-memory model does
+    # (its act_max is collected but not passed to the NVFP4 quantizer), instead of lowbit's calibrated one
+    "nvfp4-rtn-absmax-percall": {"tool": "lowbit", "method": "rtn", "scheme": "w4a4-nvfp4", "search": False,
+                                 "input_tensor_scale": "per-call"},
+    "nvfp4-rtn-46-percall": {"tool": "lowbit", "method": "rtn", "scheme": "w4a4-nvfp4-46", "search": False,
+                             "input_tensor_scale": "per-call"},
     "nvfp4-fouroversix-46": {"tool": "fouroversix", "dtype": "nvfp4", "scale_rule": "mse"},
     "nvfp4-fouroversix-6": {"tool": "fouroversix", "dtype": "nvfp4", "scale_rule": "static_6"},
     # --- W4A4 RTN (importance-searched weights) and SignRoundV2 vs auto-round
@@ -121,11 +128,34 @@ def run_lowbit(spec: dict, lm, calib) -> dict:
         names = [n for n in layers if "blocks" not in spec or int(n.split(".layers.")[1].split(".")[0]) < spec["blocks"]]
         plan = Plan.uniform(names, spec["scheme"])
     applied = quantize_model(lm.model, plan, spec["method"], settings, calib=calib, mixed=mixed, progress=False)
+    if spec.get("input_tensor_scale") == "per-call":
+        per_call_input_scales(lm.model)
     sizes = {n: (m.out_features, m.in_features) for n, m in layers.items()}
     out = {"plan": applied.describe(), "avg_bits": round(applied.average_bits(sizes, count_scales=False), 4)}
     if "avg_bits" in spec:
         out["high_layers"] = sum(1 for r in applied.layers.values() if r.weight.bits == 8)
     return out
+
+
+def per_call_input_scales(model) -> int:
+    """Make every static input quantizer take its input's own abs-max at each call (the peers' convention).
+
+    A forward pre-hook overwrites the calibrated ``amax`` with the current input's, so the
+    NVFP4 tensor scale follows each evaluation window as fouroversix's and auto-round's
+    in-memory models do; lowbit's files keep the calibrated scale (what vLLM reads).
+    Returns the number of quantizers changed (a row with none would measure nothing new).
+    """
+    from lowbit.nn.input_quant import InputQuantizer
+
+    def hook(mod, args):
+        mod.amax = args[0].detach().abs().amax().float().reshape(())
+
+    quantizers = [m for m in model.modules() if isinstance(m, InputQuantizer) and m.amax is not None]
+    if not quantizers:
+        raise RuntimeError("no static input quantizer to switch to per-call scales")
+    for m in quantizers:
+        m.register_forward_pre_hook(hook)
+    return len(quantizers)
 
 
 def run_fouroversix(spec: dict, lm, calib) -> dict:

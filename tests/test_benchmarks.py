@@ -195,3 +195,24 @@ def test_organism_balance_loss_is_one_when_balanced_and_grows_with_skew() -> Non
     skewed[:, :2] = 3.0  # every token to experts 0 and 1, in one layer of the two
     assert balance_loss((balanced, balanced), top_k).item() == pytest.approx(1.0)
     assert balance_loss((balanced, skewed), top_k).item() > 1.3
+
+
+def test_acts_per_call_input_scales_follow_each_input() -> None:
+    """The peers' convention row: an input 100x the calibrated maximum saturates with lowbit's static NVFP4 tensor
+    scale, and is quantized as well as a calibrated-size one once the scale follows each call."""
+    import torch
+    from torch import nn
+
+    from benchmarks.acts import per_call_input_scales
+    from lowbit.formats.inputs import InputScheme
+    from lowbit.nn.input_quant import InputQuantizer
+
+    torch.manual_seed(0)
+    model = nn.Sequential(InputQuantizer(InputScheme.base("nvfp4"), amax=4.0))
+    x = torch.randn(8, 64) * 100.0
+    err = lambda: float((model(x) - x).norm() / x.norm())  # noqa: E731
+    static = err()
+    assert per_call_input_scales(model) == 1
+    assert static > 0.5 and err() < 0.15, (static, err())
+    with pytest.raises(RuntimeError, match="no static input quantizer"):
+        per_call_input_scales(nn.Sequential(nn.Linear(4, 4)))

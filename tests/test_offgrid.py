@@ -129,3 +129,19 @@ def test_headline_gguf_rows_keep_files_of_one_embedding_type_apart():
     results = {"gguf": [dict(row, ppl_llamacpp=15.0), dict(row, ppl_llamacpp=14.0, embeddings="llama.cpp")]}
     line = next(x for x in headline(results).splitlines() if x.startswith("| GGUF Q4_K_M, GPTQ"))
     assert "| 15.00 |" in line and "runs" not in line and "14.50" not in line
+
+
+def test_headline_rows_record_means_runs_and_seed_kind():
+    """The recorded headline (offgrid.json) holds each cell's mean and run count; a row averaging seeds names their
+    kind, a row of single runs does not."""
+    from benchmarks.offgrid import SEED_KIND, headline_rows
+
+    ptq = [{"config": "w3g128-bf16", "tool": "lowbit", "ppl": 19.0, "model": "offgrid"},
+           {"config": "w3g128-bf16-seed1", "tool": "lowbit", "ppl": 20.0, "model": "offgrid"},
+           {"config": "w3g128-bf16", "tool": "autoround", "ppl": 21.0, "model": "offgrid"},
+           {"config": "rtn-w4g128", "tool": "lowbit", "ppl": 31.0, "model": "offgrid"}]
+    rows = {r["what"]: r for r in headline_rows({"ptq": ptq})}
+    w3 = rows["SignRoundV2 W3 g128, bf16"]
+    assert w3["offgrid_lowbit"] == {"ppl": 19.5, "runs": 2} and w3["offgrid_peer"] == {"ppl": 21.0, "runs": 1}
+    assert w3["bundled_lowbit"] is None and w3["seed_kind"] == SEED_KIND
+    assert "seed_kind" not in rows["RTN W4 g128 (plain)"]
