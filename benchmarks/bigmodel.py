@@ -56,16 +56,21 @@ LLMC = {"w4g128": "W4A16", "fp8": "FP8_DYNAMIC", "nvfp4-46": "NVFP4A16"}  # llm-
 
 
 def build(shape: str) -> Path:
-    """The cached random bf16 checkpoint of ``shape`` (built once; a partial build is rebuilt)."""
+    """The cached random bf16 checkpoint of ``shape`` (built once, atomically: a partial build is rebuilt)."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from lowbit.files.safetensors_stream import write_file
     from lowbit.nn.meta import params_on_meta
 
-    folder = CACHE / shape
-    if (folder / "complete.json").is_file():
-        return folder
+    final = CACHE / shape
+    if (final / "complete.json").is_file():
+        return final
+    if final.exists():  # a build of an older version of this script, interrupted: never complete
+        shutil.rmtree(final)
+    # built in a hidden folder beside it and renamed when complete, so a reader (another benchmark
+    # waiting for the 8B checkpoint) never sees a half-written one; a killed build starts over
+    folder = CACHE / f".{shape}.building"
     shutil.rmtree(folder, ignore_errors=True)
     folder.mkdir(parents=True)
     config = LlamaConfig(**SHAPES[shape])
@@ -99,7 +104,8 @@ def build(shape: str) -> Path:
         json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}))
     config.save_pretrained(folder)
     (folder / "complete.json").write_text(json.dumps({"bytes": total, "random": True}))
-    return folder
+    os.replace(folder, final)
+    return final
 
 
 def child(cmd: list[str], log: Path, env: dict | None = None) -> tuple[int, float, float, int]:
