@@ -95,3 +95,35 @@ def test_stream_export_refusals_come_before_any_tensor_is_read(tmp_path, capsys)
     assert "does not divide" in capsys.readouterr().err
     assert not (tmp_path / "x.gguf").exists() and not (tmp_path / "y").exists()
     assert not any(p.name.startswith(".") for p in tmp_path.iterdir())
+
+
+def test_a_killed_compressed_tensors_run_resumes_and_a_native_work_folder_is_not_reused(tmp_path, monkeypatch):
+    """CT shards are sealed like the native ones: a killed run resumes them; the run record names the export, so
+    a native run's shards in the same work folder are cleared, not taken for compressed-tensors ones."""
+    from lowbit.ptq import stream
+
+    src = _saved("llama", tmp_path / "src")
+    out = tmp_path / "out"
+    real, calls = stream.write_shard, {"n": 0}
+
+    def dies_on_the_third(work, shard, tensors, record):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise KeyboardInterrupt
+        real(work, shard, tensors, record)
+
+    monkeypatch.setattr(stream, "write_shard", dies_on_the_third)
+    with pytest.raises(KeyboardInterrupt):
+        _stream(src, out, "w4g8", None, search=False)  # native
+    calls["n"] = 0
+    with pytest.warns(UserWarning, match="other settings"), pytest.raises(KeyboardInterrupt):
+        _stream(src, out, "w4g8", "compressed-tensors", search=False)
+    monkeypatch.setattr(stream, "write_shard", real)
+    lines: list[str] = []
+    monkeypatch.setattr("lowbit.api.stream._reporter", lambda progress: lines.append)
+    _stream(src, out, "w4g8", "compressed-tensors", search=False)
+    assert any("resuming: 2 of" in ln for ln in lines)
+    model, _ = native.load(_in_model(src, "w4g8", tmp_path / "ref", search=False))
+    ct.export(model, None, tmp_path / "ref_ct")
+    got, want = _folder_tensors(out), _folder_tensors(tmp_path / "ref_ct")
+    assert set(got) == set(want) and all(torch.equal(got[k], want[k]) for k in got)
