@@ -18,6 +18,12 @@ run: a child that only reads every source tensor (the same reader, no quantizati
     python -m benchmarks.bigmodel --shapes tinyllama-1.1b,llama-3.2-3b --schemes w4g128,nvfp4-46,q4_k_m,fp8
     python -m benchmarks.bigmodel --table
 
+Tools: ``lowbit-stream`` (lowbit's native checkpoint), ``lowbit-stream-gguf`` (``--export-to gguf``: llama.cpp's
+file written tensor by tensor, e.g. q4_k_m), ``llama.cpp-quantize`` (llama.cpp's own quantizer through
+llama-cpp-python, ``--llama-python``, from a BF16 GGUF of the checkpoint written first and untimed: llama.cpp
+quantizes GGUF files only; its Q4_K search is its own ``make_qkx2_quants``, beside lowbit's plain rounding),
+``llmc-model_free_ptq`` and ``read``.
+
 Peer: llm-compressor's ``model_free_ptq`` (safetensors file by file, no model built; plain RTN) on the
 same checkpoints: W4A16 (int4 g128 symmetric) beside w4g128, FP8_DYNAMIC (per-channel FP8 weights) beside
 fp8, NVFP4A16 beside nvfp4-46; no K-quant counterpart. llm-compressor 0.14.0.1 pins an older transformers,
