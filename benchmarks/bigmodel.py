@@ -129,6 +129,8 @@ def child(cmd: list[str], log: Path, env: dict | None = None) -> tuple[int, floa
 
 
 def _size(path: Path) -> int:
+    if path.is_file():  # a one-file output (GGUF)
+        return path.stat().st_size
     return sum(p.stat().st_size for p in path.rglob("*") if p.is_file()) if path.exists() else 0
 
 
@@ -242,7 +244,8 @@ def table(results: Path = RESULTS) -> None:
     for r in rows:
         print(f"{r['shape']:16} {r['scheme']:10} {r['tool']:14} {r['seconds']:8.1f} {r.get('cpu_seconds', 0):8.1f} "
               f"{r['peak_rss_gib']:13.2f} "
-              f"{r['output_bytes'] / 2**30:8.2f} {r['source_bytes'] / 2**30:8.2f}" + ("  FAILED" if r["rc"] else ""))
+              + (f"{r['output_bytes'] / 2**30:8.2f}" if r["output_bytes"] is not None else f"{'-':>8}")
+              + f" {r['source_bytes'] / 2**30:8.2f}" + ("  FAILED" if r["rc"] else ""))
 
 
 def main() -> None:
