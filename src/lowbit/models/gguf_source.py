@@ -141,8 +141,13 @@ class GgufSource:
 
         t = self.reader.tensors[self._index[gname]]
         qtype = gguf.GGMLQuantizationType(int(t.tensor_type))
-        with np.errstate(over="ignore", invalid="ignore"):
-            arr = gguf.quants.dequantize(t.data, qtype)
+        try:
+            with np.errstate(over="ignore", invalid="ignore"):
+                arr = gguf.quants.dequantize(t.data, qtype)
+        except (NotImplementedError, ValueError, KeyError) as e:
+            raise ModelError(f"{self.folder}: tensor {gname} is {qtype.name}, which gguf-py cannot dequantize "
+                             f"({str(e)[:80]}); convert the file with llama.cpp to a type gguf-py reads (F16, Q8_0, "
+                             "the K-quants, ...)") from None
         shape = tuple(int(d) for d in reversed(t.shape.tolist()))  # GGUF lists dimensions fastest first
         return torch.from_numpy(np.array(arr, dtype=np.float32)).reshape(shape), qtype.name  # its own, writable
 
