@@ -29,7 +29,6 @@ export``.
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import time
@@ -358,16 +357,3 @@ def write_gguf(out: Path, q: stream.Quantizer, mix: str | None, name: str, token
     if unread is not None:
         result["transformers_readback"] = unread
     return result
-
-
-def hf_tokenizer(folder: Path) -> Any:
-    """The source folder's tokenizer (None when it has none: the GGUF then carries no tokenizer keys)."""
-    if not native.tokenizer_files(folder):
-        return None
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(folder)
-
-
-def describe(export: str) -> str:
-    return json.dumps(export)
