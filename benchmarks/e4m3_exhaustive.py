@@ -11,6 +11,7 @@ mismatches (0 expected) with the seconds each path took.
 
 from __future__ import annotations
 
+import argparse
 import platform
 import time
 
@@ -23,6 +24,8 @@ CHUNK = 1 << 24
 
 
 def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.parse_args()
     checked = mismatched = 0
     fast_s = slow_s = 0.0
     for start in range(0, 1 << 32, CHUNK):
