@@ -18,6 +18,12 @@ run: a child that only reads every source tensor (the same reader, no quantizati
     python -m benchmarks.bigmodel --shapes tinyllama-1.1b,llama-3.2-3b --schemes w4g128,nvfp4-46,q4_k_m,fp8
     python -m benchmarks.bigmodel --table
 
+Tools: ``lowbit-stream`` (lowbit's native checkpoint), ``lowbit-stream-gguf`` (``--export-to gguf``: llama.cpp's
+file written tensor by tensor, e.g. q4_k_m), ``llama.cpp-quantize`` (llama.cpp's own quantizer through
+llama-cpp-python, ``--llama-python``, from a BF16 GGUF of the checkpoint written first and untimed: llama.cpp
+quantizes GGUF files only; its Q4_K search is its own ``make_qkx2_quants``, beside lowbit's plain rounding),
+``llmc-model_free_ptq`` and ``read``.
+
 Peer: llm-compressor's ``model_free_ptq`` (safetensors file by file, no model built; plain RTN) on the
 same checkpoints: W4A16 (int4 g128 symmetric) beside w4g128, FP8_DYNAMIC (per-channel FP8 weights) beside
 fp8, NVFP4A16 beside nvfp4-46; no K-quant counterpart. llm-compressor 0.14.0.1 pins an older transformers,
@@ -56,16 +62,21 @@ LLMC = {"w4g128": "W4A16", "fp8": "FP8_DYNAMIC", "nvfp4-46": "NVFP4A16"}  # llm-
 
 
 def build(shape: str) -> Path:
-    """The cached random bf16 checkpoint of ``shape`` (built once; a partial build is rebuilt)."""
+    """The cached random bf16 checkpoint of ``shape`` (built once, atomically: a partial build is rebuilt)."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from lowbit.files.safetensors_stream import write_file
     from lowbit.nn.meta import params_on_meta
 
-    folder = CACHE / shape
-    if (folder / "complete.json").is_file():
-        return folder
+    final = CACHE / shape
+    if (final / "complete.json").is_file():
+        return final
+    if final.exists():  # a build of an older version of this script, interrupted: never complete
+        shutil.rmtree(final)
+    # built in a hidden folder beside it and renamed when complete, so a reader (another benchmark
+    # waiting for the 8B checkpoint) never sees a half-written one; a killed build starts over
+    folder = CACHE / f".{shape}.building"
     shutil.rmtree(folder, ignore_errors=True)
     folder.mkdir(parents=True)
     config = LlamaConfig(**SHAPES[shape])
@@ -99,7 +110,8 @@ def build(shape: str) -> Path:
         json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}))
     config.save_pretrained(folder)
     (folder / "complete.json").write_text(json.dumps({"bytes": total, "random": True}))
-    return folder
+    os.replace(folder, final)
+    return final
 
 
 def child(cmd: list[str], log: Path, env: dict | None = None) -> tuple[int, float, float, int]:
@@ -117,16 +129,76 @@ def child(cmd: list[str], log: Path, env: dict | None = None) -> tuple[int, floa
 
 
 def _size(path: Path) -> int:
+    if path.is_file():  # a one-file output (GGUF)
+        return path.stat().st_size
     return sum(p.stat().st_size for p in path.rglob("*") if p.is_file()) if path.exists() else 0
 
 
+def bf16_gguf(src: Path, work: Path) -> Path:
+    """The checkpoint as a BF16 GGUF (llama.cpp's quantizer reads GGUF only), written one tensor at a time with
+    gguf-py under lowbit's GGUF names, q/k rows in llama.cpp's order; no tokenizer (quantizing needs none)."""
+    import gguf
+    import numpy as np
+    import torch
+
+    from lowbit.files import gguf_export as ge
+    from lowbit.models.stream_source import StreamSource
+
+    out = work / f"{src.name}-bf16.gguf"
+    if out.is_file():
+        return out
+    source = StreamSource.open(src)
+    model = source.skeleton()
+    config, arch = model.config, ge.arch_of(model.config)
+    names = ge._tensor_name_map(arch, config)
+    keys = [k for k in source.entries if "rotary" not in k]
+    tmp = out.with_suffix(".partial")
+    w = gguf.GGUFWriter(str(tmp), arch.gguf)
+    ge.add_model_metadata(w, config, src.name, arch, 32)  # LlamaFileType.MOSTLY_BF16
+    for k in keys:
+        e = source.entries[k]
+        raw = gguf.GGMLQuantizationType.BF16 if len(e.shape) > 1 else None
+        shape = (*e.shape[:-1], e.shape[-1] * 2) if raw else e.shape
+        w.add_tensor_info(ge._gguf_name(names, k), shape, np.dtype(np.uint8 if raw else np.float32),
+                          e.numel * (2 if raw else 4), raw_dtype=raw)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_ti_data_to_file()
+    for k in keys:
+        t = source.tensor(k)
+        heads = ge._heads_for(k.rsplit(".", 1)[0], config, arch)
+        if heads and t.dim() == 2:
+            t = t[ge.rope_rows(t.shape[0], heads)]
+        arr = t.to(torch.bfloat16).view(torch.uint8).numpy() if t.dim() > 1 else t.float().numpy()
+        w.write_tensor_data(arr)
+    w.close()
+    os.replace(tmp, out)
+    return out
+
+
+LLAMA_CPP_QUANTIZE = """import sys, llama_cpp
+p = llama_cpp.llama_model_quantize_default_params()
+p.ftype = {"q4_k_m": 15}[sys.argv[3]]
+p.nthread = 1
+rc = llama_cpp.llama_model_quantize(sys.argv[1].encode(), sys.argv[2].encode(), p)
+sys.exit(rc)
+"""
+
+
 def run_row(shape: str, scheme: str, tool: str, src: Path, work: Path, search: bool = False,
-            peer_path: str | None = None) -> dict:
+            peer_path: str | None = None, llama_python: str | None = None) -> dict:
     out = work / f"{shape}-{scheme}-{tool}"
     log = work / f"{shape}-{scheme}-{tool}.log"
     py = sys.executable
     env = None
-    if tool == "llmc-model_free_ptq":
+    if tool == "llama.cpp-quantize":  # the BF16 GGUF it reads is made first, untimed
+        out = out.with_suffix(".gguf")
+        cmd = [llama_python, "-c", LLAMA_CPP_QUANTIZE, str(bf16_gguf(src, work)), str(out), scheme]
+    elif tool == "lowbit-stream-gguf":
+        out = out.with_suffix(".gguf")
+        cmd = [py, "-m", "lowbit", "quantize", str(src), "--stream", "--scheme", scheme, "--out", str(out),
+               "--export-to", "gguf", "--force", "--json", "--search" if search else "--no-search"]
+    elif tool == "llmc-model_free_ptq":
         env = {**os.environ, "PYTHONPATH": str(peer_path)}
         cmd = [py, "-c", "import sys; from llmcompressor import model_free_ptq; model_free_ptq(sys.argv[1], sys.argv[2], "
                "scheme=sys.argv[3], ignore=['lm_head'], max_workers=1, device='cpu')", str(src), str(out), LLMC[scheme]]
@@ -143,6 +215,8 @@ def run_row(shape: str, scheme: str, tool: str, src: Path, work: Path, search: b
            "machine": f"{os.cpu_count()} cores, shared", "random_weights": True, "commit": _commit()}
     if rc != 0:
         row["error"] = log.read_text()[-400:]
+    if out.is_file():
+        out.unlink()
     shutil.rmtree(out, ignore_errors=True)
     return row
 
@@ -170,7 +244,8 @@ def table(results: Path = RESULTS) -> None:
     for r in rows:
         print(f"{r['shape']:16} {r['scheme']:10} {r['tool']:14} {r['seconds']:8.1f} {r.get('cpu_seconds', 0):8.1f} "
               f"{r['peak_rss_gib']:13.2f} "
-              f"{r['output_bytes'] / 2**30:8.2f} {r['source_bytes'] / 2**30:8.2f}" + ("  FAILED" if r["rc"] else ""))
+              + (f"{r['output_bytes'] / 2**30:8.2f}" if r["output_bytes"] is not None else f"{'-':>8}")
+              + f" {r['source_bytes'] / 2**30:8.2f}" + ("  FAILED" if r["rc"] else ""))
 
 
 def main() -> None:
@@ -181,7 +256,10 @@ def main() -> None:
     ap.add_argument("--build-only", action="store_true")
     ap.add_argument("--search", action="store_true", help="RTN's scale search (slow: see the module doc)")
     ap.add_argument("--peer-path", default=None, help="a folder holding llm-compressor (see the module doc)")
-    ap.add_argument("--tools", default="lowbit-stream", help="lowbit-stream,llmc-model_free_ptq")
+    ap.add_argument("--tools", default="lowbit-stream",
+                    help="lowbit-stream,lowbit-stream-gguf,llmc-model_free_ptq,llama.cpp-quantize")
+    ap.add_argument("--llama-python", default=None, help="a Python with llama-cpp-python (the llama.cpp-quantize "
+                    "tool: llama.cpp's own Q4_K_M from a BF16 GGUF of the checkpoint, written first and untimed)")
     ap.add_argument("--table", action="store_true")
     ap.add_argument("--no-read", action="store_true", help="skip the read-only floor row")
     ap.add_argument("--results", default=str(RESULTS), help="the JSON file rows are merged into")
@@ -201,7 +279,9 @@ def main() -> None:
             for tool in args.tools.split(","):
                 if tool == "llmc-model_free_ptq" and scheme not in LLMC:
                     continue
-                row = run_row(shape, scheme, tool, src, work, args.search, args.peer_path)
+                if tool == "llama.cpp-quantize" and scheme != "q4_k_m":
+                    continue
+                row = run_row(shape, scheme, tool, src, work, args.search, args.peer_path, args.llama_python)
                 save([row], results)
                 print(json.dumps(row), flush=True)
     if not args.build_only:

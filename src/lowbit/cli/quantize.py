@@ -29,7 +29,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--export-to", choices=EXPORT_TARGETS, default=None,
                    help="the export the checkpoint is for: a plan it cannot hold (e.g. w4g128 on rows of 576 "
                         "columns for compressed-tensors) is refused before quantizing. Without it, each export "
-                        "that cannot hold the plan is named in a warning")
+                        "that cannot hold the plan is named in a warning. With --stream, --out is written in that "
+                        "format directly (compressed-tensors shard by shard; gguf tensor by tensor, --out FILE.gguf)")
     p.add_argument("--kv", metavar="SCHEME", default=None,
                    help="also quantize the KV cache (keys after RoPE, values): fp8 / int8 (static per-layer scales "
                         "calibrated on the calibration split; fp8 is what vLLM's kv_cache_dtype=fp8 loads), "
@@ -38,7 +39,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "(QuaRot; for 4-bit KV). Options: int4:block=64")
     st = p.add_argument_group("streaming (data-free, for models bigger than memory)")
     st.add_argument("--stream", action="store_true",
-                    help="quantize MODEL (an HF folder: float, FP8 or gpt-oss MXFP4 safetensors) tensor by tensor "
+                    help="quantize MODEL (an HF folder: float, FP8, gpt-oss MXFP4 or compressed-tensors "
+                         "safetensors; or a .gguf file, dequantized per tensor) tensor by tensor "
                          "without building the model: peak memory is about the largest tensor plus one output "
                          "shard; resumable per shard; the same checkpoint rtn writes (its search on the weights "
                          "alone, or --no-search). No calibration data, no perplexity")
@@ -188,7 +190,7 @@ def _mixed(args: argparse.Namespace):
 
 # what --stream takes besides MODEL and --out; every other flag given with it is refused
 STREAM_FLAGS = ("model", "out", "scheme", "plan", "lm_head", "keep", "force", "json", "no_eval", "search", "shard_mb",
-                "method", "stream", "threads")
+                "method", "stream", "threads", "export_to")
 
 
 def stream_job(args: argparse.Namespace):
@@ -200,7 +202,7 @@ def stream_job(args: argparse.Namespace):
         raise ConfigError(f"--stream is data-free round-to-nearest; --method {args.method} needs the model and "
                           "calibration data: drop --stream (with --offload-dir it keeps one block in memory)")
     defaults = {"plan": None, "lm_head": False, "keep": None, "force": False, "json": False, "no_eval": False,
-                "rotate": False, "awq": False, "export_to": None, "workdir": None, "offload_dir": None,
+                "rotate": False, "awq": False, "workdir": None, "offload_dir": None,
                 "cache_device": None, "device": None, "data": None, "kv": None}
     odd = [k for k, v in vars(args).items() if k not in STREAM_FLAGS and k not in ("func", "command")
            and (k not in defaults or v != defaults[k])]
@@ -209,7 +211,8 @@ def stream_job(args: argparse.Namespace):
                           "perplexity); drop it, or drop --stream")
     return StreamJob(model=args.model, out=args.out, scheme=vars(args).get("scheme"), plan_file=args.plan,
                      lm_head=args.lm_head, search=vars(args).get("search", True), keep=common.keep(args),
-                     shard_mb=vars(args).get("shard_mb", 256), force=args.force, progress=not args.json)
+                     shard_mb=vars(args).get("shard_mb", 256), force=args.force, progress=not args.json,
+                     export_to=args.export_to)
 
 
 def run(args: argparse.Namespace) -> dict:

@@ -39,25 +39,30 @@ E2M1_FMT = minifloat.Minifloat(ebits=2, mbits=1, bias=1, max=6.0, signed=True)
 def round_e2m1_mag(a: torch.Tensor) -> torch.Tensor:
     """Nearest E2M1 magnitude of non-negative ``a``, ties to even code, clamped at 6.
 
-    Steps are 0.5 below 2, 1 in [2, 4) and 2 from 4. Adding then subtracting
-    ``M = step * 2^23`` makes float32 round ``a`` to a multiple of ``step``, half to even
-    (an even multiple of the step is an even code): exact, and ~3x faster on CPU than
-    ``round(a / step) * step`` with a nested ``where`` for the step.
+    Steps are 0.5 below 2, 1 in [2, 4) and 2 from 4: half the binade ``2^e`` of ``a``
+    (e = floor(log2 a)), never below 0.5. Adding then subtracting ``M = step * 2^23``
+    makes float32 round ``a`` to a multiple of ``step``, half to even (an even multiple
+    of the step is an even code). ``M`` is built from ``a``'s exponent bits (float32
+    exponent ``e + 127``; M's is ``max(e, 0) + 126 + 23``): three integer passes where
+    comparing ``a`` with 2 and 4 took seven float ones (the same M, so the same values).
     """
-    a = a.clamp_max(6.0)
-    m = (a >= 2.0).float().add_(1.0).mul_((a >= 4.0).float().add_(1.0)).mul_(2.0**22)
+    a = a.float().clamp_max(6.0)
+    e = (a.view(torch.int32) >> 23).clamp_min_(127)  # a >= 0: the sign bit is clear (NaN: see the test)
+    m = e.add_(22).bitwise_left_shift_(23).view(torch.float32)
     return (a + m).sub_(m)
 
 
 def e2m1_index(r: torch.Tensor) -> torch.Tensor:
     """Magnitude index 0..7 of E2M1 magnitudes {0, .5, 1, 1.5, 2, 3, 4, 6}."""
-    # the index is piecewise linear and concave in r: 2r below 2, r + 2 up to 4, r/2 + 4 above
-    idx = torch.minimum(torch.minimum(2.0 * r, r + 2.0), 0.5 * r + 4.0)
-    return idx.to(torch.uint8)
+    # the index is piecewise linear and concave in v = 2r (0..12, an integer): v below 4, v/2 + 2 up to 8,
+    # v/4 + 4 above; computed on bytes (a quarter of the memory traffic of float32)
+    v = (r * 2.0).to(torch.uint8)
+    return torch.minimum(torch.minimum(v, (v >> 1).add_(2)), (v >> 2).add_(4))
 
 
 def round_e4m3_mag(a: torch.Tensor) -> torch.Tensor:
-    return minifloat.round_minifloat(a, minifloat.E4M3)
+    """Nearest E4M3 magnitude of non-negative ``a``, saturating at 448: torch's float8 cast (`minifloat.round_minifloat`)."""
+    return a.float().clamp_max(448.0).to(torch.float8_e4m3fn).float()
 
 
 E2M1 = rules.ElemGrid("e2m1", 6.0, 0.5, round_e2m1_mag)
@@ -91,7 +96,7 @@ E2M1_ELEMENT = Element(
     E2M1, 4, lambda x, r: e2m1_index(r) | (_neg(x, r).to(torch.uint8) << 3), decode_e2m1,
     lambda t: torch.copysign(round_e2m1_mag(t.abs()), t), e2m1_table)
 E4M3_ELEMENT = Element(
-    E4M3_ELEM, 8, lambda x, r: minifloat.minifloat_to_code(torch.where(_neg(x, r), -r, r), minifloat.E4M3),
+    E4M3_ELEM, 8, lambda x, r: torch.where(_neg(x, r), -r, r).to(torch.float8_e4m3fn).view(torch.uint8),
     decode_e4m3, lambda t: t.clamp(-448.0, 448.0).to(torch.float8_e4m3fn).float(),
     lambda: decode_e4m3(torch.arange(256, dtype=torch.int32).to(torch.uint8)))
 

@@ -54,8 +54,18 @@ SCALE_BITS = {"fp32": 32, "fp16": 16, "bf16": 16, "e4m3": 8, "ue5m3": 8, "e8m0":
 def round_minifloat(x: torch.Tensor, fmt: Minifloat) -> torch.Tensor:
     """Round float32 ``x`` to the nearest value of ``fmt`` (ties to even), saturating.
 
-    Unsigned formats map negative inputs to 0. NaN stays NaN.
+    Unsigned formats map negative inputs to 0. NaN stays NaN. E4M3 is torch's own
+    ``float8_e4m3fn`` cast after the saturating clamp: the same rounding (round to nearest
+    even, subnormals, -0 kept; every finite float32 checked in tests/test_minifloat_cast.py)
+    in one pass instead of ten, which is most of an FP8 quantization's time.
     """
+    if fmt == E4M3:
+        return x.float().clamp(-fmt.max, fmt.max).to(torch.float8_e4m3fn).float()
+    return round_minifloat_generic(x, fmt)
+
+
+def round_minifloat_generic(x: torch.Tensor, fmt: Minifloat) -> torch.Tensor:
+    """`round_minifloat` by arithmetic, for any ``fmt`` (the reference the E4M3 cast is tested against)."""
     x = x.float()
     a = x.abs() if fmt.signed else x.clamp_min(0.0)
     a = a.clamp_max(fmt.max)
@@ -67,7 +77,17 @@ def round_minifloat(x: torch.Tensor, fmt: Minifloat) -> torch.Tensor:
 
 
 def minifloat_to_code(v: torch.Tensor, fmt: Minifloat) -> torch.Tensor:
-    """Byte code of values already on the grid of ``fmt`` (sign<<7 | exp<<mbits | mant)."""
+    """Byte code of values already on the grid of ``fmt`` (sign<<7 | exp<<mbits | mant).
+
+    E4M3: the bytes of torch's ``float8_e4m3fn`` cast (exact for grid values; the code is that bit pattern).
+    """
+    if fmt == E4M3:
+        return v.float().to(torch.float8_e4m3fn).view(torch.uint8)
+    return minifloat_to_code_generic(v, fmt)
+
+
+def minifloat_to_code_generic(v: torch.Tensor, fmt: Minifloat) -> torch.Tensor:
+    """`minifloat_to_code` by arithmetic, for any ``fmt``."""
     a = v.float().abs()
     _, e = torch.frexp(a)
     exp = (e - 1).clamp_min(fmt.min_normal_exp)

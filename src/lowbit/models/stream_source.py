@@ -23,8 +23,10 @@ from __future__ import annotations
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
+from torch import nn
 
 from lowbit.errors import ModelError
 from lowbit.files.safetensors_stream import DTYPES, Entry, read_header, read_tensor
@@ -61,6 +63,30 @@ class StreamSource:
             entries.update(got)
         _check_index(folder, entries)
         return cls(folder, entries)
+
+    kind = "hf_folder (streamed)"
+    gguf_path: Path | None = None  # a GGUF source's file (`lowbit.models.gguf_source`)
+
+    @property
+    def folder_for_files(self) -> Path:
+        """Where the tokenizer files a checkpoint copies are."""
+        return self.folder
+
+    def skeleton(self) -> nn.Module:
+        """The model of config.json with every parameter on the meta device (buffers real)."""
+        from lowbit.models.hf_folder import read_config
+
+        return skeleton_of(read_config(self.folder))
+
+    def tokenizer(self) -> Any:
+        """The folder's tokenizer (None when it has none)."""
+        from lowbit.files.native import tokenizer_files
+
+        if not tokenizer_files(self.folder):
+            return None
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(self.folder)
 
     def nbytes(self) -> int:
         return sum(e.nbytes for e in self.entries.values())
@@ -193,6 +219,20 @@ class StreamSource:
                              "dequantize here (it reads float, FP8 with weight_scale / weight_scale_inv, and gpt-oss "
                              "MXFP4); dequantize it to bf16 first")
         return t
+
+
+def skeleton_of(config: Any) -> nn.Module:
+    """The model of ``config`` with every parameter on the meta device (buffers real); a quantized source's
+    ``quantization_config`` dropped (the skeleton is the float model)."""
+    from transformers import AutoModelForCausalLM
+
+    from lowbit.models.hf_folder import quiet
+    from lowbit.nn.meta import params_on_meta
+
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    with params_on_meta(), quiet():
+        return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
 
 
 def _expert_layouts(t: ExpertTensor, model_type: str | None) -> list[tuple[str, tuple[str, ...]]]:

@@ -43,7 +43,7 @@ from lowbit.files import native
 from lowbit.files.fused import fused_groups
 from lowbit.files.safetensors_stream import read_header, write_file
 from lowbit.files.sealed import SealedFile
-from lowbit.formats import Scheme, quantize
+from lowbit.formats import QTensor, Scheme, quantize
 from lowbit.formats.finite import require_finite
 from lowbit.formats.ranges import fit
 from lowbit.io import atomic_dir, atomic_file, atomic_write_text
@@ -103,16 +103,10 @@ class Layout:
 
 def skeleton(folder: Path) -> nn.Module:
     """The model of ``folder``'s config.json with every parameter on the meta device (buffers real)."""
-    from transformers import AutoModelForCausalLM
+    from lowbit.models.hf_folder import read_config
+    from lowbit.models.stream_source import skeleton_of
 
-    from lowbit.models.hf_folder import quiet, read_config
-    from lowbit.nn.meta import params_on_meta
-
-    config = read_config(folder)
-    if hasattr(config, "quantization_config"):  # a quantized source: the skeleton is the float model
-        del config.quantization_config
-    with params_on_meta(), quiet():
-        return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    return skeleton_of(read_config(folder))
 
 
 def make_plan(model: nn.Module, source: PlanSource, settings: StreamSettings) -> Plan:
@@ -217,7 +211,16 @@ class Quantizer:
             return self._linear(unit.name)
         if unit.kind == "experts":
             return self._experts(self.lay.experts[unit.name])
-        return {unit.name: self._float_key(unit.name)}, {}
+        return self.float_out(unit.name, self._float_key(unit.name)), {}
+
+    # how a unit's result is stored: lowbit's native layout here; other formats override these two
+    def linear_out(self, name: str, q: Any, spec: dict[str, Any]) -> dict[str, torch.Tensor]:
+        """The stored tensors of a quantized Linear (its QTensor ``q``)."""
+        return {f"{name}.{k}": v for k, v in q.pack().items()}
+
+    def float_out(self, key: str, t: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The stored tensors of a float one (``t`` in the dtype lowbit's native format stores it)."""
+        return {key: t}
 
     def _weight(self, name: str) -> torch.Tensor:
         key = f"{name}.weight"
@@ -239,17 +242,29 @@ class Quantizer:
                 warnings.warn(f"layer {name}: {f.reason}", stacklevel=2)
         return self.fits[name]
 
-    def _linear(self, name: str) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    def linear_q(self, name: str) -> tuple[QTensor | None, torch.Tensor | None, dict[str, Any]]:
+        """(QTensor, None, manifest entry) of a planned Linear; (None, its stored float weight, {}) when its range
+        made the in-model path keep it in 16 bits."""
         w = self._weight(name)
         scheme = self._fit(name, w)
         if scheme is None:
-            return {f"{name}.weight": _narrow(w, f"{name}.weight" in self.lay.round16)}, {}
+            return None, _narrow(w, f"{name}.weight" in self.lay.round16), {}
         q = quantize(w, scheme, None, self.scales.get(name))
         spec: dict[str, Any] = {"scheme": scheme.to_dict(), "shape": list(w.shape)}
         recipe = self.lay.plan[name]
         if recipe.input is not None:
             spec["input"] = recipe.input.to_dict()
-        return {f"{name}.{k}": v for k, v in q.pack().items()}, {name: spec}
+        return q, None, spec
+
+    def _linear(self, name: str) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+        q, t, spec = self.linear_q(name)
+        if q is None:
+            return self.float_out(f"{name}.weight", t), {}
+        return self.linear_out(name, q, spec), {name: spec}
+
+    def float_key(self, key: str) -> torch.Tensor:
+        """A float state-dict key as lowbit's native format stores it (fp16 where lossless or rounded)."""
+        return self._float_key(key)
 
     def _experts(self, t: ExpertTensor) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
         """Each expert's matrix quantized as a Linear's; one scheme for all, the first expert needing more decides."""
@@ -364,13 +379,14 @@ def plan_shards(units: list[Unit], limit: int) -> list[Shard]:
 
 
 def run_record(folder: Path, source: StreamSource, plan: Plan, settings: StreamSettings,
-               parts: list[Shard]) -> dict[str, Any]:
+               parts: list[Shard], export: str = "native") -> dict[str, Any]:
     """Everything that decides the output: a work folder holding another record is not resumed."""
     heads = hashlib.sha256(json.dumps(sorted((n, e.dtype, list(e.shape), e.file.name, e.nbytes)
                                              for n, e in source.entries.items())).encode()).hexdigest()
-    return {"source": str(folder.resolve()), "source_tensors": heads, "plan": json.loads(plan.to_json()),
-            "search": settings.search, "shards": [[u.name for u in s.units] for s in parts],
-            "lowbit_stream": 1}
+    record = {"source": str(folder.resolve()), "source_tensors": heads, "plan": json.loads(plan.to_json()),
+              "search": settings.search, "shards": [[u.name for u in s.units] for s in parts],
+              "lowbit_stream": 1}
+    return record if export == "native" else record | {"export": export}
 
 
 def sealed(work: Path, shard: Shard) -> dict[str, Any] | None:
@@ -464,9 +480,12 @@ def _precision(names: list[str], q: Quantizer) -> dict[str, int]:
     return out
 
 
-def finish(out: Path, work: Path, folder: Path, model: nn.Module, lay: Layout, records: list[dict[str, Any]],
-           parts: list[Shard], meta: dict[str, Any], force: bool) -> Path:
-    """The sealed native checkpoint: the shards moved in, config.json, the tokenizer, the manifest last."""
+def finish(out: Path, work: Path, folder: Path | None, model: nn.Module, lay: Layout, records: list[dict[str, Any]],
+           parts: list[Shard], meta: dict[str, Any], force: bool, tokenizer: Any = None) -> Path:
+    """The sealed native checkpoint: the shards moved in, config.json, the tokenizer, the manifest last.
+
+    folder: the source folder whose tokenizer files are copied; tokenizer: one to save instead (a GGUF source's).
+    """
     layers: dict[str, Any] = {}
     for r in records:
         layers.update(r["layers"])
@@ -477,8 +496,10 @@ def finish(out: Path, work: Path, folder: Path, model: nn.Module, lay: Layout, r
         config.quantization_config = {"quant_method": native.FORMAT, "format_version": native.VERSION}
         config.save_pretrained(tmp)
         del config.quantization_config
-        for name in native.tokenizer_files(folder):
+        for name in native.tokenizer_files(folder) if folder is not None else ():
             shutil.copyfile(folder / name, tmp / name)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(tmp)
         _write_index(tmp, parts)
         native.seal_sharded(tmp, layers, lay.aliases, meta, [s.name for s in parts])
     shutil.rmtree(work, ignore_errors=True)
