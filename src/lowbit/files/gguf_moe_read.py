@@ -82,10 +82,29 @@ def _materialise_buffers(model: nn.Module) -> None:
         raise ModelError(f"cannot rebuild buffer {meta[0]} of this model from a GGUF file")
 
 
-def _array(t: Any) -> np.ndarray:
+def dequantized(t: Any, where: str = "the GGUF file") -> torch.Tensor:
+    """One GGUF tensor dequantized by gguf-py, as float32 in the model's dimension order (GGUF lists
+    dimensions fastest first); a type gguf-py cannot dequantize is named."""
     import gguf
 
-    return np.asarray(gguf.quants.dequantize(t.data, t.tensor_type), dtype=np.float32)
+    try:
+        with np.errstate(over="ignore", invalid="ignore"):
+            arr = gguf.quants.dequantize(t.data, t.tensor_type)
+    except (NotImplementedError, ValueError, KeyError) as e:
+        raise ModelError(f"{where}: tensor {t.name} is {t.tensor_type.name}, which gguf-py cannot dequantize "
+                         f"({str(e)[:80]}); convert the file with llama.cpp to a type gguf-py reads (F16, Q8_0, "
+                         "the K-quants, ...)") from None
+    shape = tuple(int(d) for d in reversed(t.shape.tolist()))
+    return torch.from_numpy(np.array(arr, dtype=np.float32)).reshape(shape)  # its own, writable
+
+
+def rope_rows_back(w: torch.Tensor, key: str, config: Any, arch: Any) -> torch.Tensor:
+    """``w`` (state_dict ``key``) with q/k rows back from llama.cpp's interleaved rotary order, where the
+    writer permuted them; any other tensor as it is."""
+    from lowbit.files import gguf_export
+
+    heads = gguf_export._heads_for(key.rsplit(".", 1)[0], config, arch) if key.endswith(".weight") else None
+    return w[torch.argsort(gguf_export.rope_rows(w.shape[0], heads))] if heads and w.dim() == 2 else w
 
 
 def read_state(model: nn.Module, tensors: dict[str, Any]) -> dict[str, torch.Tensor]:
@@ -106,11 +125,7 @@ def read_state(model: nn.Module, tensors: dict[str, Any]) -> dict[str, torch.Ten
         name = gguf_export._gguf_name(name_map, key) + (".weight" if key.endswith(".sinks") else "")
         if name not in tensors:
             continue  # a tied lm_head, when the file has no output.weight
-        w = torch.from_numpy(_array(tensors[name]).reshape(tuple(p.shape)))
-        heads = gguf_export._heads_for(key.rsplit(".", 1)[0], config, arch) if key.endswith(".weight") else None
-        if heads and w.dim() == 2:
-            w = w[torch.argsort(gguf_export.rope_rows(w.shape[0], heads))]
-        out[key] = w
+        out[key] = rope_rows_back(dequantized(tensors[name]).reshape(tuple(p.shape)), key, config, arch)
     return out
 
 
@@ -125,8 +140,7 @@ def _expert_state(mname: str, mod: nn.Module, tensors: dict[str, Any], inter: bo
         name = f"blk.{block}.{part}.{suffix}"
         if name not in tensors:
             raise ModelError(f"GGUF file has no {name}; it is not a file lowbit wrote for this config")
-        t = tensors[name]
-        return torch.from_numpy(_array(t).reshape(tuple(int(x) for x in reversed(t.shape))))
+        return dequantized(tensors[name])
 
     gate, up, down = get("ffn_gate_exps"), get("ffn_up_exps"), get("ffn_down_exps")  # [E, out, in]
     gate_up = torch.stack([gate, up], 2).flatten(1, 2) if inter else torch.cat([gate, up], 1)

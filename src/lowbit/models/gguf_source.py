@@ -29,7 +29,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 from torch import nn
 
@@ -119,11 +118,7 @@ class GgufSource:
         self.used.add(name)
         self.precision[name] = f"gguf {qtype}"
         arch = ge.arch_of(self.config)
-        heads = ge._heads_for(name.rsplit(".", 1)[0], self.config, arch) if name.endswith(".weight") else None
-        if heads and w.dim() == 2:
-            back = torch.empty_like(w)
-            back[ge.rope_rows(w.shape[0], heads)] = w
-            w = back
+        w = gguf_moe_read.rope_rows_back(w, name, self.config, arch)
         if arch.norm_shift and name.endswith("norm.weight"):
             w = w - arch.norm_shift
         require_finite([(name, w)], f"model {self.folder}", "lowbit quantizes finite weights only: repair the model "
@@ -137,19 +132,8 @@ class GgufSource:
         raise ModelError(f"{self.folder}: --stream does not read experts from GGUF files")
 
     def _tensor(self, gname: str) -> tuple[torch.Tensor, str]:
-        import gguf
-
         t = self.reader.tensors[self._index[gname]]
-        qtype = gguf.GGMLQuantizationType(int(t.tensor_type))
-        try:
-            with np.errstate(over="ignore", invalid="ignore"):
-                arr = gguf.quants.dequantize(t.data, qtype)
-        except (NotImplementedError, ValueError, KeyError) as e:
-            raise ModelError(f"{self.folder}: tensor {gname} is {qtype.name}, which gguf-py cannot dequantize "
-                             f"({str(e)[:80]}); convert the file with llama.cpp to a type gguf-py reads (F16, Q8_0, "
-                             "the K-quants, ...)") from None
-        shape = tuple(int(d) for d in reversed(t.shape.tolist()))  # GGUF lists dimensions fastest first
-        return torch.from_numpy(np.array(arr, dtype=np.float32)).reshape(shape), qtype.name  # its own, writable
+        return gguf_moe_read.dequantized(t, str(self.folder)), t.tensor_type.name
 
 
 def _entry(path: Path, t: Any) -> Entry:
