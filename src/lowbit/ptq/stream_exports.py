@@ -47,7 +47,7 @@ from lowbit.files import gguf_export as ge
 from lowbit.files import native
 from lowbit.files.safetensors_stream import read_header, read_tensor
 from lowbit.files.specs import LayerSpec
-from lowbit.formats import InputScheme, QTensor, Scheme, quantize
+from lowbit.formats import InputScheme, QTensor, Scheme
 from lowbit.formats.finite import require_finite
 from lowbit.io import atomic_dir, atomic_file
 from lowbit.ptq import stream
@@ -217,16 +217,9 @@ class GgufStream:
         shape = tuple(self.lay.model.state_dict(keep_vars=True)[key].shape)
         per_row, total = _block_bytes(qtype, shape)
         out = np.empty((shape[0], per_row), dtype=np.uint8)
-        scheme = ge.gguf_types.gguf_scheme(qtype)
         row = 0
-        for piece in self._table_pieces(key, shape):
-            q = quantize(piece, scheme, None)
-            raw = ge.pack_blocks(q, qtype, key)
-            if qtype in ("Q4_1", "Q5_1") and not ge.q4_1_exact(q):
-                ge.written_values(raw, qtype, q.shape, key)
-            else:
-                ge.verify_blocks(raw, qtype, q.dequantize(), key)
-            out[row:row + piece.shape[0]] = raw
+        for piece in self._table_pieces(key, shape):  # rows are independent blocks: the whole table's bytes
+            out[row:row + piece.shape[0]] = ge.embedding_array(key, piece, qtype)
             row += piece.shape[0]
         return out
 
