@@ -34,9 +34,22 @@ def tiny_moe(arch: str, vocab: int = 128, hidden: int = 64, inter: int = 32, exp
             {"rope_type": "default", "rope_theta": 10000.0}
         cfg = tf.GptOssConfig(**{**common, "max_position_embeddings": 131072 if yarn else 256},
                               intermediate_size=inter, num_local_experts=experts, rope_parameters=rope)
+    elif arch == "deepseek_v3":  # MLA, a dense first block, one shared expert, 2 groups of which 1 is kept
+        cfg = tf.DeepseekV3Config(**{**common, "num_key_value_heads": 4, "head_dim": 16}, intermediate_size=2 * inter,
+                                  moe_intermediate_size=inter, n_routed_experts=experts, n_shared_experts=1,
+                                  first_k_dense_replace=1, q_lora_rank=32, kv_lora_rank=64, qk_rope_head_dim=16,
+                                  qk_nope_head_dim=32, v_head_dim=16, n_group=2, topk_group=1,
+                                  routed_scaling_factor=2.5, norm_topk_prob=True)
     else:
         raise ValueError(arch)
     model = tf.AutoModelForCausalLM.from_config(cfg).eval()
+    if arch == "deepseek_v3":  # routing that matters: spread sigmoid scores, a score-correction bias that changes
+        with torch.no_grad():  # which groups and experts win (zero as built), experts loud enough to move the logits
+            for layer in model.model.layers[1:]:
+                layer.mlp.gate.weight.mul_(20)
+                layer.mlp.gate.e_score_correction_bias.copy_(torch.randn(experts) * 0.1)
+                layer.mlp.experts.gate_up_proj.mul_(2)
+                layer.mlp.experts.down_proj.mul_(2)
     with torch.no_grad():
         for n, p in model.named_parameters():
             if n.endswith("norm.weight") or n.endswith("bias") or n.endswith("sinks"):

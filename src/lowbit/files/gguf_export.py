@@ -46,7 +46,7 @@ import torch
 from torch import nn
 
 from lowbit.errors import LowbitError, ModelError, SchemeError
-from lowbit.files import gguf_moe, gguf_types, targets
+from lowbit.files import gguf_mla, gguf_moe, gguf_types, targets
 from lowbit.files.gguf_kquants import pack_kquant
 from lowbit.files.gguf_read import head_dim
 from lowbit.files.specs import LayerSpec, from_model, refuse_rotations
@@ -87,6 +87,8 @@ ARCH_MAP = {
     "mixtral": Arch("llama", True, 0.0, False, "default"),
     "olmoe": Arch("olmoe", False, 0.0, False, "default"),
     "gpt_oss": Arch("gpt-oss", False, 0.0, True, "default"),
+    # multi-head latent attention (`lowbit.files.gguf_mla`): kv_b_proj split into attn_k_b / attn_v_b, MLA keys
+    "deepseek_v3": Arch("deepseek2", False, 0.0, False, "deepseek-v3"),
 }
 ARCHS = tuple(ARCH_MAP)
 MOE_ARCHS = tuple(gguf_moe.MOE_ARCHS)
@@ -254,9 +256,8 @@ def arch_for(kind: str | None, moe: bool = False) -> Arch:
     if moe and kind not in MOE_ARCHS:
         raise ModelError(f"GGUF export of mixture-of-experts models supports {', '.join(MOE_ARCHS)} (llama.cpp's "
                          f"{', '.join(sorted(set(gguf_moe.MOE_ARCHS.values())))}), not {kind!r}: lowbit has no "
-                         "mapping of its experts onto llama.cpp's tensors"
-                         + (f" ({gguf_moe.UNMAPPED_WHY[kind]})" if kind in gguf_moe.UNMAPPED_WHY else "")
-                         + "; export it with --to compressed-tensors or keep lowbit's native checkpoint")
+                         "mapping of its experts onto llama.cpp's tensors; export it with --to compressed-tensors or "
+                         "keep lowbit's native checkpoint")
     if kind not in ARCH_MAP:
         raise ModelError(f"GGUF export supports {', '.join(ARCHS)} models, not {kind!r}; export this model "
                          "with --to compressed-tensors, or quantize a model of a supported architecture")
@@ -273,10 +274,11 @@ def add_model_metadata(writer: Any, config: Any, name: str, arch: Arch | None = 
     writer.add_block_count(int(config.num_hidden_layers))
     writer.add_feed_forward_length(int(config.intermediate_size))
     writer.add_head_count(int(config.num_attention_heads))
-    writer.add_head_count_kv(int(getattr(config, "num_key_value_heads", None) or config.num_attention_heads))
+    if not gguf_mla.is_mla(config):  # MLA's head counts and sizes: `gguf_mla.add_metadata`
+        writer.add_head_count_kv(int(getattr(config, "num_key_value_heads", None) or config.num_attention_heads))
     if arch.gguf == "llama":
         writer.add_rope_dimension_count(hd)
-    if arch.head_dim_keys or hd * config.num_attention_heads != config.hidden_size:
+    if not gguf_mla.is_mla(config) and (arch.head_dim_keys or hd * config.num_attention_heads != config.hidden_size):
         writer.add_key_length(hd)
         writer.add_value_length(hd)
     writer.add_rope_freq_base(_rope_theta(config))
@@ -500,7 +502,7 @@ def _tensor_name_map(arch: Arch, config: Any) -> Any:
     kind = {"llama": gguf.MODEL_ARCH.LLAMA, "qwen2": gguf.MODEL_ARCH.QWEN2, "qwen3": gguf.MODEL_ARCH.QWEN3,
             "gemma3": gguf.MODEL_ARCH.GEMMA3, "qwen3moe": gguf.MODEL_ARCH.QWEN3MOE,
             "qwen2moe": gguf.MODEL_ARCH.QWEN2MOE, "olmoe": gguf.MODEL_ARCH.OLMOE,
-            "gpt-oss": gguf.MODEL_ARCH.GPT_OSS}[arch.gguf]
+            "gpt-oss": gguf.MODEL_ARCH.GPT_OSS, "deepseek2": gguf.MODEL_ARCH.DEEPSEEK2}[arch.gguf]
     return gguf.get_tensor_name_map(kind, config.num_hidden_layers)
 
 
@@ -547,7 +549,9 @@ def export(model: nn.Module, tokenizer: Any, out: str | Path, force: bool = Fals
             copy_tokenizer_fields(writer, Path(source_gguf))
         elif tokenizer is not None:
             add_hf_tokenizer(writer, tokenizer, arch.pre_tokenizer)
-        counts, rounded = _add_tensors(writer, model, qlayers, types, name_map, arch, allow_requant, embeds, imps)
+        floats: dict[str, str] = {}
+        counts, rounded = _add_tensors(writer, model, qlayers, types, name_map, arch, allow_requant, embeds, imps,
+                                       floats)
         writer.write_header_to_file()
         writer.write_kv_data_to_file()
         writer.write_tensors_to_file(progress=False)
@@ -565,6 +569,8 @@ def export(model: nn.Module, tokenizer: Any, out: str | Path, force: bool = Fals
                               "as llama.cpp does")
     if rounded:
         result["rounded_to_f16"] = rounded
+    if floats:
+        result["float_tensors"] = floats
     result["embeddings"] = _embeddings_note(model, embeds, ftype, embeddings, bool(imps.keys() & embeds.keys()))
     unread = transformers_readback(out, config)
     if unread is not None:
@@ -686,8 +692,10 @@ def embedding_array(key: str, t: torch.Tensor, qtype: str, imp: torch.Tensor | N
 
 
 def _add_tensors(writer: Any, model: nn.Module, qlayers: dict, types: dict[str, TensorPlan], name_map: Any,
-                 arch: Arch, allow_f16: bool, embeds: dict[str, str], imps: dict[str, torch.Tensor]
-                 ) -> tuple[dict[str, int], list[str]]:
+                 arch: Arch, allow_f16: bool, embeds: dict[str, str], imps: dict[str, torch.Tensor],
+                 floats: dict[str, str] | None = None) -> tuple[dict[str, int], list[str]]:
+    """Every tensor of ``model`` into ``writer``; (count per GGUF type, keys rounded to F16). ``floats`` collects
+    GGUF name -> why, for the tensors of quantized layers that a float type holds (DeepSeek's attn_k_b)."""
     gguf = _gguf()
     counts: dict[str, int] = {}
     rounded: list[str] = []
@@ -699,9 +707,18 @@ def _add_tensors(writer: Any, model: nn.Module, qlayers: dict, types: dict[str, 
         if key in own or (t.numel() and ident in seen) or "rotary_emb" in key:
             continue
         seen.add(ident)
-        if gguf_moe.is_router(key) or key.endswith("self_attn.sinks"):  # F32, as llama.cpp's converter writes them
+        if gguf_mla.is_mla(model.config) and gguf_mla.is_kv_b(key):  # a float kv_b_proj (kept by a plan)
             require_finite([(key, t)], "GGUF export", "nothing was written: the checkpoint's weights are not finite")
-            name = _gguf_name(name_map, key) + (".weight" if key.endswith(".sinks") else "")
+            for gname, part in _kv_b_float(key, t.detach().float(), name_map, model.config):
+                arr, kind = dense_blocks(part, allow_f16)
+                kind = "F16" if kind.startswith("F16") else kind
+                writer.add_tensor(gname, arr, raw_dtype=gguf.GGMLQuantizationType.BF16 if kind == "BF16" else None)
+                counts[kind] = counts.get(kind, 0) + 1
+            continue
+        bias = gguf_mla.bias_name(key)
+        if bias is not None or gguf_moe.is_router(key) or key.endswith("self_attn.sinks"):  # F32, as llama.cpp's converter writes them
+            require_finite([(key, t)], "GGUF export", "nothing was written: the checkpoint's weights are not finite")
+            name = bias or _gguf_name(name_map, key) + (".weight" if key.endswith(".sinks") else "")
             writer.add_tensor(name, t.detach().float().contiguous().numpy())
             counts["F32"] = counts.get("F32", 0) + 1
             continue
@@ -721,6 +738,13 @@ def _add_tensors(writer: Any, model: nn.Module, qlayers: dict, types: dict[str, 
         writer.add_tensor(_gguf_name(name_map, key), arr, raw_dtype=raw)
         counts[kind] = counts.get(kind, 0) + 1
     for name, layer in qlayers.items():
+        if gguf_mla.is_mla(model.config) and gguf_mla.is_kv_b(name):
+            for gname, arr, qtype in _kv_b_quantized(name, layer.qweight, types[name], name_map, model.config, arch):
+                writer.add_tensor(gname, arr, raw_dtype=gguf.GGMLQuantizationType[qtype])
+                counts[qtype] = counts.get(qtype, 0) + 1
+                if qtype in ("F16", "BF16", "F32") and floats is not None:
+                    floats[gname] = f"{qtype}: {gguf_mla.K_B_WHY}"
+            continue
         arr, qtype = _layer_array(layer, name, types[name], model.config, arch)
         writer.add_tensor(_gguf_name(name_map, f"{name}.weight"), arr, raw_dtype=gguf.GGMLQuantizationType[qtype])
         counts[qtype] = counts.get(qtype, 0) + 1
@@ -730,6 +754,33 @@ def _add_tensors(writer: Any, model: nn.Module, qlayers: dict, types: dict[str, 
                               gguf.GGMLQuantizationType[qtype])
             counts[qtype] = counts.get(qtype, 0) + 1
     return counts, rounded
+
+
+def _kv_b_names(name_map: Any, key: str) -> tuple[str, str]:
+    """GGUF names of a kv_b_proj's key and value halves (llama.cpp's attn_k_b, attn_v_b)."""
+    base = key.removesuffix(".weight").removesuffix("kv_b_proj")
+    return _gguf_name(name_map, f"{base}k_b_proj.weight"), _gguf_name(name_map, f"{base}v_b_proj.weight")
+
+
+def _kv_b_float(key: str, w: torch.Tensor, name_map: Any, config: Any) -> list[tuple[str, torch.Tensor]]:
+    """(GGUF name, float tensor) of a float kv_b_proj's two halves (`lowbit.files.gguf_mla`)."""
+    k_name, v_name = _kv_b_names(name_map, key)
+    return [(k_name, gguf_mla.k_b(w, config)), (v_name, gguf_mla.v_b(w, config))]
+
+
+def _kv_b_quantized(name: str, q: QTensor, plan: TensorPlan, name_map: Any, config: Any, arch: Arch
+                    ) -> list[tuple[str, np.ndarray, str]]:
+    """(GGUF name, array, type) of a quantized kv_b_proj: attn_v_b from lowbit's codes (its blocks run along
+    kv_lora_rank, as lowbit grouped them), attn_k_b -- transposed, blocks impossible -- as the narrowest float
+    type that holds lowbit's dequantized weights exactly (`gguf_mla.K_B_WHY`; listed in the result)."""
+    from types import SimpleNamespace
+
+    k_name, v_name = _kv_b_names(name_map, name)
+    heads, v = int(config.num_attention_heads), int(config.v_head_dim)
+    qv = gguf_moe.cut_rows(q, gguf_mla.kv_b_rows(config)[1])
+    raw, qtype = _layer_array(SimpleNamespace(qweight=qv), name, plan, config, arch)
+    arr, kind = dense_blocks(gguf_mla.k_b(q.dequantize(), config))  # exact: never rounded, whatever allow_requant
+    return [(k_name, arr, kind), (v_name, raw.reshape(heads, v, -1), qtype)]
 
 
 def _expert_arrays(name: str, mod: nn.Module, types: dict[str, TensorPlan], config: Any, allow_f16: bool

@@ -28,19 +28,13 @@ import torch
 from torch import nn
 
 from lowbit.errors import ModelError
+from lowbit.files import gguf_mla
 from lowbit.formats import QTensor
 from lowbit.nn.quant_experts import QuantExperts, QuantStack
 
 # HF model_type -> llama.cpp architecture, for the mixture-of-experts models GGUF export maps
 MOE_ARCHS = {"qwen3_moe": "qwen3moe", "qwen2_moe": "qwen2moe", "mixtral": "llama", "olmoe": "olmoe",
-             "gpt_oss": "gpt-oss"}
-# why an MoE architecture llama.cpp runs has no mapping here yet (said in the refusal)
-UNMAPPED_WHY = {
-    "deepseek_v3": "llama.cpp's deepseek2 splits MLA's kv_b_proj per head into attn_v_b and a TRANSPOSED attn_k_b "
-                   "([heads, kv_lora_rank, qk_nope]: its quantization blocks run along qk_nope, not along the "
-                   "kv_lora_rank input lowbit groups kv_b_proj by), so kv_b_proj's codes cannot be written as they "
-                   "are",
-}
+             "gpt_oss": "gpt-oss", "deepseek_v3": "deepseek2"}
 # whether llama.cpp's graph renormalises the top-k routing weights (build_moe_ffn's norm_w), per model_type
 _NORM_TOPK = {"qwen3_moe": True, "qwen2_moe": False, "olmoe": False}
 
@@ -103,6 +97,9 @@ def interleaved(model_type: str | None) -> bool:
 def check_config(config: Any) -> None:
     """Refuse a model that llama.cpp's graph for its architecture would compute differently (routing, layout)."""
     kind = getattr(config, "model_type", None)
+    if gguf_mla.is_mla(config):  # dense leading blocks, shared experts and its routing are deepseek2's own
+        gguf_mla.check_config(config)
+        return
     want = _NORM_TOPK.get(kind)
     got = getattr(config, "norm_topk_prob", None)
     if want is not None and got is not None and bool(got) != want:
@@ -149,6 +146,8 @@ def add_metadata(writer: Any, config: Any) -> None:
         writer.add_sliding_window(int(config.sliding_window))
     if kind in _NORM_TOPK:
         writer.add_expert_weights_norm(_NORM_TOPK[kind])
+    if gguf_mla.is_mla(config):
+        gguf_mla.add_metadata(writer, config)
     # lowbit's reader rebuilds the model from this (`lowbit.files.gguf_moe_read`): GGUF's keys do not say enough
     cfg = json.loads(config.to_json_string(use_diff=False))
     cfg.pop("quantization_config", None)  # the file's weights are GGUF blocks; the reader builds a float model

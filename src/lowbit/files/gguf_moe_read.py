@@ -109,7 +109,7 @@ def rope_rows_back(w: torch.Tensor, key: str, config: Any, arch: Any) -> torch.T
 
 def read_state(model: nn.Module, tensors: dict[str, Any]) -> dict[str, torch.Tensor]:
     """state_dict key -> float tensor from the GGUF tensors, by the exporter's own name mapping inverted."""
-    from lowbit.files import gguf_export, gguf_moe
+    from lowbit.files import gguf_export, gguf_mla, gguf_moe
 
     config = model.config
     arch = gguf_export.arch_of(config, moe=True)
@@ -122,7 +122,15 @@ def read_state(model: nn.Module, tensors: dict[str, Any]) -> dict[str, torch.Ten
     for key, p in model.state_dict().items():
         if key in out or "rotary_emb" in key or key.rsplit(".", 1)[0] in experts:
             continue
-        name = gguf_export._gguf_name(name_map, key) + (".weight" if key.endswith(".sinks") else "")
+        if gguf_mla.is_mla(config) and gguf_mla.is_kv_b(key):  # DeepSeek's kv_b_proj: its two halves joined back
+            halves = [n for n in gguf_export._kv_b_names(name_map, key) if n in tensors]
+            if len(halves) != 2:
+                raise ModelError(f"GGUF file lacks attn_k_b / attn_v_b for {key}; it is not a file lowbit wrote for "
+                                 "this config")
+            out[key] = gguf_mla.kv_b(*(dequantized(tensors[n]) for n in halves), config)
+            continue
+        name = gguf_mla.bias_name(key) or gguf_export._gguf_name(name_map, key) + (
+            ".weight" if key.endswith(".sinks") else "")
         if name not in tensors:
             continue  # a tied lm_head, when the file has no output.weight
         out[key] = rope_rows_back(dequantized(tensors[name]).reshape(tuple(p.shape)), key, config, arch)
