@@ -35,7 +35,12 @@ def tiny_moe(arch: str, vocab: int = 128, hidden: int = 64, inter: int = 32, exp
         cfg = tf.GptOssConfig(**{**common, "max_position_embeddings": 131072 if yarn else 256},
                               intermediate_size=inter, num_local_experts=experts, rope_parameters=rope)
     elif arch == "deepseek_v3":  # MLA, a dense first block, one shared expert, 2 groups of which 1 is kept
-        cfg = tf.DeepseekV3Config(**{**common, "num_key_value_heads": 4, "head_dim": 16}, intermediate_size=2 * inter,
+        rope = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 40.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                "mscale": 1.0, "mscale_all_dim": 1.0, "original_max_position_embeddings": 4096} if yarn else \
+            {"rope_type": "default", "rope_theta": 10000.0}  # yarn: DeepSeek-V3's own rope (163840 positions)
+        cfg = tf.DeepseekV3Config(**{**common, "num_key_value_heads": 4, "head_dim": 16,
+                                     "max_position_embeddings": 163840 if yarn else 256}, rope_parameters=rope,
+                                  intermediate_size=2 * inter,
                                   moe_intermediate_size=inter, n_routed_experts=experts, n_shared_experts=1,
                                   first_k_dense_replace=1, q_lora_rank=32, kv_lora_rank=64, qk_rope_head_dim=16,
                                   qk_nope_head_dim=32, v_head_dim=16, n_group=2, topk_group=1,
@@ -44,7 +49,10 @@ def tiny_moe(arch: str, vocab: int = 128, hidden: int = 64, inter: int = 32, exp
         raise ValueError(arch)
     model = tf.AutoModelForCausalLM.from_config(cfg).eval()
     if arch == "deepseek_v3":  # routing that matters: spread sigmoid scores, a score-correction bias that changes
-        with torch.no_grad():  # which groups and experts win (zero as built), experts loud enough to move the logits
+        with torch.no_grad():  # which groups and experts win (zero as built), experts loud enough to move the logits;
+            for layer in model.model.layers:  # attention sharp enough that its softmax scale (YaRN's) shows
+                for proj in (layer.self_attn.q_b_proj, layer.self_attn.kv_a_proj_with_mqa, layer.self_attn.kv_b_proj):
+                    proj.weight.mul_(6)
             for layer in model.model.layers[1:]:
                 layer.mlp.gate.weight.mul_(20)
                 layer.mlp.gate.e_score_correction_bias.copy_(torch.randn(experts) * 0.1)

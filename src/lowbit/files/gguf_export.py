@@ -225,7 +225,7 @@ def _rope_theta(config: Any) -> float:
 
 
 # model types whose YaRN rope llama.cpp computes as transformers does (checked against llama.cpp's logits)
-YARN_ARCHS = ("gpt_oss",)
+YARN_ARCHS = ("gpt_oss", "deepseek_v3")
 
 
 def _add_yarn(writer: Any, config: Any) -> None:
@@ -241,6 +241,8 @@ def _add_yarn(writer: Any, config: Any) -> None:
                      ("beta_slow", writer.add_rope_scaling_yarn_beta_slow)):
         if params.get(key) is not None:
             add(float(params[key]))
+    if gguf_mla.is_mla(config) and params.get("mscale_all_dim"):  # MLA's softmax scale (`gguf_mla.check_config`)
+        writer.add_rope_scaling_yarn_log_mul(0.1 * float(params["mscale_all_dim"]))
 
 
 def arch_of(config: Any, moe: bool = False) -> Arch:

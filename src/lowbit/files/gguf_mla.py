@@ -92,6 +92,12 @@ def check_config(config: Any) -> None:
     if getattr(config, "attention_bias", False):
         raise ModelError("deepseek_v3 with attention_bias=True: llama.cpp's deepseek2 graph has no attention biases; "
                          "export it with --to compressed-tensors")
+    rope = getattr(config, "rope_parameters", None) or {}
+    if isinstance(rope, dict) and rope.get("rope_type") == "yarn" and (
+            rope.get("attention_factor") is not None or rope.get("mscale") != rope.get("mscale_all_dim")):
+        raise ModelError("deepseek_v3 with YaRN whose mscale differs from mscale_all_dim (or an explicit "
+                         "attention_factor): lowbit writes DeepSeek-V3's own YaRN (mscale = mscale_all_dim, checked "
+                         "against llama.cpp's logits), not this one; export it with --to compressed-tensors")
     experts, groups = int(config.n_routed_experts), int(getattr(config, "n_group", 1) or 1)
     if experts % groups:
         raise ModelError(f"deepseek_v3 with {experts} experts in {groups} groups: llama.cpp's group-limited routing "
