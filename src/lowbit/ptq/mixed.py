@@ -10,7 +10,9 @@ SignRoundV2) then applies; the plan and its bits-per-layer plot go into the chec
 A fused mixture-of-experts tensor (``...mlp.experts.gate_up_proj``) is one knapsack item,
 sized as its E stacked ``[out, in]`` matrices (``E * out`` rows of ``in`` columns, so its
 bits, scales included, count exactly), scored by DeltaLoss over all its experts: the plan
-gives one recipe to a fused tensor, as GGUF's 3-D tensors and vLLM's MoE layers need.
+gives one recipe to a fused tensor, as GGUF's 3-D tensors and vLLM's MoE layers need. Options
+that quantize inputs (W4A4, W8A8) are candidates for experts too: DeltaLoss adds each expert's
+activation term, and every expert method calibrates one static input scale per expert.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from lowbit.models.placement import model_device, on_device
 from lowbit.nn.precision import resolve_dtype
 from lowbit.plans.plan import Plan
 from lowbit.ptq.allocate import Allocation, allocate, tie_qkv
+from lowbit.ptq.expert_calib import check_stat_experts
 from lowbit.ptq.sensitivity import DTYPES, MODES, delta_loss
 
 DTYPE_CHOICES = ("auto", *DTYPES)
@@ -90,11 +93,10 @@ def check_feasible(model: nn.Module, plan: Plan, settings: MixedSettings) -> Non
     for n, (_, cols) in sizes.items():
         for o in settings.schemes():
             fit_width(o, cols).check_width(cols, n)
-    experts = [n for n in plan if n in expert_tensors(model)]
-    inputs = [o.name for o in settings.schemes() if o.input is not None]
-    if experts and inputs:
-        raise ConfigError(f"--options {inputs[0]} quantizes inputs, and lowbit does not calibrate per-expert input "
-                          f"scales yet ({experts[0]}, ...); use weight-only options or pass --keep experts")
+    tensors = expert_tensors(model)
+    if any(o.input is not None for o in settings.schemes()):  # scored and calibrated per expert: gate_up / down only
+        for module in dict.fromkeys(tensors[n].module for n in plan if n in tensors):
+            check_stat_experts(model.get_submodule(module), module)
     zero = {o.name: dict.fromkeys(sizes, 0.0) for o in settings.schemes()}
     ties = tie_qkv(list(plan)) if settings.tie_qkv else ()
     allocate(zero, sizes, settings.schemes(), settings.avg_bits, ties=ties, count_scales=settings.count_scales,

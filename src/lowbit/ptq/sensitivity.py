@@ -27,7 +27,12 @@ experts. One score per fused tensor, not per expert: a plan (and every target: G
 ``ffn_*_exps``, vLLM's per-layer MoE scheme) gives one recipe to all experts of a tensor,
 so per-expert scores would only be summed again. Experts with no routed token have a zero
 gradient and add nothing, which is their true first-order cost on these batches. Options
-that quantize inputs are refused for experts (`lowbit.ptq.mixed.check_feasible`).
+that quantize inputs (W4A4, W8A8) add each expert's activation term, as for a Linear: the
+experts module runs the routed loop the quantized experts run (`routed_experts`), each expert's
+two inputs (the hidden states it is routed, its own activation for ``down_proj``) quantized
+straight-through with the term summed over experts; static input scales are one abs-max per
+expert, calibrated on the float model with every token reaching every expert, as the experts
+path calibrates them (`lowbit.ptq.expert_calib`).
 
 ``dtype="bf16"`` runs the forward and backward under bf16 autocast. The scores only rank
 layers against each other for the knapsack, so the products' precision matters little,
@@ -51,6 +56,9 @@ from lowbit.formats.kv import KVScheme
 from lowbit.models.activations import input_amax
 from lowbit.models.experts import ExpertTensor, expert_tensors
 from lowbit.models.placement import model_device
+from lowbit.nn.quant_experts import expert_matrices, routed_experts
+from lowbit.ptq.expert_calib import MIN_TOKENS, STAT_PARAMS, expert_stats
+from lowbit.ptq.expert_calib import input_amax as expert_input_amax
 
 MODES = ("abs", "signed")
 DTYPES = ("fp32", "bf16")
@@ -73,10 +81,9 @@ def delta_loss(model: nn.Module, layers: Iterable[str], schemes: Sequence[Recipe
     weight_term = any(r.input is None for r in recipes)
     static = any(r.needs_calibration for r in recipes)
     linears = [n for n in names if n not in tensors.experts]
-    if tensors.experts and not weight_term:
-        raise ConfigError(f"{next(iter(tensors.experts))}: options that quantize inputs cannot be scored on "
-                          "mixture-of-experts experts yet; add a weight-only option or --keep experts")
     amax = input_amax(model, batches, linears, batch_size, progress) if static else {}
+    if static:
+        amax |= experts_input_amax(model, tensors, batches, batch_size)
     flags = [(p, p.requires_grad) for p in model.parameters()]
     originals = {n: w.detach().clone() for n, w in tensors.weights.items()}
     out: dict[str, dict[str, float]] = {}
@@ -146,6 +153,8 @@ def _score_scheme(model: nn.Module, tensors: WeightTensors, originals: dict[str,
     handles = [] if recipe.input is None else [
         model.get_submodule(n).register_forward_pre_hook(_input_term(n, recipe, (amax or {}).get(n), mode, acts))
         for n in weights if n not in tensors.experts]
+    if recipe.input is not None:
+        handles += _expert_input_terms(model, tensors, recipe, amax or {}, mode, acts)
     device = model_device(model)
     try:
         for chunk in batches.split(batch_size):
@@ -176,23 +185,88 @@ def _input_term(name: str, recipe: Recipe, amax: torch.Tensor | None, mode: str,
     ``g (.) (Q(x) - x)`` summed (abs or signed) to ``acc[name]``."""
 
     def hook(_mod: nn.Module, args: tuple):
-        x = args[0]
-        if not x.requires_grad:  # nothing upstream needs gradients: a leaf is enough
-            x = x.detach().requires_grad_(True)
-        with torch.no_grad():
-            q = qdq_input(x, recipe.input, amax)  # type: ignore[arg-type]
-            # kept until backward for every layer: bf16 halves that memory (the scores only rank layers)
-            diff = (q - x).to(torch.bfloat16)
-        y = x + (q - x).detach()
-
-        def grad_hook(g: torch.Tensor) -> None:
-            term = g.float() * diff.float()
-            acc[name] += (term.abs().sum() if mode == "abs" else term.sum()).double().cpu()
-
-        y.register_hook(grad_hook)
-        return (y, *args[1:])
+        return (_scored_input(args[0], recipe, amax, name, mode, acc), *args[1:])
 
     return hook
+
+
+def _scored_input(x: torch.Tensor, recipe: Recipe, amax: torch.Tensor | None, name: str, mode: str,
+                  acc: dict[str, torch.Tensor]) -> torch.Tensor:
+    """``Q(x)`` straight-through; on backward ``g (.) (Q(x) - x)`` summed (abs or signed) goes to ``acc[name]``."""
+    if not x.requires_grad:  # nothing upstream needs gradients: a leaf is enough
+        x = x.detach().requires_grad_(True)
+    with torch.no_grad():
+        q = qdq_input(x, recipe.input, amax)  # type: ignore[arg-type]
+        # kept until backward for every layer: bf16 halves that memory (the scores only rank layers)
+        diff = (q - x).to(torch.bfloat16)
+    y = x + (q - x).detach()
+
+    def grad_hook(g: torch.Tensor) -> None:
+        term = g.float() * diff.float()
+        acc[name] += (term.abs().sum() if mode == "abs" else term.sum()).double().cpu()
+
+    y.register_hook(grad_hook)
+    return y
+
+
+def _by_module(tensors: WeightTensors) -> dict[str, dict[str, str]]:
+    """Experts module -> {its scored parameter -> plan name}."""
+    out: dict[str, dict[str, str]] = {}
+    for n, t in tensors.experts.items():
+        out.setdefault(t.module, {})[t.param] = n
+    return out
+
+
+def experts_input_amax(model: nn.Module, tensors: WeightTensors, batches: torch.Tensor, batch_size: int
+                       ) -> dict[str, torch.Tensor]:
+    """Plan name -> ``[E]`` static input abs-max of each expert of each scored experts tensor, from the float
+    model's forward over ``batches`` with every token reaching every expert (the experts path's calibration)."""
+    by_module = _by_module(tensors)
+    if not by_module:
+        return {}
+    modules = {m: model.get_submodule(m) for m in by_module}
+    device = model_device(model)
+    with torch.no_grad(), expert_stats(modules, ("absmax",)) as stats:
+        for chunk in batches.split(batch_size):
+            model(input_ids=chunk.to(device), use_cache=False)
+    return {n: expert_input_amax(stats[m], p, MIN_TOKENS) for m, ps in by_module.items() for p, n in ps.items()}
+
+
+class _Restore:
+    """Undoes `_expert_input_terms`' forward override (the ``remove`` of a hook handle)."""
+
+    def __init__(self, module: nn.Module) -> None:
+        self.module = module
+
+    def remove(self) -> None:
+        self.module.__dict__.pop("forward", None)
+
+
+def _expert_input_terms(model: nn.Module, tensors: WeightTensors, recipe: Recipe, amax: dict[str, torch.Tensor],
+                        mode: str, acc: dict[str, torch.Tensor]) -> list[_Restore]:
+    """Run each scored experts module as the routed per-expert loop, each planned parameter's per-expert inputs
+    quantized straight-through and scored (`_scored_input`); an unplanned parameter's inputs stay float."""
+    out = []
+    for mname, params in _by_module(tensors).items():
+        mod = model.get_submodule(mname)
+
+        def quant(param: str, e: int, x: torch.Tensor, params=params) -> torch.Tensor:
+            name = params.get(param)
+            if name is None:
+                return x
+            a = amax.get(name)
+            return _scored_input(x, recipe, None if a is None else a[e], name, mode, acc)
+
+        def forward(hidden_states: torch.Tensor, *args, _mod=mod, _quant=quant, **kwargs):
+            transposed = bool(getattr(_mod, "is_transposed", False))
+            w = {p: expert_matrices(getattr(_mod, p), transposed) for p in STAT_PARAMS}
+            bias = {p: getattr(_mod, f"{p}_bias", None) for p in STAT_PARAMS}
+            fns = {p: (lambda e, x, p=p: _quant(p, e, x)) for p in STAT_PARAMS}
+            return routed_experts(_mod, w, bias, fns, hidden_states, *args, **kwargs)
+
+        mod.forward = forward  # an instance attribute: `_Restore` drops it, the class's forward is back
+        out.append(_Restore(mod))
+    return out
 
 
 def _refuse_tied(model: nn.Module, tensors: WeightTensors) -> None:
