@@ -43,7 +43,7 @@ def tiny_moe(arch: str, vocab: int = 128, hidden: int = 64, inter: int = 32, exp
                                   intermediate_size=2 * inter,
                                   moe_intermediate_size=inter, n_routed_experts=experts, n_shared_experts=1,
                                   first_k_dense_replace=1, q_lora_rank=32, kv_lora_rank=64, qk_rope_head_dim=16,
-                                  qk_nope_head_dim=32, v_head_dim=16, n_group=2, topk_group=1,
+                                  qk_nope_head_dim=32, v_head_dim=hidden // 4, n_group=2, topk_group=1,
                                   routed_scaling_factor=2.5, norm_topk_prob=True)
     else:
         raise ValueError(arch)

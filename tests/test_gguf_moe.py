@@ -518,3 +518,29 @@ def test_deepseek_v3_that_llama_cpp_would_compute_otherwise_is_refused(tmp_path)
         with pytest.raises(ModelError, match=why):
             ge.export(model, None, tmp_path / "m.gguf")
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.skipif(not HAVE_LLAMA_CPP, reason="llama-cpp-python is not installed in this environment "
+                                               "(`make bench-setup` installs it); llama.cpp's quantizer cannot run here")
+def test_a_deepseek_v3_mix_has_llama_cpps_own_types_but_the_float_attn_k_b(tmp_path):
+    """llama_model_quantize (Q4_K_M) on lowbit's float DeepSeek-V3 GGUF vs lowbit's q4_k_m plan exported: the same
+    type for every tensor (MLA projections at the base type or its width fallback, 8-expert attn_output Q5_K,
+    block-indexed ffn_down / _shexp / _exps) except attn_k_b, which lowbit writes as float (llama.cpp re-quantizes
+    it along qk_nope)."""
+    import copy
+
+    from benchmarks.gguf import llamacpp_quantize
+
+    model = tiny_moe("deepseek_v3", 256, hidden=256, inter=256, layers=3)  # ffn_down more bits in block 2
+    ge.export(model, None, tmp_path / "f.gguf")
+    llamacpp_quantize(tmp_path / "f.gguf", tmp_path / "q.gguf", "q4_k_m", 1, embeddings="llama.cpp")
+    theirs = {t.name: t.tensor_type.name for t in gguf.GGUFReader(str(tmp_path / "q.gguf")).tensors}
+    ours_model = copy.deepcopy(model)
+    quantize_model(ours_model, build_plan(ours_model, "q4_k_m"), "rtn", {"search": False}, progress=False)
+    r = ge.export(ours_model, None, tmp_path / "l.gguf", file_type=ge.FILE_TYPES["q4_k_m"])
+    ours = {t.name: t.tensor_type.name for t in gguf.GGUFReader(str(tmp_path / "l.gguf")).tensors}
+    assert set(ours) == set(theirs)
+    differ = {n for n in ours if ours[n] != theirs[n]}
+    assert differ == set(r["float_tensors"]) == {f"blk.{b}.attn_k_b.weight" for b in range(3)}
+    assert ours["blk.2.ffn_down_exps.weight"] == "Q6_K" and ours["blk.1.ffn_down_exps.weight"] == "Q4_K"
+    assert ours["blk.1.attn_output.weight"] == "Q5_K" and ours["blk.1.attn_kv_a_mqa.weight"] == "Q4_K"

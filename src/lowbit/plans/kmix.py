@@ -28,7 +28,11 @@ _ROLE = {"q_proj": "attn_q", "k_proj": "attn_k", "v_proj": "attn_v", "o_proj": "
          "gate_proj": "ffn_gate", "up_proj": "ffn_up", "down_proj": "ffn_down",
          # fused experts (`lowbit.models.experts`): gate_up_proj is GGUF's ffn_gate_exps + ffn_up_exps, which
          # llama.cpp types alike (ffn_gate / ffn_up); down_proj is ffn_down_exps. Shared experts are plain MLPs
-         "gate_up_proj": "ffn_gate"}
+         "gate_up_proj": "ffn_gate",
+         # DeepSeek's MLA (`lowbit.files.gguf_mla`): llama.cpp gives these no category of their own (the base type);
+         # kv_b_proj's plan entry is attn_v_b's type (its key half, attn_k_b, is written as float)
+         "q_a_proj": "attn_q_a", "q_b_proj": "attn_q_b", "kv_a_proj_with_mqa": "attn_kv_a_mqa",
+         "kv_b_proj": "attn_v_b"}
 # the 1-row shared-expert gate (Qwen2-MoE): a 1-D F32 tensor in llama.cpp's files, never quantized by its mixes
 UNPLANNED = ("shared_expert_gate",)
 _ATTN_OUT_8_EXPERTS = ("gguf:q2_k", "q3_k_s", "q3_k_m", "q4_k_s", "q4_k_m")
