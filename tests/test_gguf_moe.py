@@ -473,7 +473,7 @@ def test_llama_cpp_runs_deepseek_v3_with_lowbits_logits(tmp_path, tiny_tokenizer
     assert (have - want).abs().max() < 0.02  # the bound of the other MoE architectures (Q8_0 activations)
     assert (have.argmax(-1) == want.argmax(-1)).float().mean() > 0.9
     # the bound tells: lowbit's model routing without groups, without renormalising, without the routed scaling
-    # factor or without the correction bias is 0.08-0.13 or more away from llama.cpp (measured; its own gap 0.008)
+    # factor or without the correction bias is 0.08-0.18 away from llama.cpp (measured; its own gap 0.008)
     ids = torch.randint(0, vocab, (1, 24), generator=torch.Generator().manual_seed(3))
     gate = model.model.layers[1].mlp.gate
     for attr, value in (("num_group", 1), ("norm_topk_prob", False), ("routed_scaling_factor", 1.0)):
