@@ -460,6 +460,13 @@ def test_deepseek_v3_reads_back_bit_exactly_with_mla_and_routing_metadata(tmp_pa
     kind, got = tensors["blk.1.exp_probs_b.bias"]
     assert kind == "F32" and np.array_equal(got, moe.gate.e_score_correction_bias.numpy()) and got.std() > 0
     assert "blk.0.ffn_gate_inp.weight" not in tensors and not any("attn_kv_b" in n for n in tensors)
+    # `inspect`'s accounting of the file: the per-head 3-D MLA tensors are attention, not experts
+    from lowbit.models.accounting import kind_by_name
+
+    kinds = {n: kind_by_name(n, got.shape) for n, (_, got) in tensors.items() if got.ndim == 3}
+    assert {n for n, k in kinds.items() if k == "attention"} == {f"blk.{b}.attn_{p}_b.weight" for b in (0, 1)
+                                                                  for p in "kv"}
+    assert {k for n, k in kinds.items() if "_exps" in n} == {"experts"}
 
 
 @pytest.mark.skipif(not HAVE_LLAMA_CPP, reason="llama-cpp-python is not installed in this environment "

@@ -117,7 +117,7 @@ def kind_by_name(name: str, shape: tuple[int, ...]) -> str:
         return "router"
     if _SHARED.search(name):
         return "shared_experts"
-    if len(shape) >= 3 or _EXPERTS.search(name):
+    if _EXPERTS.search(name) or (len(shape) >= 3 and not _ATTENTION.search(name)):  # MLA's 3-D attn_k_b / attn_v_b
         return "experts"
     if _EMBED.search(name):
         return "embeddings"
