@@ -289,23 +289,31 @@ def test_a_moe_gguf_lowbit_did_not_write_is_refused_in_one_line(tmp_path, monkey
         load_model(str(path))
 
 
-def test_cli_quantize_export_and_eval_the_gguf(tmp_path, monkeypatch, capsys, tiny_tokenizer):
-    """`lowbit quantize` -> `lowbit export --to gguf` -> `lowbit eval file.gguf` on a Qwen3-MoE folder."""
+@pytest.mark.parametrize("arch", ("qwen3_moe", "deepseek_v3"))
+def test_cli_quantize_export_and_eval_the_gguf(tmp_path, monkeypatch, capsys, tiny_tokenizer, arch):
+    """`lowbit quantize` -> `lowbit export --to gguf` -> `lowbit eval file.gguf` on a MoE folder; a DeepSeek-V3
+    export names its float attn_k_b tensors and why."""
     import json
 
     from lowbit.cli import main
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     src = tmp_path / "src"
-    tiny_moe("qwen3_moe", len(tiny_tokenizer)).save_pretrained(src)
+    tiny_moe(arch, len(tiny_tokenizer)).save_pretrained(src)
     tiny_tokenizer.save_pretrained(src)
     fast = ["--method", "rtn", "--no-search", "--no-eval", "--json"]
     assert main(["quantize", str(src), "--scheme", "w4g32", *fast, "--out", str(tmp_path / "q")]) == 0
     capsys.readouterr()
-    assert main(["export", str(tmp_path / "q"), "--to", "gguf", "--out", str(tmp_path / "m.gguf")]) == 0
-    capsys.readouterr()
+    assert main(["export", str(tmp_path / "q"), "--to", "gguf", "--out", str(tmp_path / "m.gguf"), "--json"]) == 0
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     tensors, meta = read(tmp_path / "m.gguf")
-    assert tensors["blk.1.ffn_down_exps.weight"][0] == "Q4_0" and meta["qwen3moe.expert_count"] == 8
+    a = {**GGUF_ARCH, "deepseek_v3": "deepseek2"}[arch]
+    assert tensors["blk.1.ffn_down_exps.weight"][0] == "Q4_0" and meta[f"{a}.expert_count"] == 8
+    if arch == "deepseek_v3":
+        assert sorted(result["float_tensors"]) == ["blk.0.attn_k_b.weight", "blk.1.attn_k_b.weight"]
+        assert tensors["blk.1.attn_v_b.weight"][0] == "Q4_0" and meta["deepseek2.expert_gating_func"] == 2
+    else:
+        assert "float_tensors" not in result
     args = ["--windows", "1", "--seqlen", "32", "--json"]
     assert main(["eval", str(tmp_path / "q"), *args]) == 0
     native = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
@@ -371,33 +379,6 @@ def test_llama_cpps_own_quantizer_types_every_tensor_as_lowbits_rules_do(tmp_pat
         assert len(want) == 2 + 4 * (4 + (6 if arch == "qwen2_moe" else 3))  # every matmul weight but the routers
         assert {n: have[n] for n in want} == want, mix
         assert have["blk.0.ffn_gate_inp.weight"] == "F32"
-
-
-def test_cli_quantize_export_and_eval_a_deepseek_v3_gguf(tmp_path, monkeypatch, capsys, tiny_tokenizer):
-    """`lowbit export --to gguf` of a DeepSeek-V3 checkpoint names the float attn_k_b tensors and why; `lowbit eval`
-    of the file computes the checkpoint's perplexity (embeddings quantized by llama.cpp's rule: close, not equal)."""
-    import json
-
-    from lowbit.cli import main
-
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
-    src = tmp_path / "src"
-    tiny_moe("deepseek_v3", len(tiny_tokenizer)).save_pretrained(src)
-    tiny_tokenizer.save_pretrained(src)
-    fast = ["--method", "rtn", "--no-search", "--no-eval", "--json"]
-    assert main(["quantize", str(src), "--scheme", "w4g32", *fast, "--out", str(tmp_path / "q")]) == 0
-    capsys.readouterr()
-    assert main(["export", str(tmp_path / "q"), "--to", "gguf", "--out", str(tmp_path / "m.gguf"), "--json"]) == 0
-    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    assert sorted(result["float_tensors"]) == ["blk.0.attn_k_b.weight", "blk.1.attn_k_b.weight"]
-    tensors, meta = read(tmp_path / "m.gguf")
-    assert tensors["blk.1.attn_v_b.weight"][0] == "Q4_0" and meta["deepseek2.expert_gating_func"] == 2
-    args = ["--windows", "1", "--seqlen", "32", "--json"]
-    assert main(["eval", str(tmp_path / "q"), *args]) == 0
-    native = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    assert main(["eval", str(tmp_path / "m.gguf"), *args]) == 0
-    from_gguf = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    assert abs(from_gguf["ppl"] / native["ppl"] - 1) < 0.05
 
 
 # ------------------------------------------------------------------ DeepSeek-V3 (llama.cpp's deepseek2, MLA)
