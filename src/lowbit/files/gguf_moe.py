@@ -14,6 +14,8 @@ writes it; gpt-oss's expert biases (``ffn_*_exps.bias``, [E, I] / [E, H]) are F3
 llama.cpp's graphs hard-wire some routing choices per architecture (qwen3moe renormalises the
 top-k weights, qwen2moe and olmoe do not, Mixtral always does), so a model whose config asks
 otherwise is refused before anything is written: the file would compute another model.
+DeepSeek-V3 (llama.cpp's deepseek2) adds its MLA tensors, routing keys and checks through
+`lowbit.files.gguf_mla`.
 """
 
 from __future__ import annotations
