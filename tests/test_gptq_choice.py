@@ -1,87 +1,67 @@
-"""GPTQ's per-matrix choice between searched and abs-max scales, by the block's output error (`lowbit.ptq.gptq_choice`)."""
+"""GPTQ's choice between searched and abs-max scales by the quantized model's calibration loss (`lowbit.ptq.gptq_choice`)."""
+
+import copy
 
 import pytest
 import torch
-from torch import nn
+from ptq_helpers import calib, tiny_model, uniform
 
-from lowbit.formats import Scheme
-from lowbit.ptq.blockwise import BlockJob
-from lowbit.ptq.gptq import GPTQSettings, GPTQTuner
-from lowbit.ptq.gptq_choice import BlockProbe, plain
-
-SEARCH = Scheme.parse("w3g32").replace(rule="search")
-
-
-class ExpBlock(nn.Module):
-    """A Linear under ``exp``: the block's output weighs the error at large pre-activations more than the Linear's
-    output error does, so the rule with the lower matrix error is not always the one with the lower block error."""
-
-    def __init__(self, w: torch.Tensor) -> None:
-        super().__init__()
-        self.lin = nn.Linear(w.shape[1], w.shape[0], bias=False)
-        self.lin.weight.data = w.clone()
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.exp(self.lin(x))
+import lowbit.ptq.gptq_choice as choice_mod
+from lowbit.errors import ConfigError
+from lowbit.ptq import quantize_model
+from lowbit.ptq.gptq import GPTQSettings, gptq_quantize
+from lowbit.ptq.gptq_choice import calibration_loss
 
 
-def _case(seed: int) -> tuple[ExpBlock, torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    w = torch.randn(16, 64, generator=g) * 0.15
-    w[:, ::32] *= 4  # one large weight per group of 32: clipped by the search, kept by abs-max
-    return ExpBlock(w), torch.randn(8, 32, 64, generator=g)
+def _quantized(model, settings: GPTQSettings, c: torch.Tensor, scheme: str):
+    q = copy.deepcopy(model)
+    plan, infos = gptq_quantize(q, uniform(model, scheme), settings, c, progress=False)
+    return q, plan, infos
 
 
-def _gptq(block: ExpBlock, x: torch.Tensor, scheme: Scheme, settings: GPTQSettings):
-    qts, info = GPTQTuner(settings)(BlockJob(0, block, {"b.lin": ("lin", scheme)}, x, None, {}, None))
-    q = qts["b.lin"]
+@pytest.mark.parametrize("seed, scheme", ((0, "w3g32"), (1, "w2g32"), (2, "w4g32")))
+def test_the_kept_model_never_has_a_larger_calibration_loss_than_either_rule(seed, scheme):
+    """The chosen model is exactly the searched-scales run or the abs-max run, whichever has the lower loss on the
+    calibration windows; the plan and every block's info say which."""
+    model, c = tiny_model(layers=2, seed=seed), calib(8, 32, seed=seed + 1)
+    ids = calib(2, 32, seed=99)
+    runs = {"search": _quantized(model, GPTQSettings(), c, scheme),
+            "absmax": _quantized(model, GPTQSettings(search=False), c, scheme)}
+    losses = {k: calibration_loss(m, c) for k, (m, _, _) in runs.items()}
+    chosen, plan, infos = _quantized(model, GPTQSettings(choose_rule=True), c, scheme)
+    best = min(losses, key=losses.__getitem__)
+    assert calibration_loss(chosen, c) == min(losses.values())
     with torch.no_grad():
-        got = torch.exp(x @ q.dequantize().T)
-        err = float((got - block(x)).pow(2).sum())
-    return q, err, info
+        assert torch.equal(chosen(ids).logits, runs[best][0](ids).logits)
+    assert {s.rule for s in plan.weights().values()} == {best}
+    assert all(i["rule_absmax"] == (best == "absmax") and i["rule_loss_search"] == losses["search"]
+               and i["rule_loss_absmax"] == losses["absmax"] for i in infos)
 
 
-def test_the_chosen_rule_never_has_a_larger_block_error_than_either_rule():
-    """On each constructed block GPTQ keeps the rule with the lower block output error: its codes are that run's, its
-    error the smaller of the two; over the cases both rules get chosen (the criterion is not a fixed rule)."""
-    picked = set()
-    for seed in range(6):
-        block, x = _case(seed)
-        qs, err_search, _ = _gptq(block, x, SEARCH, GPTQSettings(choose_scales=False))
-        qa, err_absmax, _ = _gptq(block, x, SEARCH.replace(rule="absmax"), GPTQSettings(search=False))
-        q, err, info = _gptq(block, x, SEARCH, GPTQSettings())
-        assert err == min(err_search, err_absmax), (seed, err, err_search, err_absmax)
-        winner = qa if err_absmax < err_search else qs
-        assert torch.equal(q.codes, winner.codes) and torch.equal(q.scales, winner.scales)
-        assert q.scheme == SEARCH  # the plan's rule is what the layer records
-        assert info["scale_choices"] == 1 and info["scale_absmax"] == (err_absmax < err_search)
-        picked.add(err_absmax < err_search)
-    assert picked == {True, False}
+@pytest.mark.parametrize("search_loss", (1.0, 3.0))
+def test_either_model_can_be_kept_and_the_kept_one_is_what_the_model_computes(monkeypatch, search_loss):
+    """Forced outcomes (the loss of the searched run 1 or 3, the abs-max run's 2): the model in place computes the kept
+    run's function, its tied embeddings stay tied, and the float copy is not what is left."""
+    model, c = tiny_model(layers=1, seed=3), calib(4, 16)
+    ids = calib(2, 16, seed=7)
+    want = {"search": _quantized(model, GPTQSettings(), c, "w3g32")[0],
+            "absmax": _quantized(model, GPTQSettings(search=False), c, "w3g32")[0]}
+    losses = iter((search_loss, 2.0))
+    monkeypatch.setattr(choice_mod, "calibration_loss", lambda *_a, **_k: next(losses))
+    q, plan, _ = _quantized(model, GPTQSettings(choose_rule=True), c, "w3g32")
+    kept = "search" if search_loss < 2.0 else "absmax"
+    assert {s.rule for s in plan.weights().values()} == {kept}
+    with torch.no_grad():
+        assert torch.equal(q(ids).logits, want[kept](ids).logits)
+    if model.config.tie_word_embeddings:
+        assert q.lm_head.weight is q.model.embed_tokens.weight
 
 
-def test_no_choice_without_the_search_or_with_it_turned_off():
-    block, x = _case(2)
-    for settings in (GPTQSettings(search=False), GPTQSettings(choose_scales=False)):
-        scheme = SEARCH if settings.search else SEARCH.replace(rule="absmax")
-        _, _, info = _gptq(block, x, scheme, settings)
-        assert "scale_choices" not in info
-
-
-def test_probe_installs_the_best_candidate_and_counts_it():
-    lin = nn.Linear(4, 4, bias=False)
-    target = lin.weight.detach().clone()
-    probe = BlockProbe(lin, torch.randn(6, 4), {}, 2)  # float targets: the current weights' outputs
-    cands = [target + 0.5, target + 0.1, target - 0.3]
-
-    def install(i: int) -> None:
-        lin.weight.data = cands[i].clone()
-
-    assert probe.choose(install, 3) == 1
-    assert torch.equal(lin.weight, cands[1])
-    assert probe.info() == {"scale_choices": 1.0, "scale_absmax": 1.0}
-
-
-@pytest.mark.parametrize("rule, alt", (("search", "absmax"), ("absmax", None), ("4over6", None)))
-def test_plain_alternative_only_for_searched_schemes(rule, alt):
-    s = Scheme.parse("nvfp4").replace(rule=rule)
-    assert (plain(s) is None) if alt is None else plain(s) == s.replace(rule=alt)
+def test_choose_rule_with_a_work_folder_is_refused_before_any_work(tmp_path):
+    model = tiny_model(layers=1)
+    before = {n: p.clone() for n, p in model.named_parameters()}
+    with pytest.raises(ConfigError, match="--choose-rule"):
+        quantize_model(model, uniform(model, "w4g32"), "gptq", {"choose_rule": True}, calib=calib(2, 16),
+                       workdir=str(tmp_path / "w"), progress=False)
+    assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
+    assert not (tmp_path / "w").exists()

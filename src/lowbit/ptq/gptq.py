@@ -46,12 +46,13 @@ from lowbit.formats import QTensor, Scheme
 from lowbit.formats.groups import to_groups
 from lowbit.models.activations import activation_stats
 from lowbit.models.fused import own_tensor_scale
+from lowbit.models.lazy import materialize
 from lowbit.nn.quant_experts import QuantStack
 from lowbit.plans.plan import Plan
 from lowbit.ptq.blockwise import BlockJob, PipelineOptions, quantize_blockwise
 from lowbit.ptq.blockwise.access import block_linears
 from lowbit.ptq.expert_calib import ALL_EXPERTS_HELP, MIN_TOKENS, MIN_TOKENS_HELP
-from lowbit.ptq.gptq_choice import CHOICE_SAMPLES, BlockProbe, plain
+from lowbit.ptq.gptq_choice import choose_rule
 from lowbit.ptq.gptq_experts import experts_in, gptq_experts, report
 from lowbit.ptq.gptq_grids import Grid, KGrid, Tensors, make_grid
 from lowbit.ptq.methods import Method, RunContext, knob, register
@@ -75,11 +76,9 @@ class GPTQSettings:
         from inputs through the already quantized ones (False: all Hessians from one pass).
     search: group scales by the importance-weighted search of `formats` (importance =
         ``diag(H)``), as RTN's default; False = the scheme's own rule (abs-max).
-    choose_scales: with ``search``, every matrix is GPTQ'd with both the searched and the
-        abs-max scales and keeps the one whose block output on the calibration samples is
-        closer to the float block's (`lowbit.ptq.gptq_choice`; the layer's recorded rule
-        stays ``search``: "searched, or abs-max where the block says so"). False = always
-        the searched scales (half the GPTQ work).
+    choose_rule: with ``search``, quantize a second copy of the model with abs-max scales
+        and keep whichever model has the lower loss on the calibration windows
+        (`lowbit.ptq.gptq_choice`: no per-matrix measure ranks the two rules reliably).
     all_experts / min_expert_tokens: mixture-of-experts experts' Hessians from every
         token (all-experts calibration) or from their routed tokens; experts below the
         threshold get RTN (`lowbit.ptq.gptq_experts`).
@@ -95,9 +94,9 @@ class GPTQSettings:
                                        "the ones before it")
     search: bool = knob(True, "choose scales by the importance-weighted search on calibration activations; rtn --no-search = "
                   "plain round-to-nearest, no data needed")
-    choose_scales: bool = knob(True, "with --search: GPTQ each matrix with the searched and with abs-max scales and "
-                                     "keep the one whose block output on the calibration samples is closer to the "
-                                     "float block's; --no-choose-scales = always the searched scales")
+    choose_rule: bool = knob(False, "with --search: also run GPTQ with abs-max scales on a copy of the model and keep "
+                                    "the model with the lower loss on the calibration windows (twice the time, a second "
+                                    "copy of the model in memory)")
     all_experts: bool = knob(True, ALL_EXPERTS_HELP)
     min_expert_tokens: int = knob(MIN_TOKENS, MIN_TOKENS_HELP, minimum=0)
 
@@ -390,7 +389,6 @@ class GPTQTuner:
         if not mods and not experts:
             return {}, {}
         first = job.fetch(job.x, torch.arange(1, device=job.x.device))
-        probe = self._probe(job)  # float targets: before any weight or input of the block changes
         # a recipe that quantizes a layer's input: its Hessian is built from the inputs it will see
         quantizers = [mods[n].register_forward_pre_hook(_input_hook(q)) for n, q in job.inputs.items() if n in mods]
         groups = input_groups(job.block, mods, first, job.kwargs) if mods else []
@@ -406,13 +404,15 @@ class GPTQTuner:
             for group in groups:
                 h = hessians(job.block, {group[0]: mods[group[0]]}, job.x, job.kwargs, True, **where)[group[0]] \
                     if seq else hs[group[0]]
-                out, info = self._group({n: (mods[n], original[n], job.layers[n][1]) for n in group}, h,
-                                        job.tensor_scales, probe)
+                out, info = gptq_layers({n: (mods[n].weight, job.layers[n][1]) for n in group}, h, self.settings,
+                                        job.tensor_scales)
                 damp = max(damp, info["damp"])
                 errs += [v for k, v in info.items() if k.startswith("err/")]
-                qts |= out
+                for n in group:
+                    qts[n] = out[n]
+                    mods[n].weight = nn.Parameter(out[n].dequantize(original[n].dtype), requires_grad=False)
             # experts after the Linears: their Hessians from inputs through the quantized attention
-            stacks, expert_errs, expert_damp = self._experts(job, experts, probe)
+            stacks, expert_errs, expert_damp = self._experts(job, experts)
             qts |= stacks
             errs += expert_errs
             damp = max(damp, expert_damp)
@@ -421,46 +421,10 @@ class GPTQTuner:
                 m.weight = original[n]
             for hd in quantizers:
                 hd.remove()
-        return qts, {"loss": sum(errs) / max(len(errs), 1), "damp": damp, **(probe.info() if probe else {})}
+        return qts, {"loss": sum(errs) / max(len(errs), 1), "damp": damp}
 
-    def _probe(self, job: BlockJob) -> BlockProbe | None:
-        """The block-output probe of the scale choice (`lowbit.ptq.gptq_choice`), when the settings ask for it."""
-        s = self.settings
-        if not (s.search and s.choose_scales) or not any(plain(sc) for _, sc in job.layers.values()):
-            return None
-        x = job.fetch(job.x, torch.arange(min(CHOICE_SAMPLES, job.x.shape[0]), device=job.x.device))
-        return BlockProbe(job.block, x, job.kwargs, CHUNK)
-
-    def _group(self, group: Mapping[str, tuple[nn.Module, torch.Tensor, Scheme]], h: torch.Tensor,
-               tensor_scales: Mapping[str, torch.Tensor], probe: BlockProbe | None
-               ) -> tuple[dict[str, QTensor], dict[str, float]]:
-        """GPTQ of Linears sharing one input (and Hessian); with a probe, each keeps the better of its two scale rules.
-
-        The quantized weights are left installed in the modules (the next group's inputs see them).
-        """
-        out, info = gptq_layers({n: (orig, s) for n, (_, orig, s) in group.items()}, h, self.settings, tensor_scales)
-
-        def install(n: str, q: QTensor) -> None:
-            group[n][0].weight = nn.Parameter(q.dequantize(group[n][1].dtype), requires_grad=False)
-
-        for n, q in out.items():
-            install(n, q)
-        alts = {n: plain(s) for n, (_, _, s) in group.items()}
-        if probe is None or not any(alts.values()):
-            return out, info
-        alt, alt_info = gptq_layers({n: (orig, alts[n] or s) for n, (_, orig, s) in group.items()}, h, self.settings,
-                                    tensor_scales)
-        info["damp"] = max(info["damp"], alt_info["damp"])
-        for n in out:
-            if alts[n] is None:
-                continue
-            pair = (out[n], dataclasses.replace(alt[n], scheme=group[n][2]))  # the layer's recorded rule stays
-            if probe.choose(lambda i, n=n, pair=pair: install(n, pair[i]), 2):
-                out[n], info[f"err/{n}"] = pair[1], alt_info[f"err/{n}"]
-        return out, info
-
-    def _experts(self, job: BlockJob, experts: Mapping[str, Mapping[str, tuple[str, Scheme]]],
-                 probe: BlockProbe | None = None) -> tuple[dict[str, QuantStack], list[float], float]:
+    def _experts(self, job: BlockJob, experts: Mapping[str, Mapping[str, tuple[str, Scheme]]]
+                 ) -> tuple[dict[str, QuantStack], list[float], float]:
         """GPTQ of the block's planned experts modules (per-expert Hessians, `lowbit.ptq.gptq_experts`)."""
         s = self.settings
         damp = [s.damp]
@@ -481,7 +445,7 @@ class GPTQTuner:
         for rel, planned in experts.items():
             full = next(iter(planned.values()))[0].rsplit(".", 1)[0]  # the model's name of the experts module
             got, e, cov = gptq_experts(job.block.get_submodule(rel), full, planned, run, one, s.all_experts,
-                                       s.min_expert_tokens, s.true_sequential, job.expert_inputs, probe)
+                                       s.min_expert_tokens, s.true_sequential, job.expert_inputs)
             stacks |= got
             errs += e
             coverage.append(cov)
@@ -513,8 +477,21 @@ def _quantize(model: nn.Module, plan: Plan, settings: GPTQSettings, ctx: RunCont
     if ctx.calib is None or ctx.calib.numel() == 0:
         raise ConfigError("GPTQ needs calibration batches (LongTensor [nsamples, seqlen])")
     check_plan(settings, plan)
+    if settings.search and settings.choose_rule:
+        if ctx.workdir or ctx.offload_dir:
+            raise ConfigError("--choose-rule quantizes two copies of the model in memory and compares them; it cannot "
+                              "resume from --workdir or offload to --offload-dir: drop those or --choose-rule")
+        materialize(model)  # both copies whole: the loss needs every block
+        return choose_rule(model, lambda m, search: _quantize(m, plan if search else _absmax(plan), dataclasses.replace(
+            settings, search=search, choose_rule=False), ctx), ctx.calib, ctx.device)
     recorded, opts, plan = _work(settings, plan, ctx)
     return plan, quantize_blockwise(model, plan, GPTQTuner(settings), recorded, ctx, opts)
+
+
+def _absmax(plan: Plan) -> Plan:
+    """The plan with searched schemes on abs-max scales (the other candidate of ``choose_rule``)."""
+    return plan.with_weights({n: s.replace(rule="absmax") if s.rule == "search" else s
+                              for n, s in plan.weights().items()})
 
 
 def _work(settings: GPTQSettings, plan: Plan, _ctx: RunContext) -> tuple[dict, PipelineOptions, Plan]:

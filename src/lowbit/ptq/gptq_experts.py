@@ -20,7 +20,6 @@ one warning per block names those experts.
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable, Mapping
 
 import torch
@@ -30,7 +29,6 @@ from lowbit.formats import QTensor, Scheme, quantize
 from lowbit.models.experts import expert_tensors
 from lowbit.nn.quant_experts import QuantStack, expert_matrices
 from lowbit.ptq.expert_calib import Coverage, ExpertInput, ExpertStats, input_fn, warn_starved, warn_unrouted
-from lowbit.ptq.gptq_choice import BlockProbe, plain
 
 # GPTQ of one matrix under one Hessian: (weights, scheme, hessian, where) -> (QTensor, relative error)
 MatrixGPTQ = Callable[[torch.Tensor, Scheme, torch.Tensor, str], tuple[QTensor, float]]
@@ -49,15 +47,12 @@ def experts_in(block: nn.Module, layers: Mapping[str, tuple[str, Scheme]]) -> di
 
 def gptq_experts(module: nn.Module, name: str, planned: Mapping[str, tuple[str, Scheme]],
                  run: Callable[[], None], one: MatrixGPTQ, all_experts: bool, min_tokens: int,
-                 sequential: bool, inputs: Mapping[str, ExpertInput] | None = None,
-                 probe: BlockProbe | None = None) -> tuple[dict[str, QuantStack], list[float], Coverage]:
+                 sequential: bool, inputs: Mapping[str, ExpertInput] | None = None
+                 ) -> tuple[dict[str, QuantStack], list[float], Coverage]:
     """GPTQ of one experts module's planned parameters; ``run()`` pushes the calibration samples through its block.
 
     inputs: full name -> (input scheme, per-expert static abs-max) of the parameters whose recipe
     quantizes inputs: their Hessians are taken on the quantized inputs each expert will see.
-    probe: with one, a searched tensor is also GPTQ'd with abs-max scales and the block's output
-    picks one rule for all its experts (`lowbit.ptq.gptq_choice`; one choice per tensor: a
-    block forward per expert would cost E forwards).
     Returns full name -> `QuantStack`, the matrices' relative errors, and the coverage.
     The module's parameters are left as they were (float).
     """
@@ -80,18 +75,18 @@ def gptq_experts(module: nn.Module, name: str, planned: Mapping[str, tuple[str, 
                 full, scheme = planned[p]
                 w = expert_matrices(original[p].detach(), transposed).float()
                 h = stats.result("xtx", p)
-                alt = plain(scheme) if probe is not None else None
-                cands = [_stack(w, rule, scheme, h, low, full, one) for rule in ([scheme, alt] if alt else [scheme])]
-
-                def install(i: int, p: str = p, cands: list = cands) -> None:
-                    deq = cands[i][0].dequantize(original[p].dtype).to(original[p].device)
-                    module._parameters[p] = nn.Parameter(deq.transpose(1, 2) if transposed else deq,
-                                                         requires_grad=False)  # what the next pass's inputs see
-
-                install(0)
-                best = probe.choose(install, len(cands)) if probe is not None and len(cands) > 1 else 0
-                stacks[full] = cands[best][0]
-                errs += cands[best][1]
+                qts = []
+                for e in range(w.shape[0]):
+                    if e in low:
+                        qts.append(quantize(w[e], scheme))
+                        continue
+                    qt, err = one(w[e], scheme, h[e], f"{full}[{e}]")
+                    qts.append(qt)
+                    errs.append(err)
+                stacks[full] = QuantStack(qts)
+                deq = stacks[full].dequantize(original[p].dtype).to(original[p].device)
+                module._parameters[p] = nn.Parameter(deq.transpose(1, 2) if transposed else deq,
+                                                     requires_grad=False)  # what the next pass's inputs see
     finally:
         for p, t in original.items():
             module._parameters[p] = t
@@ -99,23 +94,6 @@ def gptq_experts(module: nn.Module, name: str, planned: Mapping[str, tuple[str, 
     for s in stacks.values():
         s.calibration = coverage.to_dict()
     return stacks, errs, coverage
-
-
-def _stack(w: torch.Tensor, rule: Scheme, planned: Scheme, h: torch.Tensor, low: set[int], full: str,
-           one: MatrixGPTQ) -> tuple[QuantStack, list[float]]:
-    """Every expert of ``w [E, out, in]`` GPTQ'd under scheme ``rule`` (starved experts: RTN), recorded as ``planned``.
-
-    Returns the stack and the GPTQ'd experts' relative errors.
-    """
-    qts, errs = [], []
-    for e in range(w.shape[0]):
-        if e in low:
-            qt = quantize(w[e], rule)
-        else:
-            qt, err = one(w[e], rule, h[e], f"{full}[{e}]")
-            errs.append(err)
-        qts.append(qt if rule == planned else dataclasses.replace(qt, scheme=planned))
-    return QuantStack(qts), errs
 
 
 def report(coverage: list[Coverage], min_tokens: int) -> None:
