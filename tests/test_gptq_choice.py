@@ -20,28 +20,29 @@ def _quantized(model, settings: GPTQSettings, c: torch.Tensor, scheme: str):
 
 
 @pytest.mark.parametrize("seed, scheme", ((0, "w3g32"), (1, "w2g32"), (2, "w4g32")))
-def test_the_kept_model_never_has_a_larger_calibration_loss_than_either_rule(seed, scheme):
-    """The chosen model is exactly the searched-scales run or the abs-max run, whichever has the lower loss on the
-    calibration windows; the plan and every block's info say which."""
+def test_the_rule_kept_never_has_a_larger_held_out_loss_than_the_other(seed, scheme):
+    """Trial runs from the first 3/4 of the windows, compared on the last 1/4: the model is then GPTQ'd from all
+    windows with the rule whose held-out loss is the lower one; the plan and every block's info say which."""
     model, c = tiny_model(layers=2, seed=seed), calib(8, 32, seed=seed + 1)
-    ids = calib(2, 32, seed=99)
-    runs = {"search": _quantized(model, GPTQSettings(), c, scheme),
-            "absmax": _quantized(model, GPTQSettings(search=False), c, scheme)}
-    losses = {k: calibration_loss(m, c) for k, (m, _, _) in runs.items()}
-    chosen, plan, infos = _quantized(model, GPTQSettings(choose_rule=True), c, scheme)
+    fit, test = c[:6], c[6:]
+    trial = {"search": _quantized(model, GPTQSettings(), fit, scheme)[0],
+             "absmax": _quantized(model, GPTQSettings(search=False), fit, scheme)[0]}
+    losses = {k: calibration_loss(m, test) for k, m in trial.items()}
     best = min(losses, key=losses.__getitem__)
-    assert calibration_loss(chosen, c) == min(losses.values())
+    full = _quantized(model, GPTQSettings(search=best == "search"), c, scheme)[0]
+    chosen, plan, infos = _quantized(model, GPTQSettings(choose_rule=True), c, scheme)
+    ids = calib(2, 32, seed=99)
     with torch.no_grad():
-        assert torch.equal(chosen(ids).logits, runs[best][0](ids).logits)
+        assert torch.equal(chosen(ids).logits, full(ids).logits)
     assert {s.rule for s in plan.weights().values()} == {best}
     assert all(i["rule_absmax"] == (best == "absmax") and i["rule_loss_search"] == losses["search"]
-               and i["rule_loss_absmax"] == losses["absmax"] for i in infos)
+               and i["rule_loss_absmax"] == losses["absmax"] and i["rule_held_out_windows"] == 2 for i in infos)
 
 
 @pytest.mark.parametrize("search_loss", (1.0, 3.0))
 def test_either_model_can_be_kept_and_the_kept_one_is_what_the_model_computes(monkeypatch, search_loss):
-    """Forced outcomes (the loss of the searched run 1 or 3, the abs-max run's 2): the model in place computes the kept
-    run's function, its tied embeddings stay tied, and the float copy is not what is left."""
+    """Forced outcomes (the held-out loss of the searched trial 1 or 3, the abs-max trial's 2): the model in place is
+    GPTQ'd from all windows with the kept rule, and its tied embeddings stay tied."""
     model, c = tiny_model(layers=1, seed=3), calib(4, 16)
     ids = calib(2, 16, seed=7)
     want = {"search": _quantized(model, GPTQSettings(), c, "w3g32")[0],
@@ -65,3 +66,14 @@ def test_choose_rule_with_a_work_folder_is_refused_before_any_work(tmp_path):
                        workdir=str(tmp_path / "w"), progress=False)
     assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
     assert not (tmp_path / "w").exists()
+
+
+def test_choose_rule_needs_windows_to_hold_out():
+    model = tiny_model(layers=1)
+    with pytest.raises(ConfigError, match="at least 2"):
+        gptq_quantize(model, uniform(model, "w4g32"), GPTQSettings(choose_rule=True), calib(1, 16), progress=False)
+
+
+def test_choose_rule_without_the_search_is_refused():
+    with pytest.raises(ConfigError, match="--no-search"):
+        GPTQSettings(choose_rule=True, search=False)

@@ -76,9 +76,9 @@ class GPTQSettings:
         from inputs through the already quantized ones (False: all Hessians from one pass).
     search: group scales by the importance-weighted search of `formats` (importance =
         ``diag(H)``), as RTN's default; False = the scheme's own rule (abs-max).
-    choose_rule: with ``search``, quantize a second copy of the model with abs-max scales
-        and keep whichever model has the lower loss on the calibration windows
-        (`lowbit.ptq.gptq_choice`: no per-matrix measure ranks the two rules reliably).
+    choose_rule: with ``search``, choose between the searched and abs-max scales by the
+        loss of two trial runs on calibration windows they did not see, then quantize with
+        the winner (`lowbit.ptq.gptq_choice`: no per-matrix measure ranks the two rules).
     all_experts / min_expert_tokens: mixture-of-experts experts' Hessians from every
         token (all-experts calibration) or from their routed tokens; experts below the
         threshold get RTN (`lowbit.ptq.gptq_experts`).
@@ -94,9 +94,10 @@ class GPTQSettings:
                                        "the ones before it")
     search: bool = knob(True, "choose scales by the importance-weighted search on calibration activations; rtn --no-search = "
                   "plain round-to-nearest, no data needed")
-    choose_rule: bool = knob(False, "with --search: also run GPTQ with abs-max scales on a copy of the model and keep "
-                                    "the model with the lower loss on the calibration windows (twice the time, a second "
-                                    "copy of the model in memory)")
+    choose_rule: bool = knob(False, "with --search: run GPTQ with searched and with abs-max scales on copies of the "
+                                    "model from 3/4 of the calibration windows, then quantize with the rule whose "
+                                    "loss on the other 1/4 is lower (about 2.5x the time, a second copy of the model "
+                                    "in memory)")
     all_experts: bool = knob(True, ALL_EXPERTS_HELP)
     min_expert_tokens: int = knob(MIN_TOKENS, MIN_TOKENS_HELP, minimum=0)
 
@@ -106,6 +107,9 @@ class GPTQSettings:
             raise ConfigError(f"damp must be in [0, 1] (a fraction of the Hessian's mean diagonal), got {self.damp}")
         if self.lazy_batch < 1:
             raise ConfigError(f"lazy_batch must be >= 1, got {self.lazy_batch}")
+        if self.choose_rule and not self.search:
+            raise ConfigError("--choose-rule chooses between the searched and abs-max scales; with --no-search there "
+                              "is nothing to choose: drop one of them")
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -482,8 +486,9 @@ def _quantize(model: nn.Module, plan: Plan, settings: GPTQSettings, ctx: RunCont
             raise ConfigError("--choose-rule quantizes two copies of the model in memory and compares them; it cannot "
                               "resume from --workdir or offload to --offload-dir: drop those or --choose-rule")
         materialize(model)  # both copies whole: the loss needs every block
-        return choose_rule(model, lambda m, search: _quantize(m, plan if search else _absmax(plan), dataclasses.replace(
-            settings, search=search, choose_rule=False), ctx), ctx.calib, ctx.device)
+        return choose_rule(model, lambda m, c, search: _quantize(
+            m, plan if search else _absmax(plan), dataclasses.replace(settings, search=search, choose_rule=False),
+            dataclasses.replace(ctx, calib=c)), ctx.calib, ctx.device)
     recorded, opts, plan = _work(settings, plan, ctx)
     return plan, quantize_blockwise(model, plan, GPTQTuner(settings), recorded, ctx, opts)
 
