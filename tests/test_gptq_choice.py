@@ -21,13 +21,13 @@ def _quantized(model, settings: GPTQSettings, c: torch.Tensor, scheme: str):
 
 @pytest.mark.parametrize("seed, scheme", ((0, "w3g32"), (1, "w2g32"), (2, "w4g32")))
 def test_the_rule_kept_never_has_a_larger_held_out_loss_than_the_other(seed, scheme):
-    """Trial runs from the first 3/4 of the windows, compared on the last 1/4: the model is then GPTQ'd from all
-    windows with the rule whose held-out loss is the lower one; the plan and every block's info say which."""
+    """Two folds: trial runs from one half of the windows, their loss on the other half; the model is then GPTQ'd from
+    all windows with the rule of the lower total held-out loss; the plan and every block's info say which."""
     model, c = tiny_model(layers=2, seed=seed), calib(8, 32, seed=seed + 1)
-    fit, test = c[:6], c[6:]
-    trial = {"search": _quantized(model, GPTQSettings(), fit, scheme)[0],
-             "absmax": _quantized(model, GPTQSettings(search=False), fit, scheme)[0]}
-    losses = {k: calibration_loss(m, test) for k, m in trial.items()}
+    losses = {}
+    for rule, settings in (("search", GPTQSettings()), ("absmax", GPTQSettings(search=False))):
+        losses[rule] = sum(calibration_loss(_quantized(model, settings, fit, scheme)[0], test)
+                           for fit, test in ((c[:4], c[4:]), (c[4:], c[:4]))) / 2
     best = min(losses, key=losses.__getitem__)
     full = _quantized(model, GPTQSettings(search=best == "search"), c, scheme)[0]
     chosen, plan, infos = _quantized(model, GPTQSettings(choose_rule=True), c, scheme)
@@ -35,19 +35,20 @@ def test_the_rule_kept_never_has_a_larger_held_out_loss_than_the_other(seed, sch
     with torch.no_grad():
         assert torch.equal(chosen(ids).logits, full(ids).logits)
     assert {s.rule for s in plan.weights().values()} == {best}
-    assert all(i["rule_absmax"] == (best == "absmax") and i["rule_loss_search"] == losses["search"]
-               and i["rule_loss_absmax"] == losses["absmax"] and i["rule_held_out_windows"] == 2 for i in infos)
+    assert all(i["rule_absmax"] == (best == "absmax") for i in infos)
+    assert all(i["rule_loss_search"] == pytest.approx(losses["search"], rel=1e-9)
+               and i["rule_loss_absmax"] == pytest.approx(losses["absmax"], rel=1e-9) for i in infos)
 
 
 @pytest.mark.parametrize("search_loss", (1.0, 3.0))
 def test_either_model_can_be_kept_and_the_kept_one_is_what_the_model_computes(monkeypatch, search_loss):
-    """Forced outcomes (the held-out loss of the searched trial 1 or 3, the abs-max trial's 2): the model in place is
+    """Forced outcomes (the held-out losses of the searched trials 1 or 3, the abs-max trials' 2): the model in place is
     GPTQ'd from all windows with the kept rule, and its tied embeddings stay tied."""
     model, c = tiny_model(layers=1, seed=3), calib(4, 16)
     ids = calib(2, 16, seed=7)
     want = {"search": _quantized(model, GPTQSettings(), c, "w3g32")[0],
             "absmax": _quantized(model, GPTQSettings(search=False), c, "w3g32")[0]}
-    losses = iter((search_loss, 2.0))
+    losses = iter((search_loss, search_loss, 2.0, 2.0))
     monkeypatch.setattr(choice_mod, "calibration_loss", lambda *_a, **_k: next(losses))
     q, plan, _ = _quantized(model, GPTQSettings(choose_rule=True), c, "w3g32")
     kept = "search" if search_loss < 2.0 else "absmax"

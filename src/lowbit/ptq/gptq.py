@@ -77,8 +77,8 @@ class GPTQSettings:
     search: group scales by the importance-weighted search of `formats` (importance =
         ``diag(H)``), as RTN's default; False = the scheme's own rule (abs-max).
     choose_rule: with ``search``, choose between the searched and abs-max scales by the
-        loss of two trial runs on calibration windows they did not see, then quantize with
-        the winner (`lowbit.ptq.gptq_choice`: no per-matrix measure ranks the two rules).
+        loss of trial runs on calibration windows they did not see (two folds), then quantize
+        with the winner (`lowbit.ptq.gptq_choice`: no per-matrix measure ranks the two rules).
     all_experts / min_expert_tokens: mixture-of-experts experts' Hessians from every
         token (all-experts calibration) or from their routed tokens; experts below the
         threshold get RTN (`lowbit.ptq.gptq_experts`).
@@ -94,10 +94,10 @@ class GPTQSettings:
                                        "the ones before it")
     search: bool = knob(True, "choose scales by the importance-weighted search on calibration activations; rtn --no-search = "
                   "plain round-to-nearest, no data needed")
-    choose_rule: bool = knob(False, "with --search: run GPTQ with searched and with abs-max scales on copies of the "
-                                    "model from 3/4 of the calibration windows, then quantize with the rule whose "
-                                    "loss on the other 1/4 is lower (about 2.5x the time, a second copy of the model "
-                                    "in memory)")
+    choose_rule: bool = knob(False, "with --search: GPTQ copies of the model with searched and with abs-max scales "
+                                    "from half the calibration windows, compare their loss on the other half (two "
+                                    "folds), then quantize with the better rule (about 3x the time, a second copy of "
+                                    "the model in memory)")
     all_experts: bool = knob(True, ALL_EXPERTS_HELP)
     min_expert_tokens: int = knob(MIN_TOKENS, MIN_TOKENS_HELP, minimum=0)
 
