@@ -47,7 +47,7 @@ ROWS = {"rtn": ("rtn", {"search": False}), "rtn-search": ("rtn", {"expert_import
         "rtn-search-routed": ("rtn", {"all_experts": False, "expert_importance": True}),
         "rtn-search-uniform": ("rtn", {}),
         "gptq": ("gptq", {}), "gptq-routed": ("gptq", {"all_experts": False}),
-        "gptq-absmax": ("gptq", {"search": False}),
+        "gptq-absmax": ("gptq", {"search": False}), "gptq-choose": ("gptq", {"choose_rule": True}),
         "signround2": ("signround2", {"iters": 50, "batch_size": 8})}  # the settings of benchmarks/moe_tuned.py
 SEED_KIND = "calibration windows' draw (organism_data)"  # SignRoundV2's tuning seed is the same number
 

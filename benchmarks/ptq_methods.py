@@ -96,6 +96,9 @@ def _rows() -> dict[str, dict[str, Any]]:
                                         "settings": {"act_order": False, "static_groups": False}}
         rows[f"{scheme}/gptq-nosearch"] = {"tool": "lowbit", "scheme": scheme, "method": "gptq",
                                            "settings": {"search": False}}
+        # GPTQ choosing searched or abs-max scales by the calibration loss (issue 34, lowbit.ptq.gptq_choice)
+        rows[f"{scheme}/gptq-choose"] = {"tool": "lowbit", "scheme": scheme, "method": "gptq",
+                                         "settings": {"choose_rule": True}}
         for name in list(rows)[first:]:
             rows[name]["ablation"] = True
     # llm-compressor refuses groups that do not divide a row (SmolLM2's 576 columns at g128; lowbit
@@ -110,6 +113,8 @@ def _rows() -> dict[str, dict[str, Any]]:
         # like for like with llm-compressor's min-max scales: GPTQ without the importance search
         rows[f"{scheme}/gptq-nosearch"] = {"tool": "lowbit", "scheme": scheme, "method": "gptq",
                                            "settings": {"search": False}, "ablation": True}
+        rows[f"{scheme}/gptq-choose"] = {"tool": "lowbit", "scheme": scheme, "method": "gptq",
+                                         "settings": {"choose_rule": True}, "ablation": True}
     for scheme in ACT_SCHEMES:
         for rot, r in {"": None, **ACT_ROTATIONS}.items():
             base = {"tool": "lowbit", "scheme": scheme, "rotate": r}
