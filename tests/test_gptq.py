@@ -160,6 +160,7 @@ class _LiveBytes(torch.utils._python_dispatch.TorchDispatchMode):
         self.refs: list = []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        import functools
         import weakref
 
         from torch.utils._pytree import tree_leaves
@@ -171,13 +172,14 @@ class _LiveBytes(torch.utils._python_dispatch.TorchDispatchMode):
             s = t.untyped_storage() if isinstance(t, torch.Tensor) else None
             if s is None or not s.data_ptr() or s.data_ptr() in owned or s.data_ptr() in self.live:
                 continue
-            self.live[s.data_ptr()] = s.nbytes()
+            key = s.data_ptr()
+            self.live[key] = s.nbytes()
             self.cur += s.nbytes()
             self.top = max(self.top, self.cur)
-            self.refs.append(weakref.ref(s, lambda _r, k=s.data_ptr(): self._gone(k)))
+            self.refs.append(weakref.ref(s, functools.partial(self._gone, key)))
         return out
 
-    def _gone(self, key: int) -> None:
+    def _gone(self, key: int, _ref: object = None) -> None:
         self.cur -= self.live.pop(key, 0)
 
 
