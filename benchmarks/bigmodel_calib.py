@@ -91,26 +91,40 @@ def _status() -> dict[str, int]:
 
 def child_main(argv: list[str]) -> int:
     """Run ``lowbit quantize argv`` here, logging each block (seconds, CPU seconds, RSS) to $BLOCK_LOG;
-    $STOP_AFTER blocks end the run (exit code 3) when set."""
+    $STOP_AFTER blocks end the run (exit code 3) when set.
+
+    Each record holds ``VmRSS`` / ``VmHWM`` when the block's work is done (before it is written out) and
+    ``VmRSS_after`` once it is released and the walk has handed the allocator's free pages back (the
+    resident set a flat-in-depth run returns to after every block)."""
     from lowbit.cli import main
-    from lowbit.ptq.blockwise import tune
+    from lowbit.ptq.blockwise import loop, tune
 
     log = open(os.environ["BLOCK_LOG"], "a")  # noqa: SIM115 - held for the run
     stop = int(os.environ.get("STOP_AFTER", "0"))
-    finish = tune.TunePass.finish
+    finish, give_back = tune.TunePass.finish, loop.give_back_free_memory
     last = [time.perf_counter(), _cpu()]
+    pending: list[dict] = []
 
     def timed(self, i, block, result):
         finish(self, i, block, result)
         now, cpu = time.perf_counter(), _cpu()
-        log.write(json.dumps({"block": i, "s": now - last[0], "cpu_s": cpu - last[1], **_status()}) + "\n")
-        log.flush()
+        pending.append({"block": i, "s": now - last[0], "cpu_s": cpu - last[1], **_status()})
         last[:] = [now, cpu]
-        if stop and i + 1 >= stop:
+
+    def released() -> bool:
+        done = give_back()
+        if not pending:
+            return done
+        row = pending.pop()
+        log.write(json.dumps(row | {"VmRSS_after": _status()["VmRSS"]}) + "\n")
+        log.flush()
+        if stop and row["block"] + 1 >= stop:
             log.close()
             os._exit(3)
+        return done
 
     tune.TunePass.finish = timed
+    loop.give_back_free_memory = released
     log.write(json.dumps({"block": -1, "s": 0.0, "cpu_s": _cpu(), **_status()}) + "\n")
     return main(["quantize", *argv])
 
@@ -175,7 +189,8 @@ def flatness(blocks: list[dict]) -> dict:
            "depth_flatness": round(blocks[-1]["VmHWM"] / blocks[0]["VmHWM"], 3),
            "median_block_cpu_s": round(sorted(b["cpu_s"] for b in later)[len(later) // 2], 1)}
     if len(blocks) >= 2:
-        out["rss_growth_per_block"] = int((blocks[-1]["VmRSS"] - blocks[0]["VmRSS"]) / (len(blocks) - 1))
+        key = "VmRSS_after" if "VmRSS_after" in blocks[0] else "VmRSS"  # after the release, where logged
+        out["rss_growth_per_block"] = int((blocks[-1][key] - blocks[0][key]) / (len(blocks) - 1))
     return out
 
 
