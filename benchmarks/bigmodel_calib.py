@@ -21,7 +21,8 @@ interpreter's floor, over one block's float bytes).
 
 Peer: llm-compressor's ``oneshot`` with ``GPTQModifier`` (W4A16, the sequential pipeline: one
 decoder layer onloaded at a time) on the same checkpoint and the same calibration token ids,
-``--peer-python`` pointing at an interpreter that imports it (installed apart: its pins clash).
+``--peer-python`` pointing at an interpreter that imports it (installed apart: its pins clash), or
+``--peer-path`` a folder it was installed into with ``pip --target --no-deps`` (run with this interpreter).
 
     python -m benchmarks.bigmodel_calib --shapes tinyllama-1.1b --methods gptq,signround2
     python -m benchmarks.bigmodel_calib --shapes llama-3.1-8b --methods gptq --blocks 6
@@ -252,8 +253,10 @@ def run_llmc(shape: str, a: argparse.Namespace) -> dict:
     blog.parent.mkdir(parents=True, exist_ok=True)
     blog.unlink(missing_ok=True)
     torch.save(calibration_batches(AutoTokenizer.from_pretrained(src), None, a.nsamples, a.seqlen), ids)
-    cmd = [a.peer_python, "-m", "benchmarks.bigmodel_calib", "--llmc-child", str(src), str(ids), str(a.blocks)]
-    env = {**os.environ, "BLOCK_LOG": str(blog), "PYTHONPATH": str(Path(__file__).parent.parent)}
+    cmd = [a.peer_python or sys.executable, "-m", "benchmarks.bigmodel_calib", "--llmc-child", str(src), str(ids),
+           str(a.blocks)]
+    path = [str(Path(__file__).parent.parent), *([a.peer_path] if a.peer_path else [])]
+    env = {**os.environ, "BLOCK_LOG": str(blog), "PYTHONPATH": os.pathsep.join(path)}
     code, wall, cpu, peak = child(cmd, WORK / "logs" / f"{tag}.log", env)
     blocks = [json.loads(x) for x in blog.read_text().splitlines()] if blog.is_file() else []
     row = {"shape": shape, "method": "gptq", "tool": "llmc-seq", "nsamples": a.nsamples, "seqlen": a.seqlen,
@@ -313,6 +316,9 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--table", action="store_true")
     p.add_argument("--peer-python", default=None, help="an interpreter importing llm-compressor (methods: llmc)")
+    p.add_argument("--peer-path", default=None,
+                   help="a folder put on the llm-compressor child's path (installed with pip --target --no-deps, as "
+                        "benchmarks/bigmodel.py's --peer-path), with this interpreter when --peer-python is not given")
     a = p.parse_args()
     if not a.table:
         for shape in a.shapes.split(","):
