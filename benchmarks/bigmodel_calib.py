@@ -32,6 +32,7 @@ decoder layer onloaded at a time) on the same checkpoint and the same calibratio
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
 import os
 import resource
@@ -81,13 +82,30 @@ def _tokenizer():
 
 
 def _status() -> dict[str, int]:
-    """VmRSS and VmHWM of this process, bytes."""
+    """VmRSS and VmHWM of this process, and glibc's heap (bytes in live chunks, bytes in free chunks it keeps:
+    ``mallinfo2``, where the C library has it), bytes."""
     out = {}
     for line in Path("/proc/self/status").read_text().splitlines():
         key, _, rest = line.partition(":")
         if key in ("VmRSS", "VmHWM"):
             out[key] = int(rest.split()[0]) * 1024
-    return out
+    return out | _heap()
+
+
+class _Mallinfo2(ctypes.Structure):
+    _fields_ = [(n, ctypes.c_size_t) for n in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
+                                                "fsmblks", "uordblks", "fordblks", "keepcost")]
+
+
+def _heap() -> dict[str, int]:
+    """glibc's ``mallinfo2``: bytes in use (``uordblks``) and free but kept (``fordblks``) in its arenas."""
+    try:
+        fn = ctypes.CDLL(None).mallinfo2
+    except (AttributeError, OSError):
+        return {}
+    fn.restype = _Mallinfo2
+    m = fn()
+    return {"heap_used": m.uordblks, "heap_free": m.fordblks}
 
 
 def child_main(argv: list[str]) -> int:
