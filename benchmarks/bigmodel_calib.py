@@ -116,6 +116,7 @@ def child_main(argv: list[str]) -> int:
     ``VmRSS_after`` once it is released and the walk has handed the allocator's free pages back (the
     resident set a flat-in-depth run returns to after every block)."""
     from lowbit.cli import main
+    from lowbit.ptq import gptq
     from lowbit.ptq.blockwise import loop, tune
 
     log = open(os.environ["BLOCK_LOG"], "a")  # noqa: SIM115 - held for the run
@@ -142,9 +143,18 @@ def child_main(argv: list[str]) -> int:
             os._exit(3)
         return done
 
+    def grouped(weights, *args, **kwargs):  # GPTQ: each group of Linears sharing an input, as it finishes
+        out = layers(weights, *args, **kwargs)
+        log.write(json.dumps({"group": list(weights), "s": time.perf_counter() - last[0], "cpu_s": _cpu() - last[1],
+                              **_status()}) + "\n")
+        log.flush()
+        return out
+
     tune.TunePass.finish = timed
     loop.give_back_free_memory = released
+    layers, gptq.gptq_layers = gptq.gptq_layers, grouped
     log.write(json.dumps({"block": -1, "s": 0.0, "cpu_s": _cpu(), **_status()}) + "\n")
+    log.flush()
     return main(["quantize", *argv])
 
 
@@ -175,12 +185,14 @@ def run_lowbit(shape: str, method: str, a: argparse.Namespace) -> dict:
     env = {**os.environ, "BLOCK_LOG": str(blog), "STOP_AFTER": str(a.blocks or 0)}
     cmd = [sys.executable, "-m", "benchmarks.bigmodel_calib", "--child", *args]
     code, wall, cpu, peak = child(cmd, WORK / "logs" / f"{tag}.log", env)
-    blocks = [json.loads(x) for x in blog.read_text().splitlines()] if blog.is_file() else []
+    lines = [json.loads(x) for x in blog.read_text().splitlines()] if blog.is_file() else []
+    blocks, groups = [x for x in lines if "block" in x], [x for x in lines if "group" in x]
     ok = code == 0 or (a.blocks and code == 3)
     row = {"shape": shape, "method": method, "tool": "lowbit", "nsamples": a.nsamples, "seqlen": a.seqlen,
            "iters": a.iters if method == "signround2" else None, "blocks_run": len(blocks) - 1,
            "stopped_after": a.blocks or None, "ok": bool(ok), "exit": code, "s": round(wall, 1),
            "cpu_s": round(cpu, 1), "peak_rss": peak, "out_bytes": _size(out), "per_block": blocks[1:],
+           "per_group": groups,
            "estimate": estimate(src, method, a), "commit": _commit()}
     row |= flatness(blocks[1:])
     shutil.rmtree(out, ignore_errors=True)
