@@ -21,7 +21,8 @@ interpreter's floor, over one block's float bytes).
 
 Peer: llm-compressor's ``oneshot`` with ``GPTQModifier`` (W4A16, the sequential pipeline: one
 decoder layer onloaded at a time) on the same checkpoint and the same calibration token ids,
-``--peer-python`` pointing at an interpreter that imports it (installed apart: its pins clash).
+``--peer-python`` pointing at an interpreter that imports it (installed apart: its pins clash), or
+``--peer-path`` a folder it was installed into with ``pip --target --no-deps`` (run with this interpreter).
 
     python -m benchmarks.bigmodel_calib --shapes tinyllama-1.1b --methods gptq,signround2
     python -m benchmarks.bigmodel_calib --shapes llama-3.1-8b --methods gptq --blocks 6
@@ -31,6 +32,7 @@ decoder layer onloaded at a time) on the same checkpoint and the same calibratio
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
 import os
 import resource
@@ -80,38 +82,79 @@ def _tokenizer():
 
 
 def _status() -> dict[str, int]:
-    """VmRSS and VmHWM of this process, bytes."""
+    """VmRSS and VmHWM of this process, and glibc's heap (bytes in live chunks, bytes in free chunks it keeps:
+    ``mallinfo2``, where the C library has it), bytes."""
     out = {}
     for line in Path("/proc/self/status").read_text().splitlines():
         key, _, rest = line.partition(":")
         if key in ("VmRSS", "VmHWM"):
             out[key] = int(rest.split()[0]) * 1024
-    return out
+    return out | _heap()
+
+
+class _Mallinfo2(ctypes.Structure):
+    _fields_ = [(n, ctypes.c_size_t) for n in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
+                                                "fsmblks", "uordblks", "fordblks", "keepcost")]
+
+
+def _heap() -> dict[str, int]:
+    """glibc's ``mallinfo2``: bytes in use (``uordblks``) and free but kept (``fordblks``) in its arenas."""
+    try:
+        fn = ctypes.CDLL(None).mallinfo2
+    except (AttributeError, OSError):
+        return {}
+    fn.restype = _Mallinfo2
+    m = fn()
+    return {"heap_used": m.uordblks, "heap_free": m.fordblks}
 
 
 def child_main(argv: list[str]) -> int:
     """Run ``lowbit quantize argv`` here, logging each block (seconds, CPU seconds, RSS) to $BLOCK_LOG;
-    $STOP_AFTER blocks end the run (exit code 3) when set."""
+    $STOP_AFTER blocks end the run (exit code 3) when set.
+
+    Each record holds ``VmRSS`` / ``VmHWM`` when the block's work is done (before it is written out) and
+    ``VmRSS_after`` once it is released and the walk has handed the allocator's free pages back (the
+    resident set a flat-in-depth run returns to after every block)."""
     from lowbit.cli import main
-    from lowbit.ptq.blockwise import tune
+    from lowbit.ptq import gptq
+    from lowbit.ptq.blockwise import loop, tune
 
     log = open(os.environ["BLOCK_LOG"], "a")  # noqa: SIM115 - held for the run
     stop = int(os.environ.get("STOP_AFTER", "0"))
-    finish = tune.TunePass.finish
+    finish, give_back = tune.TunePass.finish, loop.give_back_free_memory
     last = [time.perf_counter(), _cpu()]
+    pending: list[dict] = []
 
     def timed(self, i, block, result):
         finish(self, i, block, result)
         now, cpu = time.perf_counter(), _cpu()
-        log.write(json.dumps({"block": i, "s": now - last[0], "cpu_s": cpu - last[1], **_status()}) + "\n")
-        log.flush()
+        pending.append({"block": i, "s": now - last[0], "cpu_s": cpu - last[1], **_status()})
         last[:] = [now, cpu]
-        if stop and i + 1 >= stop:
+
+    def released() -> bool:
+        done = give_back()
+        if not pending:
+            return done
+        row = pending.pop()
+        log.write(json.dumps(row | {"VmRSS_after": _status()["VmRSS"]}) + "\n")
+        log.flush()
+        if stop and row["block"] + 1 >= stop:
             log.close()
             os._exit(3)
+        return done
+
+    def grouped(weights, *args, **kwargs):  # GPTQ: each group of Linears sharing an input, as it finishes
+        out = layers(weights, *args, **kwargs)
+        log.write(json.dumps({"group": list(weights), "s": time.perf_counter() - last[0], "cpu_s": _cpu() - last[1],
+                              **_status()}) + "\n")
+        log.flush()
+        return out
 
     tune.TunePass.finish = timed
+    loop.give_back_free_memory = released
+    layers, gptq.gptq_layers = gptq.gptq_layers, grouped
     log.write(json.dumps({"block": -1, "s": 0.0, "cpu_s": _cpu(), **_status()}) + "\n")
+    log.flush()
     return main(["quantize", *argv])
 
 
@@ -142,12 +185,14 @@ def run_lowbit(shape: str, method: str, a: argparse.Namespace) -> dict:
     env = {**os.environ, "BLOCK_LOG": str(blog), "STOP_AFTER": str(a.blocks or 0)}
     cmd = [sys.executable, "-m", "benchmarks.bigmodel_calib", "--child", *args]
     code, wall, cpu, peak = child(cmd, WORK / "logs" / f"{tag}.log", env)
-    blocks = [json.loads(x) for x in blog.read_text().splitlines()] if blog.is_file() else []
+    lines = [json.loads(x) for x in blog.read_text().splitlines()] if blog.is_file() else []
+    blocks, groups = [x for x in lines if "block" in x], [x for x in lines if "group" in x]
     ok = code == 0 or (a.blocks and code == 3)
     row = {"shape": shape, "method": method, "tool": "lowbit", "nsamples": a.nsamples, "seqlen": a.seqlen,
            "iters": a.iters if method == "signround2" else None, "blocks_run": len(blocks) - 1,
            "stopped_after": a.blocks or None, "ok": bool(ok), "exit": code, "s": round(wall, 1),
            "cpu_s": round(cpu, 1), "peak_rss": peak, "out_bytes": _size(out), "per_block": blocks[1:],
+           "per_group": groups,
            "estimate": estimate(src, method, a), "commit": _commit()}
     row |= flatness(blocks[1:])
     shutil.rmtree(out, ignore_errors=True)
@@ -175,7 +220,8 @@ def flatness(blocks: list[dict]) -> dict:
            "depth_flatness": round(blocks[-1]["VmHWM"] / blocks[0]["VmHWM"], 3),
            "median_block_cpu_s": round(sorted(b["cpu_s"] for b in later)[len(later) // 2], 1)}
     if len(blocks) >= 2:
-        out["rss_growth_per_block"] = int((blocks[-1]["VmRSS"] - blocks[0]["VmRSS"]) / (len(blocks) - 1))
+        key = "VmRSS_after" if "VmRSS_after" in blocks[0] else "VmRSS"  # after the release, where logged
+        out["rss_growth_per_block"] = int((blocks[-1][key] - blocks[0][key]) / (len(blocks) - 1))
     return out
 
 
@@ -237,8 +283,10 @@ def run_llmc(shape: str, a: argparse.Namespace) -> dict:
     blog.parent.mkdir(parents=True, exist_ok=True)
     blog.unlink(missing_ok=True)
     torch.save(calibration_batches(AutoTokenizer.from_pretrained(src), None, a.nsamples, a.seqlen), ids)
-    cmd = [a.peer_python, "-m", "benchmarks.bigmodel_calib", "--llmc-child", str(src), str(ids), str(a.blocks)]
-    env = {**os.environ, "BLOCK_LOG": str(blog), "PYTHONPATH": str(Path(__file__).parent.parent)}
+    cmd = [a.peer_python or sys.executable, "-m", "benchmarks.bigmodel_calib", "--llmc-child", str(src), str(ids),
+           str(a.blocks)]
+    path = [str(Path(__file__).parent.parent), *([a.peer_path] if a.peer_path else [])]
+    env = {**os.environ, "BLOCK_LOG": str(blog), "PYTHONPATH": os.pathsep.join(path)}
     code, wall, cpu, peak = child(cmd, WORK / "logs" / f"{tag}.log", env)
     blocks = [json.loads(x) for x in blog.read_text().splitlines()] if blog.is_file() else []
     row = {"shape": shape, "method": "gptq", "tool": "llmc-seq", "nsamples": a.nsamples, "seqlen": a.seqlen,
@@ -298,6 +346,9 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--table", action="store_true")
     p.add_argument("--peer-python", default=None, help="an interpreter importing llm-compressor (methods: llmc)")
+    p.add_argument("--peer-path", default=None,
+                   help="a folder put on the llm-compressor child's path (installed with pip --target --no-deps, as "
+                        "benchmarks/bigmodel.py's --peer-path), with this interpreter when --peer-python is not given")
     a = p.parse_args()
     if not a.table:
         for shape in a.shapes.split(","):

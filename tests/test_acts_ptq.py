@@ -325,3 +325,21 @@ def test_gram_is_the_symmetric_product(cols, panel):
     g = gram(x, panel)
     assert torch.equal(g, g.T)
     assert torch.allclose(g, x.T @ x, rtol=1e-12, atol=1e-10)
+
+
+def test_xtx_sums_in_float64_a_band_of_rows_at_a_time(monkeypatch):
+    """X^T X summed over batches band by band (no n x n float64 copy of each batch's float32 product) is the
+    float64 sum of the float32 products, bit for bit."""
+    from torch import nn
+
+    from lowbit.models import activations
+
+    monkeypatch.setattr(activations, "BAND", 16)
+    lin = nn.Linear(100, 4)
+    xs = [torch.randn(7, 100) * 3 for _ in range(3)]
+    with torch.no_grad(), activations.activation_stats({"l": lin}, ("xtx",), torch.float32) as st:
+        for x in xs:
+            lin(x)
+    want = sum(activations.gram(x).double() for x in xs)
+    got = st.result("xtx", torch.float64)["l"]
+    assert got.dtype == torch.float64 and torch.equal(got, want)

@@ -21,6 +21,8 @@ from lowbit.ptq.gptq import (
     gptq_layers,
     gptq_matrix,
     input_groups,
+    inverse_factor,
+    narrow_hessian,
 )
 from lowbit.ptq.methods import RunContext
 
@@ -135,6 +137,79 @@ def test_singular_hessian_raises_dampening_and_says_so():
         gptq_matrix(w, h, Scheme.parse("w4g32"), GPTQSettings())
 
 
+def reference_factor(h: torch.Tensor, perm: torch.Tensor, damp: float) -> torch.Tensor:
+    """The factor as GPTQ has always formed it, with every n x n copy made: the permuted float64 Hessian with unit
+    diagonal for dead columns, its order reversed (J H J), dampened by the mean of its diagonal view, a float32
+    Cholesky, a triangular solve of the identity, the order reversed back."""
+    hp = h.double()[perm][:, perm].clone()
+    diag = hp.diagonal()
+    diag[diag == 0] = 1.0
+    a = hp.flip(0, 1).clone()
+    a.diagonal().add_(damp * diag.mean())
+    chol = torch.linalg.cholesky(a.float())
+    return torch.linalg.solve_triangular(chol, torch.eye(len(h)), upper=False).flip(0, 1)
+
+
+class _LiveBytes(torch.utils._python_dispatch.TorchDispatchMode):
+    """The most bytes held at once by tensors created inside (views and in-place results of the inputs excluded)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.live: dict[int, int] = {}
+        self.cur = self.top = 0
+        self.refs: list = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        import functools
+        import weakref
+
+        from torch.utils._pytree import tree_leaves
+
+        kwargs = kwargs or {}
+        owned = {t.untyped_storage().data_ptr() for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
+        out = func(*args, **kwargs)
+        for t in tree_leaves(out):
+            s = t.untyped_storage() if isinstance(t, torch.Tensor) else None
+            if s is None or not s.data_ptr() or s.data_ptr() in owned or s.data_ptr() in self.live:
+                continue
+            key = s.data_ptr()
+            self.live[key] = s.nbytes()
+            self.cur += s.nbytes()
+            self.top = max(self.top, self.cur)
+            self.refs.append(weakref.ref(s, functools.partial(self._gone, key)))
+        return out
+
+    def _gone(self, key: int, _ref: object = None) -> None:
+        self.cur -= self.live.pop(key, 0)
+
+
+@pytest.mark.parametrize("dead", [0, 3])
+def test_inverse_factor_is_the_reference_bit_for_bit_from_a_float32_hessian(dead, monkeypatch):
+    """The factor built band by band, in place, from the float32 Hessian and its float64 diagonal is the one the
+    reference makes with every float64 copy (results at the identity rows must not move), and holds at most
+    3 float32 copies of H at once where the reference held 7 (the 8B shape's down_proj: 14336 wide)."""
+    import lowbit.ptq.gptq as gptq_mod
+
+    monkeypatch.setattr(gptq_mod, "BAND", 64)
+    n = 512
+    x = torch.randn(3 * n, n, dtype=torch.float64) * torch.rand(n, dtype=torch.float64) * 3
+    x[:, :dead] = 0
+    h = x.T @ x
+    perm = torch.argsort(h.diagonal().float(), descending=True, stable=True)
+    narrow, diag = narrow_hessian(h)
+    assert narrow.dtype == torch.float32 and diag.dtype == torch.float64
+    want = reference_factor(h, perm, 0.01)
+    for args in ((h, 0.01, "L", perm), (narrow, 0.01, "L", perm, diag)):
+        got, used = inverse_factor(*args)
+        assert used == 0.01 and torch.equal(got, want)
+    unit = n * n * 4
+    with _LiveBytes() as new:
+        inverse_factor(narrow, 0.01, "L", perm, diag)
+    with _LiveBytes() as old:
+        reference_factor(h, perm, 0.01)
+    assert new.top <= 3 * unit < 6 * unit <= old.top, (new.top / unit, old.top / unit)
+
+
 def test_dead_input_columns_do_not_move_others():
     h = correlated(n=64)
     h[7, :] = 0
@@ -243,9 +318,9 @@ def test_hessian_comes_from_the_inputs_a_recipe_quantizes(monkeypatch):
     seen = {}
     real = gptq_mod.gptq_layers
 
-    def spy(weights, h, settings, tensor_scales=None):
-        seen[tuple(weights)] = h.clone()
-        return real(weights, h, settings, tensor_scales)
+    def spy(weights, h, settings, tensor_scales=None, diag=None):
+        seen[tuple(weights)] = h.double()
+        return real(weights, h, settings, tensor_scales, diag)
 
     monkeypatch.setattr(gptq_mod, "gptq_layers", spy)
     job = BlockJob(0, block, layers, x, block(x, **kw)[0], kw, None, inputs={name: iq})

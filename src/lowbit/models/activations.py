@@ -68,9 +68,11 @@ class ActivationStats:
     def _add(self, kind: str, name: str, value: torch.Tensor) -> None:
         prev = self.sums[kind].get(name)
         if prev is None:
-            self.sums[kind][name] = value
+            self.sums[kind][name] = value.double()
         elif kind == "absmax":
             self.sums[kind][name] = torch.maximum(prev, value.to(prev.device))
+        elif kind == "xtx":
+            add_rows(prev, value)
         else:
             prev += value.to(prev.device)
 
@@ -100,13 +102,24 @@ def _statistic(kind: str, x: torch.Tensor, xtx_dtype: torch.dtype = torch.float6
     if kind == "sumsq":
         return x.double().pow(2).sum(0)
     if kind == "xtx":
-        return gram(x.to(xtx_dtype)).double()
+        return gram(x.to(xtx_dtype))  # summed into the float64 total by `add_rows`, a band of rows at a time
     if kind == "sumabs":
         return x.double().abs().sum(0)
     return x.abs().amax(0).double()
 
 
 PANEL = 192  # columns per panel of `gram`
+BAND = 1024  # rows per step of `add_rows`
+
+
+def add_rows(total: torch.Tensor, part: torch.Tensor, band: int = BAND) -> None:
+    """``total += part`` (float64 total, a float32 or float64 part), ``band`` rows at a time.
+
+    The same sums as casting ``part`` to float64 first, without that ``n x n`` float64 copy
+    (1.6 GB for the 14336-wide input of an 8B model's ``down_proj``): only a band is cast at once.
+    """
+    for start in range(0, part.shape[0], band):
+        total[start:start + band] += part[start:start + band].to(total.device, total.dtype)
 
 
 def gram(x: torch.Tensor, panel: int = PANEL) -> torch.Tensor:

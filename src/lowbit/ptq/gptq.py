@@ -128,28 +128,35 @@ def check_plan(settings: GPTQSettings, plan: Plan) -> None:
 
 
 # ----------------------------------------------------------------- hessian
-def inverse_factor(h: torch.Tensor, damp: float, where: str) -> tuple[torch.Tensor, float]:
-    """Upper Cholesky factor of ``(H + d * mean(diag H) * I)^-1`` and the dampening ``d`` that worked.
+BAND = 1024  # rows of the Hessian cast at once while the matrix to factor is built
 
-    Columns whose input was always zero get a unit diagonal (their weights then move no
-    other column). The factorisation runs in float32, as the reference GPTQ does (the
-    dampening bounds the condition number by about ``in_features / d``), and is retried
-    in float64 when float32 fails; if the dampened H is still not positive definite,
-    larger dampening is tried (`DAMP_RETRIES`) with a warning naming the layer; a
-    Hessian no dampening repairs (NaN or inf inputs) is an error.
+
+def inverse_factor(h: torch.Tensor, damp: float, where: str, perm: torch.Tensor | None = None,
+                   diag: torch.Tensor | None = None) -> tuple[torch.Tensor, float]:
+    """Upper Cholesky factor of ``(P^T H P + d * mean(diag H) * I)^-1`` and the dampening ``d`` that worked.
+
+    perm: the column order (None: as is). diag: ``H``'s diagonal in float64 when ``h`` itself is
+    held narrower (the dampened diagonal is formed in float64 either way). Columns whose input
+    was always zero get a unit diagonal (their weights then move no other column). The
+    factorisation runs in float32, as the reference GPTQ does (the dampening bounds the
+    condition number by about ``in_features / d``), and is retried in float64 when float32
+    fails; if the dampened H is still not positive definite, larger dampening is tried
+    (`DAMP_RETRIES`) with a warning naming the layer; a Hessian no dampening repairs (NaN or
+    inf inputs) is an error.
+
+    Memory: the permuted, order-reversed, dampened matrix is built a band of rows at a time
+    straight in the factor's dtype, so no ``n x n`` float64 copy is made (an 8B model's
+    ``down_proj`` Hessian is 14336 wide: 1.6 GB per float64 copy), and the Cholesky factor and
+    the triangular solve overwrite their inputs.
     """
-    h = h.double().clone()
-    diag = h.diagonal()
-    dead = diag == 0
-    diag[dead] = 1.0
-    mean = diag.mean()
-    flipped = h.flip(0, 1)  # J H J, J the order reversal
-    del h, diag  # an n x n float64 copy fewer while factoring (14336^2: 1.6 GB each at the 8B shape)
+    n = h.shape[0]
+    perm = torch.arange(n, device=h.device) if perm is None else perm
+    d64 = (h.diagonal() if diag is None else diag).double()[perm]  # the permuted diagonal
+    d64[d64 == 0] = 1.0
+    mean = _strided_mean(d64)
+    order = perm.flip(0)  # J P^T H P J: the permuted matrix with its order reversed
     for d in (damp, *(x for x in DAMP_RETRIES if x > damp)):
-        dampened = flipped.clone()  # + d * mean * I, without the identity and the product as n x n tensors
-        dampened.diagonal().add_(d * mean)
-        u = _factor(dampened)
-        del dampened
+        u = _factor(h, order, (d64 + d * mean).flip(0))
         if u is not None:
             if d != damp:
                 warnings.warn(f"GPTQ: the Hessian of {where} is singular with dampening {damp} (fraction of its "
@@ -161,18 +168,47 @@ def inverse_factor(h: torch.Tensor, damp: float, where: str) -> tuple[torch.Tens
                       "model's float outputs on the calibration data")
 
 
-def _factor(flipped: torch.Tensor) -> torch.Tensor | None:
-    """float32 upper factor of ``H^-1`` from ``J H J`` (float32, else float64), or None if H is not positive definite.
+def _strided_mean(v: torch.Tensor) -> torch.Tensor:
+    """``v.mean()`` summed as torch sums a matrix's diagonal view (a strided vector), bit for bit.
 
-    With ``J H J = L L^T``: ``H^-1 = (J L^-1 J)^T (J L^-1 J)`` and ``J L^-1 J`` is upper
+    torch reduces a contiguous vector in another order than a strided one; GPTQ has always
+    taken the mean of the diagonal view, and the factor must not move by an ulp for it.
+    """
+    buf = torch.empty(v.shape[0], 2, dtype=v.dtype, device=v.device)
+    buf[:, 0] = v
+    return buf[:, 0].mean()
+
+
+def _reordered(h: torch.Tensor, order: torch.Tensor, diag: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``h[order][:, order]`` in ``dtype`` with ``diag`` (float64) on its diagonal, cast a band of rows at a time."""
+    n = h.shape[0]
+    out = torch.empty(n, n, dtype=dtype, device=h.device)
+    for start in range(0, n, BAND):
+        rows = order[start:start + BAND]
+        out[start:start + BAND] = h.index_select(0, rows).index_select(1, order)
+    out.diagonal().copy_(diag)
+    return out
+
+
+def _factor(h: torch.Tensor, order: torch.Tensor, diag: torch.Tensor) -> torch.Tensor | None:
+    """float32 upper factor of ``H^-1`` from ``A = J H J`` (float32, else float64), or None if H is not positive
+    definite.
+
+    With ``A = L L^T``: ``H^-1 = (J L^-1 J)^T (J L^-1 J)`` and ``J L^-1 J`` is upper
     triangular, so it is the factor wanted: one Cholesky and one triangular solve.
     """
-    n, device = flipped.shape[0], flipped.device
     for dt in (torch.float32, torch.float64):
-        chol, info = torch.linalg.cholesky_ex(flipped.to(dt))
+        a = _reordered(h, order, diag, dt)
+        info = torch.linalg.cholesky_ex(a, out=(a, torch.empty((), dtype=torch.int32, device=a.device)))[1]
         if int(info) == 0:
-            eye = torch.eye(n, dtype=dt, device=device)
-            u = torch.linalg.solve_triangular(chol, eye, upper=False).flip(0, 1).float()
+            # column-major, as torch lays out the solution of its own: the solve then runs in place on it and
+            # gives the same bits as the out-of-place solve (a row-major one solves the transposed system)
+            inv = torch.eye(a.shape[0], dtype=dt, device=a.device).t()
+            torch.linalg.solve_triangular(a, inv, upper=False, out=inv)
+            del a
+            u = inv.flip(0, 1)
+            del inv
+            u = u.float()
             if bool(torch.isfinite(u).all()):
                 return u
     return None
@@ -180,17 +216,19 @@ def _factor(flipped: torch.Tensor) -> torch.Tensor | None:
 
 # -------------------------------------------------------------------- core
 def gptq_matrix(w: torch.Tensor, h: torch.Tensor, scheme: Scheme, settings: GPTQSettings,
-                enc: torch.Tensor | None = None, where: str = "a layer") -> tuple[torch.Tensor, Tensors, float]:
+                enc: torch.Tensor | None = None, where: str = "a layer", diag: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, Tensors, float]:
     """GPTQ of ``w [rows, in]`` under Hessian ``h [in, in]``: (grid values, stored tensors, dampening used).
 
-    enc: per-row NVFP4 tensor scales (None for other schemes). The stored tensors are
+    enc: per-row NVFP4 tensor scales (None for other schemes). diag: ``h``'s diagonal in float64
+    when ``h`` is held in float32 (see `inverse_factor`). The stored tensors are
     `Grid.tensors`' (codes, scales, zeros, K-quant super-block scales or None), rows as ``w``'s.
     """
     rows, n = w.shape
     grid = make_grid(scheme, enc, n)
-    imp = h.diagonal().float().clamp_min(0)
+    imp = (h.diagonal() if diag is None else diag).float().clamp_min(0)
     perm = torch.argsort(imp, descending=True, stable=True) if settings.act_order else torch.arange(n, device=w.device)
-    u, d = inverse_factor(h[perm][:, perm], settings.damp, where)
+    u, d = inverse_factor(h, settings.damp, where, perm, diag)
     ng = -(-n // grid.round_g)
     scale = torch.zeros(rows, ng, device=w.device)
     zero = torch.zeros(rows, ng, device=w.device) if grid.zeros else None
@@ -272,8 +310,11 @@ class _Loop:
 
 
 def gptq_layers(weights: Mapping[str, tuple[torch.Tensor, Scheme]], h: torch.Tensor, settings: GPTQSettings,
-                tensor_scales: Mapping[str, torch.Tensor] | None = None) -> tuple[dict[str, QTensor], dict[str, float]]:
+                tensor_scales: Mapping[str, torch.Tensor] | None = None, diag: torch.Tensor | None = None
+                ) -> tuple[dict[str, QTensor], dict[str, float]]:
     """GPTQ of several Linears that read the same input (one Hessian): name -> QTensor, and their errors.
+
+    diag: ``h``'s float64 diagonal when ``h`` is held in float32 (`narrow_hessian`).
 
     Layers with one scheme are stacked row-wise (GPTQ treats rows independently, so this
     is the same result for one factorisation and one column loop). The error of each
@@ -292,7 +333,7 @@ def gptq_layers(weights: Mapping[str, tuple[torch.Tensor, Scheme]], h: torch.Ten
         encs = [given[n] if n in given else own_tensor_scale(x, scheme) for n, x in zip(names, ws, strict=True)]
         enc_rows = None if encs[0] is None else torch.cat([e.expand(x.shape[0]) for e, x in zip(encs, ws, strict=True)])
         stack = torch.cat(ws)
-        deq, (codes, scale, zero, sup), d = gptq_matrix(stack, h, scheme, settings, enc_rows, where=", ".join(names))
+        deq, (codes, scale, zero, sup), d = gptq_matrix(stack, h, scheme, settings, enc_rows, ", ".join(names), diag)
         damp_used = max(damp_used, d)
         r0 = 0
         for name, x, enc in zip(names, ws, encs, strict=True):
@@ -378,6 +419,18 @@ def hessians(block: nn.Module, mods: Mapping[str, nn.Module], x: torch.Tensor, k
     return st.result("xtx", torch.float64, device or x.device)  # with the weights, wherever the cache is
 
 
+def narrow_hessian(h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A float64 Hessian as (float32 matrix, float64 diagonal): half the memory, the same GPTQ.
+
+    The float32 factorisation, the importance and the error read the matrix through float32
+    anyway; only the dampened diagonal is formed in float64, so it keeps its own copy. Only
+    the rare float64 retry of a factorisation that failed in float32 sees float32-rounded
+    off-diagonal entries.
+    """
+    diag = h.diagonal().clone()
+    return h.float(), diag
+
+
 class GPTQTuner:
     """The pipeline's per-block tuner: GPTQ of each group of Linears, in execution order."""
 
@@ -406,10 +459,12 @@ class GPTQTuner:
             hs = {} if seq or not groups else hessians(job.block, {g[0]: mods[g[0]] for g in groups}, job.x,
                                                        job.kwargs, False, **where)
             for group in groups:
-                h = hessians(job.block, {group[0]: mods[group[0]]}, job.x, job.kwargs, True, **where)[group[0]] \
-                    if seq else hs[group[0]]
+                h, diag = narrow_hessian(
+                    hessians(job.block, {group[0]: mods[group[0]]}, job.x, job.kwargs, True, **where)[group[0]]
+                    if seq else hs.pop(group[0]))
                 out, info = gptq_layers({n: (mods[n].weight, job.layers[n][1]) for n in group}, h, self.settings,
-                                        job.tensor_scales)
+                                        job.tensor_scales, diag)
+                del h
                 damp = max(damp, info["damp"])
                 errs += [v for k, v in info.items() if k.startswith("err/")]
                 for n in group:

@@ -2,8 +2,9 @@
 
 A block-wise run on a lazily loaded model (``--offload-dir``: the model built on meta, each
 decoder block read from the checkpoint when its turn comes, written out and released after)
-holds, at its peak, the parts below, none of which grows with the number of blocks (the measured
-runs still grow by ~60 MiB per block at the 1.1B shape, cause open: benchmarks/results/bigmodel_calib.md):
+holds, at its peak, the parts below, none of which grows with the number of blocks (the walk hands
+the allocator's freed pages back after each block, `lowbit.ptq.blockwise.release`; measured in
+benchmarks/results/bigmodel_calib.md):
 
 - ``runtime``: the interpreter with torch and transformers (measured: ~0.4 GiB);
 - ``outside``: the tensors outside the decoder blocks, in float32 (embeddings, the lm_head
@@ -14,8 +15,9 @@ runs still grow by ~60 MiB per block at the 1.1B shape, cause open: benchmarks/r
 - ``forward``: one chunk of samples through a block (the MLP's widest activations,
   attention's queries, keys and values);
 - ``method``: the method's own state on the block: GPTQ's Hessian of the widest Linear input
-  in float64 with the copies its factorization makes (~48 bytes per entry), SignRound's rounding and scale parameters with their
-  optimizer moments and gradients, and the backward pass of a mini-batch;
+  with the copies its factorization makes (~16 bytes per entry), SignRound's rounding and scale parameters with their
+  optimizer moments and gradients, the dequantized weights kept for the backward, and the
+  backward pass of a mini-batch;
 - ``save``: the checkpoint's tensors outside the blocks in their stored width while writing
   (after the walk: the peak is the larger of the two).
 
@@ -175,14 +177,17 @@ def _block_parts(s: Shape, method: str, tokens: int, seqlen: int, search: bool, 
     caches = 1 + int(TRACKS_FP.get(method, False) or search)
     parts = {"caches": caches * tokens * s.hidden * f32, "forward": _forward(s, seqlen)}
     if method == "gptq":
-        # the widest input's Hessian in float64 (kept for the error), its permuted copy, J H J and its dampened
-        # copy, then the float32 factor and solve (~48 bytes per entry at the peak); the widest group of Linears
+        # the widest input's Hessian: summed in float64 beside one batch's float32 product (12 bytes per entry),
+        # then held in float32 while its factor is built in place beside it (at most 3 more float32 copies:
+        # 16 bytes per entry at the peak, `lowbit.ptq.gptq.inverse_factor`); the widest group of Linears
         # sharing an input (gate + up) stacked in float32, with its dequantized copy and the error rows
         n = s.widest_input
         group = 2 * s.intermediate * s.experts * s.hidden
-        parts["method"] = 48 * n * n + 4 * group * f32
-    else:  # SignRound: V, scale / min parameters, Adam's two moments and the gradients, per block weight
-        per_weight = 4 * f32
+        parts["method"] = 16 * n * n + 4 * group * f32
+    else:  # SignRound: V, scale / min parameters, Adam's two moments and the gradients, per block weight, and the
+        # dequantized weights the forward keeps for the backward (without them the estimate was 8 % under the
+        # measured high-water mark at 1.1B, 13 % with the per-block growth since fixed: bigmodel_calib.md)
+        per_weight = 5 * f32
         backward = batch_size * seqlen * (4 * s.intermediate + 8 * s.hidden) * f32 * 2
         parts["method"] = s.block_params * per_weight + backward
     return parts

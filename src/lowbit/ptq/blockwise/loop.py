@@ -42,7 +42,7 @@ from lowbit.ptq.blockwise.cache import disk_caches
 from lowbit.ptq.blockwise.capture import capture_inputs
 from lowbit.ptq.blockwise.offload import DiskOffload, block_loader
 from lowbit.ptq.blockwise.options import cache_place
-from lowbit.ptq.blockwise.release import release_block
+from lowbit.ptq.blockwise.release import give_back_free_memory, release_block
 from lowbit.ptq.blockwise.shards import Shard, check_world, rank_folder
 from lowbit.ptq.blockwise.store import open_workdir, resume_point
 from lowbit.ptq.methods import RunContext
@@ -155,6 +155,7 @@ def _walk(model: nn.Module, task: BlockPass, record: Mapping[str, Any], ctx: Run
             loader.store(i, block)  # the folder holds the block as the pass left it; memory holds none
         elif not (release and release_block(model, walk.names[id(block)], i, block, release)):
             block.to(task.home(i))
+        give_back_free_memory()  # the block's freed chunks, kept by the allocator otherwise (release.py)
         info["seconds"] = time.perf_counter() - t0
         infos.append(info)
         bar.set_postfix({k: f"{v:.3g}" for k, v in info.items() if k in ("loss", "rtn_loss")})
