@@ -162,10 +162,10 @@ def print_compare(name: str, r: dict) -> None:
 
 
 def agreement(ours: torch.Tensor, theirs: torch.Tensor, x: torch.Tensor, block: int = 16) -> dict:
-    """Relative errors of two quantize-dequantize results of ``x``, and the share of elements
+    """Relative squared errors of two quantize-dequantize results of ``x``, and the share of elements
     (and of blocks) where they differ by more than float rounding (1e-5 relative)."""
     differ = (ours - theirs).abs() > 1e-5 * theirs.abs()
-    return {"rel_err_lowbit": relative_error(x, ours), "rel_err_fouroversix": relative_error(x, theirs),
+    return {"rel_mse_lowbit": relative_error(x, ours), "rel_mse_fouroversix": relative_error(x, theirs),
             "elements_differing": float(differ.float().mean()),
             "blocks_differing": float(differ.reshape(x.shape[0], -1, block).any(-1).float().mean())}
 
@@ -196,14 +196,14 @@ def offgrid_agreement(stride: int, samples: int = 2, seqlen: int = 256) -> dict:
         w, x = weights[n], inputs[n].reshape(-1, inputs[n].shape[-1]).float()
         sh = quantize(w, ws, tensor_scale=shared[n]).dequantize().float()
         rows[n] = {"weight": agreement(quantize(w, ws).dequantize().float(), fos(w), w),
-                   "weight_rel_err_shared_tensor_scale": relative_error(w, sh),
+                   "weight_rel_mse_shared_tensor_scale": relative_error(w, sh),
                    "input": agreement(qdq_input(x, ins, x.abs().max()), fos(x), x),
                    "input_amax": float(x.abs().max())}
         print(n, rows[n], flush=True)
     worst = {f"{part}_elements_differing": max(r[part]["elements_differing"] for r in rows.values())
              for part in ("weight", "input")}
-    worst["weight_rel_err_own"] = max(r["weight"]["rel_err_lowbit"] for r in rows.values())
-    worst["weight_rel_err_shared_tensor_scale"] = max(r["weight_rel_err_shared_tensor_scale"] for r in rows.values())
+    worst["weight_rel_mse_own"] = max(r["weight"]["rel_mse_lowbit"] for r in rows.values())
+    worst["weight_rel_mse_shared_tensor_scale"] = max(r["weight_rel_mse_shared_tensor_scale"] for r in rows.values())
     return {"layer_stride": stride, "tokens": samples * seqlen, "layers": rows, "worst": worst}
 
 
