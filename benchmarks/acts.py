@@ -25,6 +25,7 @@ Results merge into benchmarks/results/acts.json as rows finish.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 import time
@@ -52,6 +53,10 @@ ROWS: dict[str, dict[str, Any]] = {
                                  "input_tensor_scale": "per-call"},
     "nvfp4-rtn-46-percall": {"tool": "lowbit", "method": "rtn", "scheme": "w4a4-nvfp4-46", "search": False,
                              "input_tensor_scale": "per-call"},
+    # ... and each Linear's own weight tensor scale instead of its fused q/k/v or gate/up group's shared one
+    # (vLLM keeps one per fused matmul; fouroversix computes one per weight): both peer conventions at once
+    "nvfp4-rtn-46-percall-own": {"tool": "lowbit", "method": "rtn", "scheme": "w4a4-nvfp4-46", "search": False,
+                                 "input_tensor_scale": "per-call", "weight_tensor_scale": "own"},
     "nvfp4-fouroversix-46": {"tool": "fouroversix", "dtype": "nvfp4", "scale_rule": "mse"},
     "nvfp4-fouroversix-6": {"tool": "fouroversix", "dtype": "nvfp4", "scale_rule": "static_6"},
     # --- W4A4 RTN (importance-searched weights) and SignRoundV2 vs auto-round
@@ -127,7 +132,8 @@ def run_lowbit(spec: dict, lm, calib) -> dict:
     else:
         names = [n for n in layers if "blocks" not in spec or int(n.split(".layers.")[1].split(".")[0]) < spec["blocks"]]
         plan = Plan.uniform(names, spec["scheme"])
-    applied = quantize_model(lm.model, plan, spec["method"], settings, calib=calib, mixed=mixed, progress=False)
+    with own_weight_tensor_scales(spec.get("weight_tensor_scale") == "own"):
+        applied = quantize_model(lm.model, plan, spec["method"], settings, calib=calib, mixed=mixed, progress=False)
     if spec.get("input_tensor_scale") == "per-call":
         per_call_input_scales(lm.model)
     sizes = {n: (m.out_features, m.in_features) for n, m in layers.items()}
@@ -135,6 +141,31 @@ def run_lowbit(spec: dict, lm, calib) -> dict:
     if "avg_bits" in spec:
         out["high_layers"] = sum(1 for r in applied.layers.values() if r.weight.bits == 8)
     return out
+
+
+@contextlib.contextmanager
+def own_weight_tensor_scales(on: bool):
+    """While ``on``: RTN gives every Linear its own NVFP4 weight tensor scale, not its fused group's (diagnostic).
+
+    lowbit shares one tensor scale across the q/k/v and gate/up parts an engine fuses,
+    because vLLM keeps only one per fused matmul; fouroversix's in-memory model computes one
+    per weight. Swapping RTN's sharing step for the identity measures what that costs; the
+    resulting model is not one vLLM could load as is.
+    """
+    if not on:
+        yield
+        return
+    from lowbit.models import fused
+    from lowbit.ptq import rtn
+
+    def own(weights, schemes):
+        return {n: e for n, w in weights.items() if (e := fused.own_tensor_scale(w, schemes[n])) is not None}
+
+    shared, rtn.shared_tensor_scales = rtn.shared_tensor_scales, own
+    try:
+        yield
+    finally:
+        rtn.shared_tensor_scales = shared
 
 
 def per_call_input_scales(model) -> int:

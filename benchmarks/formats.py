@@ -9,6 +9,11 @@ runs for timings:
    tensor copy of the same data as the memory-bound reference.
 2. Scale rules at block 8 on the bundled model: abs-max, 4-over-6, span, brute force.
 3. The block-size study (8, 16, 32, 64) on the bundled model, optionally with perplexity.
+4. ``offgrid``: NVFP4 4-over-6 element by element, lowbit vs fouroversix, on the off-grid
+   copy's Linear weights (each its own tensor scale) and on their inputs (a forward over
+   calibration tokens, each input's own abs-max as its tensor scale, fouroversix's
+   convention), plus lowbit's weight error with each fused q/k/v or gate/up group's shared
+   tensor scale (what vLLM keeps) against each weight's own.
 
 Results go to benchmarks/results/formats.json (written atomically after every part, so a
 partial run keeps what it finished; parts not run keep their earlier results) and a table
@@ -30,8 +35,8 @@ import torch
 from benchmarks.common import load_results, machine, out_path, require_peer, save_results, timed
 from lowbit.formats import qdq, relative_error
 
-PARTS = ("study", "tensor", "model", "rules")
-PEER_PARTS = ("tensor", "model")  # the parts that compare against fouroversix
+PARTS = ("study", "tensor", "model", "rules", "offgrid")
+PEER_PARTS = ("tensor", "model", "offgrid")  # the parts that compare against fouroversix
 
 
 def timed_result(fn, repeats: int):
@@ -156,6 +161,52 @@ def print_compare(name: str, r: dict) -> None:
             print(f"{k:<24} {v['rel_mse']:>12.7f} {v['seconds']:>9.2f} {v['x_copy']:>8.1f}")
 
 
+def agreement(ours: torch.Tensor, theirs: torch.Tensor, x: torch.Tensor, block: int = 16) -> dict:
+    """Relative squared errors of two quantize-dequantize results of ``x``, and the share of elements
+    (and of blocks) where they differ by more than float rounding (1e-5 relative)."""
+    differ = (ours - theirs).abs() > 1e-5 * theirs.abs()
+    return {"rel_mse_lowbit": relative_error(x, ours), "rel_mse_fouroversix": relative_error(x, theirs),
+            "elements_differing": float(differ.float().mean()),
+            "blocks_differing": float(differ.reshape(x.shape[0], -1, block).any(-1).float().mean())}
+
+
+def offgrid_agreement(stride: int, samples: int = 2, seqlen: int = 256) -> dict:
+    """NVFP4 4-over-6 on the off-grid copy, lowbit vs fouroversix, weights and inputs (module doc, part 4)."""
+    from benchmarks.common import offgrid_folder
+    from lowbit.data import calibration_batches
+    from lowbit.formats import Scheme, quantize
+    from lowbit.formats.inputs import InputScheme, qdq_input
+    from lowbit.models import linear_layers, load_model
+    from lowbit.models.fused import shared_tensor_scales
+
+    lm = load_model(str(offgrid_folder()))
+    layers = dict(list(linear_layers(lm.model).items())[::stride])
+    inputs: dict[str, torch.Tensor] = {}
+    hooks = [m.register_forward_pre_hook(lambda _m, a, n=n: inputs.__setitem__(n, a[0].detach()))
+             for n, m in layers.items()]
+    with torch.no_grad():
+        lm.model(calibration_batches(lm.tokenizer, None, nsamples=samples, seqlen=seqlen, seed=0))
+    for h in hooks:
+        h.remove()
+    fos, ws, ins = fouroversix_qdq("mse"), Scheme.parse("nvfp4-46"), InputScheme.base("nvfp4-46")
+    weights = {n: m.weight.detach().float() for n, m in linear_layers(lm.model).items()}
+    shared = shared_tensor_scales(weights, {n: ws for n in weights})
+    rows = {}
+    for n in layers:
+        w, x = weights[n], inputs[n].reshape(-1, inputs[n].shape[-1]).float()
+        sh = quantize(w, ws, tensor_scale=shared[n]).dequantize().float()
+        rows[n] = {"weight": agreement(quantize(w, ws).dequantize().float(), fos(w), w),
+                   "weight_rel_mse_shared_tensor_scale": relative_error(w, sh),
+                   "input": agreement(qdq_input(x, ins, x.abs().max()), fos(x), x),
+                   "input_amax": float(x.abs().max())}
+        print(n, rows[n], flush=True)
+    worst = {f"{part}_elements_differing": max(r[part]["elements_differing"] for r in rows.values())
+             for part in ("weight", "input")}
+    worst["weight_rel_mse_own"] = max(r["weight"]["rel_mse_lowbit"] for r in rows.values())
+    worst["weight_rel_mse_shared_tensor_scale"] = max(r["weight_rel_mse_shared_tensor_scale"] for r in rows.values())
+    return {"layer_stride": stride, "tokens": samples * seqlen, "layers": rows, "worst": worst}
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m benchmarks.formats", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -164,7 +215,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--schemes", default="nvfp4,nvfp4:guard=1,nvfp4-46,nvfp4-46:rule=span,nvfp4-ue5m3")
     p.add_argument("--blocks", default="8,16,32,64")
     p.add_argument("--layer-stride", type=int, default=1,
-                   help="use every N-th Linear of the bundled model (1 = all; the CPU budget may need more)")
+                   help="use every N-th Linear of the bundled model (offgrid part: of its off-grid copy; 1 = all; "
+                        "the CPU budget may need more)")
     p.add_argument("--fos-repeats", type=int, default=None, help="repeats for fouroversix (default --repeats)")
     p.add_argument("--ppl-windows", type=int, default=0, help="perplexity windows per study point (0 = none)")
     p.add_argument("--out", default=None, help="results file (default benchmarks/results/formats.json)")
@@ -210,6 +262,9 @@ def main(argv: list[str] | None = None) -> None:
         save(results)
     if "rules" in parts:
         results["rules_block8"] = rules_table(weights)
+        save(results)
+    if "offgrid" in parts:
+        results["offgrid_nvfp4_46_agreement"] = offgrid_agreement(args.layer_stride)
         save(results)
     print(f"\nwrote {out}")
 

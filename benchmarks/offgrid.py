@@ -129,6 +129,9 @@ HEADLINE: list[tuple[str, list, list, str]] = [
     # the peers' input convention (each input's own tensor scale at every call): a diagnostic of the rows above
     ("W4A4 NVFP4 4-over-6 RTN, no search, per-call input scale", [("acts", {"row": "nvfp4-rtn-46-percall"})],
      [("acts", {"row": "nvfp4-fouroversix-46"})], "fouroversix"),
+    # ... and each weight's own tensor scale instead of its fused group's shared one: fouroversix's model exactly
+    ("W4A4 NVFP4 4-over-6 RTN, no search, per-call input scale, own weight tensor scales",
+     [("acts", {"row": "nvfp4-rtn-46-percall-own"})], [("acts", {"row": "nvfp4-fouroversix-46"})], "fouroversix"),
     ("W4A4 NVFP4 RTN abs-max, per-call input scale", [("acts", {"row": "nvfp4-rtn-absmax-percall"})],
      [("acts", {"row": "nvfp4-ar-rtn"})], "auto-round"),
     ("W4A4 MXFP4 RTN", [("acts", {"row": "mxfp4-rtn"})], [("acts", {"row": "mxfp4-ar-rtn"})], "auto-round"),

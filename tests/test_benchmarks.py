@@ -216,3 +216,32 @@ def test_acts_per_call_input_scales_follow_each_input() -> None:
     assert static > 0.5 and err() < 0.15, (static, err())
     with pytest.raises(RuntimeError, match="no static input quantizer"):
         per_call_input_scales(nn.Sequential(nn.Linear(4, 4)))
+
+
+def test_acts_own_weight_tensor_scales_give_each_fused_part_its_own_and_restore_sharing() -> None:
+    """The fouroversix-convention row: inside the context RTN quantizes q/k/v and gate/up with each weight's own
+    NVFP4 tensor scale (not the group's shared smallest one); afterwards RTN shares again."""
+    from ptq_helpers import uniform
+
+    from benchmarks.acts import own_weight_tensor_scales
+    from lowbit.files.fused import fused_groups
+    from lowbit.formats import Scheme
+    from lowbit.models.fused import own_tensor_scale
+    from lowbit.nn import quant_layers
+    from lowbit.ptq import quantize_model
+
+    def scales(own_scales: bool) -> tuple[dict, list]:
+        model = tiny_model()
+        plan = uniform(model, "nvfp4")
+        own = {n: float(own_tensor_scale(model.get_submodule(n).weight, Scheme.parse("nvfp4"))) for n in plan}
+        with own_weight_tensor_scales(own_scales):
+            quantize_model(model, plan, "rtn", {"search": False}, progress=False)
+        got = {n: float(m.tensor_scale) for n, m in quant_layers(model).items()}
+        return {n: (got[n], own[n]) for n in plan}, fused_groups(plan)
+
+    pairs, groups = scales(True)
+    assert all(got == own for got, own in pairs.values())
+    assert any(len({pairs[n][1] for n in g}) > 1 for g in groups)  # sharing would have changed some
+    pairs, _ = scales(False)  # the context restored RTN's sharing
+    for g in groups:
+        assert {pairs[n][0] for n in g} == {min(pairs[n][1] for n in g)}
