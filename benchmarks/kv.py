@@ -78,8 +78,10 @@ def measure(model: Any, kv: str, tokens: Any, calib: Any, seqlen: int, windows: 
     elif kv != "none":
         scheme = KVScheme.parse(kv)
         t0 = time.perf_counter()
-        calibrate_kv(model, calib, scheme, values_folded=scheme.rotate)
+        attns = calibrate_kv(model, calib, scheme, values_folded=scheme.rotate)
         row["calibrate_s"] = round(time.perf_counter() - t0, 1)
+        if scheme.static and not scheme.per_head:  # the calibrated scales, to compare with a peer's
+            row |= {f"{b}s": {n: float(getattr(a, b)) for n, a in attns.items()} for b in ("k_scale", "v_scale")}
         row["kv_bytes_per_token"] = scheme.bytes_per_token(layers, heads, dim)
     else:
         row["kv_bytes_per_token"] = row["kv_bytes_per_token_16bit"]

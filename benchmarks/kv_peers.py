@@ -117,7 +117,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
            "kv_bytes_per_token_16bit": 2 * layers * heads * dim * 2,
            "scales_from": f"llmcompressor {peer['llmcompressor']} (transformers {peer['transformers']}) "
                           "QuantizationModifier kv_cache_scheme fp8 tensor static, observer minmax",
-           "k_scale": {n: ks[0] for n, ks in peer["scales"].items()},
+           "k_scales": {n: ks[0] for n, ks in peer["scales"].items()},
+           "v_scales": {n: ks[1] for n, ks in peer["scales"].items()},
            **common.model_fields(args.model), "machine": common.machine()}
     common.merge_row(args.out, row, row_key)
     print(f"float fp8-llmc ppl {r.ppl:.4f} [{r.seconds:.0f} s]", flush=True)

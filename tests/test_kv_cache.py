@@ -61,6 +61,28 @@ def test_int8_static_and_dynamic_token_references():
     assert torch.allclose(qdq_kv(x, KVScheme.parse("fp8-token")), fp8(x / tok) * tok, rtol=0, atol=1e-6)
 
 
+def _vllm_per_token_head(x, qmax, integer):
+    """vLLM 0.32's per-token-head cache write (v1/attention/ops/triton_reshape_and_cache_flash.py), in torch: scale =
+    max(abs-max of the token's head / qmax, 1e-6); INT8 rounds halves away from zero, then clamps to [-128, 127]."""
+    scale = (x.abs().amax(-1, keepdim=True) / qmax).clamp_min(1e-6)
+    q = x / scale
+    q = torch.where(q >= 0, q + 0.5, q - 0.5).trunc().clamp(-128, 127) if integer else fp8(q)
+    return q * scale
+
+
+def test_token_schemes_are_what_vllms_per_token_head_cache_dtypes_store():
+    from lowbit.files.kv_export import kv_refusal, vllm_cache_dtype
+
+    x = keys(torch.randn(2, 3, 7, 64))
+    assert torch.allclose(qdq_kv(x, KVScheme.parse("fp8-token")), _vllm_per_token_head(x, 448, False), rtol=0,
+                          atol=1e-6)
+    assert torch.allclose(qdq_kv(x, KVScheme.parse("int8-token")), _vllm_per_token_head(x, 127, True), rtol=0,
+                          atol=1e-6)  # random floats hit no exact half, where the two roundings differ
+    assert [vllm_cache_dtype(KVScheme.parse(n)) for n in ("int8-token", "fp8-token", "fp8", "int4", "int8-token-rot")] \
+        == ["int8_per_token_head", "fp8_per_token_head", None, None, None]
+    assert "kv_cache_dtype=int8_per_token_head" in kv_refusal("compressed-tensors", KVScheme.parse("int8-token"))
+
+
 def test_int4_groups_along_head_dim_reference():
     x = keys(torch.randn(2, 3, 5, 64))
     g = x.reshape(2, 3, 5, 2, 32)
