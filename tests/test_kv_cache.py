@@ -656,14 +656,15 @@ def _trial_error(attn, q, k, v, out, which, sc, shape):
 
 @pytest.mark.parametrize("name", ["fp8", "fp8-head"])
 def test_fp8_scale_search_picks_the_least_attention_output_error(name):
-    """scale=attn: each static FP8 key scale is amax / 448 * 2^(j/16), j = -16..15, with the least error of the
+    """scale=attn (not the default): each static FP8 key scale is amax / 448 * 2^(j/16), j = -16..15, with the least error of the
     attention's output (values float), each value scale likewise (keys float) — brute force over the 32 candidates
     with torch's float8 cast and an attention written out here; never worse than amax / 448 (j = 0)."""
     model, amax_model = tiny(4), tiny(4)
-    calibrate_kv(amax_model, IDS, KVScheme.parse(name + ":scale=amax"))
+    calibrate_kv(amax_model, IDS, KVScheme.parse(name))  # the default: amax / 448
     inputs = _attention_inputs(model)
-    calibrate_kv(model, IDS, KVScheme.parse(name))
-    s = KVScheme.parse(name)
+    s = KVScheme.parse(name + ":scale=attn")
+    assert s.name == name + ":scale=attn" and not KVScheme.parse(name).search
+    calibrate_kv(model, IDS, s)
     shape = (1, -1, 1, 1) if s.per_head else ()
     factors = 2 ** (torch.arange(-16, 16) / 16)
     chosen = []

@@ -36,8 +36,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "calibrated on the calibration split; fp8 is what vLLM's kv_cache_dtype=fp8 loads), "
                         "fp8-head / int8-head (per KV head), fp8-token / int8-token (dynamic), int4 (groups of 32 "
                         "along head_dim), nvfp4, mxfp4; add -rot to rotate keys and values by a Hadamard per head "
-                        "(QuaRot; for 4-bit KV). Options: int4:block=64, fp8:scale=amax (FP8 scales are chosen by "
-                        "the attention output's error by default). Several, with --kv-bits: the candidates of a "
+                        "(QuaRot; for 4-bit KV). Options: int4:block=64, fp8:scale=attn (FP8 scales searched by "
+                        "the attention output's error; default amax/448). Several, with --kv-bits: the candidates of a "
                         "per-layer choice")
     p.add_argument("--kv-bits", metavar="B", type=float, default=None,
                    help="mixed-precision KV cache: each layer gets one of the --kv schemes (e.g. --kv fp8,int8,int4), "
