@@ -15,6 +15,10 @@ bytes an element).
     python -m benchmarks.kv                                            # benchmarks/results/kv.json
     python -m benchmarks.kv --seqlen 2048 --windows 1 --weights float,w4a4-nvfp4  # a loaded CPU
     python -m benchmarks.kv --model offgrid --seqlen 2048 --windows 1
+    python -m benchmarks.kv --weights float --kv none,int4:block=16,mix:int8+int4@6 --seqlen 2048 --windows 3
+
+A ``mix:A+B@BITS`` entry is a per-layer choice among A, B by DeltaLoss within BITS per cached
+element (``lowbit quantize --kv A,B --kv-bits BITS``); ``--seed`` moves the calibration samples.
 """
 
 from __future__ import annotations
@@ -30,6 +34,13 @@ from benchmarks import common
 WEIGHTS = ("float", "w4a4-nvfp4", "w8a8-int8")
 KV = ("none", "fp8", "fp8-head", "int8", "int4", "int4-rot", "nvfp4", "nvfp4-rot")
 RESULTS = "kv.json"
+MIXED = "mix:"  # a per-layer KV choice: mix:int8+int4@6 (options, average bits per cached element)
+
+
+def row_key(r: dict[str, Any]) -> tuple:
+    """A row's identity in ``kv.json`` (rows from before ``calib_seed`` existed were calibrated with seed 0)."""
+    return (r.get("model"), r.get("weights"), r.get("kv"), r.get("values_rotated"), r.get("seqlen"), r.get("windows"),
+            r.get("calib_seed", 0))
 
 
 def longest_window(model: Any, n_tokens: int) -> int:
@@ -62,11 +73,15 @@ def measure(model: Any, kv: str, tokens: Any, calib: Any, seqlen: int, windows: 
     row: dict[str, Any] = {"kv": kv}
     layers, heads, dim = cache_shape(model)
     row["kv_bytes_per_token_16bit"] = 2 * layers * heads * dim * 2
-    if kv != "none":
+    if kv.startswith(MIXED):
+        row |= mixed_cache(model, kv, calib)
+    elif kv != "none":
         scheme = KVScheme.parse(kv)
         t0 = time.perf_counter()
-        calibrate_kv(model, calib, scheme, values_folded=scheme.rotate)
+        attns = calibrate_kv(model, calib, scheme, values_folded=scheme.rotate)
         row["calibrate_s"] = round(time.perf_counter() - t0, 1)
+        if scheme.static and not scheme.per_head:  # the calibrated scales, to compare with a peer's
+            row |= {f"{b}s": {n: float(getattr(a, b)) for n, a in attns.items()} for b in ("k_scale", "v_scale")}
         row["kv_bytes_per_token"] = scheme.bytes_per_token(layers, heads, dim)
     else:
         row["kv_bytes_per_token"] = row["kv_bytes_per_token_16bit"]
@@ -76,13 +91,31 @@ def measure(model: Any, kv: str, tokens: Any, calib: Any, seqlen: int, windows: 
     return row
 
 
+def mixed_cache(model: Any, kv: str, calib: Any) -> dict[str, Any]:
+    """``mix:A+B+...@BITS``: each attention's scheme chosen among A, B, ... by DeltaLoss's KV term within BITS per
+    cached element (`lowbit.ptq.mixed.mixed_kv`, what ``lowbit quantize --kv A,B --kv-bits BITS`` runs), then
+    installed and calibrated on the same calibration tokens."""
+    from lowbit.nn.kv_quant import cache_shapes, calibrate_kv
+    from lowbit.ptq.mixed import mixed_kv
+
+    options, _, bits = kv[len(MIXED):].partition("@")
+    t0 = time.perf_counter()
+    choice = mixed_kv(model, options.split("+"), float(bits), calib, nsamples=len(calib), progress=False)
+    calibrate_kv(model, calib, choice, values_folded=next(iter(choice.values())).rotate)
+    shapes = cache_shapes(model)
+    names = [s.name for s in choice.values()]
+    return {"calibrate_s": round(time.perf_counter() - t0, 1), "per_layer": {n: s.name for n, s in choice.items()},
+            "counts": {n: names.count(n) for n in dict.fromkeys(names)},
+            "kv_bytes_per_token": sum(s.bytes_per_token(1, *shapes[n]) for n, s in choice.items())}
+
+
 def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     from lowbit.data import eval_tokens
 
     lm = common.bundled_model(args.threads, model=args.model)
     tokens = eval_tokens(lm.tokenizer)
     seqlen = args.seqlen or longest_window(lm.model, tokens.numel())
-    calib = common.calibration(lm.tokenizer, args.nsamples, args.calib_seqlen)
+    calib = common.calibration(lm.tokenizer, args.nsamples, args.calib_seqlen, seed=args.seed)
     rows = []
     for weights in args.weights.split(","):
         base: dict[bool, float] = {}
@@ -96,7 +129,8 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
             for kv in kvs:
                 row = measure(model, kv, tokens, calib, seqlen, args.windows)
                 row |= {"weights": weights, "values_rotated": rotated, "seqlen": seqlen, "windows": args.windows,
-                        "calib": f"{args.nsamples}x{args.calib_seqlen}", **common.model_fields(args.model),
+                        "calib": f"{args.nsamples}x{args.calib_seqlen}", "calib_seed": args.seed,
+                        **common.model_fields(args.model),
                         "machine": common.machine()}
                 if kv == "none":
                     base[rotated] = row["ppl"]
@@ -104,7 +138,7 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
                 if ref is not None:
                     row["ppl_vs_float_kv"] = row["ppl"] / ref - 1
                 rows.append(row)
-                common.merge_row(args.out, row, ("model", "weights", "kv", "values_rotated", "seqlen", "windows"))
+                common.merge_row(args.out, row, row_key)
                 print(f"{weights:12s} {kv:10s} rot={int(rotated)} ppl {row['ppl']:.4f} "
                       f"({100 * row.get('ppl_vs_float_kv', 0):+.2f} %) {row['kv_bytes_per_token']:.0f} B/token "
                       f"[{row['eval_s']:.0f} s]", flush=True)
@@ -128,7 +162,8 @@ def table(rows: list[dict[str, Any]]) -> str:
     rows = with_costs(rows)
     return common.markdown_table(
         ["model", "weights", "KV", "seqlen x windows", "ppl", "vs float KV", "KV bytes/token"],
-        [[r["model"], r["weights"], r["kv"], f"{r['seqlen']} x {r['windows']}", f"{r['ppl']:.3f}",
+        [[r["model"], r["weights"], r["kv"] + (f" (calib seed {r['calib_seed']})" if r.get("calib_seed") else ""),
+          f"{r['seqlen']} x {r['windows']}", f"{r['ppl']:.3f}",
           f"{100 * r['ppl_vs_float_kv']:+.2f} %" if "ppl_vs_float_kv" in r else "", f"{r['kv_bytes_per_token']:.0f}"]
          for r in rows])
 
@@ -144,6 +179,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--windows", type=int, default=2)
     p.add_argument("--nsamples", type=int, default=16)
     p.add_argument("--calib-seqlen", type=int, default=512)
+    p.add_argument("--seed", type=int, default=0, help="where the calibration samples start (rows keep it)")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--out", default=RESULTS)
     p.add_argument("--table", action="store_true", help="print the table of the --out file's rows and exit")

@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks import common
-from benchmarks.kv import RESULTS
+from benchmarks.kv import RESULTS, row_key
 
 
 def llmc_scales(model: Any, tokenizer: Any, calib: Any) -> dict[str, tuple[Any, Any]]:
@@ -72,11 +72,12 @@ def calibrate(args: argparse.Namespace) -> None:
     import transformers
 
     lm = common.bundled_model(args.threads, model=args.model)
-    calib = common.calibration(lm.tokenizer, args.nsamples, args.calib_seqlen)
+    calib = common.calibration(lm.tokenizer, args.nsamples, args.calib_seqlen, seed=args.seed)
     t0 = time.perf_counter()
     scales = llmc_scales(lm.model, lm.tokenizer, calib)
     out = {"llmcompressor": llmcompressor.__version__, "transformers": transformers.__version__,
-           "calib": f"{args.nsamples}x{args.calib_seqlen}", "calibrate_s": round(time.perf_counter() - t0, 1),
+           "calib": f"{args.nsamples}x{args.calib_seqlen}", "calib_seed": args.seed,
+           "calibrate_s": round(time.perf_counter() - t0, 1),
            "scales": {n: [float(k.reshape(-1)[0]), float(v.reshape(-1)[0])] for n, (k, v) in sorted(scales.items())}}
     Path(args.calibrate).write_text(json.dumps(out, indent=1))
     print(f"wrote {args.calibrate}: {len(scales)} attentions, {out['calibrate_s']} s", flush=True)
@@ -94,9 +95,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     from lowbit.nn.kv_quant import attention_modules, cache_shape, install_kv, set_scales
 
     peer = json.loads(Path(args.scales).read_text())
-    if peer["calib"] != f"{args.nsamples}x{args.calib_seqlen}":
-        raise SystemExit(f"error: {args.scales} was calibrated on {peer['calib']} tokens; pass the same "
-                         "--nsamples / --calib-seqlen")
+    if (peer["calib"], peer.get("calib_seed", 0)) != (f"{args.nsamples}x{args.calib_seqlen}", args.seed):
+        raise SystemExit(f"error: {args.scales} was calibrated on {peer['calib']} tokens, seed "
+                         f"{peer.get('calib_seed', 0)}; pass the same --nsamples / --calib-seqlen / --seed")
     lm = common.bundled_model(args.threads, model=args.model)
     tokens = eval_tokens(lm.tokenizer)
     scheme = KVScheme.parse("fp8:scale=amax")  # the scales are set from the file, not calibrated
@@ -110,15 +111,16 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     r = perplexity(lm.model, tokens, seqlen=args.seqlen, windows=args.windows, progress=False)
     layers, heads, dim = cache_shape(lm.model)
     row = {"kv": "fp8-llmc", "weights": "float", "values_rotated": False, "seqlen": args.seqlen,
-           "windows": args.windows, "calib": peer["calib"], "ppl": r.ppl, "eval_tokens": r.tokens,
+           "windows": args.windows, "calib": peer["calib"], "calib_seed": args.seed, "ppl": r.ppl, "eval_tokens": r.tokens,
            "eval_s": r.seconds, "calibrate_s": peer["calibrate_s"],
            "kv_bytes_per_token": scheme.bytes_per_token(layers, heads, dim),
            "kv_bytes_per_token_16bit": 2 * layers * heads * dim * 2,
            "scales_from": f"llmcompressor {peer['llmcompressor']} (transformers {peer['transformers']}) "
                           "QuantizationModifier kv_cache_scheme fp8 tensor static, observer minmax",
-           "k_scale": {n: ks[0] for n, ks in peer["scales"].items()},
+           "k_scales": {n: ks[0] for n, ks in peer["scales"].items()},
+           "v_scales": {n: ks[1] for n, ks in peer["scales"].items()},
            **common.model_fields(args.model), "machine": common.machine()}
-    common.merge_row(args.out, row, ("model", "weights", "kv", "values_rotated", "seqlen", "windows"))
+    common.merge_row(args.out, row, row_key)
     print(f"float fp8-llmc ppl {r.ppl:.4f} [{r.seconds:.0f} s]", flush=True)
     return row
 
@@ -130,6 +132,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--windows", type=int, default=3)
     p.add_argument("--nsamples", type=int, default=8)
     p.add_argument("--calib-seqlen", type=int, default=512)
+    p.add_argument("--seed", type=int, default=0, help="where the calibration samples start (the same in both steps)")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--out", default=RESULTS)
     step = p.add_mutually_exclusive_group(required=True)

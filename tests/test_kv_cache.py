@@ -61,6 +61,28 @@ def test_int8_static_and_dynamic_token_references():
     assert torch.allclose(qdq_kv(x, KVScheme.parse("fp8-token")), fp8(x / tok) * tok, rtol=0, atol=1e-6)
 
 
+def _vllm_per_token_head(x, qmax, integer):
+    """vLLM 0.32's per-token-head cache write (v1/attention/ops/triton_reshape_and_cache_flash.py), in torch: scale =
+    max(abs-max of the token's head / qmax, 1e-6); INT8 rounds halves away from zero, then clamps to [-128, 127]."""
+    scale = (x.abs().amax(-1, keepdim=True) / qmax).clamp_min(1e-6)
+    q = x / scale
+    q = torch.where(q >= 0, q + 0.5, q - 0.5).trunc().clamp(-128, 127) if integer else fp8(q)
+    return q * scale
+
+
+def test_token_schemes_are_what_vllms_per_token_head_cache_dtypes_store():
+    from lowbit.files.kv_export import kv_refusal, vllm_cache_dtype
+
+    x = keys(torch.randn(2, 3, 7, 64))
+    assert torch.allclose(qdq_kv(x, KVScheme.parse("fp8-token")), _vllm_per_token_head(x, 448, False), rtol=0,
+                          atol=1e-6)
+    assert torch.allclose(qdq_kv(x, KVScheme.parse("int8-token")), _vllm_per_token_head(x, 127, True), rtol=0,
+                          atol=1e-6)  # random floats hit no exact half, where the two roundings differ
+    assert [vllm_cache_dtype(KVScheme.parse(n)) for n in ("int8-token", "fp8-token", "fp8", "int4", "int8-token-rot")] \
+        == ["int8_per_token_head", "fp8_per_token_head", None, None, None]
+    assert "kv_cache_dtype=int8_per_token_head" in kv_refusal("compressed-tensors", KVScheme.parse("int8-token"))
+
+
 def test_int4_groups_along_head_dim_reference():
     x = keys(torch.randn(2, 3, 5, 64))
     g = x.reshape(2, 3, 5, 2, 32)
@@ -590,41 +612,123 @@ def kvq_of(attn, k):
     return quantize_kv(attn, k, k)[0]
 
 
-# ------------------------------------------------------------------ FP8 scale search (scale=mse)
-@pytest.mark.parametrize("name", ["fp8", "fp8-head"])
-def test_fp8_scale_search_picks_the_least_error_candidate(name):
-    """Static FP8 scales are amax / 448 * 2^(j/16), j = -16..15, with the least squared error over the calibration
-    keys (brute force over the 32 candidates with torch's float8 cast, saturating); scale=amax keeps amax / 448."""
-    model = tiny(4)
-    amax_model = tiny(4)
-    calibrate_kv(amax_model, IDS, KVScheme.parse(name + ":scale=amax"))
+# ------------------------------------------------------------------ FP8 scale search (scale=attn)
+def _attention_inputs(model):
+    """Every attention's post-RoPE queries, keys and values on IDS (one batch), captured beside the forward."""
     from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
-    keys = {}
+    got = {}
 
     def grab(module, args, kwargs):
         h = kwargs.get("hidden_states", args[0] if args else None)
         cos, sin = kwargs["position_embeddings"]
-        k = module.k_proj(h).view(*h.shape[:-1], -1, module.head_dim).transpose(1, 2)
-        keys.setdefault(module.layer_idx, []).append(apply_rotary_pos_emb(k, k, cos, sin)[1].detach())
+        shape = (*h.shape[:-1], -1, module.head_dim)
+        q, k, v = (p(h).view(shape).transpose(1, 2) for p in (module.q_proj, module.k_proj, module.v_proj))
+        q, k = apply_rotary_pos_emb(q, k, cos, sin)
+        got[module.layer_idx] = (q.detach(), k.detach(), v.detach())
 
     handles = [a.register_forward_pre_hook(grab, with_kwargs=True) for a in attention_modules(model).values()]
     with torch.no_grad():
         model(input_ids=IDS)
     for h in handles:
         h.remove()
-    calibrate_kv(model, IDS, KVScheme.parse(name))
-    s = KVScheme.parse(name)
-    for (n, attn), ref in zip(attention_modules(model).items(), attention_modules(amax_model).values(), strict=True):
-        k = torch.cat(keys[attn.layer_idx])
-        base = ref.k_scale
-        dims = (0, 2, 3) if s.per_head else (0, 1, 2, 3)
-        shape = (1, -1, 1, 1) if s.per_head else ()
-        js = torch.arange(-16, 16)
-        errs = torch.stack([(fp8(k / (base * 2 ** (j / 16)).reshape(shape)) * (base * 2 ** (j / 16)).reshape(shape)
-                             - k).pow(2).sum(dim=dims) for j in js.tolist()])
-        want = base * 2 ** (js[errs.argmin(0)].float() / 16)
-        assert torch.allclose(attn.k_scale, want.reshape(attn.k_scale.shape), rtol=1e-6), n
-        got = fp8(k / attn.k_scale.reshape(shape)) * attn.k_scale.reshape(shape)
-        plain = fp8(k / base.reshape(shape)) * base.reshape(shape)
-        assert (got - k).pow(2).sum() <= (plain - k).pow(2).sum()
+    return got
+
+
+def _attention_output(attn, q, k, v):
+    """Causal softmax attention with GQA, then o_proj: written out, no transformers attention function."""
+    g = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(g, 1), v.repeat_interleave(g, 1)
+    t = q.shape[2]
+    s = (q @ k.transpose(-1, -2)) / q.shape[-1] ** 0.5
+    s = s.masked_fill(torch.ones(t, t, dtype=torch.bool).triu(1), float("-inf"))
+    o = (s.softmax(-1) @ v).transpose(1, 2).reshape(q.shape[0], t, -1)
+    return attn.o_proj(o)
+
+
+def _trial_error(attn, q, k, v, out, which, sc, shape):
+    """The attention output's squared error with the keys (or the values) in FP8 at scale ``sc``, the other float."""
+    x = k if which == "k" else v
+    xq = fp8(x / sc.reshape(shape)) * sc.reshape(shape)
+    o = _attention_output(attn, q, xq, v) if which == "k" else _attention_output(attn, q, k, xq)
+    return float((o - out).pow(2).sum())
+
+
+@pytest.mark.parametrize("name", ["fp8", "fp8-head"])
+def test_fp8_scale_search_picks_the_least_attention_output_error(name):
+    """scale=attn (not the default): each static FP8 key scale is amax / 448 * 2^(j/16), j = -16..15, with the least error of the
+    attention's output (values float), each value scale likewise (keys float) — brute force over the 32 candidates
+    with torch's float8 cast and an attention written out here; never worse than amax / 448 (j = 0)."""
+    model, amax_model = tiny(4), tiny(4)
+    calibrate_kv(amax_model, IDS, KVScheme.parse(name))  # the default: amax / 448
+    inputs = _attention_inputs(model)
+    s = KVScheme.parse(name + ":scale=attn")
+    assert s.name == name + ":scale=attn" and not KVScheme.parse(name).search
+    calibrate_kv(model, IDS, s)
+    shape = (1, -1, 1, 1) if s.per_head else ()
+    factors = 2 ** (torch.arange(-16, 16) / 16)
+    chosen = []
+    with torch.no_grad():
+        for (n, attn), ref in zip(attention_modules(model).items(), attention_modules(amax_model).values(),
+                                  strict=True):
+            q, k, v = inputs[attn.layer_idx]
+            out = _attention_output(attn, q, k, v)
+            for which, base in (("k", ref.k_scale), ("v", ref.v_scale)):
+                errs = torch.tensor([_trial_error(attn, q, k, v, out, which, base * f, shape) for f in factors])
+                best = factors[errs.argmin()]
+                got = getattr(attn, f"{which}_scale")
+                assert torch.allclose(got, base * best, rtol=1e-6), (n, which)
+                assert _trial_error(attn, q, k, v, out, which, got, shape) <= \
+                    _trial_error(attn, q, k, v, out, which, base, shape) + 1e-12
+                chosen.append(float(best))
+    assert set(chosen) != {1.0}  # the search moved some scale off amax / 448
+
+
+# ------------------------------------------------------------------ mixed KV from the CLI (--kv A,B --kv-bits)
+def test_quantize_cli_kv_bits_chooses_a_scheme_per_layer(tmp_path, tiny_hf_dir, capsys):
+    """--kv int8,int4:block=16 --kv-bits 7 on two attentions of 2 KV heads x 16 (int8: 8 bits an element, int4 in
+    blocks of 16 with fp32 scales: 6): the budget holds one int8 layer; the checkpoint keeps each layer's scheme and
+    `lowbit eval` measures it."""
+    from lowbit.cli import main
+    from lowbit.files.native import load, read_manifest
+
+    rc = main(["quantize", str(tiny_hf_dir), "--scheme", "w4g32", "--kv", "int8,int4:block=16", "--kv-bits", "7", "--out",
+               str(tmp_path / "q"), "--nsamples", "2", "--seqlen", "32", "--windows", "1", "--eval-seqlen", "64",
+               "--json"])
+    assert rc == 0
+    summary = json.loads(capsys.readouterr().out)
+    kv = summary["kv_cache"]
+    assert kv["counts"] == {"int8": 1, "int4:block=16": 1} and kv["scheme"] == "per layer"
+    assert kv["bytes_per_token"] == 2 * 2 * 16 * 1 + 2 * 2 * (16 // 2 + 4)  # the int8 layer + the int4 layer
+    entry = read_manifest(tmp_path / "q")["kv_cache"]
+    assert {n: KVScheme.from_dict(d).name for n, d in entry["per_layer"].items()} == kv["per_layer"]
+    model, _ = load(tmp_path / "q")
+    assert {n: getattr(a, STATE).scheme.name for n, a in attention_modules(model).items()} == kv["per_layer"]
+    assert main(["eval", str(tmp_path / "q"), "--windows", "1", "--eval-seqlen", "64", "--json"]) == 0
+    evaluated = json.loads(capsys.readouterr().out)
+    assert evaluated["kv_cache"] == kv["counts"] and evaluated["ppl"] == pytest.approx(summary["ppl_q"], rel=1e-5)
+
+
+@pytest.mark.parametrize("argv, why", [
+    (["--kv-bits", "6"], "list them in --kv"),
+    (["--kv", "fp8", "--kv-bits", "6"], "list them in --kv"),
+    (["--kv", "fp8,int4"], "add --kv-bits"),
+    (["--kv", "fp8,int4", "--kv-bits", "6", "--method", "gptq"], "after --method gptq has tuned"),
+    (["--kv", "fp8,int4", "--kv-bits", "6", "--export-to", "compressed-tensors"], "a scheme per layer"),
+    (["--kv", "int4,int4-rot", "--kv-bits", "6"], "some schemes rotate"),
+    (["--kv", "fp8,int4", "--kv-bits", "6", "--stream"], "--kv does not apply to --stream"),
+])
+def test_kv_bits_flags_the_path_cannot_honour_are_refused(tmp_path, capsys, argv, why):
+    from lowbit.cli import main
+
+    rc = main(["quantize", str(tmp_path / "nowhere"), "--out", str(tmp_path / "q"), *argv])
+    assert rc == 2 and why in capsys.readouterr().err
+    assert not (tmp_path / "q").exists()
+
+
+def test_kv_options_parse_scheme_options_after_commas():
+    from lowbit.formats.kv import parse_kv_options
+
+    assert [s.name for s in parse_kv_options("fp8,int4:block=16,bits=4,int8,fp8")] == ["fp8", "int4:block=16", "int8"]
+    with pytest.raises(SchemeError, match="empty scheme"):
+        parse_kv_options("fp8,,int8")

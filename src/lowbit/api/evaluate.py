@@ -41,7 +41,7 @@ class EvalJob:
 def evaluate(job: EvalJob) -> dict[str, Any]:
     from lowbit.models import load_model
     from lowbit.models.placement import on_device
-    from lowbit.nn.kv_quant import kv_scheme_of
+    from lowbit.nn.kv_quant import kv_schemes
 
     t0 = time.perf_counter()
     device = job_device(job.device)
@@ -54,9 +54,9 @@ def evaluate(job: EvalJob) -> dict[str, Any]:
     with on_device(lm.model, device):
         r = job.evaluation.perplexity(lm.model, tokens, job.progress)
         result: dict[str, Any] = {"model": lm.source, "ppl": r.ppl, "tokens": r.tokens, "windows": r.windows}
-        kv = kv_scheme_of(lm.model)
-        if kv is not None:  # a checkpoint quantized with --kv: the perplexity was measured with its cache
-            result["kv_cache"] = kv.name
+        names = [s.name for s in kv_schemes(lm.model).values()]
+        if names:  # a checkpoint quantized with --kv: the perplexity was measured with its cache
+            result["kv_cache"] = names[0] if len(set(names)) == 1 else {n: names.count(n) for n in dict.fromkeys(names)}
         if job.tasks:
             from lowbit.eval import zero_shot
 

@@ -24,7 +24,7 @@ from lowbit.api.common import Calibration, Evaluation, Phases, bits_summary, che
 from lowbit.api.export import TARGETS as EXPORT_TARGETS
 from lowbit.configs import check_fields
 from lowbit.errors import ConfigError
-from lowbit.formats.kv import KVScheme, parse_kv
+from lowbit.formats.kv import KVScheme, parse_kv_options
 from lowbit.io import WriteError, check_free_space
 from lowbit.models.accounting import keep_patterns
 from lowbit.plans import kmix, source
@@ -84,8 +84,10 @@ class QuantizeJob:
     export_to: str | None = None
     keep: tuple[str, ...] = ()
     kv: str | None = None
+    kv_bits: float | None = None
     source: PlanSource = field(init=False, repr=False, compare=False)
     kv_scheme: KVScheme | None = field(init=False, repr=False, compare=False)
+    kv_options: tuple[KVScheme, ...] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         check_fields(self, ConfigError, "quantize setting")
@@ -97,11 +99,9 @@ class QuantizeJob:
         object.__setattr__(self, "rotate", _switch(self.rotate, RotationSettings, "rotate"))
         object.__setattr__(self, "awq", _switch(self.awq, AWQSettings, "awq"))
         object.__setattr__(self, "source", source.plan_source(self.scheme, self.plan_file, self.mixed, self.lm_head))
-        object.__setattr__(self, "kv_scheme", parse_kv(self.kv))
+        self._parse_kv()
         if self.kv_scheme is not None and self.export_to is not None:
-            from lowbit.files.kv_export import kv_refusal
-
-            why = kv_refusal(self.export_to, self.kv_scheme)
+            why = _kv_refusal(self, self.export_to)
             if why is not None:
                 raise ConfigError(f"--export-to {self.export_to}: {why}")
         if self.kv_scheme is not None and self.loads_lazily:
@@ -118,10 +118,36 @@ class QuantizeJob:
                                   f"to the --awq pre-step; --method {self.method} quantizes the whole model at once, "
                                   "so there is nothing block-wise for it to hold")
 
+    def _parse_kv(self) -> None:
+        """``kv`` -> ``kv_options`` (one scheme, or the candidates of ``kv_bits``) and ``kv_scheme``: the one
+        scheme, or for a per-layer choice the first candidate, which stands for what they share (rotation)."""
+        options = () if self.kv is None else parse_kv_options(self.kv)
+        if self.kv_bits is not None:
+            if len(options) < 2:
+                raise ConfigError("--kv-bits chooses each layer's KV scheme among several by DeltaLoss; list them in "
+                                  "--kv, e.g. --kv fp8,int8,int4 --kv-bits 6")
+            if get(self.method).blockwise:
+                raise ConfigError(f"--kv-bits chooses the KV schemes on the quantized model, after --method "
+                                  f"{self.method} has tuned its blocks under one cache; use one --kv scheme with it, "
+                                  "or --method rtn")
+            if not 0 < self.kv_bits <= 16:
+                raise ConfigError(f"--kv-bits is the average bits per cached key / value element (scales "
+                                  f"included), between the smallest option's and 16; got {self.kv_bits}")
+        elif len(options) > 1:
+            raise ConfigError(f"--kv lists {len(options)} schemes ({', '.join(o.name for o in options)}): add "
+                              "--kv-bits B to choose one per layer within B bits per cached element, or name one")
+        object.__setattr__(self, "kv_options", options)
+        object.__setattr__(self, "kv_scheme", options[0] if options else None)
+
+    @property
+    def kv_mixed(self) -> bool:
+        """A KV scheme chosen per layer (``--kv A,B,... --kv-bits B``)."""
+        return self.kv_bits is not None
+
     @property
     def needs_calib(self) -> bool:
         return (get(self.method).needs_calib(self.settings) or self.mixed is not None or self.static_inputs
-                or self.awq is not None or (self.kv_scheme is not None and self.kv_scheme.needs_calibration))
+                or self.awq is not None or self.kv_mixed or any(o.needs_calibration for o in self.kv_options))
 
     @property
     def static_inputs(self) -> bool:
@@ -330,15 +356,25 @@ class _Run:
         preflight(lm.model, self.plan, self.spec)
         self.outcome: PtqOutcome | None = None
         self.not_exportable = _export_limits(job, lm.model, self.plan)
-        if job.kv_scheme is not None:
-            from lowbit.nn.kv_quant import check_kv
+        from lowbit.nn.kv_quant import check_kv
 
-            check_kv(lm.model, job.kv_scheme)
+        for kv in job.kv_options:
+            check_kv(lm.model, kv)
         self._check_whole_model_fits()
         with self.phases("data"):
             self.ev = job.evaluation.tokens(lm.tokenizer) if job.evaluation is not None else None
             self.calib = job.calib.batches(lm.tokenizer) if job.needs_calib else None
         self._check_resume()
+
+    def _kv_choice(self, model: nn.Module) -> KVScheme | dict[str, KVScheme]:
+        """The job's KV scheme, or with --kv-bits each attention's, chosen now on the quantized model: DeltaLoss's
+        KV term per option (`lowbit.ptq.sensitivity.kv_delta_loss`), then the exact knapsack on the cache's bits."""
+        job = self.job
+        if not job.kv_mixed:
+            return job.kv_scheme
+        from lowbit.ptq.mixed import mixed_kv
+
+        return mixed_kv(model, [o.name for o in job.kv_options], job.kv_bits, self.calib, progress=job.progress)
 
     def _check_resume(self) -> None:
         """A --workdir holding a run with other settings (the method's, or AWQ's in WORKDIR/awq) is refused now,
@@ -415,7 +451,7 @@ class _Run:
             result["range_fallbacks"] = dict(self.outcome.fallbacks)
         if job.kv_scheme is not None:
             with self.phases("kv"), on_device(model, self.device):
-                result["kv_cache"] = _kv_cache(model, job.kv_scheme, self.calib)
+                result["kv_cache"] = _kv_cache(model, self._kv_choice(model), self.calib)
         result["quantize_seconds"] = round(time.perf_counter() - t0, 2)
         mix = source.mix_name(job.source)
         result["scheme"] = mix or self.plan.describe()
@@ -507,23 +543,40 @@ def _keep(model: nn.Module, plan: Plan, job: QuantizeJob) -> Plan:
     return Plan({n: r for n, r in plan.items() if n not in dropped}) if dropped else plan
 
 
-def _kv_cache(model: nn.Module, kv: KVScheme, calib: torch.Tensor | None) -> dict[str, Any]:
-    """The KV scheme installed on the quantized model, static scales calibrated on the calibration split."""
-    from lowbit.nn.kv_quant import cache_shape, calibrate_kv
+def _kv_cache(model: nn.Module, kv: KVScheme | dict[str, KVScheme], calib: torch.Tensor | None) -> dict[str, Any]:
+    """The KV scheme (or per-attention schemes) installed on the quantized model, static scales calibrated on the
+    calibration split; the summary names the schemes and the cache's bytes per token."""
+    from lowbit.nn.kv_quant import cache_shape, cache_shapes, calibrate_kv
 
-    calibrate_kv(model, calib, kv, values_folded=kv.rotate)
+    calibrate_kv(model, calib, kv, values_folded=(kv if isinstance(kv, KVScheme) else next(iter(kv.values()))).rotate)
     layers, heads, dim = cache_shape(model)
-    return {"scheme": kv.name, "bytes_per_token": kv.bytes_per_token(layers, heads, dim),
-            "bytes_per_token_16bit": 2 * layers * heads * dim * 2}
+    out: dict[str, Any] = {"bytes_per_token_16bit": 2 * layers * heads * dim * 2}
+    if isinstance(kv, KVScheme):
+        return {"scheme": kv.name, "bytes_per_token": kv.bytes_per_token(layers, heads, dim), **out}
+    shapes = cache_shapes(model)
+    names = [s.name for s in kv.values()]
+    return {"scheme": "per layer", "per_layer": {n: s.name for n, s in kv.items()},
+            "counts": {n: names.count(n) for n in dict.fromkeys(names)},
+            "bytes_per_token": sum(s.bytes_per_token(1, *shapes[n]) for n, s in kv.items()), **out}
+
+
+def _kv_refusal(job: QuantizeJob, to: str) -> str | None:
+    """Why export ``to`` cannot hold the job's KV cache (None: it can)."""
+    from lowbit.files.kv_export import kv_refusal
+
+    for kv in job.kv_options:
+        why = kv_refusal(to, kv, mixed=job.kv_mixed)
+        if why is not None:
+            return why
+    return None
 
 
 def _kv_limits(job: QuantizeJob, found: dict[str, str]) -> None:
     """The exports that cannot hold the job's KV scheme, added to ``found`` (target -> why)."""
     from lowbit.files import targets as limits
-    from lowbit.files.kv_export import kv_refusal
 
     for to in limits.REGISTRY:
-        why = None if job.kv_scheme is None else kv_refusal(to, job.kv_scheme)
+        why = _kv_refusal(job, to)
         if why is not None:
             found.setdefault(to, why)
 

@@ -36,7 +36,14 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "calibrated on the calibration split; fp8 is what vLLM's kv_cache_dtype=fp8 loads), "
                         "fp8-head / int8-head (per KV head), fp8-token / int8-token (dynamic), int4 (groups of 32 "
                         "along head_dim), nvfp4, mxfp4; add -rot to rotate keys and values by a Hadamard per head "
-                        "(QuaRot; for 4-bit KV). Options: int4:block=64")
+                        "(QuaRot; for 4-bit KV). Options: int4:block=64, fp8:scale=attn (FP8 scales searched by "
+                        "the attention output's error; default amax/448). Several, with --kv-bits: the candidates of a "
+                        "per-layer choice")
+    p.add_argument("--kv-bits", metavar="B", type=float, default=None,
+                   help="mixed-precision KV cache: each layer gets one of the --kv schemes (e.g. --kv fp8,int8,int4), "
+                        "chosen by DeltaLoss's KV term on the calibration split so that the cache averages at most B "
+                        "bits per key / value element, run-time scales included (rtn and other whole-model methods; "
+                        "native checkpoint: vLLM's kv_cache_scheme is one for all layers)")
     st = p.add_argument_group("streaming (data-free, for models bigger than memory)")
     st.add_argument("--stream", action="store_true",
                     help="quantize MODEL (an HF folder: float, FP8, gpt-oss MXFP4 or compressed-tensors "
@@ -143,7 +150,7 @@ def build_job(args: argparse.Namespace):
                       device=args.device, workdir=args.workdir, offload_dir=args.offload_dir,
                       cache_device=args.cache_device, rotate=_rotation(args), awq=args.awq, force=args.force,
                       progress=not args.json, export_to=args.export_to, keep=common.keep(args),
-                      kv=args.kv)
+                      kv=args.kv, kv_bits=args.kv_bits)
     if calib and not job.needs_calib:
         raise ConfigError(f"{', '.join(common.flag(k) for k in calib)} set the calibration data, which "
                           f"--method {args.method} {'with --no-search ' if args.method == 'rtn' else ''}does not "
@@ -203,7 +210,7 @@ def stream_job(args: argparse.Namespace):
                           "calibration data: drop --stream (with --offload-dir it keeps one block in memory)")
     defaults = {"plan": None, "lm_head": False, "keep": None, "force": False, "json": False, "no_eval": False,
                 "rotate": False, "awq": False, "workdir": None, "offload_dir": None,
-                "cache_device": None, "device": None, "data": None, "kv": None}
+                "cache_device": None, "device": None, "data": None, "kv": None, "kv_bits": None}
     odd = [k for k, v in vars(args).items() if k not in STREAM_FLAGS and k not in ("func", "command")
            and (k not in defaults or v != defaults[k])]
     if odd:

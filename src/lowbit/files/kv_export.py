@@ -42,9 +42,24 @@ def kv_refusal(to: str, kv: KVScheme, drop_kv: bool = False, mixed: bool = False
     if kv.rotate:
         return (f"KV scheme {kv.name} rotates the keys, which needs the queries rotated at run time and vLLM does "
                 f"not do that; {VLLM_LIMIT}, without -rot")
+    served = vllm_cache_dtype(kv)
+    if served is not None:
+        return (f"KV scheme {kv.name} has no checkpoint form ({VLLM_LIMIT}); vLLM computes the same per-token, "
+                f"per-head scales itself when served with kv_cache_dtype={served} (its Triton backend): export "
+                "without --kv and pass that at serve time")
     if not (kv.static and kv.elements.elem == "e4m3"):
         return f"KV scheme {kv.name}: {VLLM_LIMIT}; keep {kv.name} in the native checkpoint (lowbit eval)"
     return None
+
+
+def vllm_cache_dtype(kv: KVScheme) -> str | None:
+    """vLLM's run-time ``kv_cache_dtype`` that quantizes the cache as ``kv`` does, for a dynamic per-token scheme:
+    vLLM 0.32's ``int8_per_token_head`` / ``fp8_per_token_head`` (scale = abs-max / qmax of each token's head at
+    cache write, fp32 scales; INT8 rounds halves away from zero where lowbit rounds them to even). None: none."""
+    e = kv.elements
+    if kv.static or kv.rotate or e.group_size != -1 or e.bits != 8:
+        return None
+    return {"int": "int8_per_token_head", "e4m3": "fp8_per_token_head"}.get(e.elem)
 
 
 def kv_cache_args(kv: KVScheme) -> dict[str, Any]:

@@ -15,18 +15,23 @@ along ``head_dim``; what the KV cache adds is where static scales live:
   scale calibrated per layer; ``mxfp4``: blocks of 32, E8M0 scales.
 
 Options after ``:`` go to the element format (``int4:block=64``, ``nvfp4:rule=4over6``),
-except ``scale=amax|mse``, how static FP8 scales are calibrated (below), and a ``-rot`` suffix rotates keys and values per head with a Hadamard before they are
-quantized (QuaRot's Q/K rotation; see `lowbit.nn.kv_quant`): ``int4-rot``, ``nvfp4-rot``.
+except ``scale=amax|attn``, how static FP8 scales are calibrated (below), and a ``-rot``
+suffix rotates keys and values per head with a Hadamard before they are quantized (QuaRot's
+Q/K rotation; see `lowbit.nn.kv_quant`): ``int4-rot``, ``nvfp4-rot``.
 
 Static scales are stored as ``amax / qmax`` (for E4M3 ``amax / 448``: vLLM's meaning of
 ``k_scale``, ``fp8 value = x / k_scale``), one float per layer or per KV head. E4M3 keeps a
 relative precision, so beyond saturation the scale only decides where each value falls
 between two grid points (its "phase"), which matters where many keys share a magnitude (the
-large, nearly constant low-frequency RoPE channels); static FP8 schemes therefore pick, by
-default (``scale=mse``), among ``amax / 448 * 2^(j/16)``, j = -16..15 (the smaller ones clip
-the rarest largest values), the scale with the least squared error over the calibration split. ``scale=amax`` keeps
-``amax / 448`` (llm-compressor's choice, and lowbit's before). The choice is a calibration
-rule: a checkpoint's scales are used as stored.
+large, nearly constant low-frequency RoPE channels). ``scale=attn`` searches it: among
+``amax / 448 * 2^(j/16)``, j = -16..15 (half to twice the abs-max scale; the smaller ones clip
+the rarest largest values), the key scale and the value scale whose quantization changes each
+attention's output (after ``o_proj``) least over the calibration split (`lowbit.nn.kv_quant`),
+since a key's error counts only as much as the queries read its channel, through the softmax.
+The default is ``amax / 448`` (``scale=amax``): on the bundled model the search, the keys'
+squared error, llm-compressor's scales and amax all land within 0.3 % of perplexity of each
+other (benchmarks/results/kv.md), and the search costs about ten calibration passes. The choice
+is a calibration rule: a checkpoint's scales are used as stored.
 """
 
 from __future__ import annotations
@@ -41,6 +46,7 @@ from lowbit.formats.args import _fmt
 from lowbit.formats.inputs import InputScheme, qdq_input
 
 ROTATE_SUFFIX = "-rot"
+SCALE_RULES = ("amax", "attn")  # how static FP8 scales are calibrated: scale=amax|attn
 
 
 @dataclass(frozen=True)
@@ -52,7 +58,7 @@ class KVScheme:
     elements: InputScheme
     per_head: bool = False
     rotate: bool = False
-    search: bool = False  # static E4M3: calibrate the scale's phase by squared error (scale=mse), not amax alone
+    search: bool = False  # static E4M3: scales chosen by the attention output's error (scale=attn), not amax/448
 
     def __post_init__(self) -> None:
         if not isinstance(self.elements, InputScheme):
@@ -61,8 +67,8 @@ class KVScheme:
             raise SchemeError(f"per-head KV scales are static scales; {self.elements.name} computes its scales at "
                               "run time (use fp8-head or int8-head)")
         if self.search and not searchable(self.elements):
-            raise SchemeError(f"scale=mse searches the phase of static FP8 (E4M3) scales; {self.elements.name} "
-                              "has none to search (drop scale=mse)")
+            raise SchemeError(f"scale=attn searches the phase of static FP8 (E4M3) scales; {self.elements.name} "
+                              "has none to search (drop scale=attn)")
 
     @property
     def static(self) -> bool:
@@ -122,7 +128,7 @@ class KVScheme:
         preset = PRESETS[base]
         rule, rest = _scale_rule(opts)
         elements = preset.elements.with_options(rest) if rest else preset.elements
-        search = searchable(elements) if rule is None else rule == "mse"
+        search = rule == "attn"  # amax unless asked: the search measured no better (benchmarks/results/kv.md)
         return cls(elements, preset.per_head, rotate, search)
 
     def __str__(self) -> str:
@@ -130,16 +136,16 @@ class KVScheme:
 
 
 def searchable(e: InputScheme) -> bool:
-    """Static E4M3 elements: the scales whose phase `scale=mse` calibrates."""
+    """Static E4M3 elements: the scales whose phase `scale=attn` calibrates."""
     return e.static and e.elem == "e4m3"
 
 
 def _scale_rule(opts: str) -> tuple[str | None, str]:
-    """``scale=amax|mse`` taken out of the options (None: not given), and the element format's options left."""
+    """``scale=amax|attn`` taken out of the options (None: not given), and the element format's options left."""
     rule, rest = None, []
     for item in filter(None, opts.split(",")):
         key, _, value = item.partition("=")
-        if key.strip() == "scale" and value.strip() in ("amax", "mse"):
+        if key.strip() == "scale" and value.strip() in SCALE_RULES:
             rule = value.strip()
         else:
             rest.append(item)
@@ -161,14 +167,14 @@ def _base_name(s: KVScheme) -> str:
         if best_diff is None or len(diff) < len(best_diff):
             best, best_diff = key, diff
     opts = [f"{s.elements.FIELD_TO_KEY[f]}={_fmt(getattr(s.elements, f))}" for f in best_diff or []]
-    if s.search != searchable(s.elements):
-        opts.append(f"scale={'mse' if s.search else 'amax'}")
+    if s.search:
+        opts.append("scale=attn")
     return f"{best}:{','.join(opts)}" if opts else best
 
 
 def _kv(elements: str, per_head: bool = False) -> KVScheme:
     e = InputScheme.parse(elements)
-    return KVScheme(e, per_head, search=searchable(e))
+    return KVScheme(e, per_head)
 
 
 PRESETS: dict[str, KVScheme] = {
@@ -187,6 +193,28 @@ PRESETS: dict[str, KVScheme] = {
 def parse_kv(text: str | KVScheme | None) -> KVScheme | None:
     """``--kv``: None stays None (keys and values in the compute dtype)."""
     return None if text is None else KVScheme.parse(text)
+
+
+def parse_kv_options(text: str) -> tuple[KVScheme, ...]:
+    """``--kv fp8,int8,int4:block=64,bits=4``: the schemes a per-layer choice picks from, in order, each once.
+
+    Commas also separate a scheme's options, so an item with ``=`` and no ``:`` continues the
+    scheme before it (``int4:block=64,bits=4`` is one scheme). Mixing schemes with and without
+    ``-rot`` is refused: the value rotation is folded into the weights of every layer or of none.
+    """
+    items: list[str] = []
+    for part in (p.strip() for p in text.split(",")):
+        if not part:
+            raise SchemeError(f"--kv {text!r}: an empty scheme between commas; list schemes like fp8,int8,int4")
+        if "=" in part and ":" not in part and items:
+            items[-1] += "," + part
+        else:
+            items.append(part)
+    schemes = tuple(dict.fromkeys(KVScheme.parse(i) for i in items))
+    if len({s.rotate for s in schemes}) > 1:
+        raise SchemeError(f"--kv {text}: some schemes rotate (-rot) and some do not; the value rotation is folded "
+                          "into every layer's v_proj / o_proj or none, so list only -rot schemes or none")
+    return schemes
 
 
 # --------------------------------------------------------------- quantization
@@ -221,22 +249,14 @@ def qdq_kv(x: torch.Tensor, s: KVScheme, scale: torch.Tensor | None = None) -> t
     return q.to(x.dtype)
 
 
-SEARCH_STEPS = 16  # candidates per octave: E4M3's grid repeats past a factor of 2
+SEARCH_STEPS = 16  # candidates per octave: E4M3's grid repeats past a factor of 2, sampled every 4.4 %
 SEARCH_EXPONENTS = tuple(range(-SEARCH_STEPS, SEARCH_STEPS))  # amax / qmax * 2^(j/16), j = -16..15
 
 
-def search_errors(x: torch.Tensor, s: KVScheme, scale: torch.Tensor) -> torch.Tensor:
-    """Squared error of ``x [b, h, t, d]`` under each candidate ``scale * 2^(j/16)`` (j in `SEARCH_EXPONENTS`:
-    down to half the abs-max scale, where the largest values clip at 448): ``[len(SEARCH_EXPONENTS), n]``,
-    n = KV heads (per-head scales) or 1."""
-    xf = x.detach().float()
-    base = scale.detach().float().to(x.device).reshape(1, -1, 1, 1) if s.per_head else scale.float().reshape(())
-    out = []
-    for j in SEARCH_EXPONENTS:
-        sc = base * 2 ** (j / SEARCH_STEPS)
-        err = (s.elements.family.round_input(xf / sc, s.elements) * sc - xf).pow(2)
-        out.append(err.sum(dim=(0, 2, 3)) if s.per_head else err.sum().reshape(1))
-    return torch.stack(out)
+def search_factors() -> torch.Tensor:
+    """The candidate multipliers of the abs-max scale ``2^(j/16)``, j = -16..15: from half (the largest values
+    clip at 448) to nearly twice (the largest values fall an octave lower), float32."""
+    return 2 ** (torch.tensor(SEARCH_EXPONENTS, dtype=torch.float32) / SEARCH_STEPS)
 
 
 def observe_amax(x: torch.Tensor, s: KVScheme) -> torch.Tensor:

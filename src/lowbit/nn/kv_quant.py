@@ -36,15 +36,7 @@ import torch
 from torch import nn
 
 from lowbit.errors import ConfigError, ModelError
-from lowbit.formats.kv import (
-    SEARCH_EXPONENTS,
-    SEARCH_STEPS,
-    KVScheme,
-    kv_scale,
-    observe_amax,
-    qdq_kv,
-    search_errors,
-)
+from lowbit.formats.kv import KVScheme, kv_scale, observe_amax, qdq_kv, search_factors
 from lowbit.transforms.hadamard import factor, hadamard
 
 STATE = "_lowbit_kv"
@@ -62,11 +54,22 @@ class KVState:
     cache_arg: str = "cache"
     values_folded: bool = False
     observed: dict[str, torch.Tensor] | None = None  # calibration: running abs-max of keys / values
-    errors: dict[str, torch.Tensor] | None = None  # scale search: squared error per candidate scale
+    search: ScaleSearch | None = None  # scale=attn: the attention output's error per candidate scale
     paused: bool = False  # float keys / values (block tuning's FP targets)
     calls: int = 0
     rotation: torch.Tensor | None = field(default=None, repr=False)
     score: KVScore | None = None  # DeltaLoss: the first-order loss change of this layer's KV quantization
+
+
+@dataclass
+class ScaleSearch:
+    """``scale=attn`` on one attention: its output's squared error (against float keys and values) for each
+    candidate key scale (values float) and each candidate value scale (keys float), summed over the calibration
+    batches; ``trial`` is the cache quantization of the forward under way (None: float keys and values)."""
+
+    factors: torch.Tensor
+    errors: dict[str, torch.Tensor] = field(default_factory=dict)
+    trial: tuple[str, torch.Tensor] | None = None
 
 
 class KVScore:
@@ -285,32 +288,41 @@ def quantize_kv(attn: nn.Module, key: torch.Tensor, value: torch.Tensor) -> tupl
     if state.score is not None and state.observed is None:  # leaves, so the gradient reaches the hooks
         key = key if key.requires_grad else key.detach().requires_grad_(True)
         value = value if value.requires_grad else value.detach().requires_grad_(True)
+    if state.search is not None:  # calibration: float keys / values, except the one candidate under trial
+        return _trial(state, key, value)
     h = state.rotation
     rot_v = h is not None and not state.values_folded
-    k = key if h is None else _rotate(key, h)
-    v = value if not rot_v else _rotate(value, h)
     if state.observed is not None:
-        for name, x in (("k", k), ("v", v)):
+        for name, x in (("k", key if h is None else _rotate(key, h)), ("v", value if not rot_v else _rotate(value, h))):
             a = observe_amax(x, state.scheme)
             prev = state.observed.get(name)
             state.observed[name] = a if prev is None else torch.maximum(prev, a.to(prev.device))
         return key, value
-    if state.errors is not None:
-        for name, x in (("k", k), ("v", v)):
-            e = search_errors(x, state.scheme, getattr(attn, f"{name}_scale")).cpu()
-            state.errors[name] = state.errors[name] + e if name in state.errors else e
-        return key, value
-    kq = qdq_kv(k, state.scheme, getattr(attn, "k_scale", None))
-    vq = qdq_kv(v, state.scheme, getattr(attn, "v_scale", None))
-    if h is not None:
-        kq = _rotate(kq, h, back=True).to(key.dtype)
-    if rot_v:
-        vq = _rotate(vq, h, back=True).to(value.dtype)
+    kq = _fake_quant(state, key, getattr(attn, "k_scale", None), h)
+    vq = _fake_quant(state, value, getattr(attn, "v_scale", None), h if rot_v else None)
     kout, vout = _ste(key, kq), _ste(value, vq)
     if state.score is not None:
         state.score.watch(kout, kq - key.detach())
         state.score.watch(vout, vq - value.detach())
     return kout, vout
+
+
+def _fake_quant(state: KVState, x: torch.Tensor, scale: torch.Tensor | None, h: torch.Tensor | None) -> torch.Tensor:
+    """``x`` as the cache holds it: rotated by ``h`` (if any), quantized, rotated back; ``x``'s dtype."""
+    if h is None:
+        return qdq_kv(x, state.scheme, scale)
+    return _rotate(qdq_kv(_rotate(x, h), state.scheme, scale), h, back=True).to(x.dtype)
+
+
+def _trial(state: KVState, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    trial = state.search.trial
+    if trial is None:
+        return key, value
+    which, scale = trial
+    h = state.rotation
+    if which == "k":
+        return _fake_quant(state, key, scale, h), value
+    return key, _fake_quant(state, value, scale, h if not state.values_folded else None)
 
 
 def _ste(x: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
@@ -355,28 +367,84 @@ def calibrate_kv(model: nn.Module, batches: Iterable[torch.Tensor] | None, schem
 
 
 def _search_scales(model: nn.Module, attns: dict[str, nn.Module], batches: list[torch.Tensor]) -> None:
-    """``scale=mse``: a second pass over the batches keeps, per scale, the candidate ``amax / 448 * 2^(j/16)``
-    with the least squared error (`lowbit.formats.kv.search_errors`)."""
-    searching = [getattr(a, STATE) for a in attns.values() if getattr(a, STATE).scheme.search]
+    """``scale=attn``: one more pass over the batches, in float; at each attention the pass stops to run it again
+    with each candidate key scale ``amax / 448 * f`` (f in `search_factors`, values float), then each candidate
+    value scale (keys float), adding each output's squared error against the float output; then every scale
+    becomes its least-error candidate. Keys and values are searched apart (their errors add to first order),
+    and on the attention's own output (after ``o_proj``): it weighs a key's error by the queries that read it,
+    through the softmax, and a value's by ``o_proj`` — what the layer's output sees, which the keys' squared
+    error does not. Later layers see float inputs, as in every calibration pass. Per-head scales move together."""
+    searching = {n: a for n, a in attns.items() if getattr(a, STATE).scheme.search}
     if not searching:
         return
-    for state in searching:
-        state.errors = {}
+    handles = []
+    for attn in searching.values():
+        getattr(attn, STATE).search = ScaleSearch(search_factors())
+        handles.append(attn.register_forward_pre_hook(_search_trials, with_kwargs=True))
     device = next(model.parameters()).device
     try:
         for batch in batches:
             model(input_ids=batch.to(device), use_cache=False)
-        for attn in attns.values():
-            state = getattr(attn, STATE)
-            if state.errors is None:
-                continue
+        for attn in searching.values():
+            search = getattr(attn, STATE).search
             for short in ("k", "v"):
-                best = torch.tensor(SEARCH_EXPONENTS)[state.errors[short].argmin(dim=0)]  # [n]
-                buf = getattr(attn, f"{short}_scale")
-                buf.mul_((2 ** (best.float() / SEARCH_STEPS)).to(buf.device).reshape(buf.shape))
+                best = search.factors[int(search.errors[short].argmin())]
+                getattr(attn, f"{short}_scale").mul_(best)
     finally:
-        for state in searching:
-            state.errors = None
+        for h in handles:
+            h.remove()
+        for attn in searching.values():
+            getattr(attn, STATE).search = None
+
+
+def _search_trials(module: nn.Module, args: tuple, kwargs: dict) -> None:
+    """The pre-hook of `_search_scales`: this batch's output error for every candidate (the forward then goes on
+    in float: ``trial`` is None). The attention's submodules whose inputs do not change between trials (the
+    q / k / v projections) are computed once (`_Replay`)."""
+    search: ScaleSearch = getattr(module, STATE).search
+    children = dict(module.named_children())
+    for name, child in children.items():
+        setattr(module, name, _Replay(child))
+    try:
+        ref = _attn_out(module.forward(*args, **kwargs)).float()
+        for short in ("k", "v"):
+            base = getattr(module, f"{short}_scale")
+            errs = torch.empty(len(search.factors), dtype=torch.float64)
+            for i, f in enumerate(search.factors):
+                search.trial = (short, base * f)
+                errs[i] = float((_attn_out(module.forward(*args, **kwargs)).float() - ref).pow(2).sum())
+            search.errors[short] = errs if short not in search.errors else search.errors[short] + errs
+    finally:
+        search.trial = None
+        for name, child in children.items():
+            setattr(module, name, child)
+
+
+class _Replay(nn.Module):
+    """A submodule that returns its last output again when called with the very same input objects (the trials of
+    one search step pass the same hidden states, so the projections of them need computing once)."""
+
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+        self.seen: tuple[tuple, dict, Any] | None = None
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        seen = self.seen
+        if seen is not None and _same(seen[0], args) and seen[1].keys() == kwargs.keys() and \
+                _same(tuple(seen[1].values()), tuple(kwargs.values())):
+            return seen[2]
+        out = self.inner(*args, **kwargs)
+        self.seen = (args, kwargs, out)
+        return out
+
+
+def _same(a: tuple, b: tuple) -> bool:
+    return len(a) == len(b) and all(x is y for x, y in zip(a, b, strict=True))
+
+
+def _attn_out(out: Any) -> torch.Tensor:
+    return out[0] if isinstance(out, tuple) else out
 
 
 def _batches(batches: Iterable[torch.Tensor]) -> Iterator[torch.Tensor]:
