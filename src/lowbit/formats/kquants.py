@@ -213,6 +213,14 @@ class KParts:
     dmin: torch.Tensor | None
 
 
+def final_codes(x: torch.Tensor, d: torch.Tensor, sc: torch.Tensor, dmin: torch.Tensor | None,
+                m: torch.Tensor | None, kt: KType) -> torch.Tensor:
+    """Signed element codes of ``x [..., nsb, sub]`` under the stored scales: `final_error`'s codes."""
+    ds = d.unsqueeze(-1) * sc
+    dm = torch.zeros_like(ds) if m is None else dmin.unsqueeze(-1) * m
+    return element_codes(x, ds, dm, kt)
+
+
 def final_error(x: torch.Tensor, wt: torch.Tensor, d: torch.Tensor, sc: torch.Tensor, dmin: torch.Tensor | None,
                 m: torch.Tensor | None, kt: KType) -> tuple[torch.Tensor, torch.Tensor]:
     """(weighted error per sub-block, codes) of ``x [..., nsb, sub]`` under stored scales.
@@ -236,8 +244,10 @@ def double_quantize(x: torch.Tensor, wt: torch.Tensor, s: torch.Tensor, mn: torc
     """
     d0, sc0 = quantize_codes(s, kt.sc_lo, kt.sc_hi, kt.sym)
     dmin0, m0 = (None, None) if kt.sym else quantize_codes(mn, 0, kt.m_hi, False)
-    best_e, _ = final_error(x, wt, d0, sc0, dmin0, m0, kt)
     best = (d0, sc0, dmin0, m0)
+    if not refine:  # plain rounding: the codes under the stored scales, no error to weigh
+        return KParts(final_codes(x, d0, sc0, dmin0, m0, kt) - kt.qmin, sc0, m0, d0, dmin0)
+    best_e, _ = final_error(x, wt, d0, sc0, dmin0, m0, kt)
     if refine:
         tot = best_e.sum(-1)
         for f in (0.92, 0.94, 0.96, 0.98, 1.02, 1.04, 1.06):

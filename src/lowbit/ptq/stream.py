@@ -489,6 +489,7 @@ def finish(out: Path, work: Path, folder: Path | None, model: nn.Module, lay: La
     layers: dict[str, Any] = {}
     for r in records:
         layers.update(r["layers"])
+    known = {s.name: SealedFile(work / s.name).sha256() for s in parts}
     with atomic_dir(out, force=force, kind="lowbit checkpoint") as tmp:
         for s in parts:
             os.replace(work / s.name, tmp / s.name)
@@ -501,7 +502,8 @@ def finish(out: Path, work: Path, folder: Path | None, model: nn.Module, lay: La
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
         _write_index(tmp, parts)
-        native.seal_sharded(tmp, layers, lay.aliases, meta, [s.name for s in parts])
+        native.seal_sharded(tmp, layers, lay.aliases, meta, [s.name for s in parts],
+                            {n: h for n, h in known.items() if h is not None})
     shutil.rmtree(work, ignore_errors=True)
     return out
 
