@@ -253,11 +253,13 @@ def _tensors_to_save(model: nn.Module, qlayers: dict[str, QuantLinear],
 
 
 def _narrowest(t: torch.Tensor) -> torch.Tensor:
-    """fp32 tensors whose values are all fp16 numbers are stored in fp16 (lossless, half the bytes)."""
+    """fp32 tensors whose values are all fp16 numbers are stored in fp16, else all bf16 numbers in bf16 (lossless,
+    half the bytes: a bf16 model's norms or an embedding table beyond fp16's range stay in their source dtype)."""
     if t.dtype == torch.float32 and t.numel() > 1024:
-        h = t.half()
-        if torch.equal(h.float(), t):
-            return h
+        for dt in (torch.float16, torch.bfloat16):
+            h = t.to(dt)
+            if torch.equal(h.float(), t):
+                return h
     return t
 
 
