@@ -104,3 +104,21 @@ def test_finite_check_finds_every_nan_and_inf(dtype):
     u = t.clone()
     u[::10_000] = float("nan")
     assert count_nonfinite(u) == len(range(0, t.numel(), 10_000))
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4, 5, 6])
+def test_kquant_search_in_small_slices_matches_big_slices(bits):
+    """The searched K-quant runs in cache-sized row slices; every sum is within a row's sub- or super-block, so
+    the parts are the ones 512-row slices gave, with and without an importance."""
+    from lowbit.formats import kquants
+
+    g = torch.Generator().manual_seed(bits)
+    w = torch.randn(8, 512, generator=g) * 0.02
+    w[3] = 0
+    w[5, :300] *= 50
+    kt = kquants.ktype(bits)
+    for imp in (None, torch.rand(512, generator=g) ** 3):
+        big = kquants.quantize_parts(w, kt, imp, True, chunk=512)
+        small = kquants.quantize_parts(w, kt, imp, True, chunk=3)
+        assert all(torch.equal(getattr(big, k), getattr(small, k)) for k in ("codes", "sc", "d"))
+        assert big.m is None or (torch.equal(big.m, small.m) and torch.equal(big.dmin, small.dmin))
