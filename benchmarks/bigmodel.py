@@ -265,10 +265,11 @@ def save(rows: list[dict], results: Path = RESULTS) -> None:
 
 def table(results: Path = RESULTS) -> None:
     rows = json.loads(results.read_text())["rows"]
-    print(f"{'shape':16} {'scheme':10} {'tool':14} {'s':>8} {'cpu s':>8} {'peak RSS GiB':>13} {'out GiB':>8} "
-          f"{'src GiB':>8}")
-    for r in rows:
-        print(f"{r['shape']:16} {r['scheme']:10} {r['tool']:14} {r['seconds']:8.1f} {r.get('cpu_seconds', 0):8.1f} "
+    print(f"{'shape':16} {'scheme':10} {'tool':20} {'threads':>7} {'s':>8} {'cpu s':>8} {'peak RSS GiB':>13} "
+          f"{'out GiB':>8} {'src GiB':>8}")
+    for r in rows:  # threads '-': torch's default (one per core), the rows before session 3
+        print(f"{r['shape']:16} {r['scheme']:10} {r['tool']:20} {r.get('threads') or '-':>7} {r['seconds']:8.1f} "
+              f"{r.get('cpu_seconds', 0):8.1f} "
               f"{r['peak_rss_gib']:13.2f} "
               + (f"{r['output_bytes'] / 2**30:8.2f}" if r["output_bytes"] is not None else f"{'-':>8}")
               + f" {r['source_bytes'] / 2**30:8.2f}" + ("  FAILED" if r["rc"] else ""))
