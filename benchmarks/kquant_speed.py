@@ -51,13 +51,13 @@ def main() -> None:
     ap.add_argument("--baseline-src", default=None)
     ap.add_argument("--baseline-name", default="baseline")
     ap.add_argument("--name", default="this tree")
-    ap.add_argument("--results", default=str(RESULTS))
+    ap.add_argument("--out", default=str(RESULTS), help="the JSON file the rows go to")
     args = ap.parse_args()
     trees = [(args.baseline_src, args.baseline_name)] if args.baseline_src else []
     trees.append((None, args.name))
     rows = [row(s, r, src, name) for s in args.schemes.split(",") for r in args.rules.split(",")
             for src, name in trees]
-    Path(args.results).write_text(json.dumps({"note": "CPU seconds of quantize + pack of one 4096 x 4096 matrix, "
+    Path(args.out).write_text(json.dumps({"note": "CPU seconds of quantize + pack of one 4096 x 4096 matrix, "
                                               "one thread", "rows": rows}, indent=1))
     print(f"{'tree':12} {'scheme':7} {'rule':7} {'cpu s':>7} {'us/weight':>10} {'bytes':>17}")
     for r in rows:
