@@ -122,3 +122,14 @@ def test_kquant_search_in_small_slices_matches_big_slices(bits):
         small = kquants.quantize_parts(w, kt, imp, True, chunk=3)
         assert all(torch.equal(getattr(big, k), getattr(small, k)) for k in ("codes", "sc", "d"))
         assert big.m is None or (torch.equal(big.m, small.m) and torch.equal(big.dmin, small.dmin))
+
+
+@pytest.mark.parametrize("bits", [3, 5, 6, 7])
+def test_word_packing_in_slices_matches_the_whole_stream(bits, monkeypatch):
+    """3/5/6/7-bit codes are packed a slice of 8-code words at a time (the int64 words are 8 bytes a code:
+    a whole 8B matrix's Q6_K codes took a GB of temporaries); slice edges change no byte."""
+    import lowbit.formats.packing as packing
+
+    codes = torch.randint(0, 2**bits, (7, 100), generator=torch.Generator().manual_seed(bits), dtype=torch.uint8)
+    monkeypatch.setattr(packing, "_WORDS", 5)
+    assert torch.equal(pack(codes, bits), _pack_words(codes, bits))

@@ -309,13 +309,15 @@ SEARCH_CHUNK = 1 << 16  # weights per slice of the searched path: its ~700 passe
 
 
 def quantize_parts(w: torch.Tensor, kt: KType, imp: torch.Tensor | None = None, search: bool = True,
-                   chunk: int | None = None) -> KParts:
+                   chunk: int | None = None, codes_dtype: torch.dtype = torch.float32) -> KParts:
     """The K-quant parts of ``w [out, cols]`` (cols a multiple of 256), rows in chunks.
 
     chunk: rows per slice; None = about `SEARCH_CHUNK` weights when searching (each row's result is its
     own: the sums run within a sub- or super-block), 512 rows for plain rounding. The search's
     candidates are a few hundred elementwise passes over the slice: a slice of 64K weights (256 KB in
     float32) stays in cache, where 512 rows of 4096 (8 MB) went to memory every pass, 3x slower.
+    codes_dtype: the element codes' dtype (uint8 when they go straight to storage: each slice's codes
+    narrowed before the next, never a float32 copy of the whole matrix's, 235 MB at the 8B shape's widest).
     """
     out, cols = w.shape
     if chunk is None:
@@ -329,7 +331,9 @@ def quantize_parts(w: torch.Tensor, kt: KType, imp: torch.Tensor | None = None, 
     for xc in x.split(chunk):
         wc = element_weights(xc, wt, kt) if imp is not None else wt
         s, mn = sub_block_params(xc, wc, kt, search=search)
-        parts.append(double_quantize(xc, wc, s, mn, kt, refine=search))
+        part = double_quantize(xc, wc, s, mn, kt, refine=search)
+        narrow = codes_dtype != part.codes.dtype
+        parts.append(dataclasses.replace(part, codes=part.codes.to(codes_dtype)) if narrow else part)
     cat = (lambda k: torch.cat([getattr(p, k) for p in parts]))  # noqa: E731
     return KParts(cat("codes"), cat("sc"), None if kt.sym else cat("m"), cat("d"), None if kt.sym else cat("dmin"))
 
@@ -438,7 +442,8 @@ class KQuantFamily:
         """``rule='search'`` = weighted least squares + refined double quantization (importance-weighted
         when ``imp`` is given), ``absmax`` = plain ranges."""
         kt = ktype(s.bits)
-        parts = quantize_parts(w, kt, imp if s.rule == "search" else None, search=s.rule == "search")
+        parts = quantize_parts(w, kt, imp if s.rule == "search" else None, search=s.rule == "search",
+                               codes_dtype=torch.uint8)
         codes, sc, m, sup = parts_to_tensors(parts, kt)
         return QTensor(codes, sc, m, sup, tuple(w.shape), s)
 

@@ -32,12 +32,23 @@ def pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
     c = torch.nn.functional.pad(codes, (0, pad)) if pad else codes
     if 8 % bits == 0:
         return _pack_bytes(c, bits)
-    c = c.reshape(*lead, -1, 8).to(torch.int64)
+    words = c.reshape(-1, 8)  # 8 codes = `bits` whole bytes; packed a slice at a time: the int64
+    out = torch.empty(words.shape[0], bits, dtype=torch.uint8, device=c.device)  # words are 8 B per code
+    for a in range(0, words.shape[0], _WORDS):
+        out[a:a + _WORDS] = _pack_words(words[a:a + _WORDS], bits)
+    return out.reshape(*lead, -1)
+
+
+_WORDS = 1 << 17  # 8-code words per slice of the 3/5/6/7-bit path (8 MB of int64 temporaries)
+
+
+def _pack_words(c: torch.Tensor, bits: int) -> torch.Tensor:
+    """``[w, 8]`` codes -> ``[w, bits]`` bytes: the little-endian bit stream of each 8-code word."""
+    c = c.to(torch.int64)
     shifts = torch.arange(8, dtype=torch.int64, device=c.device) * bits
     word = (c << shifts).sum(-1, keepdim=True)  # <= 56 bits: fits in int64
     byte_shifts = torch.arange(bits, dtype=torch.int64, device=c.device) * 8
-    out = (word >> byte_shifts) & 0xFF
-    return out.reshape(*lead, -1).to(torch.uint8)
+    return ((word >> byte_shifts) & 0xFF).to(torch.uint8)
 
 
 def _pack_bytes(c: torch.Tensor, bits: int) -> torch.Tensor:
