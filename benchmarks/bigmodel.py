@@ -186,7 +186,7 @@ sys.exit(rc)
 
 
 def run_row(shape: str, scheme: str, tool: str, src: Path, work: Path, search: bool = False,
-            peer_path: str | None = None, llama_python: str | None = None) -> dict:
+            peer_path: str | None = None, llama_python: str | None = None, threads: int | None = None) -> dict:
     out = work / f"{shape}-{scheme}-{tool}"
     log = work / f"{shape}-{scheme}-{tool}.log"
     py = sys.executable
@@ -200,25 +200,51 @@ def run_row(shape: str, scheme: str, tool: str, src: Path, work: Path, search: b
                "--export-to", "gguf", "--force", "--json", "--search" if search else "--no-search"]
     elif tool == "llmc-model_free_ptq":
         env = {**os.environ, "PYTHONPATH": str(peer_path)}
-        cmd = [py, "-c", "import sys; from llmcompressor import model_free_ptq; model_free_ptq(sys.argv[1], sys.argv[2], "
-               "scheme=sys.argv[3], ignore=['lm_head'], max_workers=1, device='cpu')", str(src), str(out), LLMC[scheme]]
+        pin = f"import torch; torch.set_num_threads({threads}); " if threads else ""
+        cmd = [py, "-c", pin + "import sys; from llmcompressor import model_free_ptq; model_free_ptq(sys.argv[1], "
+               "sys.argv[2], scheme=sys.argv[3], ignore=['lm_head'], max_workers=1, device='cpu')", str(src), str(out),
+               LLMC[scheme]]
     elif tool == "read":
         cmd = [py, "-c", "import sys; from pathlib import Path; from lowbit.models.stream_source import StreamSource; "
                "s = StreamSource.open(Path(sys.argv[1]))\nfor n in s.entries: s._raw(n)", str(src)]
     else:
         cmd = [py, "-m", "lowbit", "quantize", str(src), "--stream", "--scheme", scheme, "--out", str(out),
                "--force", "--json", "--search" if search else "--no-search"]
+    if threads and tool.startswith("lowbit"):
+        cmd += ["--threads", str(threads)]
     rc, secs, cpu, rss = child(cmd, log, env)
     row = {"shape": shape, "scheme": scheme, "tool": tool, "rc": rc, "seconds": round(secs, 1),
            "cpu_seconds": round(cpu, 1), "search": search, "load_avg_1m": round(os.getloadavg()[0], 1),
            "peak_rss_gib": round(rss / 2**30, 3), "output_bytes": _size(out), "source_bytes": _size(src),
-           "machine": f"{os.cpu_count()} cores, shared", "random_weights": True, "commit": _commit()}
+           "machine": f"{os.cpu_count()} cores, shared", "random_weights": True, "commit": _commit(),
+           "threads": 1 if tool == "llama.cpp-quantize" else threads}
+    if out.exists():
+        row["output_tensors"] = _stored(out)
     if rc != 0:
         row["error"] = log.read_text()[-400:]
     if out.is_file():
         out.unlink()
     shutil.rmtree(out, ignore_errors=True)
     return row
+
+
+def _stored(out: Path) -> dict:
+    """Bytes of the output by what they hold: quantized-layer parts vs float tensors by dtype, from the headers.
+
+    What each tool keeps in float (embeddings, lm_head) decides much of an output's size, so rows say it.
+    """
+    from lowbit.files.safetensors_stream import read_header
+
+    sizes: dict[str, int] = {}
+    for f in ([out] if out.is_file() else sorted(out.glob("*.safetensors"))):
+        if f.suffix != ".safetensors":
+            return {}
+        for name, e in read_header(f)[0].items():
+            float_ = e.dtype in ("F32", "F16", "BF16") and name.endswith(".weight")
+            key = f"float {e.dtype} {name.rsplit('.', 2)[-2]}" if float_ and len(e.shape) == 2 else \
+                f"float {e.dtype}" if float_ else "quantized"
+            sizes[key] = sizes.get(key, 0) + e.nbytes
+    return sizes
 
 
 def _commit() -> str:
@@ -239,10 +265,11 @@ def save(rows: list[dict], results: Path = RESULTS) -> None:
 
 def table(results: Path = RESULTS) -> None:
     rows = json.loads(results.read_text())["rows"]
-    print(f"{'shape':16} {'scheme':10} {'tool':14} {'s':>8} {'cpu s':>8} {'peak RSS GiB':>13} {'out GiB':>8} "
-          f"{'src GiB':>8}")
-    for r in rows:
-        print(f"{r['shape']:16} {r['scheme']:10} {r['tool']:14} {r['seconds']:8.1f} {r.get('cpu_seconds', 0):8.1f} "
+    print(f"{'shape':16} {'scheme':10} {'tool':20} {'threads':>7} {'s':>8} {'cpu s':>8} {'peak RSS GiB':>13} "
+          f"{'out GiB':>8} {'src GiB':>8}")
+    for r in rows:  # threads '-': torch's default (one per core), the rows before session 3
+        print(f"{r['shape']:16} {r['scheme']:10} {r['tool']:20} {r.get('threads') or '-':>7} {r['seconds']:8.1f} "
+              f"{r.get('cpu_seconds', 0):8.1f} "
               f"{r['peak_rss_gib']:13.2f} "
               + (f"{r['output_bytes'] / 2**30:8.2f}" if r["output_bytes"] is not None else f"{'-':>8}")
               + f" {r['source_bytes'] / 2**30:8.2f}" + ("  FAILED" if r["rc"] else ""))
@@ -260,6 +287,9 @@ def main() -> None:
                     help="lowbit-stream,lowbit-stream-gguf,llmc-model_free_ptq,llama.cpp-quantize")
     ap.add_argument("--llama-python", default=None, help="a Python with llama-cpp-python (the llama.cpp-quantize "
                     "tool: llama.cpp's own Q4_K_M from a BF16 GGUF of the checkpoint, written first and untimed)")
+    ap.add_argument("--threads", type=int, default=None, help="torch threads of every tool's child (lowbit's "
+                    "--threads, torch.set_num_threads in llm-compressor's; llama.cpp runs one): on a shared machine "
+                    "idle threads spin at every parallel region and inflate CPU seconds, so rows pin both tools to 1")
     ap.add_argument("--table", action="store_true")
     ap.add_argument("--no-read", action="store_true", help="skip the read-only floor row")
     ap.add_argument("--results", default=str(RESULTS), help="the JSON file rows are merged into")
@@ -281,7 +311,8 @@ def main() -> None:
                     continue
                 if tool == "llama.cpp-quantize" and scheme != "q4_k_m":
                     continue
-                row = run_row(shape, scheme, tool, src, work, args.search, args.peer_path, args.llama_python)
+                row = run_row(shape, scheme, tool, src, work, args.search, args.peer_path, args.llama_python,
+                              args.threads)
                 save([row], results)
                 print(json.dumps(row), flush=True)
     if not args.build_only:

@@ -103,6 +103,26 @@ def test_big_float_tensors_read_in_pieces_store_the_same_bytes(tmp_path, monkeyp
     _same(_in_model(src, "w4g8", tmp_path / "ref", search=False), tmp_path / "stream")
 
 
+@pytest.mark.parametrize("chunk", [None, 16])
+def test_float_tensors_stay_in_the_bf16_source_dtype(tmp_path, monkeypatch, chunk):
+    """An embedding table beyond fp16's range from a bf16 source is not rounded to fp16 (it would overflow); it is
+    stored in bf16, its source dtype, exactly, not widened to float32: the same in and out of the streaming path
+    (read whole, or in pieces), and it loads back to the same values."""
+    if chunk is not None:
+        monkeypatch.setattr(stream, "_CHUNK", chunk)
+    model = make("llama").to(torch.bfloat16)
+    with torch.no_grad():
+        model.model.embed_tokens.weight[3, 5] = 1e5
+    model.save_pretrained(tmp_path / "src", max_shard_size="40KB")
+    _stream(tmp_path / "src", tmp_path / "stream", "w4g8", search=False)
+    _same(_in_model(tmp_path / "src", "w4g8", tmp_path / "ref", search=False), tmp_path / "stream")
+    table = _tensors(tmp_path / "stream")["model.embed_tokens.weight"]
+    assert table.dtype == torch.bfloat16 and torch.equal(table, model.model.embed_tokens.weight.detach())
+    loaded, _ = native.load(tmp_path / "stream")
+    assert torch.equal(loaded.model.embed_tokens.weight, table.float())
+    assert loaded(torch.tensor([[1, 3, 5]])).logits.isfinite().all()
+
+
 def test_keep_experts_writes_them_fused_in_float_as_the_in_model_path(tmp_path):
     """--keep experts: the per-expert keys on disk become the model's fused float tensors."""
     from transformers import AutoModelForCausalLM

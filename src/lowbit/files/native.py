@@ -131,15 +131,17 @@ def tokenizer_files(folder: Path) -> list[str]:
     return [n for n in _TOKENIZER_NAMES if (Path(folder) / n).is_file()]
 
 
-def seal_sharded(folder: Path, layers: dict, aliases: dict, meta: dict, weights: list[str]) -> None:
+def seal_sharded(folder: Path, layers: dict, aliases: dict, meta: dict, weights: list[str],
+                 known: dict[str, str] | None = None) -> None:
     """Seal a checkpoint whose weights were written shard by shard (`lowbit.ptq.stream`): the manifest, last.
 
     ``weights`` lists the shard files in order; `load` reads them all. Everything else
-    (config.json, tokenizer) must already be in ``folder``.
+    (config.json, tokenizer) must already be in ``folder``. known: the shards' sha256 from their
+    seals (hashed as they were written), so the gigabytes are not read back to hash them again.
     """
     manifest = {"format": FORMAT, "version": VERSION, "layers": layers, "aliases": aliases, "meta": meta,
                 "weights": list(weights)}
-    manifest["files"] = digests(folder)
+    manifest["files"] = digests(folder, known=known)
     manifest["checksums"] = EVERY_FILE
     SEAL.write(folder, manifest, indent=1)
 
@@ -251,11 +253,13 @@ def _tensors_to_save(model: nn.Module, qlayers: dict[str, QuantLinear],
 
 
 def _narrowest(t: torch.Tensor) -> torch.Tensor:
-    """fp32 tensors whose values are all fp16 numbers are stored in fp16 (lossless, half the bytes)."""
+    """fp32 tensors whose values are all fp16 numbers are stored in fp16, else all bf16 numbers in bf16 (lossless,
+    half the bytes: a bf16 model's norms or an embedding table beyond fp16's range stay in their source dtype)."""
     if t.dtype == torch.float32 and t.numel() > 1024:
-        h = t.half()
-        if torch.equal(h.float(), t):
-            return h
+        for dt in (torch.float16, torch.bfloat16):
+            h = t.to(dt)
+            if torch.equal(h.float(), t):
+                return h
     return t
 
 

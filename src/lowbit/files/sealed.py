@@ -95,12 +95,18 @@ class Seal:
         return path
 
 
-def digests(folder: Path, names: Iterable[str] | None = None) -> dict[str, str]:
-    """sha256 of each named file of ``folder``; of every regular file in name order when ``names`` is None."""
+def digests(folder: Path, names: Iterable[str] | None = None, known: Mapping[str, str] | None = None
+            ) -> dict[str, str]:
+    """sha256 of each named file of ``folder``; of every regular file in name order when ``names`` is None.
+
+    known: digests the caller already holds (files it hashed while writing them, e.g. the streaming
+    quantizer's shards, gigabytes each), taken as they are instead of read and hashed again.
+    """
     folder = Path(folder)
+    known = known or {}
     if names is None:
         names = sorted(p.name for p in folder.iterdir() if p.is_file())
-    return {n: sha256_file(folder / n) for n in names}
+    return {n: known[n] if n in known else sha256_file(folder / n) for n in names}
 
 
 def damage(folder: Path, digests: Mapping[str, object], manifest: str) -> str | None:
@@ -155,6 +161,16 @@ class SealedFile:
         comes after the file, so a crash between the two leaves it unsealed.
         """
         atomic_write_text(self.sidecar, json.dumps({"sha256": sha256, "bytes": nbytes}))
+
+    def sha256(self) -> str | None:
+        """The sha256 the seal records (None without a readable seal); says nothing about the file itself:
+        for a caller that wrote or `check`-ed the file in this run."""
+        try:
+            meta = read_json(self.sidecar, CheckpointError, "")
+        except (CheckpointError, OSError):
+            return None
+        digest = meta.get("sha256") if isinstance(meta, dict) else None
+        return digest if isinstance(digest, str) else None
 
     def check(self) -> str | None:
         """Why the file cannot be used (None when its sidecar vouches for it), hashing it in chunks, not in memory."""

@@ -38,8 +38,18 @@ def count_nonfinite(t: torch.Tensor | np.ndarray) -> int:
     bad = 0
     for i in range(0, flat.numel(), _SLICE):
         part = flat[i:i + _SLICE]
-        bad += int((~torch.isfinite(part.float() if wide else part)).sum())
+        part = part.float() if wide else part
+        if not t.is_complex() and _all_finite(part):
+            continue
+        bad += int((~torch.isfinite(part)).sum())
     return bad
+
+
+def _all_finite(part: torch.Tensor) -> bool:
+    """Whether a real slice holds no NaN / inf: its min and max are finite (both propagate NaN and reach
+    +-inf), one read-only pass where ``isfinite`` + count wrote and read a mask (20x the time)."""
+    lo, hi = torch.aminmax(part)
+    return bool(torch.isfinite(lo) & torch.isfinite(hi))
 
 
 def nonfinite(tensors: Iterable[tuple[str, torch.Tensor | np.ndarray]]) -> list[tuple[str, int]]:

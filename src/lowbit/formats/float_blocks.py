@@ -152,27 +152,72 @@ def quantize_fp(w: torch.Tensor, s: Scheme, imp: torch.Tensor | None = None,
     imp: importance per input column for ``rule='search'`` (None = plain MSE).
     window: brute force only: codes each side of the abs-max scale (None = all codes).
     tensor_scale: ``enc`` given (a fused group's shared one) instead of computed from ``w``.
+
+    Rows go through in slices (`_rows_per_chunk`): every step is per block, and the slices are the
+    ones the rules always worked in, so slicing the whole pipeline changes no value; what it saves
+    is the full-size float32 temporaries (a 235 MB buffer each at the 8B shape, page-faulted anew
+    for every matrix). Only the tensor scale needs the whole tensor: its largest magnitude, from
+    one min/max pass.
     """
     out, cols = w.shape
     g = s.group_for(cols)
     elem = ELEM_GRIDS[s.elem]
-    x = to_groups(w.detach().float(), g)
-    a = x.abs()
-    amax = a.amax(-1)
-    enc = rules.tensor_encode(amax.amax(), s, elem) if tensor_scale is None else given_encode(tensor_scale, s, w)
-    hp = rules.absmax_hp(amax, s, elem)
-    if enc is not None:
-        a, hp = a * enc, hp * enc  # amax / 6 * enc: the NVFP4 recipe's order of operations
+    x = to_groups(w.detach(), g)
+    if tensor_scale is not None:
+        enc = given_encode(tensor_scale, s, w)
+    elif s.tensor_scale:
+        enc = rules.tensor_encode(_largest_magnitude(x), s, elem)
+    else:
+        enc = None
     weight = _block_weight(None if imp is None else imp.to(w.device), cols, g, s)
-    n = _rows_per_chunk(a)
-    sc = torch.cat([rules.choose_scales(c, s, elem, weight, window, h) for c, h in zip(a.split(n), hp.split(n),
-                                                                                      strict=True)])
+    codes = torch.empty(x.shape, dtype=torch.uint8, device=w.device)
+    sc = torch.empty(x.shape[:2], device=w.device)
+    n = _rows_per_chunk(x)
+    for a in range(0, out, n):
+        sc[a:a + n], codes[a:a + n] = _quantize_rows(x[a:a + n].float(), s, elem, enc, weight, window)
+    return QTensor(codes, sc, None, enc, (out, cols), s)
+
+
+def _largest_magnitude(x: torch.Tensor) -> torch.Tensor:
+    """``max |x|`` (float32, 0-d) from one read-only min/max pass (the tensor scale needs only this value)."""
+    if x.numel() == 0:
+        return torch.zeros((), device=x.device)
+    lo, hi = torch.aminmax(x)
+    return torch.maximum(hi, -lo).float()
+
+
+def _quantize_rows(x: torch.Tensor, s: Scheme, elem: rules.ElemGrid, enc: torch.Tensor | None,
+                   weight: torch.Tensor | None, window: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(block scales, codes) of the float32 blocks ``x [rows, blocks, g]``."""
+    if s.elem == "e4m3" and s.rule == "absmax" and not s.guard and enc is None:  # FP8 / MXFP8 RTN
+        # block maxima from min / max (read-only), +0.0 so an all-zero block's is +0 as abs().amax() gives
+        amax = torch.maximum(x.amax(-1), x.amin(-1).neg_()).add_(0.0)
+        sc = rules.absmax_scale(amax, s, elem, rules.absmax_hp(amax, s, elem))
+        return sc, _e4m3_codes(x, sc)
+    ax = x.abs()
+    amax = ax.amax(-1)
+    hp = rules.absmax_hp(amax, s, elem)
+    a = ax
+    if enc is not None:
+        a, hp = ax * enc, hp * enc  # amax / 6 * enc: the NVFP4 recipe's order of operations
+    sc = rules.choose_scales(a, s, elem, weight, window, hp)
     if s.guard:  # judged on the unscaled weights: x * enc can flush float32 subnormals to 0
         sc = torch.where((amax > 0) & (sc == 0), torch.full_like(sc, minifloat.smallest_scale(s.scale)), sc)
+    if s.elem == "e4m3" and not s.guard and enc is None:  # searched FP8 scales
+        return sc, _e4m3_codes(x, sc)
     r = rules.elem_mags(a, sc, elem, s.guard)
     if s.guard:
-        r = _revive_underflowed(x.abs(), amax, r, elem)
-    return QTensor(encode_codes(x, r, s.elem), sc, None, enc, (out, cols), s)
+        r = _revive_underflowed(ax, amax, r, elem)
+    return sc, encode_codes(x, r, s.elem)
+
+
+def _e4m3_codes(x: torch.Tensor, sc: torch.Tensor) -> torch.Tensor:
+    """E4M3 codes of ``x / sc`` in one cast of the signed values: the codes of the magnitude path
+    (``|x| * inv`` rounded, the sign put back), since rounding and scaling are symmetric in the sign;
+    a value that rounds to zero keeps code 0, not the cast's -0 (0x80)."""
+    inv = torch.where(sc > 0, sc.reciprocal(), torch.zeros_like(sc))
+    q = (x * inv.unsqueeze(-1)).clamp_(-448.0, 448.0).to(torch.float8_e4m3fn).view(torch.uint8)
+    return q.masked_fill_(q == 0x80, 0)
 
 
 def given_encode(tensor_scale: torch.Tensor, s: Scheme, w: torch.Tensor) -> torch.Tensor:

@@ -213,6 +213,14 @@ class KParts:
     dmin: torch.Tensor | None
 
 
+def final_codes(x: torch.Tensor, d: torch.Tensor, sc: torch.Tensor, dmin: torch.Tensor | None,
+                m: torch.Tensor | None, kt: KType) -> torch.Tensor:
+    """Signed element codes of ``x [..., nsb, sub]`` under the stored scales: `final_error`'s codes."""
+    ds = d.unsqueeze(-1) * sc
+    dm = torch.zeros_like(ds) if m is None else dmin.unsqueeze(-1) * m
+    return element_codes(x, ds, dm, kt)
+
+
 def final_error(x: torch.Tensor, wt: torch.Tensor, d: torch.Tensor, sc: torch.Tensor, dmin: torch.Tensor | None,
                 m: torch.Tensor | None, kt: KType) -> tuple[torch.Tensor, torch.Tensor]:
     """(weighted error per sub-block, codes) of ``x [..., nsb, sub]`` under stored scales.
@@ -236,8 +244,10 @@ def double_quantize(x: torch.Tensor, wt: torch.Tensor, s: torch.Tensor, mn: torc
     """
     d0, sc0 = quantize_codes(s, kt.sc_lo, kt.sc_hi, kt.sym)
     dmin0, m0 = (None, None) if kt.sym else quantize_codes(mn, 0, kt.m_hi, False)
-    best_e, _ = final_error(x, wt, d0, sc0, dmin0, m0, kt)
     best = (d0, sc0, dmin0, m0)
+    if not refine:  # plain rounding: the codes under the stored scales, no error to weigh
+        return KParts(final_codes(x, d0, sc0, dmin0, m0, kt) - kt.qmin, sc0, m0, d0, dmin0)
+    best_e, _ = final_error(x, wt, d0, sc0, dmin0, m0, kt)
     if refine:
         tot = best_e.sum(-1)
         for f in (0.92, 0.94, 0.96, 0.98, 1.02, 1.04, 1.06):
@@ -295,10 +305,23 @@ def element_weights(x: torch.Tensor, wt: torch.Tensor, kt: KType) -> torch.Tenso
     return wt * (sigma2 + x * x).sqrt()
 
 
+SEARCH_CHUNK = 1 << 16  # weights per slice of the searched path: its ~700 passes stay in the CPU's cache
+
+
 def quantize_parts(w: torch.Tensor, kt: KType, imp: torch.Tensor | None = None, search: bool = True,
-                   chunk: int = 512) -> KParts:
-    """The K-quant parts of ``w [out, cols]`` (cols a multiple of 256), rows in chunks."""
+                   chunk: int | None = None, codes_dtype: torch.dtype = torch.float32) -> KParts:
+    """The K-quant parts of ``w [out, cols]`` (cols a multiple of 256), rows in chunks.
+
+    chunk: rows per slice; None = about `SEARCH_CHUNK` weights when searching (each row's result is its
+    own: the sums run within a sub- or super-block), 512 rows for plain rounding. The search's
+    candidates are a few hundred elementwise passes over the slice: a slice of 64K weights (256 KB in
+    float32) stays in cache, where 512 rows of 4096 (8 MB) went to memory every pass, 3x slower.
+    codes_dtype: the element codes' dtype (uint8 when they go straight to storage: each slice's codes
+    narrowed before the next, never a float32 copy of the whole matrix's, 235 MB at the 8B shape's widest).
+    """
     out, cols = w.shape
+    if chunk is None:
+        chunk = max(1, SEARCH_CHUNK // max(cols, 1)) if search else 512
     x = w.detach().float().reshape(out, cols // QK_K, kt.nsub, kt.sub)
     wt = torch.ones(cols, device=w.device) if imp is None else imp.detach().float().to(w.device).clamp_min(0)
     wt = wt.reshape(1, cols // QK_K, kt.nsub, kt.sub)
@@ -308,7 +331,9 @@ def quantize_parts(w: torch.Tensor, kt: KType, imp: torch.Tensor | None = None, 
     for xc in x.split(chunk):
         wc = element_weights(xc, wt, kt) if imp is not None else wt
         s, mn = sub_block_params(xc, wc, kt, search=search)
-        parts.append(double_quantize(xc, wc, s, mn, kt, refine=search))
+        part = double_quantize(xc, wc, s, mn, kt, refine=search)
+        narrow = codes_dtype != part.codes.dtype
+        parts.append(dataclasses.replace(part, codes=part.codes.to(codes_dtype)) if narrow else part)
     cat = (lambda k: torch.cat([getattr(p, k) for p in parts]))  # noqa: E731
     return KParts(cat("codes"), cat("sc"), None if kt.sym else cat("m"), cat("d"), None if kt.sym else cat("dmin"))
 
@@ -417,7 +442,8 @@ class KQuantFamily:
         """``rule='search'`` = weighted least squares + refined double quantization (importance-weighted
         when ``imp`` is given), ``absmax`` = plain ranges."""
         kt = ktype(s.bits)
-        parts = quantize_parts(w, kt, imp if s.rule == "search" else None, search=s.rule == "search")
+        parts = quantize_parts(w, kt, imp if s.rule == "search" else None, search=s.rule == "search",
+                               codes_dtype=torch.uint8)
         codes, sc, m, sup = parts_to_tensors(parts, kt)
         return QTensor(codes, sc, m, sup, tuple(w.shape), s)
 

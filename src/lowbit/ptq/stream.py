@@ -8,7 +8,7 @@ experts check, RTN's search rule), then reads one tensor, or one expert matrix, 
 (`lowbit.models.stream_source`), decides what the in-model path would decide for it (its
 scales fitted to its range, `lowbit.formats.ranges.fit`; the tensor scale a fused q/k/v or
 gate/up group shares, `lowbit.models.fused`; embeddings and a float lm_head rounded to fp16
-values; float tensors stored in fp16 when lossless) and writes lowbit's native checkpoint
+values; float tensors stored in fp16, else bf16, when lossless) and writes lowbit's native checkpoint
 shard by shard. The result holds the same tensors, byte for byte, as ``lowbit quantize
 --method rtn`` writes from the loaded model (the search with uniform importance, i.e. on
 the weights alone, which is what RTN's experts path does too), with the weights spread
@@ -263,8 +263,10 @@ class Quantizer:
         return self.linear_out(name, q, spec), {name: spec}
 
     def float_key(self, key: str) -> torch.Tensor:
-        """A float state-dict key as lowbit's native format stores it (fp16 where lossless or rounded)."""
-        return self._float_key(key)
+        """A float state-dict key as the exporters read it: lowbit's native stored form (fp16 where lossless or
+        rounded), bf16 widened to float32 (the exports' own dtype rules start from the loaded model's float32)."""
+        t = self._float_key(key)
+        return t.float() if t.dtype == torch.bfloat16 else t
 
     def _experts(self, t: ExpertTensor) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
         """Each expert's matrix quantized as a Linear's; one scheme for all, the first expert needing more decides."""
@@ -328,15 +330,18 @@ def _narrow(t: torch.Tensor, round16: bool) -> torch.Tensor:
     """The stored form `native.save` gives a float32 tensor (after the fp16 rounding of embeddings), in chunks.
 
     Rounded: values within fp16's range become fp16 values; then a tensor of more than 1024
-    elements whose values are all fp16 numbers is stored in fp16 (`native._narrowest`).
+    elements whose values are all fp16 numbers is stored in fp16, else all bf16 numbers (a bf16
+    source's norms, a table beyond fp16's range) in bf16, never widened (`native._narrowest`).
     """
     t = t.float()
     flat = t.reshape(-1)
     if round16 and flat.numel() and bool(_chunked_amax(flat) <= _F16_MAX):
         half = flat.half()
         return (half if flat.numel() > 1024 else half.float()).reshape(t.shape)
-    if flat.numel() > 1024 and all(torch.equal(c.half().float(), c) for c in flat.split(_CHUNK)):
-        return flat.half().reshape(t.shape)
+    if flat.numel() > 1024:
+        for dt in (torch.float16, torch.bfloat16):  # `native._narrowest`'s order
+            if all(torch.equal(c.to(dt).float(), c) for c in flat.split(_CHUNK)):
+                return flat.to(dt).reshape(t.shape)
     return t
 
 
@@ -344,12 +349,13 @@ def _narrow_pieces(pieces: Callable[[], Iterator[torch.Tensor] | None], shape: t
                    round16: bool) -> torch.Tensor:
     """`_narrow` of a big float tensor read in pieces (an 8B model's 1 GB embedding table never in float32 whole).
 
-    The pieces are read twice: once to decide the stored dtype exactly as `_narrow` does, once to fill it.
+    The pieces are read until the stored dtype is decided exactly as `_narrow` does, then once to fill it.
     """
     rounded = round16 and bool(max(float(c.abs().amax()) for c in pieces()) <= _F16_MAX)
     big = math.prod(shape) > 1024
     half = big and (rounded or all(torch.equal(c.half().float(), c) for c in pieces()))
-    out = torch.empty(shape, dtype=torch.float16 if half else torch.float32)
+    bf16 = big and not half and all(torch.equal(c.bfloat16().float(), c) for c in pieces())
+    out = torch.empty(shape, dtype=torch.float16 if half else torch.bfloat16 if bf16 else torch.float32)
     flat, at = out.view(-1), 0
     for c in pieces():
         flat[at:at + c.numel()] = c.reshape(-1).half().float() if rounded and not half else c.reshape(-1)
@@ -489,6 +495,7 @@ def finish(out: Path, work: Path, folder: Path | None, model: nn.Module, lay: La
     layers: dict[str, Any] = {}
     for r in records:
         layers.update(r["layers"])
+    known = {s.name: SealedFile(work / s.name).sha256() for s in parts}
     with atomic_dir(out, force=force, kind="lowbit checkpoint") as tmp:
         for s in parts:
             os.replace(work / s.name, tmp / s.name)
@@ -501,7 +508,8 @@ def finish(out: Path, work: Path, folder: Path | None, model: nn.Module, lay: La
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
         _write_index(tmp, parts)
-        native.seal_sharded(tmp, layers, lay.aliases, meta, [s.name for s in parts])
+        native.seal_sharded(tmp, layers, lay.aliases, meta, [s.name for s in parts],
+                            {n: h for n, h in known.items() if h is not None})
     shutil.rmtree(work, ignore_errors=True)
     return out
 
