@@ -355,11 +355,12 @@ class _Run:
         self.spec = PtqSpec(job.method, job.settings, job.mixed, job.rotate, job.awq)
         preflight(lm.model, self.plan, self.spec)
         self.outcome: PtqOutcome | None = None
-        self.not_exportable = _export_limits(job, lm.model, self.plan)
         from lowbit.nn.kv_quant import check_kv
 
+        # a refusal comes before the export-limit warnings, so a refused run prints its one error line only
         for kv in job.kv_options:
             check_kv(lm.model, kv)
+        self.not_exportable = _export_limits(job, lm.model, self.plan)
         self._check_whole_model_fits()
         with self.phases("data"):
             self.ev = job.evaluation.tokens(lm.tokenizer) if job.evaluation is not None else None
