@@ -62,6 +62,13 @@ def group_range(wg: torch.Tensor, s: Scheme) -> tuple[torch.Tensor, torch.Tensor
     return wg.amin(-1).clamp(max=0), wg.amax(-1).clamp(min=0)
 
 
+def largest_magnitude(wg: torch.Tensor) -> torch.Tensor:
+    """Per group of ``wg [..., g]`` its value of largest magnitude, sign kept (the first of ``+m`` / ``-m``): `extreme`
+    from one min / max pass, for callers that have no range at hand (K-quant scales, SignRound's init)."""
+    lo, hi = torch.aminmax(wg, dim=-1)
+    return extreme(wg, lo, hi)
+
+
 def extreme(wg: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor) -> torch.Tensor:
     """Per group of ``wg [..., g]`` the value of largest magnitude, the first one where ``+m`` and ``-m`` both occur.
 

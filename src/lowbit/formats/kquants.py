@@ -161,7 +161,7 @@ def sub_block_params(x: torch.Tensor, wt: torch.Tensor, kt: KType, steps: int = 
     lo = x.amin(-1).clamp(max=0)
     hi = x.amax(-1)
     if kt.sym:
-        ext = x.gather(-1, x.abs().argmax(-1, keepdim=True)).squeeze(-1)
+        ext = integer.largest_magnitude(x)
         best_s, best_m = ext / kt.qmin, torch.zeros_like(ext)
     else:
         best_s, best_m = ((hi - lo) / kt.qmax).clamp_min(0), -lo
@@ -194,7 +194,7 @@ def quantize_codes(v: torch.Tensor, lo: int, hi: int, signed_ext: bool) -> tuple
     its sign.
     """
     if signed_ext:
-        ext = v.gather(-1, v.abs().argmax(-1, keepdim=True)).squeeze(-1)
+        ext = integer.largest_magnitude(v)
         d = _f16(ext / lo)
     else:
         d = _f16(v.amax(-1).clamp_min(0) / hi)

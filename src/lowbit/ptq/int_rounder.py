@@ -16,7 +16,7 @@ from torch import nn
 
 from lowbit.formats import QTensor, Scheme
 from lowbit.formats.groups import from_groups, pad_mask, to_groups
-from lowbit.formats.integer import cast_scale, search_int_params
+from lowbit.formats.integer import cast_scale, largest_magnitude, search_int_params
 from lowbit.nn import round_ste
 
 
@@ -104,7 +104,7 @@ class IntRounder(nn.Module):
             return cast_ste(self.s0 * self.m, s.scale), None
         if s.sym:
             if s.full_range:
-                ext = wg.gather(-1, wg.abs().argmax(-1, keepdim=True)).squeeze(-1)
+                ext = largest_magnitude(wg)
                 return cast_ste(ext / s.qmin * self.alpha, s.scale), None
             return cast_ste(wg.abs().amax(-1) / s.qmax * self.alpha, s.scale), None
         lo = wg.amin(-1).clamp(max=0) * self.beta
