@@ -78,6 +78,7 @@ class Export:
     recipe: str
     to: str  # compressed-tensors | gguf | native
     what: str
+    kv: str | None = None  # a KV-cache scheme (`--kv`) quantized with the weights; vLLM runs it with its fp8 cache
 
 
 EXPORTS = {
@@ -91,6 +92,8 @@ EXPORTS = {
     "ct-mxfp4-a16": Export("mxfp4", "compressed-tensors", "MXFP4 weight-only (W4A16)"),
     "ct-w4a4-nvfp4": Export("w4a4-nvfp4", "compressed-tensors", "W4A4 NVFP4 (static input global scale)"),
     "ct-w4a4-mxfp4": Export("mxfp4@mxfp4:round=even", "compressed-tensors", "W4A4 MXFP4 (E8M0 round-even inputs)"),
+    "ct-w8a8-int8-kv-fp8": Export("w8a8-int8", "compressed-tensors",
+                                  "W8A8 INT8 + FP8 E4M3 KV cache (static per-tensor k/v scales, kv_cache_scheme)", kv="fp8"),
     "gguf-q4_0": Export("w4g32", "gguf", "GGUF Q4_0 (INT4 sym g32)"),
     "gguf-q4_k_m": Export("q4_k_m", "gguf", "GGUF Q4_K_M (llama.cpp's mix)"),
     "native-w4g64": Export("w4g64", "native", "lowbit checkpoint through transformers (lowbit's quantizer)"),
@@ -129,10 +132,10 @@ def make_export(name: str, keep: Path) -> tuple[Path, Path]:
     from lowbit import api
 
     spec = EXPORTS[name]
-    ckpt = keep / f"ckpt-{spec.recipe.replace('@', '_').replace(':', '_').replace('=', '_')}"
+    ckpt = keep / f"ckpt-{spec.recipe.replace('@', '_').replace(':', '_').replace('=', '_')}{'-kv-' + spec.kv if spec.kv else ''}"
     if not (ckpt / "lowbit.json").is_file():
         api.quantize(api.QuantizeJob(out=ckpt, scheme=spec.recipe, method="rtn", settings={"search": False},
-                                     evaluation=None, force=True, progress=False,
+                                     evaluation=None, force=True, progress=False, kv=spec.kv,
                                      calib=api.Calibration(nsamples=NSAMPLES, seqlen=SEQLEN),
                                      export_to=None if spec.to == "native" else spec.to))
     if spec.to == "native":
@@ -244,7 +247,7 @@ def register_cpu_nvfp4_emulation() -> None:
     scheme_mod.init_nvfp4_linear_kernel = init
 
 
-def run_vllm(engine: str, path: Path, data: dict, gen: int) -> dict:
+def run_vllm(engine: str, path: Path, data: dict, gen: int, kv: str | None = None) -> dict:
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # in-process: the emulation patch applies
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     # vLLM's CPU INT4 kernel quantizes activations to int8 on AMX CPUs unless told not to (VLLM_CPU_INT4_W4A8,
@@ -257,8 +260,11 @@ def run_vllm(engine: str, path: Path, data: dict, gen: int) -> dict:
     windows, seqlen = data["windows"], len(data["windows"][0])
     t0 = time.perf_counter()
     try:
+        # an FP8 KV export is served as vLLM users do: kv_cache_dtype="fp8" reads the file's k/v scales, and vLLM's
+        # CPU attention reads every key and value back from that cache, prompt tokens included
+        cache = {"kv_cache_dtype": "fp8"} if kv else {}
         llm = LLM(model=str(path), dtype="bfloat16", max_model_len=max(seqlen, len(data["prompt"]) + gen) + 8,
-                  enforce_eager=True, enable_prefix_caching=False, seed=0)
+                  enforce_eager=True, enable_prefix_caching=False, seed=0, **cache)
     except Exception as e:  # vLLM refuses the file: record where
         return refusal(e)
     load_s = time.perf_counter() - t0
@@ -325,7 +331,7 @@ def child(args: argparse.Namespace) -> None:
     path = Path(args.path)
     try:
         if args.child.startswith("vllm"):
-            row = run_vllm(args.child, path, data, args.gen)
+            row = run_vllm(args.child, path, data, args.gen, EXPORTS[args.export].kv)
         elif args.child == "llama.cpp":
             row = run_llamacpp(path, data, args.gen)
         else:
