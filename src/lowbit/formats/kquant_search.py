@@ -1,0 +1,173 @@
+"""The searched K-quant rounding in fewer passes: `kquants`' reference search, value for value.
+
+The reference (`kquants.sub_block_params` + `kquants.double_quantize`) forms every candidate's
+weighted sums and errors from scratch: about 35 elementwise passes over the weights per range
+candidate and 10 per stored-grid candidate, with the element weights multiplied in even when they
+are all ones (the data-free path), each pass into a fresh tensor. This path does the same
+arithmetic with less work:
+
+- what no candidate changes is formed once per slice: ``x + min`` of the range candidates (the
+  min is ``-lo`` or 0 for all of them), ``sum(w*x)``, ``sum(w)``, and ``x + min`` of the stored
+  grid while only its scale codes move;
+- a range candidate's error reuses the codes its least-squares refit was computed from (the
+  reference rounds them twice);
+- weights that are all ones are not multiplied in (``1 * v == v`` exactly), a zero min is not
+  subtracted (``v - 0 == v``);
+- the per-sub-block error of the best stored grid is carried through the scale search instead of
+  recomputed for the last code refinement, and the final codes are rounded without their error;
+- every pass writes into a buffer of the slice's shape reused by all candidates.
+
+Every float that decides a comparison is produced by the same torch operation on operands of the
+same values, shape and layout as in the reference, so sums add in the same order and the codes,
+scale codes and super-block scales are identical (tests/test_kquant_search.py compares the two on
+random tensors bit for bit; tests/test_kquants.py compares the result with llama.cpp's).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from lowbit.formats import integer
+from lowbit.formats import kquants as kq
+
+
+class _Slice:
+    """One slice of weights ``x [rows, nsup, nsb, sub]`` (contiguous), its element weights and work buffers."""
+
+    def __init__(self, x: torch.Tensor, wt: torch.Tensor, kt: kq.KType, unit: bool):
+        self.x, self.wt, self.kt, self.unit = x, wt, kt, unit
+        self.q, self.d, self.t = torch.empty_like(x), torch.empty_like(x), torch.empty_like(x)
+
+    def codes(self, xm: torch.Tensor, s: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """`kq.element_codes` from ``x + min`` already formed: ``((x + mn) * inv(s)).round().clamp()``."""
+        inv = torch.where(s != 0, 1.0 / s, torch.zeros_like(s))
+        return torch.mul(xm, inv.unsqueeze(-1), out=out).round_().clamp_(self.kt.qmin, self.kt.qmax)
+
+    def error(self, q: torch.Tensor, s: torch.Tensor, mn: torch.Tensor | None) -> torch.Tensor:
+        """``sum(wt * (q*s - mn - x)^2)`` per sub-block, as `kq._err` / `kq.final_error` form it; ``mn`` None: zero."""
+        d = torch.mul(q, s.unsqueeze(-1), out=self.d)
+        if mn is not None:
+            d.sub_(mn.unsqueeze(-1))
+        d.sub_(self.x).mul_(d)
+        if not self.unit:
+            d.mul_(self.wt)
+        return d.sum(-1)
+
+    def plus(self, mn: torch.Tensor | None) -> torch.Tensor:
+        """``x + mn`` into the spare buffer (``x + 0`` for the symmetric types: the reference adds a zero min too)."""
+        if mn is None:
+            return torch.add(self.x, 0.0, out=self.t)
+        return torch.add(self.x, mn.unsqueeze(-1), out=self.t)
+
+
+def sub_block_params(x: torch.Tensor, wt: torch.Tensor, kt: kq.KType, unit: bool, steps: int = 20
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    """`kq.sub_block_params` (``search=True``): the same ``(scale, min)`` per sub-block.
+
+    unit: ``wt`` is all ones (no importance), so its products are skipped.
+    """
+    sl = _Slice(x, wt, kt, unit)
+    lo = x.amin(-1).clamp(max=0)
+    hi = x.amax(-1)
+    if kt.sym:
+        ext = integer.largest_magnitude(x)
+        best_s, best_m = ext / kt.qmin, torch.zeros_like(ext)
+    else:
+        best_s, best_m = ((hi - lo) / kt.qmax).clamp_min(0), -lo
+    m0 = best_m  # every range candidate's min: -lo, or zeros
+    m_err = None if kt.sym else m0
+    xm0 = x + m0.unsqueeze(-1)
+    best_e = sl.error(sl.codes(xm0, best_s, sl.q), best_s, m_err)
+    sw = wt.sum(-1)
+    sx = x.sum(-1) if unit else (wt * x).sum(-1)
+    for k in range(steps + 1):
+        f = 0.9 + 0.4 * k / steps
+        s0 = ext / kt.qmin / f if kt.sym else ((hi - lo) / kt.qmax / f).clamp_min(0)
+        q = sl.codes(xm0, s0, sl.q)
+        e0 = sl.error(q, s0, m_err)
+        if unit:
+            sq = q.sum(-1)
+            sqq = torch.mul(q, q, out=sl.t).sum(-1)
+            sqx = torch.mul(q, x, out=sl.t).sum(-1)
+        else:
+            wq = torch.mul(wt, q, out=sl.d)
+            sq = wq.sum(-1)
+            sqq = torch.mul(wq, q, out=sl.t).sum(-1)
+            sqx = torch.mul(wq, x, out=sl.t).sum(-1)
+        s1, m1 = kq.lsq_from_sums(sw, sq, sx, sqq, sqx, kt.sym)
+        xm1 = xm0 if kt.sym else sl.plus(m1)
+        e1 = sl.error(sl.codes(xm1, s1, sl.q), s1, None if kt.sym else m1)
+        for e, s, mn in ((e0, s0, m0), (e1, s1, m1)):
+            better = e < best_e
+            best_e = torch.where(better, e, best_e)
+            best_s, best_m = torch.where(better, s, best_s), torch.where(better, mn, best_m)
+    return best_s, best_m
+
+
+class _Grid:
+    """The stored grid's error and codes for one slice: scale ``d*sc`` and min ``dmin*m`` per sub-block."""
+
+    def __init__(self, sl: _Slice):
+        self.sl = sl
+        self.x0 = None if not sl.kt.sym else sl.x + 0.0  # symmetric: x + (zero min), the same for every grid
+
+    def plus(self, dmin: torch.Tensor | None, m: torch.Tensor | None) -> torch.Tensor:
+        if m is None:
+            return self.x0
+        return self.sl.plus(dmin.unsqueeze(-1) * m)
+
+    def error(self, xm: torch.Tensor, d: torch.Tensor, sc: torch.Tensor, dmin: torch.Tensor | None,
+              m: torch.Tensor | None) -> torch.Tensor:
+        """`kq.final_error`'s error; ``xm`` = ``x + dmin*m`` from `plus`."""
+        ds = d.unsqueeze(-1) * sc
+        dm = None if m is None else dmin.unsqueeze(-1) * m
+        return self.sl.error(self.sl.codes(xm, ds, self.sl.q), ds, dm)
+
+    def codes(self, d: torch.Tensor, sc: torch.Tensor, dmin: torch.Tensor | None, m: torch.Tensor | None
+              ) -> torch.Tensor:
+        """`kq.final_codes` (signed), in a fresh tensor."""
+        return self.sl.codes(self.plus(dmin, m), d.unsqueeze(-1) * sc, torch.empty_like(self.sl.x))
+
+    def refine_codes(self, d, sc, dmin, m, start: torch.Tensor | None = None):
+        """`kq._refine_codes`; ``start``: the error of ``(d, sc, dmin, m)`` when already known."""
+        kt = self.sl.kt
+        xm = self.plus(dmin, m)
+        best_e = self.error(xm, d, sc, dmin, m) if start is None else start
+        for step in (-1, 1):
+            cand = (sc + step).clamp(kt.sc_lo, kt.sc_hi)
+            e = self.error(xm, d, cand, dmin, m)
+            better = e < best_e
+            best_e, sc = torch.where(better, e, best_e), torch.where(better, cand, sc)
+        if m is not None:
+            for step in (-1, 1):
+                cand = (m + step).clamp(0, kt.m_hi)
+                e = self.error(self.plus(dmin, cand), d, sc, dmin, cand)
+                better = e < best_e
+                best_e, m = torch.where(better, e, best_e), torch.where(better, cand, m)
+        return sc, m, best_e
+
+
+def double_quantize(x: torch.Tensor, wt: torch.Tensor, s: torch.Tensor, mn: torch.Tensor, kt: kq.KType,
+                    unit: bool) -> kq.KParts:
+    """`kq.double_quantize` (``refine=True``): the same parts."""
+    grid = _Grid(_Slice(x, wt, kt, unit))
+    d0, sc0 = kq.quantize_codes(s, kt.sc_lo, kt.sc_hi, kt.sym)
+    dmin0, m0 = (None, None) if kt.sym else kq.quantize_codes(mn, 0, kt.m_hi, False)
+    best = (d0, sc0, dmin0, m0)
+    best_e = grid.error(grid.plus(dmin0, m0), d0, sc0, dmin0, m0)  # per sub-block, of `best` throughout
+    tot = best_e.sum(-1)
+    for f in kq.REFINE_FACTORS:
+        d = kq._f16(d0 * f)
+        inv = torch.where(d != 0, 1.0 / d, torch.zeros_like(d))
+        sc = (s * inv.unsqueeze(-1)).round().clamp(kt.sc_lo, kt.sc_hi)
+        sc, m, e = grid.refine_codes(d, sc, best[2], best[3])
+        better = e.sum(-1) < tot
+        tot = torch.where(better, e.sum(-1), tot)
+        b = better.unsqueeze(-1)
+        best = (torch.where(better, d, best[0]), torch.where(b, sc, best[1]), best[2],
+                None if m is None else torch.where(b, m, best[3]))
+        best_e = torch.where(b, e, best_e)
+    sc, m, _ = grid.refine_codes(best[0], best[1], best[2], best[3], start=best_e)
+    q = grid.codes(best[0], sc, best[2], m)
+    return kq.KParts(q - kt.qmin, sc, m, best[0], best[2])
+
