@@ -61,3 +61,20 @@ def test_fast_search_is_the_default(monkeypatch):
     q = quantize(w, s)
     assert torch.equal(q.codes, codes) and torch.equal(q.scales, sc) and torch.equal(q.zeros, m)
     assert torch.equal(q.tensor_scale, sup)
+
+
+def test_batched_choice_is_the_sequential_fold():
+    """The candidates' choice (argmin over a candidate dimension) keeps what the reference's ``if e < best``
+    loop keeps: the first of equal errors, never a NaN, nothing after a NaN start."""
+    from lowbit.formats.kquant_search import _first_min
+
+    nan, inf = float("nan"), float("inf")
+    cols = [[3.0, 2.0, 2.0, 1.0], [1.0, 1.0, 1.0, 1.0], [nan, 0.5, 0.1, 0.2], [2.0, nan, 1.0, nan],
+            [inf, nan, inf, 5.0], [inf, inf, nan, inf], [0.0, -0.0, 0.0, 0.0], [nan, nan, nan, nan]]
+    errs = torch.tensor(cols).T.contiguous()
+    for j in range(errs.shape[1]):
+        best, keep = errs[0, j], 0
+        for i in range(1, errs.shape[0]):
+            if errs[i, j] < best:
+                best, keep = errs[i, j], i
+        assert int(_first_min(errs)[0, j]) == keep, cols[j]
