@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import torch
 
-from lowbit.formats import integer
 from lowbit.formats import kquants as kq
 
 
@@ -83,13 +82,7 @@ def sub_block_params(x: torch.Tensor, wt: torch.Tensor, kt: kq.KType, unit: bool
     on a slice that stays in cache (a batch of all 21 candidates' weights ran 1.7x slower).
     """
     sl = _Slice(x, wt, kt, unit)
-    lo = x.amin(-1).clamp(max=0)
-    hi = x.amax(-1)
-    if kt.sym:
-        ext = integer.largest_magnitude(x)
-        best_s, best_m = ext / kt.qmin, torch.zeros_like(ext)
-    else:
-        best_s, best_m = ((hi - lo) / kt.qmax).clamp_min(0), -lo
+    lo, hi, ext, best_s, best_m = kq.range_params(x, kt)
     m0 = best_m  # every range candidate's min: -lo, or zeros
     m_err = None if kt.sym else m0
     xm0 = x + m0.unsqueeze(-1)

@@ -155,6 +155,17 @@ def _err(x: torch.Tensor, s: torch.Tensor, mn: torch.Tensor, kt: KType, wt: torc
     return d.mul_(d).mul_(wt).sum(-1)
 
 
+def range_params(x: torch.Tensor, kt: KType):
+    """``(lo, hi, ext, scale, min)`` per sub-block of ``x [..., sub]``: its range (``lo`` clamped to <= 0),
+    the value of largest magnitude (symmetric types; else None) and the plain range scale and min."""
+    lo = x.amin(-1).clamp(max=0)
+    hi = x.amax(-1)
+    if kt.sym:
+        ext = integer.largest_magnitude(x)
+        return lo, hi, ext, ext / kt.qmin, torch.zeros_like(ext)
+    return lo, hi, None, ((hi - lo) / kt.qmax).clamp_min(0), -lo
+
+
 def sub_block_params(x: torch.Tensor, wt: torch.Tensor, kt: KType, steps: int = 20, search: bool = True
                      ) -> tuple[torch.Tensor, torch.Tensor]:
     """Float ``(scale, min)`` per sub-block of ``x [..., sub]`` minimising the weighted error.
@@ -164,13 +175,7 @@ def sub_block_params(x: torch.Tensor, wt: torch.Tensor, kt: KType, steps: int = 
     the grid reaches 0). Symmetric: the extreme value maps to ``qmin`` (full range) under
     multipliers 0.7..1.3, again refitted. ``search=False``: the plain range scale.
     """
-    lo = x.amin(-1).clamp(max=0)
-    hi = x.amax(-1)
-    if kt.sym:
-        ext = integer.largest_magnitude(x)
-        best_s, best_m = ext / kt.qmin, torch.zeros_like(ext)
-    else:
-        best_s, best_m = ((hi - lo) / kt.qmax).clamp_min(0), -lo
+    lo, hi, ext, best_s, best_m = range_params(x, kt)
     if not search:
         return best_s, best_m
     best_e = _err(x, best_s, best_m, kt, wt)
