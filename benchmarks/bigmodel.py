@@ -214,7 +214,7 @@ def run_row(shape: str, scheme: str, tool: str, src: Path, work: Path, search: b
         cmd += ["--threads", str(threads)]
     rc, secs, cpu, rss = child(cmd, log, env)
     row = {"shape": shape, "scheme": scheme, "tool": tool, "rc": rc, "seconds": round(secs, 1),
-           "cpu_seconds": round(cpu, 1), "search": search, "load_avg_1m": round(os.getloadavg()[0], 1),
+           "cpu_seconds": round(cpu, 1), "search": search and tool.startswith("lowbit"), "load_avg_1m": round(os.getloadavg()[0], 1),
            "peak_rss_gib": round(rss / 2**30, 3), "output_bytes": _size(out), "source_bytes": _size(src),
            "machine": f"{os.cpu_count()} cores, shared", "random_weights": True, "commit": _commit(),
            "threads": 1 if tool == "llama.cpp-quantize" else threads}
@@ -256,7 +256,7 @@ def _commit() -> str:
 
 def save(rows: list[dict], results: Path = RESULTS) -> None:
     old = json.loads(results.read_text())["rows"] if results.is_file() else []
-    key = lambda r: (r["shape"], r["scheme"], r["tool"])  # noqa: E731
+    key = lambda r: (r["shape"], r["scheme"], r["tool"], bool(r.get("search")))  # noqa: E731  searched rows beside plain
     merged = {key(r): r for r in old} | {key(r): r for r in rows}
     results.parent.mkdir(parents=True, exist_ok=True)
     results.write_text(json.dumps({"note": "random bf16 weights: time and memory only, no quality",
@@ -265,10 +265,12 @@ def save(rows: list[dict], results: Path = RESULTS) -> None:
 
 def table(results: Path = RESULTS) -> None:
     rows = json.loads(results.read_text())["rows"]
-    print(f"{'shape':16} {'scheme':10} {'tool':20} {'threads':>7} {'s':>8} {'cpu s':>8} {'peak RSS GiB':>13} "
+    print(f"{'shape':16} {'scheme':10} {'tool':20} {'rule':6} {'threads':>7} {'s':>8} {'cpu s':>8} {'peak RSS GiB':>13} "
           f"{'out GiB':>8} {'src GiB':>8}")
     for r in rows:  # threads '-': torch's default (one per core), the rows before session 3
-        print(f"{r['shape']:16} {r['scheme']:10} {r['tool']:20} {r.get('threads') or '-':>7} {r['seconds']:8.1f} "
+        rule = "-" if r["tool"] == "read" else "llama" if r["tool"] == "llama.cpp-quantize" else \
+            "search" if r.get("search") else "plain"
+        print(f"{r['shape']:16} {r['scheme']:10} {r['tool']:20} {rule:6} {r.get('threads') or '-':>7} {r['seconds']:8.1f} "
               f"{r.get('cpu_seconds', 0):8.1f} "
               f"{r['peak_rss_gib']:13.2f} "
               + (f"{r['output_bytes'] / 2**30:8.2f}" if r["output_bytes"] is not None else f"{'-':>8}")
@@ -290,6 +292,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=None, help="torch threads of every tool's child (lowbit's "
                     "--threads, torch.set_num_threads in llm-compressor's; llama.cpp runs one): on a shared machine "
                     "idle threads spin at every parallel region and inflate CPU seconds, so rows pin both tools to 1")
+    ap.add_argument("--keep-gguf", action="store_true", help="keep the BF16 GGUF the llama.cpp-quantize row read "
+                    "(deleted after the row by default: it is as large as the checkpoint)")
     ap.add_argument("--table", action="store_true")
     ap.add_argument("--no-read", action="store_true", help="skip the read-only floor row")
     ap.add_argument("--results", default=str(RESULTS), help="the JSON file rows are merged into")
@@ -315,6 +319,8 @@ def main() -> None:
                               args.threads)
                 save([row], results)
                 print(json.dumps(row), flush=True)
+                if tool == "llama.cpp-quantize" and not args.keep_gguf:  # 6.4 GB at 3B, 16 GB at 8B
+                    (work / f"{src.name}-bf16.gguf").unlink(missing_ok=True)
     if not args.build_only:
         table(results)
 

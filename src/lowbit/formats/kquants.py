@@ -121,6 +121,12 @@ def _lsq(x: torch.Tensor, q: torch.Tensor, wt: torch.Tensor, sym: bool) -> tuple
     """Weighted least-squares ``(scale, min >= 0)`` with ``x ~ scale*q - min`` per sub-block."""
     sw, sq, sx = wt.sum(-1), (wt * q).sum(-1), (wt * x).sum(-1)
     sqq, sqx = (wt * q * q).sum(-1), (wt * q * x).sum(-1)
+    return lsq_from_sums(sw, sq, sx, sqq, sqx, sym)
+
+
+def lsq_from_sums(sw: torch.Tensor, sq: torch.Tensor, sx: torch.Tensor, sqq: torch.Tensor, sqx: torch.Tensor,
+                  sym: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """`_lsq` from its weighted sums (the fast path forms them with fewer passes, then shares this)."""
     only_scale = sqx / sqq.clamp_min(1e-30)
     if sym:
         return only_scale, torch.zeros_like(only_scale)
@@ -149,6 +155,17 @@ def _err(x: torch.Tensor, s: torch.Tensor, mn: torch.Tensor, kt: KType, wt: torc
     return d.mul_(d).mul_(wt).sum(-1)
 
 
+def range_params(x: torch.Tensor, kt: KType):
+    """``(lo, hi, ext, scale, min)`` per sub-block of ``x [..., sub]``: its range (``lo`` clamped to <= 0),
+    the value of largest magnitude (symmetric types; else None) and the plain range scale and min."""
+    lo = x.amin(-1).clamp(max=0)
+    hi = x.amax(-1)
+    if kt.sym:
+        ext = integer.largest_magnitude(x)
+        return lo, hi, ext, ext / kt.qmin, torch.zeros_like(ext)
+    return lo, hi, None, ((hi - lo) / kt.qmax).clamp_min(0), -lo
+
+
 def sub_block_params(x: torch.Tensor, wt: torch.Tensor, kt: KType, steps: int = 20, search: bool = True
                      ) -> tuple[torch.Tensor, torch.Tensor]:
     """Float ``(scale, min)`` per sub-block of ``x [..., sub]`` minimising the weighted error.
@@ -158,13 +175,7 @@ def sub_block_params(x: torch.Tensor, wt: torch.Tensor, kt: KType, steps: int = 
     the grid reaches 0). Symmetric: the extreme value maps to ``qmin`` (full range) under
     multipliers 0.7..1.3, again refitted. ``search=False``: the plain range scale.
     """
-    lo = x.amin(-1).clamp(max=0)
-    hi = x.amax(-1)
-    if kt.sym:
-        ext = integer.largest_magnitude(x)
-        best_s, best_m = ext / kt.qmin, torch.zeros_like(ext)
-    else:
-        best_s, best_m = ((hi - lo) / kt.qmax).clamp_min(0), -lo
+    lo, hi, ext, best_s, best_m = range_params(x, kt)
     if not search:
         return best_s, best_m
     best_e = _err(x, best_s, best_m, kt, wt)
@@ -234,6 +245,9 @@ def final_error(x: torch.Tensor, wt: torch.Tensor, d: torch.Tensor, sc: torch.Te
     return (diff * diff * wt).sum(-1), q
 
 
+REFINE_FACTORS = (0.92, 0.94, 0.96, 0.98, 1.02, 1.04, 1.06)  # super-block scales tried around the plain one
+
+
 def double_quantize(x: torch.Tensor, wt: torch.Tensor, s: torch.Tensor, mn: torch.Tensor, kt: KType,
                     refine: bool = True) -> KParts:
     """Quantize sub-block scales/mins ``[out, nsup, nsb]`` to codes under fp16 super-block scales.
@@ -250,7 +264,7 @@ def double_quantize(x: torch.Tensor, wt: torch.Tensor, s: torch.Tensor, mn: torc
     best_e, _ = final_error(x, wt, d0, sc0, dmin0, m0, kt)
     if refine:
         tot = best_e.sum(-1)
-        for f in (0.92, 0.94, 0.96, 0.98, 1.02, 1.04, 1.06):
+        for f in REFINE_FACTORS:
             d = _f16(d0 * f)
             inv = torch.where(d != 0, 1.0 / d, torch.zeros_like(d))
             sc = (s * inv.unsqueeze(-1)).round().clamp(kt.sc_lo, kt.sc_hi)
@@ -309,7 +323,7 @@ SEARCH_CHUNK = 1 << 16  # weights per slice of the searched path: its ~700 passe
 
 
 def quantize_parts(w: torch.Tensor, kt: KType, imp: torch.Tensor | None = None, search: bool = True,
-                   chunk: int | None = None, codes_dtype: torch.dtype = torch.float32) -> KParts:
+                   chunk: int | None = None, codes_dtype: torch.dtype = torch.float32, fast: bool = True) -> KParts:
     """The K-quant parts of ``w [out, cols]`` (cols a multiple of 256), rows in chunks.
 
     chunk: rows per slice; None = about `SEARCH_CHUNK` weights when searching (each row's result is its
@@ -318,7 +332,11 @@ def quantize_parts(w: torch.Tensor, kt: KType, imp: torch.Tensor | None = None, 
     float32) stays in cache, where 512 rows of 4096 (8 MB) went to memory every pass, 3x slower.
     codes_dtype: the element codes' dtype (uint8 when they go straight to storage: each slice's codes
     narrowed before the next, never a float32 copy of the whole matrix's, 235 MB at the 8B shape's widest).
+    fast: the search through `lowbit.formats.kquant_search` (the same parts in fewer passes); False: the
+    reference functions of this module, kept as the definition that path is tested against.
     """
+    from lowbit.formats import kquant_search  # it builds on this module's reference functions
+
     out, cols = w.shape
     if chunk is None:
         chunk = max(1, SEARCH_CHUNK // max(cols, 1)) if search else 512
@@ -330,8 +348,13 @@ def quantize_parts(w: torch.Tensor, kt: KType, imp: torch.Tensor | None = None, 
     parts = []
     for xc in x.split(chunk):
         wc = element_weights(xc, wt, kt) if imp is not None else wt
-        s, mn = sub_block_params(xc, wc, kt, search=search)
-        part = double_quantize(xc, wc, s, mn, kt, refine=search)
+        if search and fast:
+            xc = xc.contiguous()
+            s, mn = kquant_search.sub_block_params(xc, wc, kt, unit=imp is None)
+            part = kquant_search.double_quantize(xc, wc, s, mn, kt, unit=imp is None)
+        else:
+            s, mn = sub_block_params(xc, wc, kt, search=search)
+            part = double_quantize(xc, wc, s, mn, kt, refine=search)
         narrow = codes_dtype != part.codes.dtype
         parts.append(dataclasses.replace(part, codes=part.codes.to(codes_dtype)) if narrow else part)
     cat = (lambda k: torch.cat([getattr(p, k) for p in parts]))  # noqa: E731
