@@ -56,6 +56,8 @@ ROWS = {"rtn": ("rtn", {"search": False}), "rtn-search": ("rtn", {"expert_import
         "gptq-gar": ("gptq", {"group_aware": True, "static_groups": False}),
         "gptq-gar-absmax": ("gptq", {"group_aware": True, "static_groups": False, "search": False}),
         "gptq-gar-static": ("gptq", {"group_aware": True}),
+        # the scale search restricted to scales at or above abs-max (no clipping, no least-squares refit)
+        "gptq-noclip": ("gptq", {"clip": False}),
         "signround2": ("signround2", {"iters": 50, "batch_size": 8})}  # the settings of benchmarks/moe_tuned.py
 SEED_KIND = "calibration windows' draw (organism_data)"  # SignRoundV2's tuning seed is the same number
 

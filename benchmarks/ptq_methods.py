@@ -102,6 +102,8 @@ def _rows() -> dict[str, dict[str, Any]]:
         # act-order over whole groups, each group's scale from the error-updated weights (issue 34)
         rows[f"{scheme}/gptq-gar"] = {"tool": "lowbit", "scheme": scheme, "method": "gptq",
                                       "settings": {"group_aware": True, "static_groups": False}}
+        rows[f"{scheme}/gptq-noclip"] = {"tool": "lowbit", "scheme": scheme, "method": "gptq",
+                                         "settings": {"clip": False}}
         for name in list(rows)[first:]:
             rows[name]["ablation"] = True
     # llm-compressor refuses groups that do not divide a row (SmolLM2's 576 columns at g128; lowbit
@@ -120,6 +122,8 @@ def _rows() -> dict[str, dict[str, Any]]:
                                          "settings": {"choose_rule": True}, "ablation": True}
         rows[f"{scheme}/gptq-gar"] = {"tool": "lowbit", "scheme": scheme, "method": "gptq",
                                       "settings": {"group_aware": True, "static_groups": False}, "ablation": True}
+        rows[f"{scheme}/gptq-noclip"] = {"tool": "lowbit", "scheme": scheme, "method": "gptq",
+                                         "settings": {"clip": False}, "ablation": True}
     for scheme in ACT_SCHEMES:
         for rot, r in {"": None, **ACT_ROTATIONS}.items():
             base = {"tool": "lowbit", "scheme": scheme, "rotate": r}

@@ -87,6 +87,10 @@ class GPTQSettings:
         from inputs through the already quantized ones (False: all Hessians from one pass).
     search: group scales by the importance-weighted search of `formats` (importance =
         ``diag(H)``), as RTN's default; False = the scheme's own rule (abs-max).
+    clip: with ``search`` on INT groups, let the search choose scales below abs-max (clipping the
+        largest weights); False searches only scales at or above abs-max, without the least-squares
+        refit (`lowbit.formats.integer.search_int_params`): GPTQ's error feedback, not the scale,
+        then absorbs the rounding error, and the largest weights stay whole.
     choose_rule: with ``search``, choose between the searched and abs-max scales by the
         loss of trial runs on calibration windows they did not see (two folds), then quantize
         with the winner (`lowbit.ptq.gptq_choice`: no per-matrix measure ranks the two rules).
@@ -108,6 +112,9 @@ class GPTQSettings:
                                        "the ones before it")
     search: bool = knob(True, "choose scales by the importance-weighted search on calibration activations; rtn --no-search = "
                   "plain round-to-nearest, no data needed")
+    clip: bool = knob(True, "with --search on INT groups: let the scale search clip the largest weights (scales "
+                            "below abs-max); --no-clip searches only scales at or above abs-max, no least-squares "
+                            "refit")
     choose_rule: bool = knob(False, "with --search: GPTQ copies of the model with searched and with abs-max scales "
                                     "from half the calibration windows, compare their loss on the other half (two "
                                     "folds), then quantize with the better rule (3.5x the CPU time on the MoE organism, a second copy of "
@@ -124,6 +131,9 @@ class GPTQSettings:
         if self.group_aware and not self.act_order:
             raise ConfigError("--group-aware orders the columns of --act-order; with --no-act-order GPTQ visits "
                               "columns in their natural order, which keeps groups whole already: drop one of them")
+        if not self.clip and not self.search:
+            raise ConfigError("--no-clip restricts the scale search; with --no-search the scales are abs-max "
+                              "already: drop one of them")
         if self.choose_rule and not self.search:
             raise ConfigError("--choose-rule chooses between the searched and abs-max scales; with --no-search there "
                               "is nothing to choose: drop one of them")
@@ -135,6 +145,12 @@ class GPTQSettings:
 def check_plan(settings: GPTQSettings, plan: Plan) -> None:
     """Refuse act-order without static groups on grouped schemes (it needs a per-column group index) unless the
     order keeps groups whole (``group_aware``)."""
+    if not settings.clip:
+        other = sorted({s.name for s in plan.weights().values() if s.family.name != "int"})
+        if other:
+            raise ConfigError(f"--no-clip restricts the scale search of INT groups; {other[0]} chooses its scales "
+                              "another way (block formats, K-quants): drop --no-clip or quantize it with an INT "
+                              "scheme")
     if not settings.act_order or settings.static_groups or settings.group_aware:
         return
     grouped = sorted({s.name for s in plan.weights().values() if s.group_size != -1})
@@ -244,6 +260,7 @@ def gptq_matrix(w: torch.Tensor, h: torch.Tensor, scheme: Scheme, settings: GPTQ
     """
     rows, n = w.shape
     grid = make_grid(scheme, enc, n)
+    grid.clip = settings.clip
     imp = (h.diagonal() if diag is None else diag).float().clamp_min(0)
     if not settings.act_order:
         perm = torch.arange(n, device=w.device)
