@@ -48,6 +48,16 @@ ROWS = {"rtn": ("rtn", {"search": False}), "rtn-search": ("rtn", {"expert_import
         "rtn-search-uniform": ("rtn", {}),
         "gptq": ("gptq", {}), "gptq-routed": ("gptq", {"all_experts": False}),
         "gptq-absmax": ("gptq", {"search": False}), "gptq-choose": ("gptq", {"choose_rule": True}),
+        # each group's scale chosen when GPTQ reaches it, from the weights it rounds (issue 34): natural column order
+        "gptq-noact": ("gptq", {"act_order": False, "static_groups": False}),
+        "gptq-noact-absmax": ("gptq", {"act_order": False, "static_groups": False, "search": False}),
+        # group-aware act-order (whole groups by their largest diag(H)): scales from the error-updated weights, or
+        # (gar-static) from the float weights up front, which isolates the order's share
+        "gptq-gar": ("gptq", {"group_aware": True, "static_groups": False}),
+        "gptq-gar-absmax": ("gptq", {"group_aware": True, "static_groups": False, "search": False}),
+        "gptq-gar-static": ("gptq", {"group_aware": True}),
+        # the scale search restricted to scales at or above abs-max (no clipping, no least-squares refit)
+        "gptq-noclip": ("gptq", {"clip": False}),
         "signround2": ("signround2", {"iters": 50, "batch_size": 8})}  # the settings of benchmarks/moe_tuned.py
 SEED_KIND = "calibration windows' draw (organism_data)"  # SignRoundV2's tuning seed is the same number
 

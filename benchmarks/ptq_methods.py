@@ -99,6 +99,11 @@ def _rows() -> dict[str, dict[str, Any]]:
         # GPTQ choosing searched or abs-max scales by the calibration loss (issue 34, lowbit.ptq.gptq_choice)
         rows[f"{scheme}/gptq-choose"] = {"tool": "lowbit", "scheme": scheme, "method": "gptq",
                                          "settings": {"choose_rule": True}}
+        # act-order over whole groups, each group's scale from the error-updated weights (issue 34)
+        rows[f"{scheme}/gptq-gar"] = {"tool": "lowbit", "scheme": scheme, "method": "gptq",
+                                      "settings": {"group_aware": True, "static_groups": False}}
+        rows[f"{scheme}/gptq-noclip"] = {"tool": "lowbit", "scheme": scheme, "method": "gptq",
+                                         "settings": {"clip": False}}
         for name in list(rows)[first:]:
             rows[name]["ablation"] = True
     # llm-compressor refuses groups that do not divide a row (SmolLM2's 576 columns at g128; lowbit
@@ -115,6 +120,10 @@ def _rows() -> dict[str, dict[str, Any]]:
                                            "settings": {"search": False}, "ablation": True}
         rows[f"{scheme}/gptq-choose"] = {"tool": "lowbit", "scheme": scheme, "method": "gptq",
                                          "settings": {"choose_rule": True}, "ablation": True}
+        rows[f"{scheme}/gptq-gar"] = {"tool": "lowbit", "scheme": scheme, "method": "gptq",
+                                      "settings": {"group_aware": True, "static_groups": False}, "ablation": True}
+        rows[f"{scheme}/gptq-noclip"] = {"tool": "lowbit", "scheme": scheme, "method": "gptq",
+                                         "settings": {"clip": False}, "ablation": True}
     for scheme in ACT_SCHEMES:
         for rot, r in {"": None, **ACT_ROTATIONS}.items():
             base = {"tool": "lowbit", "scheme": scheme, "rotate": r}

@@ -139,7 +139,7 @@ def _weighted_err(wg, scale, zero, s: Scheme, imp_g) -> torch.Tensor:
 
 
 def search_int_params(wg: torch.Tensor, s: Scheme, imp_g: torch.Tensor, coarse: int = 24, fine: int = 12,
-                      refit: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+                      refit: bool = True, clip: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Per group, the candidate scale minimising ``sum_j imp_j (qdq(w_j) - w_j)^2``.
 
     The spec's candidate grid (up to 200 range multipliers) is searched coarse-to-fine:
@@ -148,8 +148,12 @@ def search_int_params(wg: torch.Tensor, s: Scheme, imp_g: torch.Tensor, coarse: 
     resolution, so this finds the grid optimum in ~1/4 of the evaluations; the
     unshrunk abs-max scale is always a candidate, so the result is never worse than it.
     ``refit``: finish with `refit_scale` (the least-squares scale of the winner's codes).
+    ``clip=False``: only multipliers >= 1 (scales that cut no more of the range than abs-max
+    does) and no refit (the least-squares scale of a group's codes may shrink it).
     """
     grid = search_shrinks(s).to(wg.device)
+    if not clip:
+        grid, refit = grid[grid >= 1], False
     rng = group_range(wg, s)
     stride = max(1, len(grid) // coarse)
     best_err = _weighted_err(wg, *params_from_range(rng, s), s, imp_g)

@@ -19,7 +19,15 @@ the float weights, one per group of Linears an engine fuses, `lowbit.models.fuse
   NVFP4 and MXFP4 blocks and the GGUF types can hold; a per-column group index is not
   stored), so their scales must be fixed before their columns are visited:
   ``static_groups`` chooses every scale up front from the float weights (the classic
-  static groups). Act-order without static groups would need that index and is refused.
+  static groups). Act-order without static groups would need that index and is refused,
+  unless ``group_aware``: group-aware reordering (GAR, Gafni et al., CVPRW 2025) visits whole
+  groups, ordered by their largest ``diag(H)``, and a group's columns by decreasing
+  ``diag(H)``, so each group's scale is chosen at its first column from the weights GPTQ
+  will round (they carry the error of every group before), by the same rule (the search
+  with ``diag(H)`` as importance, or abs-max). The groups kept whole are the parameter
+  groups: a K-quant's 256-column super-block (its ``d`` / ``dmin`` and sub-block scales
+  are chosen together). NVFP4's per-tensor scale stays fixed from the float weights (one
+  per group of Linears an engine fuses): only the block scales follow the updated weights.
 
 Sequential through the model (`lowbit.ptq.blockwise`): each block's Hessians come from its
 inputs through the already quantized blocks, and with ``true_sequential`` a block's
@@ -70,12 +78,19 @@ class GPTQSettings:
         warning, for a layer whose Hessian is still singular).
     act_order: visit columns by decreasing ``diag(H)`` (the inputs with most energy first).
     static_groups: choose every group's scale from the float weights before GPTQ starts
-        (required with act_order on grouped schemes, see the module docstring).
+        (required with act_order on grouped schemes unless ``group_aware``, see the module docstring).
+    group_aware: with act_order, keep each group's columns together (groups by their largest
+        ``diag(H)``, columns by decreasing ``diag(H)`` inside), so that without static_groups
+        each group's scale comes from the error-updated weights GPTQ rounds (`group_aware_order`).
     lazy_batch: columns per lazy batch update.
     true_sequential: quantize a block's Linears in execution order, each group's Hessian
         from inputs through the already quantized ones (False: all Hessians from one pass).
     search: group scales by the importance-weighted search of `formats` (importance =
         ``diag(H)``), as RTN's default; False = the scheme's own rule (abs-max).
+    clip: with ``search`` on INT groups, let the search choose scales below abs-max (clipping the
+        largest weights); False searches only scales at or above abs-max, without the least-squares
+        refit (`lowbit.formats.integer.search_int_params`): GPTQ's error feedback, not the scale,
+        then absorbs the rounding error, and the largest weights stay whole.
     choose_rule: with ``search``, choose between the searched and abs-max scales by the
         loss of trial runs on calibration windows they did not see (two folds), then quantize
         with the winner (`lowbit.ptq.gptq_choice`: no per-matrix measure ranks the two rules).
@@ -89,11 +104,17 @@ class GPTQSettings:
     act_order: bool = knob(True, "quantize columns by decreasing activation energy")
     static_groups: bool = knob(True, "fix every group's scale from the float weights before GPTQ runs (needed "
                                      "with --act-order on grouped schemes)")
+    group_aware: bool = knob(False, "with --act-order: visit whole groups (by their largest activation energy, "
+                                    "columns by decreasing energy inside); with --no-static-groups each group's "
+                                    "scale is then chosen from the error-updated weights it rounds")
     lazy_batch: int = knob(128, "columns per lazy batch update", minimum=1)
     true_sequential: bool = knob(True, "quantize a block's Linears in execution order, each from inputs through "
                                        "the ones before it")
     search: bool = knob(True, "choose scales by the importance-weighted search on calibration activations; rtn --no-search = "
                   "plain round-to-nearest, no data needed")
+    clip: bool = knob(True, "with --search on INT groups: let the scale search clip the largest weights (scales "
+                            "below abs-max); --no-clip searches only scales at or above abs-max, no least-squares "
+                            "refit")
     choose_rule: bool = knob(False, "with --search: GPTQ copies of the model with searched and with abs-max scales "
                                     "from half the calibration windows, compare their loss on the other half (two "
                                     "folds), then quantize with the better rule (3.5x the CPU time on the MoE organism, a second copy of "
@@ -107,6 +128,12 @@ class GPTQSettings:
             raise ConfigError(f"damp must be in [0, 1] (a fraction of the Hessian's mean diagonal), got {self.damp}")
         if self.lazy_batch < 1:
             raise ConfigError(f"lazy_batch must be >= 1, got {self.lazy_batch}")
+        if self.group_aware and not self.act_order:
+            raise ConfigError("--group-aware orders the columns of --act-order; with --no-act-order GPTQ visits "
+                              "columns in their natural order, which keeps groups whole already: drop one of them")
+        if not self.clip and not self.search:
+            raise ConfigError("--no-clip restricts the scale search; with --no-search the scales are abs-max "
+                              "already: drop one of them")
         if self.choose_rule and not self.search:
             raise ConfigError("--choose-rule chooses between the searched and abs-max scales; with --no-search there "
                               "is nothing to choose: drop one of them")
@@ -116,15 +143,22 @@ class GPTQSettings:
 
 
 def check_plan(settings: GPTQSettings, plan: Plan) -> None:
-    """Refuse act-order without static groups on grouped schemes (it needs a per-column group index)."""
-    if not settings.act_order or settings.static_groups:
+    """Refuse act-order without static groups on grouped schemes (it needs a per-column group index) unless the
+    order keeps groups whole (``group_aware``)."""
+    if not settings.clip:
+        other = sorted({s.name for s in plan.weights().values() if s.family.name != "int"})
+        if other:
+            raise ConfigError(f"--no-clip restricts the scale search of INT groups; {other[0]} chooses its scales "
+                              "another way (block formats, K-quants): drop --no-clip or quantize it with an INT "
+                              "scheme")
+    if not settings.act_order or settings.static_groups or settings.group_aware:
         return
     grouped = sorted({s.name for s in plan.weights().values() if s.group_size != -1})
     if grouped:
         raise ConfigError(f"--act-order without --static-groups puts columns of different groups of {grouped[0]} "
                           "under one scale, which needs a per-column group index that lowbit checkpoints, NVFP4 / "
-                          "MXFP4 blocks and GGUF cannot hold; keep --static-groups (the default) or pass "
-                          "--no-act-order")
+                          "MXFP4 blocks and GGUF cannot hold; keep --static-groups (the default), add "
+                          "--group-aware (act-order over whole groups) or pass --no-act-order")
 
 
 # ----------------------------------------------------------------- hessian
@@ -226,8 +260,14 @@ def gptq_matrix(w: torch.Tensor, h: torch.Tensor, scheme: Scheme, settings: GPTQ
     """
     rows, n = w.shape
     grid = make_grid(scheme, enc, n)
+    grid.clip = settings.clip
     imp = (h.diagonal() if diag is None else diag).float().clamp_min(0)
-    perm = torch.argsort(imp, descending=True, stable=True) if settings.act_order else torch.arange(n, device=w.device)
+    if not settings.act_order:
+        perm = torch.arange(n, device=w.device)
+    elif settings.group_aware:
+        perm = group_aware_order(imp, grid.param_g)
+    else:
+        perm = torch.argsort(imp, descending=True, stable=True)
     u, d = inverse_factor(h, settings.damp, where, perm, diag)
     ng = -(-n // grid.round_g)
     scale = torch.zeros(rows, ng, device=w.device)
@@ -240,6 +280,24 @@ def gptq_matrix(w: torch.Tensor, h: torch.Tensor, scheme: Scheme, settings: GPTQ
     out = torch.empty_like(q)
     out[:, perm] = q
     return out, grid.tensors(out, *loop.scales()), d
+
+
+def group_aware_order(imp: torch.Tensor, group: int) -> torch.Tensor:
+    """Act-order that keeps groups of ``group`` consecutive columns whole: column indices in visiting order.
+
+    Groups are visited by decreasing largest importance (ties: the earlier group first), a
+    group's columns by decreasing importance (ties: the earlier column first); the last group
+    may be shorter. With one group this is plain act-order (``argsort(imp, descending)``).
+    The largest rather than the summed importance ranks groups as act-order ranks their
+    first columns (GPTQModel's default for its ``act_group_aware``).
+    """
+    n = imp.shape[0]
+    cols = torch.argsort(imp, descending=True, stable=True)  # act-order over all columns
+    gid = torch.arange(n, device=imp.device) // group
+    top = torch.full((int(gid[-1]) + 1,), -torch.inf, device=imp.device).scatter_reduce(0, gid, imp, "amax")
+    rank = torch.empty_like(gid[:top.numel()])
+    rank[torch.argsort(top, descending=True, stable=True)] = torch.arange(top.numel(), device=imp.device)
+    return cols[torch.argsort(rank[gid[cols]], stable=True)]  # stable: act-order kept inside each group
 
 
 class _Loop:

@@ -37,7 +37,10 @@ class Grid:
     enc: NVFP4's per-tensor scale per row (each row keeps its own layer's), else None.
     round_g / param_g: columns per rounding group and per parameter choice (equal here).
     zeros: whether the grid has zero points (asymmetric INT).
+    clip: whether the search may choose scales below abs-max (INT only: `check_plan` refuses the others).
     """
+
+    clip = True
 
     def __init__(self, scheme: Scheme, enc: torch.Tensor | None, in_features: int) -> None:
         self.s, self.enc = scheme, enc
@@ -55,7 +58,8 @@ class IntGrid(Grid):
         first: index of the first parameter group in ``wg`` (unused: nothing is kept).
         """
         s = self.s
-        parts = [search_int_params(c, s, imp_g) if s.rule == "search" else int_params(c, s) for c in wg.split(1024)]
+        parts = [search_int_params(c, s, imp_g, clip=self.clip) if s.rule == "search" else int_params(c, s)
+                 for c in wg.split(1024)]
         return torch.cat([p[0] for p in parts]), (None if s.sym else torch.cat([p[1] for p in parts]))
 
     def qdq(self, w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None) -> torch.Tensor:
