@@ -202,10 +202,10 @@ def run_lowbit(shape: str, method: str, a: argparse.Namespace) -> dict:
 
 def estimate(src: Path, method: str, a: argparse.Namespace) -> dict:
     """What `lowbit.ptq.memory` predicts for the row's job (block by block, blocks released, no evaluation)."""
-    from lowbit.ptq.memory import Shape
+    from lowbit.ptq.memory import Shape, with_stored_dtype
     from lowbit.ptq.memory import estimate as predict
 
-    shape = Shape.from_config(json.loads((src / "config.json").read_text()))
+    shape = Shape.from_config(with_stored_dtype(json.loads((src / "config.json").read_text()), src))
     return predict(shape, method, a.nsamples, a.seqlen, batch_size=min(8, a.nsamples)).to_dict()
 
 

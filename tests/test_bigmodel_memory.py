@@ -144,6 +144,24 @@ def test_the_lazy_estimate_is_flat_in_depth_and_grows_with_calibration():
         "caches"]
 
 
+def test_the_tables_count_in_the_checkpoint_dtype(tmp_path):
+    """A bf16 checkpoint's embeddings and lm_head are held in bf16 by a lazy run: half the fp32 bytes, the dtype
+    from config.json or, where it names none, from the safetensors headers (a planned lm_head counts in fp32)."""
+    from safetensors.torch import save_file
+
+    from lowbit.ptq.memory import Shape, estimate, with_stored_dtype
+
+    save_file({"model.embed_tokens.weight": torch.zeros(512, 64, dtype=torch.bfloat16),
+               "model.norm.weight": torch.zeros(64)}, tmp_path / "model.safetensors")
+    cfg = with_stored_dtype(dict(TINY), tmp_path)
+    assert cfg["torch_dtype"] == "bfloat16"
+    assert with_stored_dtype(TINY | {"torch_dtype": "float32"}, tmp_path)["torch_dtype"] == "float32"
+    bf16, f32 = Shape.from_config(cfg), Shape.from_config(TINY)
+    outside = [estimate(s, "gptq", 4, 32).parts["outside"] for s in (bf16, f32)]
+    assert outside == [512 * 64 * 2 * 2 + 4 * 64, 512 * 64 * 2 * 4 + 4 * 64]
+    assert estimate(bf16, "gptq", 4, 32, lm_head=True).parts["outside"] == 512 * 64 * (2 + 4) + 4 * 64
+
+
 def test_refusal_names_the_numbers():
     from lowbit.ptq.memory import GiB, Shape, estimate, refusal
 

@@ -248,7 +248,9 @@ def job_estimate(job: QuantizeJob) -> Estimate | None:
 
     check_hf_folder(folder)  # a config.json that contradicts its weights is named, not estimated from
     try:
-        shape = memory.Shape.from_config(read_json(folder / "config.json", ConfigError, "fix the model's config"))
+        config = read_json(folder / "config.json", ConfigError, "fix the model's config")
+        shape = memory.Shape.from_config(memory.with_stored_dtype(config, folder) if isinstance(config, dict)
+                                         else config)
     except (ConfigError, TypeError, ValueError):
         return None
     tokens = (job.calib.nsamples, job.calib.seqlen) if job.needs_calib else (0, 0)

@@ -208,6 +208,34 @@ def _stored_bytes(dtype: Any) -> int:
     return 2 if str(dtype).removeprefix("torch.") in ("bfloat16", "float16") else 4
 
 
+_HEADER_DTYPES = {"BF16": "bfloat16", "F16": "float16", "F32": "float32"}
+
+
+def with_stored_dtype(config: dict[str, Any], folder: Path) -> dict[str, Any]:
+    """``config`` with ``torch_dtype`` taken from the safetensors headers in ``folder`` where it names none (the
+    dtype of the largest tensor: the embedding table); headers only, no data is read."""
+    if config.get("torch_dtype") or config.get("dtype"):
+        return config
+    from lowbit.errors import ModelError
+    from lowbit.models.hf_folder import read_headers, weight_files
+
+    try:
+        headers = read_headers(folder, weight_files(folder))
+    except ModelError:  # an unreadable folder is refused by name when it is loaded
+        return config
+    if not headers:
+        return config
+    dtype, _, _ = max(headers.values(), key=lambda h: _numel(h[1]))
+    return config | {"torch_dtype": _HEADER_DTYPES.get(dtype, "float32")}
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
 def _outside_held(s: Shape, lm_head: bool) -> int:
     """The tensors outside the blocks as a lazy load holds them: the tables in the checkpoint's dtype (a quantized
     lm_head in float32: widened to be rounded), the final norm in float32."""
