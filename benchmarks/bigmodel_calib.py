@@ -192,7 +192,7 @@ def run_lowbit(shape: str, method: str, a: argparse.Namespace) -> dict:
            "iters": a.iters if method == "signround2" else None, "blocks_run": len(blocks) - 1,
            "stopped_after": a.blocks or None, "ok": bool(ok), "exit": code, "s": round(wall, 1),
            "cpu_s": round(cpu, 1), "peak_rss": peak, "out_bytes": _size(out), "per_block": blocks[1:],
-           "per_group": groups,
+           "per_group": groups, "threads": a.threads,
            "estimate": estimate(src, method, a), "commit": _commit()}
     row |= flatness(blocks[1:])
     shutil.rmtree(out, ignore_errors=True)
@@ -202,10 +202,10 @@ def run_lowbit(shape: str, method: str, a: argparse.Namespace) -> dict:
 
 def estimate(src: Path, method: str, a: argparse.Namespace) -> dict:
     """What `lowbit.ptq.memory` predicts for the row's job (block by block, blocks released, no evaluation)."""
-    from lowbit.ptq.memory import Shape
+    from lowbit.ptq.memory import Shape, with_stored_dtype
     from lowbit.ptq.memory import estimate as predict
 
-    shape = Shape.from_config(json.loads((src / "config.json").read_text()))
+    shape = Shape.from_config(with_stored_dtype(json.loads((src / "config.json").read_text()), src))
     return predict(shape, method, a.nsamples, a.seqlen, batch_size=min(8, a.nsamples)).to_dict()
 
 
@@ -319,15 +319,15 @@ def table() -> str:
     rows = json.loads(RESULTS.read_text()) if RESULTS.is_file() else []
     g = 1 << 30
     m = 1 << 20
-    lines = [f"{'shape':15} {'method':10} {'tool':12} {'calib':7} {'blocks':>6} {'cpu s':>6} {'cpu s/blk':>9} "
-             f"{'peak GiB':>8} {'est GiB':>7} {'HWM last/first':>14} {'RSS MiB/blk':>11}"]
+    lines = [f"{'shape':15} {'method':10} {'tool':17} {'calib':7} {'blocks':>6} {'cpu s':>6} {'cpu s/blk':>9} "
+             f"{'peak GiB':>8} {'est GiB':>7} {'HWM last/first':>14} {'RSS MiB/blk':>11} {'thr':>3} commit"]
     for r in sorted(rows, key=lambda r: (r["shape"], r["method"], r["tool"], r.get("variant", ""))):
         est = (r.get("estimate") or {}).get("peak_bytes")
         tool = r["tool"] + (f" ({r['variant']})" if r.get("variant") else "")
-        lines.append(f"{r['shape']:15} {r['method']:10} {tool:12} {r['nsamples']}x{r['seqlen']:<4} "
+        lines.append(f"{r['shape']:15} {r['method']:10} {tool:17} {r['nsamples']}x{r['seqlen']:<4} "
                      f"{r.get('blocks_run', 0):>6} {r['cpu_s']:>6.0f} {r.get('median_block_cpu_s', 0):>9.1f} "
                      f"{r['peak_rss'] / g:>8.2f} {(est or 0) / g:>7.2f} {r.get('depth_flatness', 0):>14.3f} "
-                     f"{r.get('rss_growth_per_block', 0) / m:>11.1f}")
+                     f"{r.get('rss_growth_per_block', 0) / m:>11.1f} {r.get('threads', 2):>3} {r.get('commit', '?')}")
     return "\n".join(lines)
 
 

@@ -60,6 +60,40 @@ def test_released_blocks_give_the_same_checkpoint(tmp_path, capsys, tiny_hf_dir,
     assert torch.equal(m1(ids).logits, m2(ids).logits)
 
 
+def test_a_bf16_checkpoint_keeps_its_tables_in_bf16_and_writes_the_same_checkpoint(tmp_path, capsys, tiny_hf_dir,
+                                                                                    monkeypatch):
+    """A bf16 source: the released run holds the embeddings and lm_head in bf16 through the walk (the in-memory
+    run in fp32) and writes the very files the in-memory run writes (same dtypes: lossless fp16 where it was)."""
+    import shutil
+
+    from safetensors.torch import save_file
+
+    from lowbit.ptq.blockwise import release
+
+    src = tmp_path / "bf16"
+    shutil.copytree(tiny_hf_dir, src)
+    save_file({k: v.to(torch.bfloat16) for k, v in load_file(src / "model.safetensors").items()},
+              src / "model.safetensors", metadata={"format": "pt"})
+    cfg = json.loads((src / "config.json").read_text())
+    (src / "config.json").write_text(json.dumps(cfg | {"torch_dtype": "bfloat16", "dtype": "bfloat16"}))
+    common = [str(src), "--method", "gptq", "--no-search", "--scheme", "w4g32", "--nsamples", "4", "--seqlen", "32",
+              "--no-eval"]
+    _run(capsys, *common, "--out", str(tmp_path / "mem"))
+    held = []
+    real = release.release_block
+
+    def spy(model, prefix, i, block, folder):
+        held.append((model.model.embed_tokens.weight.dtype, model.lm_head.weight.dtype))
+        return real(model, prefix, i, block, folder)
+
+    monkeypatch.setattr("lowbit.ptq.blockwise.loop.release_block", spy)
+    _run(capsys, *common, "--offload-dir", str(tmp_path / "off"), "--out", str(tmp_path / "lazy"))
+    assert held and set(held) == {(torch.bfloat16, torch.bfloat16)}
+    a, b = _weights(tmp_path / "mem"), _weights(tmp_path / "lazy")
+    assert a.keys() == b.keys() and all(a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]) for k in a)
+    assert b["model.embed_tokens.weight"].dtype == torch.float16
+
+
 def test_evaluated_lazy_runs_keep_their_blocks(tmp_path, capsys, tiny_hf_dir):
     """A perplexity pass needs the quantized model: the blocks are not released (one weight file)."""
     r = _run(capsys, str(tiny_hf_dir), "--method", "gptq", "--no-search", "--scheme", "w4g32", "--nsamples", "4",
@@ -108,6 +142,24 @@ def test_the_lazy_estimate_is_flat_in_depth_and_grows_with_calibration():
     # GPTQ caches the quantized chain alone, SignRound the float chain too
     assert estimate(shallow, "gptq", 16, 512).parts["caches"] * 2 == estimate(shallow, "signround2", 16, 512).parts[
         "caches"]
+
+
+def test_the_tables_count_in_the_checkpoint_dtype(tmp_path):
+    """A bf16 checkpoint's embeddings and lm_head are held in bf16 by a lazy run: half the fp32 bytes, the dtype
+    from config.json or, where it names none, from the safetensors headers (a planned lm_head counts in fp32)."""
+    from safetensors.torch import save_file
+
+    from lowbit.ptq.memory import Shape, estimate, with_stored_dtype
+
+    save_file({"model.embed_tokens.weight": torch.zeros(512, 64, dtype=torch.bfloat16),
+               "model.norm.weight": torch.zeros(64)}, tmp_path / "model.safetensors")
+    cfg = with_stored_dtype(dict(TINY), tmp_path)
+    assert cfg["torch_dtype"] == "bfloat16"
+    assert with_stored_dtype(TINY | {"torch_dtype": "float32"}, tmp_path)["torch_dtype"] == "float32"
+    bf16, f32 = Shape.from_config(cfg), Shape.from_config(TINY)
+    outside = [estimate(s, "gptq", 4, 32).parts["outside"] for s in (bf16, f32)]
+    assert outside == [512 * 64 * 2 * 2 + 4 * 64, 512 * 64 * 2 * 4 + 4 * 64]
+    assert estimate(bf16, "gptq", 4, 32, lm_head=True).parts["outside"] == 512 * 64 * (2 + 4) + 4 * 64
 
 
 def test_refusal_names_the_numbers():

@@ -248,7 +248,9 @@ def job_estimate(job: QuantizeJob) -> Estimate | None:
 
     check_hf_folder(folder)  # a config.json that contradicts its weights is named, not estimated from
     try:
-        shape = memory.Shape.from_config(read_json(folder / "config.json", ConfigError, "fix the model's config"))
+        config = read_json(folder / "config.json", ConfigError, "fix the model's config")
+        shape = memory.Shape.from_config(memory.with_stored_dtype(config, folder) if isinstance(config, dict)
+                                         else config)
     except (ConfigError, TypeError, ValueError):
         return None
     tokens = (job.calib.nsamples, job.calib.seqlen) if job.needs_calib else (0, 0)
@@ -262,7 +264,8 @@ def job_estimate(job: QuantizeJob) -> Estimate | None:
 
 def memory_help() -> str:
     """What --help says about memory: the formula and examples (`lowbit.ptq.memory`)."""
-    return ("Memory of such a run: ~0.45 GiB of runtime + the embeddings and lm_head in fp32 + one block in fp32 + "
+    return ("Memory of such a run: ~0.45 GiB of runtime + the embeddings and lm_head in the checkpoint's dtype "
+            "(bf16: 2 bytes per entry) + one block in fp32 + "
             "nsamples x seqlen x hidden x 4 bytes per activation cache (gptq 1, signround 2) + the method's state "
             "(gptq: 16 bytes x widest Linear input^2, its Hessian and the factorization's copies, + the widest Linear "
             "group's weights 4 times in fp32; signround: 20 bytes per block weight and a mini-batch's backward); "

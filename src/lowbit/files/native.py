@@ -254,11 +254,15 @@ def _tensors_to_save(model: nn.Module, qlayers: dict[str, QuantLinear],
 
 def _narrowest(t: torch.Tensor) -> torch.Tensor:
     """fp32 tensors whose values are all fp16 numbers are stored in fp16, else all bf16 numbers in bf16 (lossless,
-    half the bytes: a bf16 model's norms or an embedding table beyond fp16's range stay in their source dtype)."""
-    if t.dtype == torch.float32 and t.numel() > 1024:
+    half the bytes: a bf16 model's norms or an embedding table beyond fp16's range stay in their source dtype).
+    A bf16 table (a lazily loaded run keeps it so, `lowbit.models.narrow_tables`) whose values are all fp16
+    numbers is stored in fp16 too: the same file as the run that held it in fp32."""
+    if t.dtype in (torch.float32, torch.bfloat16) and t.numel() > 1024:
         for dt in (torch.float16, torch.bfloat16):
+            if dt == t.dtype:
+                break
             h = t.to(dt)
-            if torch.equal(h.float(), t):
+            if torch.equal(h.to(t.dtype), t):
                 return h
     return t
 

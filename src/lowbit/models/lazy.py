@@ -6,7 +6,16 @@ skeleton with every parameter on the meta device (buffers stay real: rotary tabl
 computed at construction and are never in the checkpoint), loads the tensors outside the
 decoder blocks (embeddings, final norm, lm_head), and leaves each block on meta. A
 ``ShardSource`` then fills one block from the checkpoint's own shards when the pipeline
-reaches it; nothing is copied to an offload folder first.
+reaches it; nothing is copied to an offload folder first. The embedding tables and the
+lm_head stay in the checkpoint's dtype when it is narrower than the compute dtype (a bf16
+checkpoint: half the bytes), widened where they are used (`lowbit.models.narrow_tables`).
+
+Finite weights: every tensor is checked for NaN / inf as it is read, by name
+(`ShardSource.read`), so a lazily loaded model is checked block by block when the walk
+reaches each block rather than by reading the whole checkpoint once before block 0 (at the
+8B shape that pass read 16 GB and took ~100 CPU seconds before any work). Nothing is
+written from a non-finite source: the walk stops at the block that holds it, before its
+result is stored, and the output is only renamed into place after the last block.
 """
 
 from __future__ import annotations
@@ -19,7 +28,10 @@ import torch
 from torch import nn
 
 from lowbit.errors import ModelError
+from lowbit.formats.finite import require_finite
+from lowbit.models.finite import FINITE_FIX
 from lowbit.models.layers import block_path
+from lowbit.models.narrow_tables import keep_narrow, narrower, table_modules, widen
 from lowbit.nn.meta import params_on_meta
 
 SOURCE_ATTR = "_lowbit_lazy_source"  # set on a lazily loaded model: its ShardSource
@@ -60,8 +72,11 @@ class ShardSource:
                              "checkpoints only: drop --offload-dir, or convert the weights to safetensors")
         return cls(folder, files, dtype)
 
-    def read(self, names: list[str], device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
-        """Tensors ``names``, each in memory of its own (never a view of a file map), cast to dtype."""
+    def read(self, names: list[str], device: str | torch.device = "cpu", stored: frozenset[str] = frozenset()
+             ) -> dict[str, torch.Tensor]:
+        """Tensors ``names``, each in memory of its own (never a view of a file map), cast to dtype (those in
+        ``stored`` keep the checkpoint's dtype where it is a narrower float), each checked finite as it is read
+        (`ModelError` naming the first tensor that holds NaN or inf)."""
         from safetensors import safe_open
 
         missing = [n for n in names if n not in self.files]
@@ -76,7 +91,10 @@ class ShardSource:
             with safe_open(str(self.folder / fname), framework="pt") as f:
                 for n in group:
                     t = f.get_tensor(n)
-                    out[n] = (t.to(self.dtype) if t.dtype != self.dtype and t.is_floating_point() else t.clone())
+                    keep = n in stored and narrower(t.dtype, self.dtype)
+                    out[n] = (t.to(self.dtype) if t.dtype != self.dtype and t.is_floating_point() and not keep
+                              else t.clone())
+                    require_finite([(n, out[n])], f"model {self.folder}", FINITE_FIX, ModelError)
         return {n: t.to(device) for n, t in out.items()}
 
 
@@ -91,9 +109,11 @@ def load_lazy(folder: Path, dtype: torch.dtype = torch.float32) -> Any:
     prefix = block_path(model) + "."
     outside = [n for n, t in _state(model).items() if t.device.type == "meta" and not n.startswith(prefix)]
     tied = _tied_names(model)
-    fill(model, source.read([n for n in outside if n not in tied or n in source.files]))
+    tables = frozenset(f"{n}.weight" for n in table_modules(model))
+    fill(model, source.read([n for n in outside if n not in tied or n in source.files], stored=tables))
     if tied:
         model.tie_weights()
+    keep_narrow(model, dtype)
     still = [n for n, t in _state(model).items() if t.device.type == "meta" and not n.startswith(prefix)]
     if still:
         raise ModelError(f"checkpoint {folder} leaves {still[0]!r} unset; it cannot be loaded lazily: drop --offload-dir")
@@ -125,10 +145,15 @@ def load_block(model: nn.Module, prefix: str, block: nn.Module, device: str | to
         fill(block, {n: got[f"{prefix}.{n}"] for n in names})
 
 
-def materialize(model: nn.Module) -> None:
-    """Load every block still on meta: for methods that need the whole model at once."""
+def materialize(model: nn.Module, widen_tables: bool = True) -> None:
+    """Load every block still on meta: for methods that need the whole model at once.
+
+    widen_tables: the narrow float tables too, to the compute dtype (a method that needs the whole model may
+    rewrite them); False where every block is loaded already and only the marker goes (the end of a walk)."""
     if not is_lazy(model):
         return
+    if widen_tables:
+        widen(model)
     path = block_path(model)
     for i, block in enumerate(model.get_submodule(path)):
         load_block(model, f"{path}.{i}", block)

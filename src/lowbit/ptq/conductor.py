@@ -172,14 +172,17 @@ def prepare_model(model: nn.Module, plan: Plan, calib: torch.Tensor | None = Non
 def round_unquantized_to_half(model: nn.Module) -> None:
     """Embedding tables and a plain-Linear lm_head take fp16 values (dtype unchanged).
 
-    A table with values beyond fp16's range keeps its float32 values (fp16 would make them inf).
+    A table with values beyond fp16's range keeps its values (fp16 would make them inf). A bf16 table (kept in
+    a lazily loaded checkpoint's dtype, `lowbit.models.narrow_tables`) takes the same values: a bf16 number
+    rounded to fp16 is a bf16 number again, so the result equals that of its float32 copy.
     """
     heads = [model.get_output_embeddings()] if hasattr(model, "get_output_embeddings") else []
     for mod in [m for m in model.modules() if isinstance(m, nn.Embedding)] + heads:
-        if (isinstance(mod, (nn.Embedding, nn.Linear)) and mod.weight.dtype == torch.float32 and mod.weight.numel()
+        if (isinstance(mod, (nn.Embedding, nn.Linear)) and mod.weight.dtype in (torch.float32, torch.bfloat16)
+                and mod.weight.numel()
                 and bool(mod.weight.detach().abs().amax() <= torch.finfo(torch.float16).max)):
             with torch.no_grad():
-                mod.weight.copy_(mod.weight.half().float())
+                mod.weight.copy_(mod.weight.half())
 
 
 def _float_digest(model: nn.Module, names: list[str]) -> str | None:

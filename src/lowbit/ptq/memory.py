@@ -7,8 +7,10 @@ the allocator's freed pages back after each block, `lowbit.ptq.blockwise.release
 benchmarks/results/bigmodel_calib.md):
 
 - ``runtime``: the interpreter with torch and transformers (measured: ~0.4 GiB);
-- ``outside``: the tensors outside the decoder blocks, in float32 (embeddings, the lm_head
-  when it is not tied to them, the final norm), loaded once;
+- ``outside``: the tensors outside the decoder blocks (embeddings, the lm_head when it is not
+  tied to them, the final norm), loaded once in the checkpoint's dtype (``torch_dtype`` of its
+  config: a bf16 / fp16 checkpoint's tables stay 16-bit, `lowbit.models.narrow_tables`), the
+  lm_head in float32 when it is quantized (it is widened before it is rounded);
 - ``block``: one decoder block's float32 weights;
 - ``caches``: the cached block inputs, ``nsamples x seqlen x hidden`` each, one for GPTQ
   (the quantized chain alone), two for the methods that also track the float outputs;
@@ -59,6 +61,7 @@ class Shape:
     head_dim: int
     tied: bool = False
     experts: int = 1  # routed experts per block (1 = dense)
+    table_bytes: int = 4  # bytes per entry of the tables outside the blocks as a lazy load holds them
 
     @classmethod
     def from_config(cls, config: Any) -> Shape:
@@ -75,7 +78,7 @@ class Shape:
         return cls(layers=int(get("num_hidden_layers")), hidden=hidden, intermediate=inter,
                    vocab=int(get("vocab_size")), heads=heads, kv_heads=int(get("num_key_value_heads") or heads),
                    head_dim=int(get("head_dim") or hidden // heads), tied=bool(get("tie_word_embeddings", False)),
-                   experts=experts)
+                   experts=experts, table_bytes=_stored_bytes(get("torch_dtype") or get("dtype")))
 
     @property
     def attention_params(self) -> int:
@@ -161,7 +164,7 @@ def estimate(shape: Shape, method: str, nsamples: int, seqlen: int, *, lazy: boo
             parts["forward"] = _forward(s, seqlen)
         parts["save"] = out_bytes
         return Estimate(parts, disk, flat=False)
-    parts = {"runtime": RUNTIME_BYTES, "outside": s.outside_params * f32, "block": s.block_params * f32}
+    parts = {"runtime": RUNTIME_BYTES, "outside": _outside_held(s, lm_head), "block": s.block_params * f32}
     parts |= _block_parts(s, method, tokens, seqlen, search, batch_size)
     if evaluate:  # the quantized blocks stay in memory to be evaluated: a byte per weight (codes) plus scales
         parts["quantized"] = int(s.layers * s.block_params * 1.07)
@@ -198,6 +201,47 @@ def _forward(s: Shape, seqlen: int) -> int:
     (float32; the CPU's fused attention kernel never stores the score matrix)."""
     attention = 2 * s.heads * s.head_dim + 2 * s.kv_heads * s.head_dim
     return CHUNK * seqlen * (3 * s.intermediate + 2 * s.hidden + attention) * 4
+
+
+def _stored_bytes(dtype: Any) -> int:
+    """Bytes per entry of a checkpoint whose config says ``torch_dtype: dtype`` (float32 where it says nothing)."""
+    return 2 if str(dtype).removeprefix("torch.") in ("bfloat16", "float16") else 4
+
+
+_HEADER_DTYPES = {"BF16": "bfloat16", "F16": "float16", "F32": "float32"}
+
+
+def with_stored_dtype(config: dict[str, Any], folder: Path) -> dict[str, Any]:
+    """``config`` with ``torch_dtype`` taken from the safetensors headers in ``folder`` where it names none (the
+    dtype of the largest tensor: the embedding table); headers only, no data is read."""
+    if config.get("torch_dtype") or config.get("dtype"):
+        return config
+    from lowbit.errors import ModelError
+    from lowbit.models.hf_folder import read_headers, weight_files
+
+    try:
+        headers = read_headers(folder, weight_files(folder))
+    except ModelError:  # an unreadable folder is refused by name when it is loaded
+        return config
+    if not headers:
+        return config
+    dtype, _, _ = max(headers.values(), key=lambda h: _numel(h[1]))
+    return config | {"torch_dtype": _HEADER_DTYPES.get(dtype, "float32")}
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def _outside_held(s: Shape, lm_head: bool) -> int:
+    """The tensors outside the blocks as a lazy load holds them: the tables in the checkpoint's dtype (a quantized
+    lm_head in float32: widened to be rounded), the final norm in float32."""
+    emb = s.vocab * s.hidden
+    head = 0 if s.tied else emb * (4 if lm_head else s.table_bytes)
+    return emb * s.table_bytes + head + 4 * s.hidden
 
 
 def _outside_stored(s: Shape, lm_head: bool, weight_bits: float) -> int:
@@ -270,11 +314,14 @@ def help_table(nsamples: int = 128, seqlen: int = 2048) -> str:
     return "; ".join(rows)
 
 
-EXAMPLES = {  # public configs' sizes
+EXAMPLES = {  # public configs' sizes and dtype
     "1.1B (TinyLlama)": dict(num_hidden_layers=22, hidden_size=2048, intermediate_size=5632, vocab_size=32000,
-                             num_attention_heads=32, num_key_value_heads=4),
+                             num_attention_heads=32, num_key_value_heads=4,
+                             torch_dtype="bfloat16"),
     "8B (Llama-3.1)": dict(num_hidden_layers=32, hidden_size=4096, intermediate_size=14336, vocab_size=128256,
-                           num_attention_heads=32, num_key_value_heads=8),
+                           num_attention_heads=32, num_key_value_heads=8,
+                           torch_dtype="bfloat16"),
     "70B (Llama-3.1)": dict(num_hidden_layers=80, hidden_size=8192, intermediate_size=28672, vocab_size=128256,
-                            num_attention_heads=64, num_key_value_heads=8),
+                            num_attention_heads=64, num_key_value_heads=8,
+                            torch_dtype="bfloat16"),
 }

@@ -16,6 +16,7 @@ from lowbit.errors import ConfigError
 from lowbit.formats import QTensor, Scheme
 from lowbit.models.experts import ExpertTensor, expert_tensors
 from lowbit.models.fused import shared_tensor_scales
+from lowbit.models.narrow_tables import widen
 from lowbit.nn import QuantLinear, replace_linears, set_module
 from lowbit.nn.input_quant import InputQuantizer
 from lowbit.nn.input_rotation import rotation_of
@@ -125,5 +126,7 @@ def quantize_rest(model: nn.Module, plan: Plan, names: Mapping[int, str], blocks
             raise ConfigError(f"{static[0]} lies outside the decoder blocks, where the block-wise pipeline cannot "
                               "calibrate static input scales; give it a dynamic input scheme (e.g. fp8, mxfp4) "
                               "or none")
+        for n in rest:  # a table kept in the checkpoint's dtype is rounded from its float32 values
+            widen(model.get_submodule(n))
         weights = {n: model.get_submodule(n).weight for n in rest}
         replace_linears(model, rest, tensor_scales=shared_tensor_scales(weights, {n: r.weight for n, r in rest.items()}))

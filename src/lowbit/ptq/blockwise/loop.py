@@ -169,5 +169,5 @@ def _walk(model: nn.Module, task: BlockPass, record: Mapping[str, Any], ctx: Run
     if is_lazy(model) and release:  # every block is written out by now: only the marker goes
         forget_source(model)
     elif is_lazy(model):
-        materialize(model)  # every block is loaded by now: this only drops the marker
+        materialize(model, widen_tables=False)  # every block is loaded by now: this only drops the marker
     return infos
