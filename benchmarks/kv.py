@@ -43,6 +43,14 @@ def row_key(r: dict[str, Any]) -> tuple:
             r.get("calib_seed", 0))
 
 
+def rotates(kv: str) -> bool:
+    """Whether a ``--kv`` entry rotates keys and values (``int4-rot``, ``fp8-rot:center``): its weights get the value
+    rotation folded in first."""
+    from lowbit.formats.kv import ROTATE_SUFFIX
+
+    return kv.partition(":")[0].endswith(ROTATE_SUFFIX)
+
+
 def longest_window(model: Any, n_tokens: int) -> int:
     """The longest power-of-two window the model's positions allow that the evaluation text fills once."""
     limit = int(getattr(model.config, "max_position_embeddings", 2048) or 2048)
@@ -120,7 +128,7 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     for weights in args.weights.split(","):
         base: dict[bool, float] = {}
         for rotated in (False, True):
-            kvs = [k for k in args.kv.split(",") if k.endswith("-rot") == rotated]
+            kvs = [k for k in args.kv.split(",") if rotates(k) == rotated]
             if not kvs:
                 continue
             if rotated and args.rotated_baseline:

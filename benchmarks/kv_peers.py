@@ -87,42 +87,48 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     """Step 2 (lowbit's environment): perplexity with llm-compressor's scales in lowbit's FP8 cache."""
     import json
 
-    import torch
-
-    from lowbit.data import eval_tokens
-    from lowbit.eval import perplexity
-    from lowbit.formats.kv import KVScheme
-    from lowbit.nn.kv_quant import attention_modules, cache_shape, install_kv, set_scales
-
     peer = json.loads(Path(args.scales).read_text())
     if (peer["calib"], peer.get("calib_seed", 0)) != (f"{args.nsamples}x{args.calib_seqlen}", args.seed):
         raise SystemExit(f"error: {args.scales} was calibrated on {peer['calib']} tokens, seed "
                          f"{peer.get('calib_seed', 0)}; pass the same --nsamples / --calib-seqlen / --seed")
     lm = common.bundled_model(args.threads, model=args.model)
-    tokens = eval_tokens(lm.tokenizer)
-    scheme = KVScheme.parse("fp8:scale=amax")  # the scales are set from the file, not calibrated
-    attns = install_kv(lm.model, scheme)
-    missing = sorted(set(attns) - set(peer["scales"]))
-    if missing:
-        raise SystemExit(f"error: llm-compressor left {missing[0]} without k_scale / v_scale")
-    for name, attn in attention_modules(lm.model).items():
-        k, v = peer["scales"][name]
-        set_scales(attn, torch.tensor([k]), torch.tensor([v]))
-    r = perplexity(lm.model, tokens, seqlen=args.seqlen, windows=args.windows, progress=False)
-    layers, heads, dim = cache_shape(lm.model)
-    row = {"kv": "fp8-llmc", "weights": "float", "values_rotated": False, "seqlen": args.seqlen,
-           "windows": args.windows, "calib": peer["calib"], "calib_seed": args.seed, "ppl": r.ppl, "eval_tokens": r.tokens,
-           "eval_s": r.seconds, "calibrate_s": peer["calibrate_s"],
-           "kv_bytes_per_token": scheme.bytes_per_token(layers, heads, dim),
-           "kv_bytes_per_token_16bit": 2 * layers * heads * dim * 2,
-           "scales_from": f"llmcompressor {peer['llmcompressor']} (transformers {peer['transformers']}) "
-                          "QuantizationModifier kv_cache_scheme fp8 tensor static, observer minmax",
-           "k_scales": {n: ks[0] for n, ks in peer["scales"].items()},
-           "v_scales": {n: ks[1] for n, ks in peer["scales"].items()},
-           **common.model_fields(args.model), "machine": common.machine()}
+    row = fp8_scales_row(lm, {n: tuple(ks) for n, ks in peer["scales"].items()}, args, "fp8-llmc", "llm-compressor")
+    row |= {"calibrate_s": peer["calibrate_s"],
+            "scales_from": f"llmcompressor {peer['llmcompressor']} (transformers {peer['transformers']}) "
+                           "QuantizationModifier kv_cache_scheme fp8 tensor static, observer minmax"}
     common.merge_row(args.out, row, row_key)
-    print(f"float fp8-llmc ppl {r.ppl:.4f} [{r.seconds:.0f} s]", flush=True)
+    print(f"float fp8-llmc ppl {row['ppl']:.4f} [{row['eval_s']:.0f} s]", flush=True)
     return row
+
+
+def fp8_scales_row(lm: Any, scales: dict[str, tuple[float, float]], args: argparse.Namespace, kv: str,
+                   source: str) -> dict[str, Any]:
+    """A ``kv.json`` row: perplexity of the float model with a per-tensor FP8 cache whose ``k_scale`` / ``v_scale``
+    are ``scales`` (attention name -> (k, v)), on ``args``' windows (the rows of `benchmarks.kv`'s protocol)."""
+    import torch
+
+    from lowbit.data import eval_tokens
+    from lowbit.eval import perplexity
+    from lowbit.formats.kv import KVScheme
+    from lowbit.nn.kv_quant import attention_modules, cache_shape, install_kv, remove_kv, set_scales
+
+    scheme = KVScheme.parse("fp8:scale=amax")  # the scales are set, not calibrated
+    attns = install_kv(lm.model, scheme)
+    missing = sorted(set(attns) - set(scales))
+    if missing:
+        raise SystemExit(f"error: {source} left {missing[0]} without k_scale / v_scale")
+    for name, attn in attention_modules(lm.model).items():
+        k, v = scales[name]
+        set_scales(attn, torch.tensor([k]), torch.tensor([v]))
+    r = perplexity(lm.model, eval_tokens(lm.tokenizer), seqlen=args.seqlen, windows=args.windows, progress=False)
+    remove_kv(lm.model)
+    layers, heads, dim = cache_shape(lm.model)
+    return {"kv": kv, "weights": "float", "values_rotated": False, "seqlen": args.seqlen, "windows": args.windows,
+            "calib": f"{args.nsamples}x{args.calib_seqlen}", "calib_seed": args.seed, "ppl": r.ppl,
+            "eval_tokens": r.tokens, "eval_s": r.seconds, "kv_bytes_per_token": scheme.bytes_per_token(layers, heads, dim),
+            "kv_bytes_per_token_16bit": 2 * layers * heads * dim * 2,
+            "k_scales": {n: ks[0] for n, ks in scales.items()}, "v_scales": {n: ks[1] for n, ks in scales.items()},
+            **common.model_fields(args.model), "machine": common.machine()}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -245,3 +245,31 @@ def test_acts_own_weight_tensor_scales_give_each_fused_part_its_own_and_restore_
     pairs, _ = scales(False)  # the context restored RTN's sharing
     for g in groups:
         assert {pairs[n][0] for n in g} == {min(pairs[n][1] for n in g)}
+
+
+def test_kv_scales_errors_are_the_softmax_weighted_score_variance_and_the_mixed_value_error() -> None:
+    """benchmarks.kv_scales' criteria against a loop over queries with torch's float8 cast: per candidate, the keys'
+    sum over queries of Var_p(q . dk * scaling) (every 4th query, causal) — about twice KL(p || p_quantized) — and
+    the values' |p @ dv|^2."""
+    import torch
+
+    from benchmarks.kv_scales import QUERY_STRIDE, candidate_errors, factors
+
+    torch.manual_seed(0)
+    q, k, v = torch.randn(1, 2, 8, 16), torch.randn(1, 1, 8, 16) * 4, torch.randn(1, 1, 8, 16)
+    ks, vs = k.abs().amax() / 448, v.abs().amax() / 448
+    ek, ev = candidate_errors(q, k, v, ks, vs, 0.25)
+    fp8 = lambda x, s: (x / s).clamp(-448, 448).to(torch.float8_e4m3fn).float() * s  # noqa: E731
+    for i, f in enumerate(factors()):
+        dk, dv = fp8(k, ks * f) - k, fp8(v, vs * f) - v
+        want_k = want_v = kl = 0.0
+        for h in range(2):
+            for t in range(0, 8, QUERY_STRIDE):
+                s = (k[0, 0, : t + 1] @ q[0, h, t]) * 0.25
+                ds = (dk[0, 0, : t + 1] @ q[0, h, t]) * 0.25
+                p = s.softmax(0)
+                want_k += float((p * ds * ds).sum() - (p * ds).sum() ** 2)
+                want_v += float((p @ dv[0, 0, : t + 1]).pow(2).sum())
+                kl += float((p * (p.log() - (s + ds).log_softmax(0))).sum())
+        assert ek[i] == pytest.approx(want_k, rel=1e-4, abs=1e-9) and ev[i] == pytest.approx(want_v, rel=1e-4)
+        assert kl == pytest.approx(want_k / 2, rel=0.25)  # second order: third-order terms remain

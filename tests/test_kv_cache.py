@@ -11,6 +11,8 @@ from lowbit.errors import CheckpointError, ConfigError, LowbitError, ModelError,
 from lowbit.formats.kv import KVScheme, kv_scale, qdq_kv
 from lowbit.nn import QuantLinear, set_module
 from lowbit.nn.kv_quant import (
+    OFFSETS,
+    SCALES,
     STATE,
     attention_modules,
     calibrate_kv,
@@ -108,7 +110,8 @@ def test_nvfp4_blocks_of_16_along_head_dim():
 
 @pytest.mark.parametrize("name", ["fp8", "fp8-head", "fp8-token", "int8", "int8-head", "int8-token", "int4",
                                   "int4:block=16", "nvfp4", "nvfp4:rule=4over6", "mxfp4", "int4-rot", "fp8-rot",
-                                  "int4-rot:block=16"])
+                                  "int4-rot:block=16", "fp8:center", "int4-rot:block=16,center",
+                                  "fp8:scale=attn,center", "fp8-token:center"])
 def test_names_round_trip(name):
     s = KVScheme.parse(name)
     assert KVScheme.parse(s.name) == s and s.name == name
@@ -260,6 +263,66 @@ def test_rotation_alone_keeps_the_float_function(monkeypatch):
         assert torch.allclose(model(input_ids=IDS).logits, ref, atol=2e-5)
 
 
+# ------------------------------------------------------------------ centering (:center)
+@pytest.mark.parametrize("kv, folded", [("fp8:center", False), ("int4:center", False), ("nvfp4-rot:center", True),
+                                        ("int8-rot:center", False)])
+def test_centering_alone_keeps_the_float_function(monkeypatch, kv, folded):
+    """With the rounding taken out, subtracting the calibrated offsets and adding them back leaves the model's
+    logits as they were (to float32 rounding), rotated or not; the offsets are the calibration's means."""
+    from lowbit.nn import kv_quant
+
+    model = tiny()
+    with torch.no_grad():
+        if folded:
+            fold_value_rotation(model)
+        ref = model(input_ids=IDS).logits
+        float_keys = _cache_keys(model, IDS)
+    monkeypatch.setattr(kv_quant, "qdq_kv", lambda x, s, scale=None: x)
+    calibrate_kv(model, IDS, KVScheme.parse(kv), values_folded=folded)
+    attn = model.model.layers[0].self_attn
+    h = kv_quant.rotation_matrix(32) if "-rot" in kv else torch.eye(32)
+    assert torch.allclose(attn.k_offset, (float_keys[0] @ h).mean(dim=(0, 2)), atol=1e-6)
+    with torch.no_grad():
+        assert torch.allclose(model(input_ids=IDS).logits, ref, atol=2e-5)
+
+
+def test_centered_cache_holds_fp8_of_the_centered_keys_and_scores_move_by_a_constant_per_query():
+    """fp8:center stores fp8((k - mu) / s): the cache's keys minus mu are that code times s. A kernel that keeps
+    the offset out of the scores gets q . k_hat - q . mu: the same constant for every key of one query, so the same
+    softmax. And on keys with a large, nearly constant channel, centering cuts FP8's score error."""
+    model = tiny()
+    float_keys = _cache_keys(model, IDS)
+    calibrate_kv(model, IDS, KVScheme.parse("fp8:center"))
+    attn = model.model.layers[0].self_attn
+    k_hat = _cache_keys(model, IDS)[0]  # layer 0 sees float inputs
+    mu, s = attn.k_offset.reshape(1, 2, 1, 32), attn.k_scale
+    assert float(s) == float((float_keys[0] - mu).abs().amax() / 448)
+    assert torch.equal(k_hat, fp8((float_keys[0] - mu) / s) * s + mu)
+    stored = k_hat - mu
+    q = torch.randn(2, 2, 24, 32)  # one query head per KV head is enough: GQA repeats the same keys
+    with_mu, without = q @ k_hat.transpose(-1, -2), q @ stored.transpose(-1, -2)
+    diff = with_mu - without
+    assert torch.allclose(diff, (q * mu).sum(-1, keepdim=True).expand_as(diff), atol=1e-4)
+    assert torch.allclose(diff, diff[..., :1].expand_as(diff), atol=1e-4)  # constant along the keys
+    assert torch.allclose(with_mu.softmax(-1), without.softmax(-1), atol=1e-5)
+
+    x = torch.randn(1, 2, 256, 32)
+    x[..., 5] = x[..., 5] * 2 - 13  # the nearly constant channel of SmolLM2's post-RoPE keys (kv.md)
+    plain, centered = KVScheme.parse("fp8"), KVScheme.parse("fp8:center")
+    mu = x.mean(dim=(0, 2))
+    err_plain = qdq_kv(x, plain, kv_scale(x.abs().amax(), plain)) - x
+    err_centered = qdq_kv(x - mu[None, :, None], centered, kv_scale((x - mu[None, :, None]).abs().amax(), plain)) \
+        + mu[None, :, None] - x
+    qf = torch.randn(1, 2, 8, 32)
+    assert (qf @ err_centered.transpose(-1, -2)).pow(2).mean() < 0.5 * (qf @ err_plain.transpose(-1, -2)).pow(2).mean()
+
+
+def test_centering_needs_calibration_even_for_dynamic_scales():
+    with pytest.raises(ConfigError, match="int4:center has static scales or centering offsets"):
+        calibrate_kv(tiny(), None, KVScheme.parse("int4:center"))
+    assert not KVScheme.parse("int4").needs_calibration and KVScheme.parse("int4:center").needs_calibration
+
+
 def test_rotation_spreads_a_key_outlier_channel():
     from lowbit.nn.kv_quant import rotation_matrix
 
@@ -289,7 +352,7 @@ def _quantized(scheme: str = "w8", kv: str = "fp8"):
     return model
 
 
-@pytest.mark.parametrize("kv", ["fp8-head", "nvfp4-rot"])
+@pytest.mark.parametrize("kv", ["fp8-head", "nvfp4-rot", "fp8:center", "int4:center"])
 def test_native_checkpoint_keeps_scales_and_scheme(tmp_path, kv):
     from lowbit.files.native import load, read_manifest, save
 
@@ -301,9 +364,12 @@ def test_native_checkpoint_keeps_scales_and_scheme(tmp_path, kv):
 
     assert inspect(tmp_path / "q")["kv_cache"] == kv
     back, _ = load(tmp_path / "q")
+    bufs = [*(SCALES if not kv.startswith("int4") else ()), *(OFFSETS if kv.endswith(":center") else ())]
     for name, attn in attention_modules(model).items():
-        assert torch.equal(attention_modules(back)[name].k_scale, attn.k_scale)
-        assert torch.equal(attention_modules(back)[name].v_scale, attn.v_scale)
+        for buf in bufs:
+            assert torch.equal(getattr(attention_modules(back)[name], buf), getattr(attn, buf))
+        if kv.endswith(":center"):
+            assert attn.k_offset.shape == (2, 32) and attn.k_offset.abs().amax() > 0
     with torch.no_grad():
         assert torch.equal(back(input_ids=IDS).logits, model(input_ids=IDS).logits)
 
@@ -351,7 +417,8 @@ def test_compressed_tensors_export_and_transformers_readback(tmp_path):
         assert torch.equal(theirs, model(input_ids=IDS).logits) and not torch.equal(theirs, ours)
 
 
-@pytest.mark.parametrize("kv", ["int8", "fp8-token", "int4", "fp8-rot"])
+@pytest.mark.parametrize("kv", ["int8", "fp8-token", "int4", "fp8-rot", "fp8:center", "fp8-head:center",
+                                "fp8-token:center"])
 def test_compressed_tensors_refuses_kv_vllm_cannot_read(tmp_path, kv):
     pytest.importorskip("compressed_tensors")
     from lowbit.files import compressed_tensors as ct
@@ -392,7 +459,9 @@ def test_export_gguf_with_drop_kv_writes_the_weights_and_says_so(tmp_path, tiny_
 
 
 @pytest.mark.parametrize("kv, to, why", [("int4", "compressed-tensors", "vLLM reads"),
-                                         ("fp8", "gguf", "GGUF has no KV-cache format")])
+                                         ("fp8", "gguf", "GGUF has no KV-cache format"),
+                                         ("fp8:center", "compressed-tensors", "fp8:center stores keys and values "
+                                          "minus a calibrated offset .* no offset")])
 def test_quantize_job_refuses_a_kv_export_before_loading(tmp_path, kv, to, why):
     from lowbit.api import QuantizeJob
 

@@ -37,7 +37,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "fp8-head / int8-head (per KV head), fp8-token / int8-token (dynamic), int4 (groups of 32 "
                         "along head_dim), nvfp4, mxfp4; add -rot to rotate keys and values by a Hadamard per head "
                         "(QuaRot; for 4-bit KV). Options: int4:block=64, fp8:scale=attn (FP8 scales searched by "
-                        "the attention output's error; default amax/448). Several, with --kv-bits: the candidates of a "
+                        "the attention output's error; default amax/448), fp8:center (any scheme: a calibrated "
+                        "per-head, per-channel mean subtracted before quantizing and added back; exact in function, "
+                        "lowbit-only: vLLM's cache holds no offset). Several, with --kv-bits: the candidates of a "
                         "per-layer choice")
     p.add_argument("--kv-bits", metavar="B", type=float, default=None,
                    help="mixed-precision KV cache: each layer gets one of the --kv schemes (e.g. --kv fp8,int8,int4), "

@@ -6,7 +6,10 @@ refuses anything else), and loads ``model.layers.{l}.self_attn.k_scale`` / ``v_s
 (float32, ``[1]`` or ``[kv_heads, 1, 1]`` as llm-compressor writes them; ``fp8 = x / k_scale``).
 So FP8 static KV exports; INT8, dynamic and 4-bit KV, and keys rotated by a Hadamard (whose
 queries would need the same rotation at run time, which vLLM does not apply) are lowbit-only:
-they live in the native checkpoint and `lowbit eval`. GGUF has no KV-cache format at all
+they live in the native checkpoint and `lowbit eval`; so do centered caches (``:center``, an offset per head
+and channel added back at dequantization), which vLLM's cache cannot hold: it stores ``fp8(x / k_scale)``
+and accepts only symmetric scales (``CompressedTensorsKVCacheMethod.validate_kv_cache_scheme``, vLLM 0.32:
+"Only support symmetric scaling factor for compressed-tensors KV cache"). GGUF has no KV-cache format at all
 (llama.cpp picks its cache type at run time, ``--cache-type-k``), so a GGUF export of a
 model with a KV scheme writes the weights only, and only when asked (``--drop-kv``).
 """
@@ -39,6 +42,11 @@ def kv_refusal(to: str, kv: KVScheme, drop_kv: bool = False, mixed: bool = False
     if mixed:
         return ("the KV cache has a scheme per layer (mixed precision), and vLLM's kv_cache_scheme / kv_cache_dtype "
                 f"is one for all layers; {VLLM_LIMIT}, one for every layer")
+    if kv.center:
+        return (f"KV scheme {kv.name} stores keys and values minus a calibrated offset per head and channel, and "
+                "vLLM's cache holds fp8(x / k_scale) with no offset (its compressed-tensors KV loader accepts only "
+                f"symmetric scales); {VLLM_LIMIT}, without :center, or keep {kv.name} in the native checkpoint "
+                "(lowbit eval)")
     if kv.rotate:
         return (f"KV scheme {kv.name} rotates the keys, which needs the queries rotated at run time and vLLM does "
                 f"not do that; {VLLM_LIMIT}, without -rot")
@@ -57,7 +65,7 @@ def vllm_cache_dtype(kv: KVScheme) -> str | None:
     vLLM 0.32's ``int8_per_token_head`` / ``fp8_per_token_head`` (scale = abs-max / qmax of each token's head at
     cache write, fp32 scales; INT8 rounds halves away from zero where lowbit rounds them to even). None: none."""
     e = kv.elements
-    if kv.static or kv.rotate or e.group_size != -1 or e.bits != 8:
+    if kv.static or kv.rotate or kv.center or e.group_size != -1 or e.bits != 8:
         return None
     return {"int": "int8_per_token_head", "e4m3": "fp8_per_token_head"}.get(e.elem)
 

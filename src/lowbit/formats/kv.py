@@ -15,9 +15,19 @@ along ``head_dim``; what the KV cache adds is where static scales live:
   scale calibrated per layer; ``mxfp4``: blocks of 32, E8M0 scales.
 
 Options after ``:`` go to the element format (``int4:block=64``, ``nvfp4:rule=4over6``),
-except ``scale=amax|attn``, how static FP8 scales are calibrated (below), and a ``-rot``
-suffix rotates keys and values per head with a Hadamard before they are quantized (QuaRot's
-Q/K rotation; see `lowbit.nn.kv_quant`): ``int4-rot``, ``nvfp4-rot``.
+except ``scale=amax|attn``, how static FP8 scales are calibrated (below), and ``center``
+(below); a ``-rot`` suffix rotates keys and values per head with a Hadamard before they are
+quantized (QuaRot's Q/K rotation; see `lowbit.nn.kv_quant`): ``int4-rot``, ``nvfp4-rot``.
+
+``center`` (any format: ``fp8:center``, ``int4:center``, ``nvfp4-rot:center``) stores
+``Q(x - mu)`` with ``mu`` a calibrated mean per layer, KV head and channel, and dequantizes to
+``Q(x - mu) + mu`` (SageAttention's key smoothing, kept as a dequantization offset). Exact in
+function up to rounding: for keys, dropping ``+ mu`` would change every score of one query by the
+same ``q . mu``, which softmax ignores; for values, the attention probabilities sum to 1, so ``mu``
+adds back after the attention. What it buys: post-RoPE keys have large, nearly constant channels
+whose rounding error is a different score error for every key; centered, they are small. vLLM's
+cache holds ``fp8(x / k_scale)`` with no offset, so a centered cache is lowbit-only (the
+compressed-tensors export refuses it, `lowbit.files.kv_export`).
 
 Static scales are stored as ``amax / qmax`` (for E4M3 ``amax / 448``: vLLM's meaning of
 ``k_scale``, ``fp8 value = x / k_scale``), one float per layer or per KV head. E4M3 keeps a
@@ -47,6 +57,8 @@ from lowbit.formats.inputs import InputScheme, qdq_input
 
 ROTATE_SUFFIX = "-rot"
 SCALE_RULES = ("amax", "attn")  # how static FP8 scales are calibrated: scale=amax|attn
+CENTER = "center"  # the option that subtracts a calibrated mean per head and channel before quantization
+FLAGS = ("per_head", "rotate", "search", "center")  # KVScheme's switches, in field order
 
 
 @dataclass(frozen=True)
@@ -59,6 +71,7 @@ class KVScheme:
     per_head: bool = False
     rotate: bool = False
     search: bool = False  # static E4M3: scales chosen by the attention output's error (scale=attn), not amax/448
+    center: bool = False  # a calibrated per-(head, channel) mean subtracted before quantization, added back after
 
     def __post_init__(self) -> None:
         if not isinstance(self.elements, InputScheme):
@@ -77,7 +90,8 @@ class KVScheme:
 
     @property
     def needs_calibration(self) -> bool:
-        return self.elements.needs_calibration
+        """Static scales or the centering offsets to calibrate on the calibration split."""
+        return self.elements.needs_calibration or self.center
 
     @property
     def bits(self) -> int:
@@ -99,17 +113,17 @@ class KVScheme:
 
     def to_dict(self) -> dict[str, Any]:
         return {"elements": self.elements.to_dict(), "per_head": self.per_head, "rotate": self.rotate,
-                "search": self.search}
+                "search": self.search, "center": self.center}
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> KVScheme:
-        """A manifest's entry; one written before ``search`` existed had amax scales (search false)."""
-        unknown = set(d) - {"elements", "per_head", "rotate", "search"}
+        """A manifest's entry; one written before ``search`` / ``center`` existed had neither (false)."""
+        unknown = set(d) - {"elements", *FLAGS}
         if unknown or "elements" not in d:
-            raise SchemeError(f"a KV scheme holds 'elements', 'per_head', 'rotate', 'search'; got {sorted(d)}")
-        flags = [d.get(k, False) for k in ("per_head", "rotate", "search")]
+            raise SchemeError(f"a KV scheme holds 'elements', {', '.join(map(repr, FLAGS))}; got {sorted(d)}")
+        flags = [d.get(k, False) for k in FLAGS]
         if any(type(f) is not bool for f in flags):
-            raise SchemeError("a KV scheme's per_head, rotate and search must be true or false")
+            raise SchemeError(f"a KV scheme's {', '.join(FLAGS)} must be true or false")
         return cls(InputScheme.from_dict(dict(d["elements"])), *flags)
 
     @classmethod
@@ -126,10 +140,10 @@ class KVScheme:
                               f"{', '.join(PRESETS)} (add -rot for the Hadamard rotation, :key=value for options "
                               "of the element format, e.g. int4:block=64)")
         preset = PRESETS[base]
-        rule, rest = _scale_rule(opts)
+        rule, center, rest = _kv_options(opts)
         elements = preset.elements.with_options(rest) if rest else preset.elements
         search = rule == "attn"  # amax unless asked: the search measured no better (benchmarks/results/kv.md)
-        return cls(elements, preset.per_head, rotate, search)
+        return cls(elements, preset.per_head, rotate, search, center)
 
     def __str__(self) -> str:
         return self.name
@@ -140,16 +154,19 @@ def searchable(e: InputScheme) -> bool:
     return e.static and e.elem == "e4m3"
 
 
-def _scale_rule(opts: str) -> tuple[str | None, str]:
-    """``scale=amax|attn`` taken out of the options (None: not given), and the element format's options left."""
-    rule, rest = None, []
+def _kv_options(opts: str) -> tuple[str | None, bool, str]:
+    """``scale=amax|attn`` (None: not given) and ``center`` taken out of the options, and the element format's
+    options left."""
+    rule, center, rest = None, False, []
     for item in filter(None, opts.split(",")):
         key, _, value = item.partition("=")
         if key.strip() == "scale" and value.strip() in SCALE_RULES:
             rule = value.strip()
+        elif item.strip() == CENTER:
+            center = True
         else:
             rest.append(item)
-    return rule, ",".join(rest)
+    return rule, center, ",".join(rest)
 
 
 def _scale_bytes(scale: str) -> float:
@@ -169,6 +186,8 @@ def _base_name(s: KVScheme) -> str:
     opts = [f"{s.elements.FIELD_TO_KEY[f]}={_fmt(getattr(s.elements, f))}" for f in best_diff or []]
     if s.search:
         opts.append("scale=attn")
+    if s.center:
+        opts.append(CENTER)
     return f"{best}:{','.join(opts)}" if opts else best
 
 
@@ -230,7 +249,7 @@ def qdq_kv(x: torch.Tensor, s: KVScheme, scale: torch.Tensor | None = None) -> t
     scale: the stored static scale (`kv_scale`): ``[]`` / ``[1]`` per layer, ``[kv_heads]``
     per head; for NVFP4 the tensor scale's abs-max is ``scale * 6``. Computed in float32.
     """
-    if s.needs_calibration and scale is None:
+    if s.elements.needs_calibration and scale is None:
         raise ConfigError(f"KV scheme {s.name} has static scales: calibrate them on calibration data first "
                           "(lowbit quantize --kv does so from the calibration split)")
     if not s.static:
@@ -257,6 +276,39 @@ def search_factors() -> torch.Tensor:
     """The candidate multipliers of the abs-max scale ``2^(j/16)``, j = -16..15: from half (the largest values
     clip at 448) to nearly twice (the largest values fall an octave lower), float32."""
     return 2 ** (torch.tensor(SEARCH_EXPONENTS, dtype=torch.float32) / SEARCH_STEPS)
+
+
+@dataclass(frozen=True)
+class ChannelStats:
+    """What calibration keeps of centered keys (values): per KV head and channel, the running sum, count, max and
+    min. Their mean is the centering offset, and the abs-max around it follows exactly from the max and min
+    (``max(hi - mu, mu - lo)`` per channel), so one pass calibrates both offset and scale."""
+
+    total: torch.Tensor  # [kv_heads, head_dim] float64
+    count: int
+    hi: torch.Tensor  # [kv_heads, head_dim] float32
+    lo: torch.Tensor
+
+    @classmethod
+    def of(cls, x: torch.Tensor) -> ChannelStats:
+        """Of ``x [batch, kv_heads, tokens, head_dim]``."""
+        xf = x.detach().float()
+        return cls(xf.sum(dim=(0, 2), dtype=torch.float64), x.shape[0] * x.shape[2], xf.amax(dim=(0, 2)),
+                   xf.amin(dim=(0, 2)))
+
+    def merge(self, other: ChannelStats) -> ChannelStats:
+        d = self.total.device
+        return ChannelStats(self.total + other.total.to(d), self.count + other.count,
+                            torch.maximum(self.hi, other.hi.to(d)), torch.minimum(self.lo, other.lo.to(d)))
+
+    def mean(self) -> torch.Tensor:
+        """The centering offset ``mu [kv_heads, head_dim]`` (float32)."""
+        return (self.total / max(self.count, 1)).float()
+
+    def amax_around(self, mu: torch.Tensor, per_head: bool) -> torch.Tensor:
+        """The abs-max of ``x - mu`` over what was seen: per KV head ``[kv_heads]`` or overall ``[1]``."""
+        dev = torch.maximum(self.hi - mu, mu - self.lo)
+        return dev.amax(dim=1) if per_head else dev.amax().reshape(1)
 
 
 def observe_amax(x: torch.Tensor, s: KVScheme) -> torch.Tensor:

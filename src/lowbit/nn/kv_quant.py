@@ -21,6 +21,15 @@ rotated keys, the form a kernel runs, with nothing to change in the attention. V
 rotated offline instead (`fold_value_rotation`: H folded into ``v_proj``'s rows and
 ``o_proj``'s columns of each head, exact in float), so the cache holds ``v H`` directly; on a
 model whose values were not folded they are rotated online the same way as keys.
+
+Centering (``:center`` schemes): ``k_offset`` / ``v_offset`` buffers (``[kv_heads, head_dim]``,
+the calibration split's mean of each head's channel, in the rotated basis under ``-rot``) are
+subtracted before quantization and added back after, ``k_hat = Q(k - mu) + mu``. A kernel that
+stores ``Q(k - mu)`` and drops ``mu`` computes scores ``q . k_hat - q . mu``: each query's
+scores move by one constant, which softmax ignores; values' ``mu`` comes back after the
+attention (its probabilities sum to 1). Adding ``mu`` here keeps that function for any
+attention, softcapped or with sinks included. Calibration keeps, per head and channel, the
+sum, max and min, so the scale around the mean comes from the same single pass.
 """
 
 from __future__ import annotations
@@ -36,11 +45,12 @@ import torch
 from torch import nn
 
 from lowbit.errors import ConfigError, ModelError
-from lowbit.formats.kv import KVScheme, kv_scale, observe_amax, qdq_kv, search_factors
+from lowbit.formats.kv import ChannelStats, KVScheme, kv_scale, observe_amax, qdq_kv, search_factors
 from lowbit.transforms.hadamard import factor, hadamard
 
 STATE = "_lowbit_kv"
 SCALES = ("k_scale", "v_scale")
+OFFSETS = ("k_offset", "v_offset")  # ``:center`` schemes: the per-(KV head, channel) means, [kv_heads, head_dim]
 
 
 @dataclass
@@ -53,7 +63,7 @@ class KVState:
     handle: Any = None
     cache_arg: str = "cache"
     values_folded: bool = False
-    observed: dict[str, torch.Tensor] | None = None  # calibration: running abs-max of keys / values
+    observed: dict[str, Any] | None = None  # calibration: running abs-max (ChannelStats if centered) of keys / values
     search: ScaleSearch | None = None  # scale=attn: the attention output's error per candidate scale
     paused: bool = False  # float keys / values (block tuning's FP targets)
     calls: int = 0
@@ -212,11 +222,15 @@ def install_kv(model: nn.Module, scheme: KVScheme | Mapping[str, KVScheme],
                         values_folded=values_folded)
         if scheme.rotate:
             state.rotation = rotation_matrix(state.head_dim)
-        if scheme.needs_calibration:
+        device = next(attn.parameters(), torch.empty(0)).device
+        if scheme.elements.needs_calibration:
             n = state.kv_heads if scheme.per_head else 1
-            device = next(attn.parameters(), torch.empty(0)).device
             for buf in SCALES:
                 attn.register_buffer(buf, torch.ones(n, dtype=torch.float32, device=device))
+        if scheme.center:
+            for buf in OFFSETS:
+                attn.register_buffer(buf, torch.zeros(state.kv_heads, state.head_dim, dtype=torch.float32,
+                                                      device=device))
         state.handle = attn.register_forward_pre_hook(_swap_cache, with_kwargs=True)
         setattr(attn, STATE, state)
     return attns
@@ -243,7 +257,7 @@ def remove_kv(model: nn.Module) -> None:
             continue
         state.handle.remove()
         delattr(attn, STATE)
-        for name in SCALES:
+        for name in (*SCALES, *OFFSETS):
             if name in attn._buffers:
                 del attn._buffers[name]
 
@@ -289,17 +303,15 @@ def quantize_kv(attn: nn.Module, key: torch.Tensor, value: torch.Tensor) -> tupl
         key = key if key.requires_grad else key.detach().requires_grad_(True)
         value = value if value.requires_grad else value.detach().requires_grad_(True)
     if state.search is not None:  # calibration: float keys / values, except the one candidate under trial
-        return _trial(state, key, value)
+        return _trial(attn, state, key, value)
     h = state.rotation
     rot_v = h is not None and not state.values_folded
     if state.observed is not None:
         for name, x in (("k", key if h is None else _rotate(key, h)), ("v", value if not rot_v else _rotate(value, h))):
-            a = observe_amax(x, state.scheme)
-            prev = state.observed.get(name)
-            state.observed[name] = a if prev is None else torch.maximum(prev, a.to(prev.device))
+            _observe(state, name, x)
         return key, value
-    kq = _fake_quant(state, key, getattr(attn, "k_scale", None), h)
-    vq = _fake_quant(state, value, getattr(attn, "v_scale", None), h if rot_v else None)
+    kq = _fake_quant(state, key, getattr(attn, "k_scale", None), h, getattr(attn, "k_offset", None))
+    vq = _fake_quant(state, value, getattr(attn, "v_scale", None), h if rot_v else None, getattr(attn, "v_offset", None))
     kout, vout = _ste(key, kq), _ste(value, vq)
     if state.score is not None:
         state.score.watch(kout, kq - key.detach())
@@ -307,22 +319,40 @@ def quantize_kv(attn: nn.Module, key: torch.Tensor, value: torch.Tensor) -> tupl
     return kout, vout
 
 
-def _fake_quant(state: KVState, x: torch.Tensor, scale: torch.Tensor | None, h: torch.Tensor | None) -> torch.Tensor:
-    """``x`` as the cache holds it: rotated by ``h`` (if any), quantized, rotated back; ``x``'s dtype."""
-    if h is None:
-        return qdq_kv(x, state.scheme, scale)
-    return _rotate(qdq_kv(_rotate(x, h), state.scheme, scale), h, back=True).to(x.dtype)
+def _observe(state: KVState, name: str, x: torch.Tensor) -> None:
+    """Calibration: fold ``x`` (keys or values as they are quantized, rotated if so) into what is kept of them."""
+    prev = state.observed.get(name)
+    if state.scheme.center:
+        st = ChannelStats.of(x)
+        state.observed[name] = st if prev is None else prev.merge(st)
+        return
+    a = observe_amax(x, state.scheme)
+    state.observed[name] = a if prev is None else torch.maximum(prev, a.to(prev.device))
 
 
-def _trial(state: KVState, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _fake_quant(state: KVState, x: torch.Tensor, scale: torch.Tensor | None, h: torch.Tensor | None,
+                offset: torch.Tensor | None = None) -> torch.Tensor:
+    """``x`` as the cache holds it, dequantized: rotated by ``h`` (if any), centered by ``offset`` (if any:
+    ``[kv_heads, head_dim]``, subtracted before quantizing and added back after), quantized, rotated back;
+    ``x``'s dtype."""
+    xs = x if h is None else _rotate(x, h)
+    if offset is None:
+        q = qdq_kv(xs, state.scheme, scale)
+    else:
+        mu = offset.to(x.device).reshape(1, offset.shape[0], 1, offset.shape[1])
+        q = qdq_kv(xs.float() - mu, state.scheme, scale).float() + mu
+    return (q if h is None else _rotate(q, h, back=True)).to(x.dtype)
+
+
+def _trial(attn: nn.Module, state: KVState, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     trial = state.search.trial
     if trial is None:
         return key, value
     which, scale = trial
     h = state.rotation
     if which == "k":
-        return _fake_quant(state, key, scale, h), value
-    return key, _fake_quant(state, value, scale, h if not state.values_folded else None)
+        return _fake_quant(state, key, scale, h, getattr(attn, "k_offset", None)), value
+    return key, _fake_quant(state, value, scale, h if not state.values_folded else None, getattr(attn, "v_offset", None))
 
 
 def _ste(x: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
@@ -345,7 +375,8 @@ def calibrate_kv(model: nn.Module, batches: Iterable[torch.Tensor] | None, schem
     static = [s for s in schemes.values() if s.needs_calibration]
     if batches is None:
         if static:
-            raise ConfigError(f"KV scheme {static[0].name} has static scales: pass calibration batches")
+            raise ConfigError(f"KV scheme {static[0].name} has static scales or centering offsets: pass calibration "
+                              "batches")
         batches = [torch.zeros(1, 4, dtype=torch.long)]
     attns = install_kv(model, schemes, values_folded)
     device = next(model.parameters()).device
@@ -359,11 +390,23 @@ def calibrate_kv(model: nn.Module, batches: Iterable[torch.Tensor] | None, schem
     for attn in attns.values():
         state = getattr(attn, STATE)
         if state.observed is not None:
-            for short, buf in (("k", "k_scale"), ("v", "v_scale")):
-                getattr(attn, buf).copy_(kv_scale(state.observed[short], state.scheme))
+            for short in ("k", "v"):
+                _set_calibrated(attn, state.scheme, short, state.observed[short])
             state.observed = None
     _search_scales(model, attns, batches)
     return attns
+
+
+def _set_calibrated(attn: nn.Module, scheme: KVScheme, short: str, seen: Any) -> None:
+    """Keys' (``short`` "k") or values' calibrated buffers from what was seen: the offset (centered schemes: the
+    mean) and the static scale (of the abs-max around the offset)."""
+    amax = seen
+    if scheme.center:
+        mu = seen.mean()
+        getattr(attn, f"{short}_offset").copy_(mu)
+        amax = seen.amax_around(mu, scheme.per_head)
+    if scheme.elements.needs_calibration:
+        getattr(attn, f"{short}_scale").copy_(kv_scale(amax, scheme))
 
 
 def _search_scales(model: nn.Module, attns: dict[str, nn.Module], batches: list[torch.Tensor]) -> None:
