@@ -131,16 +131,22 @@ def fp8_scales_row(lm: Any, scales: dict[str, tuple[float, float]], args: argpar
             **common.model_fields(args.model), "machine": common.machine()}
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.kv_peers", description=__doc__.split("\n")[0])
+def protocol_args(p: argparse.ArgumentParser, seed_help: str) -> None:
+    """The FP8-scale comparison's protocol flags, shared by this script and `benchmarks.kv_scales` so their rows
+    compare on the same windows and calibration by default."""
     p.add_argument("--model", default="bundled", choices=common.MODELS, help=common.MODEL_HELP)
     p.add_argument("--seqlen", type=int, default=2048)
     p.add_argument("--windows", type=int, default=3)
     p.add_argument("--nsamples", type=int, default=8)
     p.add_argument("--calib-seqlen", type=int, default=512)
-    p.add_argument("--seed", type=int, default=0, help="where the calibration samples start (the same in both steps)")
+    p.add_argument("--seed", type=int, default=0, help=seed_help)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--out", default=RESULTS)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.kv_peers", description=__doc__.split("\n")[0])
+    protocol_args(p, "where the calibration samples start (the same in both steps)")
     step = p.add_mutually_exclusive_group(required=True)
     step.add_argument("--calibrate", metavar="JSON", help="step 1: write llm-compressor's scales here")
     step.add_argument("--scales", metavar="JSON", help="step 2: evaluate the scales of this file")

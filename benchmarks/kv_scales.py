@@ -32,8 +32,8 @@ from collections.abc import Iterator
 from typing import Any
 
 from benchmarks import common
-from benchmarks.kv import RESULTS, row_key
-from benchmarks.kv_peers import fp8_scales_row
+from benchmarks.kv import row_key
+from benchmarks.kv_peers import fp8_scales_row, protocol_args
 
 STEPS = 32  # candidates per octave below the abs-max scale
 QUERY_STRIDE = 4  # every 4th query of each row counts (each sees all its keys): a quarter of the work
@@ -119,14 +119,7 @@ def kl_scales(model: Any, calib: Any) -> tuple[dict[str, tuple[float, float]], d
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.kv_scales", description=__doc__.split("\n")[0])
-    p.add_argument("--model", default="bundled", choices=common.MODELS, help=common.MODEL_HELP)
-    p.add_argument("--seqlen", type=int, default=2048)
-    p.add_argument("--windows", type=int, default=3)
-    p.add_argument("--nsamples", type=int, default=8)
-    p.add_argument("--calib-seqlen", type=int, default=512)
-    p.add_argument("--seed", type=int, default=0, help="where the calibration samples start")
-    p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--out", default=RESULTS)
+    protocol_args(p, "where the calibration samples start")
     args = p.parse_args(argv)
     lm = common.bundled_model(args.threads, model=args.model)
     calib = common.calibration(lm.tokenizer, args.nsamples, args.calib_seqlen, seed=args.seed)
