@@ -7,13 +7,20 @@ Reads the checkpoints and the 8 x 512 windows `benchmarks.engines` keeps under `
 ``q``: the FP8-KV checkpoint with each query projection's output also cast to E4M3 (unit scale);
 ``rne`` / ``trunc``: the W8A8 checkpoint without KV, keys and values cast to E4M3 with the export's
 k/v scales at the k/v projections (before RoPE), rounding to nearest / toward zero;
-``vllm-unit``: the W8A8 export without KV scales served by vLLM with ``kv_cache_dtype="fp8_e4m3"``.
+``vllm-unit``: the W8A8 export without KV scales served by vLLM with ``kv_cache_dtype="fp8_e4m3"``;
+``none``: the W8A8 checkpoint without KV quantization (the 16-bit cache's baseline);
+``cache``: the FP8-KV checkpoint as lowbit evaluates it (the same-run baseline of the next mode);
+``trunc-cache``: the FP8-KV checkpoint in lowbit's forward with its cache write done as vLLM CPU's
+(``csrc/cpu/cpu_attn_fp8.hpp``, ``float_to_fp8e4m3_scalar``): keys and values (after RoPE, as cached) in
+bf16, times ``1 / scale`` in float32, clamped to +-448, then the E4M3 code taken from the float32's
+top bits, i.e. rounded toward zero; read back exactly (code x scale).
 Rows go to benchmarks/results/kv_vllm_probe.json.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -24,17 +31,55 @@ from benchmarks.common import machine, merge_row
 RESULT = "kv_vllm_probe"
 
 
+def _toward_zero(y):
+    """float32 ``y`` (within +-448) as E4M3, rounded toward zero: torch's nearest cast, then one code down
+    in magnitude where it went up (the bytes are sign-magnitude)."""
+    import torch
+
+    q = y.to(torch.float8_e4m3fn)
+    b = q.view(torch.uint8)
+    over = (q.float().abs() > y.abs()) & ((b & 0x7F) > 0)
+    return torch.where(over, b - 1, b).view(torch.float8_e4m3fn)
+
+
 def e4m3(x, s, toward_zero: bool):
     """``x`` cast to E4M3 at scale ``s`` (from bf16, as vLLM's cache write sees it) and back."""
     import torch
 
     y = x.to(torch.bfloat16).float() / s
-    q = y.to(torch.float8_e4m3fn)
-    if toward_zero:  # one code down in magnitude where rounding went up (sign-magnitude bytes)
-        b = q.view(torch.uint8)
-        over = (q.float().abs() > y.abs()) & ((b & 0x7F) > 0)
-        q = torch.where(over, b - 1, b).view(torch.float8_e4m3fn)
+    q = _toward_zero(y) if toward_zero else y.to(torch.float8_e4m3fn)
     return (q.float() * s).to(x.dtype)
+
+
+def vllm_cpu_cache_write(x, s):
+    """Keys or values as vLLM CPU's FP8 cache holds them, read back (``x``'s dtype).
+
+    Its write multiplies by the inverse scale in float32, clamps to +-448 and keeps the bits of the
+    float32 that E4M3 has room for: the mantissa is truncated, so every magnitude rounds down.
+    """
+    import torch
+
+    y = (x.to(torch.bfloat16).float() * (1.0 / s.float())).clamp(-448.0, 448.0)
+    return (_toward_zero(y).float() * s.float()).to(x.dtype)
+
+
+@contextlib.contextmanager
+def vllm_cpu_cache_writes():
+    """Within: lowbit's static per-tensor FP8 KV fake-quant replaced by `vllm_cpu_cache_write`."""
+    from lowbit.nn import kv_quant
+
+    plain = kv_quant.qdq_kv
+
+    def qdq(x, s, scale=None):
+        if s.static and s.elements.elem == "e4m3" and not s.per_head and not s.center:
+            return vllm_cpu_cache_write(x, scale.reshape(()).to(x.device))
+        return plain(x, s, scale)
+
+    kv_quant.qdq_kv = qdq
+    try:
+        yield
+    finally:
+        kv_quant.qdq_kv = plain
 
 
 def lowbit_row(mode: str, keep: Path, win) -> float:
@@ -44,7 +89,11 @@ def lowbit_row(mode: str, keep: Path, win) -> float:
     import lowbit
     from lowbit.eval import perplexity
 
-    if mode == "q":
+    if mode == "none":
+        model, _ = lowbit.load(keep / "ckpt-w8a8-int8")
+    elif mode in ("cache", "trunc-cache"):
+        model, _ = lowbit.load(keep / "ckpt-w8a8-int8-kv-fp8")
+    elif mode == "q":
         model, _ = lowbit.load(keep / "ckpt-w8a8-int8-kv-fp8")
         for n, m in model.named_modules():
             if n.endswith("self_attn.q_proj"):
@@ -59,7 +108,9 @@ def lowbit_row(mode: str, keep: Path, win) -> float:
                     s = scales[n.rsplit(".", 1)[0] + "." + key]
                     m.register_forward_hook(lambda _m, _i, out, s=s: e4m3(out, s, mode == "trunc"))
     torch.set_num_threads(1)
-    return perplexity(model, win, win.shape[1], win.shape[0], batch_size=1, progress=False).ppl
+    patch = vllm_cpu_cache_writes() if mode == "trunc-cache" else contextlib.nullcontext()
+    with patch:
+        return perplexity(model, win, win.shape[1], win.shape[0], batch_size=1, progress=False).ppl
 
 
 def vllm_row(keep: Path, windows: list[list[int]]) -> float:
@@ -78,7 +129,7 @@ def vllm_row(keep: Path, windows: list[list[int]]) -> float:
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="python -m benchmarks.kv_vllm_probe", description=__doc__.split("\n")[0])
-    p.add_argument("--modes", default="q,rne,trunc", help="comma-separated: q, rne, trunc, vllm-unit")
+    p.add_argument("--modes", default="q,rne,trunc", help="comma-separated: q, rne, trunc, none, cache, trunc-cache, vllm-unit")
     p.add_argument("--keep", default="/tmp/lowbit-engines", help="benchmarks.engines' --keep folder")
     a = p.parse_args(argv)
     keep = Path(a.keep)

@@ -273,3 +273,34 @@ def test_kv_scales_errors_are_the_softmax_weighted_score_variance_and_the_mixed_
                 kl += float((p * (p.log() - (s + ds).log_softmax(0))).sum())
         assert ek[i] == pytest.approx(want_k, rel=1e-4, abs=1e-9) and ev[i] == pytest.approx(want_v, rel=1e-4)
         assert kl == pytest.approx(want_k / 2, rel=0.25)  # second order: third-order terms remain
+
+
+def _vllm_cpu_e4m3_write(v: "np.ndarray", inv_scale: float) -> "np.ndarray":
+    """vLLM CPU's FP8 cache write as its C++ states it (``float_to_fp8e4m3_scalar``): scale, clamp to
+    +-448, move the exponent bias by 2^-120, keep the float32 bits 20..26 (sign apart), 0x7F reserved."""
+    import numpy as np
+
+    y = np.clip(v.astype(np.float32) * np.float32(inv_scale), -448.0, 448.0).astype(np.float32)
+    bits = (y * np.float32(2.0 ** -120)).astype(np.float32).view(np.uint32)
+    sign = ((bits >> 24) & 0x80).astype(np.uint8)
+    payload = np.minimum((bits >> 20) & 0x7F, 0x7E).astype(np.uint8)
+    return np.where(y == 0, 0, sign | payload).astype(np.uint8)
+
+
+def test_kv_vllm_probe_cache_write_is_vllm_cpus_truncating_cast() -> None:
+    """The probe's emulation equals a bit-level transcription of vLLM's write, which rounds toward zero."""
+    import numpy as np
+    import torch
+
+    from benchmarks.kv_vllm_probe import vllm_cpu_cache_write
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.cat([torch.randn(4000, generator=g) * 3, torch.randn(1000, generator=g) * 1e-3,
+                   torch.tensor([0.0, -0.0, 600.0, -600.0, 1e-9])]).to(torch.bfloat16)
+    s = torch.tensor(0.0123)
+    got = vllm_cpu_cache_write(x, s).float()
+    codes = _vllm_cpu_e4m3_write(x.float().numpy(), float(1.0 / s))
+    want = (torch.from_numpy(codes).view(torch.float8_e4m3fn).float() * s).to(x.dtype).float()  # read back in x's dtype
+    assert torch.equal(got, want)
+    rne = (x.float() / s).clamp(-448, 448).to(torch.float8_e4m3fn).float() * s
+    assert (got.abs() <= x.float().abs() + 1e-12).all() and (got != rne).any()  # toward zero, not nearest
