@@ -29,6 +29,12 @@ from lowbit.plans.plan import Plan  # noqa: E402
 from lowbit.ptq.rtn import rtn_quantize  # noqa: E402
 
 VOCAB = 256
+# vLLM's CPU wheel carries two builds and loads _C_AVX512 or _C_AVX2 by this test (vllm/platforms/cpu.py); the
+# AVX2 one has no INT4 kernels (no ``cpu_gemm_wna16``, no WNA16 MoE backend) and a less exact INT8 GEMM
+AVX512 = torch.cpu._is_avx512_supported()
+NO_INT4 = pytest.mark.skipif(not AVX512, reason="vLLM CPU's INT4 kernels (cpu_gemm_wna16, its WNA16 MoE backend) are "
+                             "only in its AVX-512 build and this CPU has no AVX-512: vLLM refuses the export "
+                             "(benchmarks/results/engines.md, 'CPUs without AVX-512')")
 SERVE = textwrap.dedent("""
     import json, sys
     from vllm import LLM, SamplingParams
@@ -71,12 +77,17 @@ def served_logprobs(path, ids: list[int]) -> torch.Tensor:
     return lp
 
 
-@pytest.mark.parametrize("recipe", ["w4g64", "w8a8-int8"])
+@pytest.mark.parametrize("recipe", [pytest.param("w4g64", marks=NO_INT4), "w8a8-int8"])
 def test_vllm_serves_lowbit_export_with_lowbits_logits(tmp_path, recipe):
     model = tiny()
     names = [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and ".layers." in n]
     rtn_quantize(model, Plan.uniform(names, recipe), search=False, progress=False)
-    served_like_lowbit(model, tmp_path / "ct", recipe)
+    # vLLM's AVX2 build computes INT8 GEMMs less exactly (measured mean / max 0.022 / 0.11 and the same argmax at
+    # 84 % of positions, on an AMD EPYC without AVX-512, against 0.01 / 0.15 / 90 % bounds met on AVX-512; the bundled
+    # model's W8A8 perplexity through it is +3.7 %, engines.md): looser bounds there, still far below a layout
+    # error's whole units (and its argmax agreement of a few per cent)
+    bounds = {} if AVX512 or recipe != "w8a8-int8" else {"mean": 0.05, "most": 0.3, "agree": 0.7}
+    served_like_lowbit(model, tmp_path / "ct", recipe, **bounds)
 
 
 def served_like_lowbit(model, out, label: str, mean: float = 0.01, most: float = 0.15, agree: float = 0.9) -> None:
@@ -119,6 +130,7 @@ def tiny_moe(arch: str = "qwen3_moe"):
     return model
 
 
+@NO_INT4
 @pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral", "qwen2_moe", "olmoe"])
 def test_vllm_serves_lowbit_moe_export_with_lowbits_logits(tmp_path, arch):
     """Per-expert W4 g128 experts (vLLM's CompressedTensorsWNA16MoEMethod, CPUExpertsInt4 on AMX: int8 activations);
