@@ -253,7 +253,7 @@ def test_a_mix_exports_with_llama_cpps_types_for_every_tensor(tmp_path):
 def test_lowbit_reads_its_moe_gguf_back_into_fused_experts_with_the_same_logits(tmp_path, monkeypatch, tiny_tokenizer,
                                                                                  arch):
     """transformers' GGUF loader rebuilds these wrongly (Mixtral as a dense Llama): lowbit's reader inverts its own
-    mapping, so the float model it builds computes the quantized model's logits bit for bit."""
+    mapping, so the float model it builds computes the quantized model's logits (to float rounding)."""
     from lowbit.models.accounting import is_fused_experts
     from lowbit.models.loading import load_model
 
@@ -267,7 +267,10 @@ def test_lowbit_reads_its_moe_gguf_back_into_fused_experts_with_the_same_logits(
     assert sum(is_fused_experts(m) for m in back.model.modules()) == 1 + (arch != "deepseek_v3")  # dense block 0
     ids = torch.randint(0, len(tiny_tokenizer), (2, 16), generator=torch.Generator().manual_seed(5))
     with torch.no_grad():
-        assert torch.equal(back.model(ids).logits, model(ids).logits)
+        got, want = back.model(ids).logits, model(ids).logits
+    # the same weights and modules: equal bit for bit on most CPUs; DeepSeek-V3's MLA path rounded one ULP apart
+    # (6e-8) on an AMD EPYC, where the GEMMs' summation order differs. A mapping error moves logits by ~0.1
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
     assert back.tokenizer("def f(x): return x")["input_ids"] == tiny_tokenizer("def f(x): return x")["input_ids"]
 
 
