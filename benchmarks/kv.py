@@ -38,9 +38,16 @@ MIXED = "mix:"  # a per-layer KV choice: mix:int8+int4@6 (options, average bits 
 
 
 def row_key(r: dict[str, Any]) -> tuple:
-    """A row's identity in ``kv.json`` (rows from before ``calib_seed`` existed were calibrated with seed 0)."""
+    """A row's identity in ``kv.json`` (rows from before ``calib_seed`` existed were calibrated with seed 0); the CPU
+    is part of it, since GEMMs round differently on another one (the same row moves by ~0.02 % between machines)."""
     return (r.get("model"), r.get("weights"), r.get("kv"), r.get("values_rotated"), r.get("seqlen"), r.get("windows"),
-            r.get("calib_seed", 0))
+            r.get("calib_seed", 0), cpu(r))
+
+
+def cpu(r: dict[str, Any]) -> str | None:
+    """The CPU a row ran on (None for rows that did not record it)."""
+    m = r.get("machine")
+    return m.get("cpu") if isinstance(m, dict) else None
 
 
 def rotates(kv: str) -> bool:
@@ -157,11 +164,11 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
 def with_costs(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Rows with ``ppl_vs_float_kv`` against the float-KV row of the same model, weights and window
     (rows from separate runs of the script have no baseline of their own)."""
-    base = {(r["model"], r["weights"], r["seqlen"], r["windows"]): r["ppl"] for r in rows
+    base = {(r["model"], r["weights"], r["seqlen"], r["windows"], cpu(r)): r["ppl"] for r in rows
             if r["kv"] == "none" and not r["values_rotated"]}
     out = []
     for r in rows:
-        ref = base.get((r["model"], r["weights"], r["seqlen"], r["windows"]))
+        ref = base.get((r["model"], r["weights"], r["seqlen"], r["windows"], cpu(r)))
         out.append(r | ({"ppl_vs_float_kv": r["ppl"] / ref - 1} if ref is not None else {}))
     return out
 

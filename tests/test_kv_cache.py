@@ -801,3 +801,73 @@ def test_kv_options_parse_scheme_options_after_commas():
     assert [s.name for s in parse_kv_options("fp8,int4:block=16,bits=4,int8,fp8")] == ["fp8", "int4:block=16", "int8"]
     with pytest.raises(SchemeError, match="empty scheme"):
         parse_kv_options("fp8,,int8")
+
+
+# ------------------------------------------------------------------ the row rule of static scales (scale=rowmax)
+ROWS = torch.randint(0, 256, (5, 24), generator=torch.Generator().manual_seed(7))
+
+
+def _layer_values(model, ids):
+    """Every layer's float post-RoPE keys and values on ``ids`` ``[rows, kv_heads, tokens, head_dim]``, from a
+    DynamicCache (calibration sees float inputs at every layer, so these are what it observes)."""
+    cache = DynamicCache(config=model.config)
+    with torch.no_grad():
+        model(input_ids=ids, past_key_values=cache, use_cache=True)
+    return [(layer.keys.clone(), layer.values.clone()) for layer in cache.layers]
+
+
+@pytest.mark.parametrize("name", ["fp8", "fp8-head", "int8", "fp8:center", "fp8-head:center"])
+def test_rowmax_scale_is_the_mean_over_rows_of_each_rows_abs_max(name):
+    """scale=rowmax: each static scale is the mean over calibration rows of that row's abs-max (per KV head for
+    per-head schemes; around the calibrated mean for centered ones) over qmax, brute force with explicit loops over
+    rows; rows seen in one batch or in separate forwards give the same scales; and the rule differs from amax
+    (the rows' maxima differ), which stays reachable as scale=amax."""
+    s = KVScheme.parse(name.replace(":", ":scale=rowmax,") if ":" in name else name + ":scale=rowmax")
+    assert s.rule == "rowmax" and KVScheme.parse(s.name) == s
+    qmax = s.elements.qmax
+    model = tiny(3)
+    truth = _layer_values(model, ROWS)
+    calibrate_kv(model, ROWS, s)
+    split = tiny(3)
+    calibrate_kv(split, [r[None] for r in ROWS], s)  # one row per forward: the rows merge across batches
+    amax_model = tiny(3)
+    calibrate_kv(amax_model, ROWS, KVScheme.parse(name.replace(":", ":scale=amax,") if ":" in name
+                                                  else name + ":scale=amax"))
+    differs = False
+    for (k, v), attn, attn2, ref in zip(truth, attention_modules(model).values(), attention_modules(split).values(),
+                                        attention_modules(amax_model).values(), strict=True):
+        for short, x in (("k", k), ("v", v)):
+            if s.center:
+                mu = x.mean(dim=(0, 2))  # [kv_heads, head_dim] over every row and token
+                assert torch.allclose(getattr(attn, f"{short}_offset"), mu, atol=1e-5)
+                x = x - mu[None, :, None, :]
+            per_row = []
+            for r in range(x.shape[0]):
+                row = x[r].abs()
+                per_row.append([float(row[h].max()) for h in range(row.shape[0])] if s.per_head else [float(row.max())])
+            want = torch.tensor(per_row).mean(dim=0) / qmax
+            got = getattr(attn, f"{short}_scale")
+            assert torch.allclose(got, want, rtol=1e-5, atol=0), (name, short)
+            assert torch.allclose(getattr(attn2, f"{short}_scale"), got, rtol=1e-6)
+            assert torch.allclose(getattr(ref, f"{short}_scale"), torch.tensor(per_row).amax(dim=0) / qmax, rtol=1e-5)
+            assert bool((got <= getattr(ref, f"{short}_scale") * (1 + 1e-6)).all())  # a mean never exceeds the max
+            differs |= not torch.allclose(got, getattr(ref, f"{short}_scale"), rtol=1e-3)
+    assert differs
+
+
+def test_scale_rules_parse_round_trip_and_are_refused_where_there_is_no_static_scale():
+    for name in ("fp8:scale=rowmax", "fp8-head:scale=rowmax", "int8:scale=rowmax", "nvfp4:scale=rowmax",
+                 "fp8-rot:scale=rowmax,center", "fp8:scale=attn"):
+        s = KVScheme.parse(name)
+        assert KVScheme.parse(s.name) == s and KVScheme.from_dict(json.loads(json.dumps(s.to_dict()))) == s
+    assert KVScheme.parse("fp8:scale=attn").rule == "amax"  # the search runs around amax / 448, as measured
+    old = KVScheme.parse("fp8:scale=amax").to_dict()
+    del old["rule"]  # a manifest from before the rule existed: its scales were calibrated by amax
+    assert KVScheme.from_dict(old).rule == "amax"
+    for bad in ("fp8-token:scale=rowmax", "int4:scale=rowmax", "int8-token:scale=rowmax"):
+        with pytest.raises(SchemeError, match="scale=rowmax is a rule for calibrated static scales"):
+            KVScheme.parse(bad)
+    with pytest.raises(SchemeError, match="unknown KV scale rule 'median'"):
+        KVScheme(KVScheme.parse("fp8").elements, rule="median")
+    with pytest.raises(SchemeError, match="rule must be one of"):
+        KVScheme.from_dict({**KVScheme.parse("fp8").to_dict(), "rule": 1})
