@@ -871,3 +871,24 @@ def test_scale_rules_parse_round_trip_and_are_refused_where_there_is_no_static_s
         KVScheme(KVScheme.parse("fp8").elements, rule="median")
     with pytest.raises(SchemeError, match="rule must be one of"):
         KVScheme.from_dict({**KVScheme.parse("fp8").to_dict(), "rule": 1})
+
+
+def test_kv_benchmark_refuses_an_organism_folder_with_no_finished_organism(tmp_path):
+    """benchmarks/kv.py --model organism-moe on a folder that holds no model and token ids: one clear error naming
+    the command that builds it, before any work."""
+    from benchmarks import kv
+
+    with pytest.raises(SystemExit, match="holds no finished organism.*benchmarks.organism --arch qwen3moe"):
+        kv.main(["--model", "organism-moe", "--organism", str(tmp_path), "--kv", "fp8", "--weights", "float"])
+
+
+def test_kv_rows_of_another_cpu_are_other_rows():
+    """kv.json keeps a row per CPU (GEMMs round differently), and a cost is taken against the float-KV row of the
+    same CPU."""
+    from benchmarks import kv
+
+    base = {"model": "bundled", "weights": "float", "values_rotated": False, "seqlen": 2048, "windows": 3}
+    a, b = ({**base, "kv": "none", "ppl": p, "machine": {"cpu": c}} for p, c in ((10.0, "A"), (11.0, "B")))
+    rows = [a, b, {**base, "kv": "fp8", "ppl": 11.0, "machine": {"cpu": "A"}}]
+    assert kv.row_key(a) != kv.row_key(b)
+    assert kv.with_costs(rows)[2]["ppl_vs_float_kv"] == pytest.approx(0.1)
