@@ -18,6 +18,7 @@ from lowbit.nn.kv_quant import (
     calibrate_kv,
     fold_value_rotation,
     install_kv,
+    kv_scheme_of,
     remove_kv,
     set_scales,
 )
@@ -292,7 +293,7 @@ def test_centered_cache_holds_fp8_of_the_centered_keys_and_scores_move_by_a_cons
     softmax. And on keys with a large, nearly constant channel, centering cuts FP8's score error."""
     model = tiny()
     float_keys = _cache_keys(model, IDS)
-    calibrate_kv(model, IDS, KVScheme.parse("fp8:center"))
+    calibrate_kv(model, IDS, KVScheme.parse("fp8:scale=amax,center"))
     attn = model.model.layers[0].self_attn
     k_hat = _cache_keys(model, IDS)[0]  # layer 0 sees float inputs
     mu, s = attn.k_offset.reshape(1, 2, 1, 32), attn.k_scale
@@ -394,6 +395,7 @@ def test_compressed_tensors_export_and_transformers_readback(tmp_path):
     from lowbit.files import compressed_tensors as ct
 
     model = _quantized(kv="fp8-head")
+    assert kv_scheme_of(model).rule == "rowmax"  # the default rule's scales are what the export carries
     ct.export(model, None, tmp_path / "ct")
     cfg = json.loads((tmp_path / "ct" / "config.json").read_text())["quantization_config"]
     assert cfg["kv_cache_scheme"] == {**cfg["kv_cache_scheme"], "num_bits": 8, "type": "float",
@@ -729,10 +731,10 @@ def test_fp8_scale_search_picks_the_least_attention_output_error(name):
     attention's output (values float), each value scale likewise (keys float) — brute force over the 32 candidates
     with torch's float8 cast and an attention written out here; never worse than amax / 448 (j = 0)."""
     model, amax_model = tiny(4), tiny(4)
-    calibrate_kv(amax_model, IDS, KVScheme.parse(name))  # the default: amax / 448
+    calibrate_kv(amax_model, IDS, KVScheme.parse(name + ":scale=amax"))  # the base the search multiplies
     inputs = _attention_inputs(model)
     s = KVScheme.parse(name + ":scale=attn")
-    assert s.name == name + ":scale=attn" and not KVScheme.parse(name).search
+    assert s.name == name + ":scale=attn" and not KVScheme.parse(name).search and s.rule == "amax"
     calibrate_kv(model, IDS, s)
     shape = (1, -1, 1, 1) if s.per_head else ()
     factors = 2 ** (torch.arange(-16, 16) / 16)
@@ -892,3 +894,21 @@ def test_kv_rows_of_another_cpu_are_other_rows():
     rows = [a, b, {**base, "kv": "fp8", "ppl": 11.0, "machine": {"cpu": "A"}}]
     assert kv.row_key(a) != kv.row_key(b)
     assert kv.with_costs(rows)[2]["ppl_vs_float_kv"] == pytest.approx(0.1)
+
+
+def test_fp8_defaults_to_rowmax_other_static_formats_to_amax():
+    """--kv fp8 / fp8-head (and their -rot, :center forms) calibrate by rowmax; scale=amax keeps the old rule reachable
+    under its own name; INT8 and NVFP4's static scales stay amax; dynamic formats have no rule to apply."""
+    for name in ("fp8", "fp8-head", "fp8-rot", "fp8:center"):
+        s = KVScheme.parse(name)
+        assert s.rule == "rowmax" and s.name == name
+        old = KVScheme.parse(name.replace(":", ":scale=amax,") if ":" in name else name + ":scale=amax")
+        assert old.rule == "amax" and old != s and "scale=amax" in old.name and KVScheme.parse(old.name) == old
+    for name in ("int8", "int8-head", "nvfp4", "fp8-token", "int4"):
+        assert KVScheme.parse(name).rule == "amax" and "scale=" not in KVScheme.parse(name).name
+    model = tiny(3)
+    truth = _layer_values(model, ROWS)
+    calibrate_kv(model, ROWS, KVScheme.parse("fp8"))
+    k0 = truth[0][0]
+    assert torch.allclose(model.model.layers[0].self_attn.k_scale, k0.abs().amax(dim=(1, 2, 3)).mean() / 448,
+                          rtol=1e-5)

@@ -15,7 +15,7 @@ along ``head_dim``; what the KV cache adds is where static scales live:
   scale calibrated per layer; ``mxfp4``: blocks of 32, E8M0 scales.
 
 Options after ``:`` go to the element format (``int4:block=64``, ``nvfp4:rule=4over6``),
-except ``scale=amax|attn``, how static FP8 scales are calibrated (below), and ``center``
+except ``scale=rowmax|amax|attn``, how static scales are calibrated (below), and ``center``
 (below); a ``-rot`` suffix rotates keys and values per head with a Hadamard before they are
 quantized (QuaRot's Q/K rotation; see `lowbit.nn.kv_quant`): ``int4-rot``, ``nvfp4-rot``.
 
@@ -30,7 +30,17 @@ cache holds ``fp8(x / k_scale)`` with no offset, so a centered cache is lowbit-o
 compressed-tensors export refuses it, `lowbit.files.kv_export`).
 
 Static scales are stored as ``amax / qmax`` (for E4M3 ``amax / 448``: vLLM's meaning of
-``k_scale``, ``fp8 value = x / k_scale``), one float per layer or per KV head. E4M3 keeps a
+``k_scale``, ``fp8 value = x / k_scale``), one float per layer or per KV head. Which abs-max:
+``scale=rowmax`` (the default of ``fp8`` / ``fp8-head``) takes each calibration row's
+(sequence's) abs-max and averages them over the rows, the abs-max of a typical row
+(`typical_amax`: why); ``scale=amax`` (the default of every other static format, INT8 and
+NVFP4's tensor scale) the largest over all rows. Why only E4M3 by default: E4M3's precision is
+relative, so a scale below ``amax / 448`` costs no element any precision (it moves where values
+fall between grid points, and clips the rarest largest ones), while an INT8 scale sets the absolute
+step of every element and NVFP4's tensor scale caps the block scales of whole blocks: other
+trade-offs, not measured. On the bundled model (3 x 2048 tokens, two calibration seeds, one CPU:
+benchmarks/results/kv.md, fifth run) rowmax gave a lower perplexity than amax and than
+llm-compressor's scales on both seeds, by less than what the CPU alone moves these rows. E4M3 keeps a
 relative precision, so beyond saturation the scale only decides where each value falls
 between two grid points (its "phase"), which matters where many keys share a magnitude (the
 large, nearly constant low-frequency RoPE channels). ``scale=attn`` searches it: among
@@ -38,10 +48,10 @@ large, nearly constant low-frequency RoPE channels). ``scale=attn`` searches it:
 the rarest largest values), the key scale and the value scale whose quantization changes each
 attention's output (after ``o_proj``) least over the calibration split (`lowbit.nn.kv_quant`),
 since a key's error counts only as much as the queries read its channel, through the softmax.
-The default is ``amax / 448`` (``scale=amax``): on the bundled model the search, the keys'
-squared error, llm-compressor's scales and amax all land within 0.3 % of perplexity of each
-other (benchmarks/results/kv.md), and the search costs about ten calibration passes. The choice
-is a calibration rule: a checkpoint's scales are used as stored.
+The search runs around ``amax / 448`` and is no default: on the bundled model the search, the
+keys' squared error, llm-compressor's scales and amax all land within 0.3 % of perplexity of
+each other (benchmarks/results/kv.md), and the search costs about ten calibration passes. The
+choice is a calibration rule: a checkpoint's scales are used as stored.
 """
 
 from __future__ import annotations
@@ -207,14 +217,14 @@ def _base_name(s: KVScheme) -> str:
     return f"{best}:{','.join(opts)}" if opts else best
 
 
-def _kv(elements: str, per_head: bool = False) -> KVScheme:
+def _kv(elements: str, per_head: bool = False, rule: str = "amax") -> KVScheme:
     e = InputScheme.parse(elements)
-    return KVScheme(e, per_head)
+    return KVScheme(e, per_head, rule=rule)
 
 
-PRESETS: dict[str, KVScheme] = {
-    "fp8": _kv("fp8-static"),
-    "fp8-head": _kv("fp8-static", per_head=True),
+PRESETS: dict[str, KVScheme] = {  # static E4M3 calibrates by rowmax (module docstring), every other format by amax
+    "fp8": _kv("fp8-static", rule="rowmax"),
+    "fp8-head": _kv("fp8-static", per_head=True, rule="rowmax"),
     "fp8-token": _kv("fp8"),
     "int8": _kv("int8-static"),
     "int8-head": _kv("int8-static", per_head=True),
