@@ -15,7 +15,13 @@ bytes an element).
     python -m benchmarks.kv                                            # benchmarks/results/kv.json
     python -m benchmarks.kv --seqlen 2048 --windows 1 --weights float,w4a4-nvfp4  # a loaded CPU
     python -m benchmarks.kv --model offgrid --seqlen 2048 --windows 1
+    python -m benchmarks.kv --model organism-moe --windows 8 --nsamples 8   # the float MoE organism, 1024 tokens
     python -m benchmarks.kv --weights float --kv none,int4:block=16,mix:int8+int4@6 --seqlen 2048 --windows 3
+
+``--model organism`` / ``organism-moe``: a float organism of ``benchmarks/organism.py`` (a model trained in 32-bit
+floats here, not a dequantized GGUF; ``--organism DIR`` for another folder): its own saved token ids, the
+evaluation split for perplexity and ``--nsamples`` x ``--calib-seqlen`` windows of its training split drawn
+from ``--seed`` as `lowbit.data.calibration_batches` draws them.
 
 A ``mix:A+B@BITS`` entry is a per-layer choice among A, B by DeltaLoss within BITS per cached
 element (``lowbit quantize --kv A,B --kv-bits BITS``); ``--seed`` moves the calibration samples.
@@ -35,12 +41,20 @@ WEIGHTS = ("float", "w4a4-nvfp4", "w8a8-int8")
 KV = ("none", "fp8", "fp8-head", "int8", "int4", "int4-rot", "nvfp4", "nvfp4-rot")
 RESULTS = "kv.json"
 MIXED = "mix:"  # a per-layer KV choice: mix:int8+int4@6 (options, average bits per cached element)
+ORGANISMS = ("organism", "organism-moe")  # the float organisms of benchmarks/organism.py (default folders there)
 
 
 def row_key(r: dict[str, Any]) -> tuple:
-    """A row's identity in ``kv.json`` (rows from before ``calib_seed`` existed were calibrated with seed 0)."""
+    """A row's identity in ``kv.json`` (rows from before ``calib_seed`` existed were calibrated with seed 0); the CPU
+    is part of it, since GEMMs round differently on another one (the same row moves by ~0.02 % between machines)."""
     return (r.get("model"), r.get("weights"), r.get("kv"), r.get("values_rotated"), r.get("seqlen"), r.get("windows"),
-            r.get("calib_seed", 0))
+            r.get("calib_seed", 0), cpu(r))
+
+
+def cpu(r: dict[str, Any]) -> str | None:
+    """The CPU a row ran on (None for rows that did not record it)."""
+    m = r.get("machine")
+    return m.get("cpu") if isinstance(m, dict) else None
 
 
 def rotates(kv: str) -> bool:
@@ -117,13 +131,51 @@ def mixed_cache(model: Any, kv: str, calib: Any) -> dict[str, Any]:
             "kv_bytes_per_token": sum(s.bytes_per_token(1, *shapes[n]) for n, s in choice.items())}
 
 
-def run(args: argparse.Namespace) -> list[dict[str, Any]]:
-    from lowbit.data import eval_tokens
+def load(args: argparse.Namespace) -> tuple[Any, Any, Any, dict[str, Any]]:
+    """(float model, [1, T] evaluation ids, [nsamples, calib_seqlen] calibration windows, the rows' model fields)."""
+    if args.model not in ORGANISMS:
+        from lowbit.data import eval_tokens
 
-    lm = common.bundled_model(args.threads, model=args.model)
-    tokens = eval_tokens(lm.tokenizer)
-    seqlen = args.seqlen or longest_window(lm.model, tokens.numel())
-    calib = common.calibration(lm.tokenizer, args.nsamples, args.calib_seqlen, seed=args.seed)
+        lm = common.bundled_model(args.threads, model=args.model)
+        calib = common.calibration(lm.tokenizer, args.nsamples, args.calib_seqlen, seed=args.seed)
+        return lm.model, eval_tokens(lm.tokenizer), calib, common.model_fields(args.model)
+    return organism(args)
+
+
+def organism(args: argparse.Namespace) -> tuple[Any, Any, Any, dict[str, Any]]:
+    """A float organism's model and its saved token ids (`benchmarks.organism.load_tokens`); calibration windows
+    drawn from its training split at seeded random starts, as `lowbit.data.calibration_batches` draws them."""
+    from pathlib import Path
+
+    import torch
+
+    from benchmarks.organism import DEFAULT_OUT, DEFAULT_OUT_MOE, load_tokens
+    from lowbit.io import sha256_file
+    from lowbit.models import load_model
+
+    folder = Path(args.organism or (DEFAULT_OUT if args.model == "organism" else DEFAULT_OUT_MOE)).expanduser()
+    arch = " --arch qwen3moe" if args.model == "organism-moe" else ""
+    saved = load_tokens(folder, folder / "corpus.jsonl")
+    if not (folder / "model" / "config.json").is_file() or saved is None:
+        raise SystemExit(f"error: {folder} holds no finished organism (model/ and its token ids); build it first: "
+                         f"python -m benchmarks.organism{arch}")
+    train, ev = saved
+    ids = train[0]
+    if len(ids) < args.nsamples * args.calib_seqlen:
+        raise SystemExit(f"error: the organism's training split has {len(ids)} tokens, fewer than --nsamples x "
+                         f"--calib-seqlen")
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(args.seed)
+    starts = torch.randint(0, len(ids) - args.calib_seqlen + 1, (args.nsamples,), generator=g)
+    calib = torch.stack([ids[s:s + args.calib_seqlen] for s in starts.tolist()])
+    fields = {"model": args.model, "model_sha256": sha256_file(folder / "model" / "model.safetensors")}
+    return load_model(folder / "model").model, ev, calib, fields
+
+
+def run(args: argparse.Namespace) -> list[dict[str, Any]]:
+    float_model, tokens, calib, fields = load(args)
+    seqlen = args.seqlen or longest_window(float_model, tokens.numel())
     rows = []
     for weights in args.weights.split(","):
         base: dict[bool, float] = {}
@@ -133,12 +185,12 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
                 continue
             if rotated and args.rotated_baseline:
                 kvs = ["none", *kvs]
-            model = weights_model(lm.model, weights, rotated, calib)
+            model = weights_model(float_model, weights, rotated, calib)
             for kv in kvs:
                 row = measure(model, kv, tokens, calib, seqlen, args.windows)
                 row |= {"weights": weights, "values_rotated": rotated, "seqlen": seqlen, "windows": args.windows,
                         "calib": f"{args.nsamples}x{args.calib_seqlen}", "calib_seed": args.seed,
-                        **common.model_fields(args.model),
+                        **fields,
                         "machine": common.machine()}
                 if kv == "none":
                     base[rotated] = row["ppl"]
@@ -157,11 +209,11 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
 def with_costs(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Rows with ``ppl_vs_float_kv`` against the float-KV row of the same model, weights and window
     (rows from separate runs of the script have no baseline of their own)."""
-    base = {(r["model"], r["weights"], r["seqlen"], r["windows"]): r["ppl"] for r in rows
+    base = {(r["model"], r["weights"], r["seqlen"], r["windows"], cpu(r)): r["ppl"] for r in rows
             if r["kv"] == "none" and not r["values_rotated"]}
     out = []
     for r in rows:
-        ref = base.get((r["model"], r["weights"], r["seqlen"], r["windows"]))
+        ref = base.get((r["model"], r["weights"], r["seqlen"], r["windows"], cpu(r)))
         out.append(r | ({"ppl_vs_float_kv": r["ppl"] / ref - 1} if ref is not None else {}))
     return out
 
@@ -178,7 +230,9 @@ def table(rows: list[dict[str, Any]]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.kv", description=__doc__.split("\n")[0])
-    p.add_argument("--model", default="bundled", choices=common.MODELS, help=common.MODEL_HELP)
+    p.add_argument("--model", default="bundled", choices=(*common.MODELS, *ORGANISMS),
+                   help=common.MODEL_HELP + "; organism / organism-moe: the float organisms of benchmarks/organism.py")
+    p.add_argument("--organism", default=None, help="the organism's folder (default: benchmarks/organism.py's)")
     p.add_argument("--weights", default=",".join(WEIGHTS), help=f"comma-separated weight recipes ({','.join(WEIGHTS)})")
     p.add_argument("--kv", default=",".join(KV), help=f"comma-separated KV schemes ({','.join(KV)})")
     p.add_argument("--rotated-baseline", action="store_true",

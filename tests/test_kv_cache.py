@@ -18,6 +18,7 @@ from lowbit.nn.kv_quant import (
     calibrate_kv,
     fold_value_rotation,
     install_kv,
+    kv_scheme_of,
     remove_kv,
     set_scales,
 )
@@ -292,7 +293,7 @@ def test_centered_cache_holds_fp8_of_the_centered_keys_and_scores_move_by_a_cons
     softmax. And on keys with a large, nearly constant channel, centering cuts FP8's score error."""
     model = tiny()
     float_keys = _cache_keys(model, IDS)
-    calibrate_kv(model, IDS, KVScheme.parse("fp8:center"))
+    calibrate_kv(model, IDS, KVScheme.parse("fp8:scale=amax,center"))
     attn = model.model.layers[0].self_attn
     k_hat = _cache_keys(model, IDS)[0]  # layer 0 sees float inputs
     mu, s = attn.k_offset.reshape(1, 2, 1, 32), attn.k_scale
@@ -394,6 +395,7 @@ def test_compressed_tensors_export_and_transformers_readback(tmp_path):
     from lowbit.files import compressed_tensors as ct
 
     model = _quantized(kv="fp8-head")
+    assert kv_scheme_of(model).rule == "rowmax"  # the default rule's scales are what the export carries
     ct.export(model, None, tmp_path / "ct")
     cfg = json.loads((tmp_path / "ct" / "config.json").read_text())["quantization_config"]
     assert cfg["kv_cache_scheme"] == {**cfg["kv_cache_scheme"], "num_bits": 8, "type": "float",
@@ -729,10 +731,10 @@ def test_fp8_scale_search_picks_the_least_attention_output_error(name):
     attention's output (values float), each value scale likewise (keys float) — brute force over the 32 candidates
     with torch's float8 cast and an attention written out here; never worse than amax / 448 (j = 0)."""
     model, amax_model = tiny(4), tiny(4)
-    calibrate_kv(amax_model, IDS, KVScheme.parse(name))  # the default: amax / 448
+    calibrate_kv(amax_model, IDS, KVScheme.parse(name + ":scale=amax"))  # the base the search multiplies
     inputs = _attention_inputs(model)
     s = KVScheme.parse(name + ":scale=attn")
-    assert s.name == name + ":scale=attn" and not KVScheme.parse(name).search
+    assert s.name == name + ":scale=attn" and not KVScheme.parse(name).search and s.rule == "amax"
     calibrate_kv(model, IDS, s)
     shape = (1, -1, 1, 1) if s.per_head else ()
     factors = 2 ** (torch.arange(-16, 16) / 16)
@@ -801,3 +803,112 @@ def test_kv_options_parse_scheme_options_after_commas():
     assert [s.name for s in parse_kv_options("fp8,int4:block=16,bits=4,int8,fp8")] == ["fp8", "int4:block=16", "int8"]
     with pytest.raises(SchemeError, match="empty scheme"):
         parse_kv_options("fp8,,int8")
+
+
+# ------------------------------------------------------------------ the row rule of static scales (scale=rowmax)
+ROWS = torch.randint(0, 256, (5, 24), generator=torch.Generator().manual_seed(7))
+
+
+def _layer_values(model, ids):
+    """Every layer's float post-RoPE keys and values on ``ids`` ``[rows, kv_heads, tokens, head_dim]``, from a
+    DynamicCache (calibration sees float inputs at every layer, so these are what it observes)."""
+    cache = DynamicCache(config=model.config)
+    with torch.no_grad():
+        model(input_ids=ids, past_key_values=cache, use_cache=True)
+    return [(layer.keys.clone(), layer.values.clone()) for layer in cache.layers]
+
+
+@pytest.mark.parametrize("name", ["fp8", "fp8-head", "int8", "fp8:center", "fp8-head:center"])
+def test_rowmax_scale_is_the_mean_over_rows_of_each_rows_abs_max(name):
+    """scale=rowmax: each static scale is the mean over calibration rows of that row's abs-max (per KV head for
+    per-head schemes; around the calibrated mean for centered ones) over qmax, brute force with explicit loops over
+    rows; rows seen in one batch or in separate forwards give the same scales; and the rule differs from amax
+    (the rows' maxima differ), which stays reachable as scale=amax."""
+    s = KVScheme.parse(name.replace(":", ":scale=rowmax,") if ":" in name else name + ":scale=rowmax")
+    assert s.rule == "rowmax" and KVScheme.parse(s.name) == s
+    qmax = s.elements.qmax
+    model = tiny(3)
+    truth = _layer_values(model, ROWS)
+    calibrate_kv(model, ROWS, s)
+    split = tiny(3)
+    calibrate_kv(split, [r[None] for r in ROWS], s)  # one row per forward: the rows merge across batches
+    amax_model = tiny(3)
+    calibrate_kv(amax_model, ROWS, KVScheme.parse(name.replace(":", ":scale=amax,") if ":" in name
+                                                  else name + ":scale=amax"))
+    differs = False
+    for (k, v), attn, attn2, ref in zip(truth, attention_modules(model).values(), attention_modules(split).values(),
+                                        attention_modules(amax_model).values(), strict=True):
+        for short, x in (("k", k), ("v", v)):
+            if s.center:
+                mu = x.mean(dim=(0, 2))  # [kv_heads, head_dim] over every row and token
+                assert torch.allclose(getattr(attn, f"{short}_offset"), mu, atol=1e-5)
+                x = x - mu[None, :, None, :]
+            per_row = []
+            for r in range(x.shape[0]):
+                row = x[r].abs()
+                per_row.append([float(row[h].max()) for h in range(row.shape[0])] if s.per_head else [float(row.max())])
+            want = torch.tensor(per_row).mean(dim=0) / qmax
+            got = getattr(attn, f"{short}_scale")
+            assert torch.allclose(got, want, rtol=1e-5, atol=0), (name, short)
+            assert torch.allclose(getattr(attn2, f"{short}_scale"), got, rtol=1e-6)
+            assert torch.allclose(getattr(ref, f"{short}_scale"), torch.tensor(per_row).amax(dim=0) / qmax, rtol=1e-5)
+            assert bool((got <= getattr(ref, f"{short}_scale") * (1 + 1e-6)).all())  # a mean never exceeds the max
+            differs |= not torch.allclose(got, getattr(ref, f"{short}_scale"), rtol=1e-3)
+    assert differs
+
+
+def test_scale_rules_parse_round_trip_and_are_refused_where_there_is_no_static_scale():
+    for name in ("fp8:scale=rowmax", "fp8-head:scale=rowmax", "int8:scale=rowmax", "nvfp4:scale=rowmax",
+                 "fp8-rot:scale=rowmax,center", "fp8:scale=attn"):
+        s = KVScheme.parse(name)
+        assert KVScheme.parse(s.name) == s and KVScheme.from_dict(json.loads(json.dumps(s.to_dict()))) == s
+    assert KVScheme.parse("fp8:scale=attn").rule == "amax"  # the search runs around amax / 448, as measured
+    old = KVScheme.parse("fp8:scale=amax").to_dict()
+    del old["rule"]  # a manifest from before the rule existed: its scales were calibrated by amax
+    assert KVScheme.from_dict(old).rule == "amax"
+    for bad in ("fp8-token:scale=rowmax", "int4:scale=rowmax", "int8-token:scale=rowmax"):
+        with pytest.raises(SchemeError, match="scale=rowmax is a rule for calibrated static scales"):
+            KVScheme.parse(bad)
+    with pytest.raises(SchemeError, match="unknown KV scale rule 'median'"):
+        KVScheme(KVScheme.parse("fp8").elements, rule="median")
+    with pytest.raises(SchemeError, match="rule must be one of"):
+        KVScheme.from_dict({**KVScheme.parse("fp8").to_dict(), "rule": 1})
+
+
+def test_kv_benchmark_refuses_an_organism_folder_with_no_finished_organism(tmp_path):
+    """benchmarks/kv.py --model organism-moe on a folder that holds no model and token ids: one clear error naming
+    the command that builds it, before any work."""
+    from benchmarks import kv
+
+    with pytest.raises(SystemExit, match="holds no finished organism.*benchmarks.organism --arch qwen3moe"):
+        kv.main(["--model", "organism-moe", "--organism", str(tmp_path), "--kv", "fp8", "--weights", "float"])
+
+
+def test_kv_rows_of_another_cpu_are_other_rows():
+    """kv.json keeps a row per CPU (GEMMs round differently), and a cost is taken against the float-KV row of the
+    same CPU."""
+    from benchmarks import kv
+
+    base = {"model": "bundled", "weights": "float", "values_rotated": False, "seqlen": 2048, "windows": 3}
+    a, b = ({**base, "kv": "none", "ppl": p, "machine": {"cpu": c}} for p, c in ((10.0, "A"), (11.0, "B")))
+    rows = [a, b, {**base, "kv": "fp8", "ppl": 11.0, "machine": {"cpu": "A"}}]
+    assert kv.row_key(a) != kv.row_key(b)
+    assert kv.with_costs(rows)[2]["ppl_vs_float_kv"] == pytest.approx(0.1)
+
+
+def test_fp8_defaults_to_rowmax_other_static_formats_to_amax():
+    """--kv fp8 / fp8-head (and their -rot, :center forms) calibrate by rowmax; scale=amax keeps the old rule reachable
+    under its own name; INT8 and NVFP4's static scales stay amax; dynamic formats have no rule to apply."""
+    for name in ("fp8", "fp8-head", "fp8-rot", "fp8:center"):
+        s = KVScheme.parse(name)
+        assert s.rule == "rowmax" and s.name == name
+        old = KVScheme.parse(name.replace(":", ":scale=amax,") if ":" in name else name + ":scale=amax")
+        assert old.rule == "amax" and old != s and "scale=amax" in old.name and KVScheme.parse(old.name) == old
+    for name in ("int8", "int8-head", "nvfp4", "fp8-token", "int4"):
+        assert KVScheme.parse(name).rule == "amax" and "scale=" not in KVScheme.parse(name).name
+    model = tiny(3)
+    truth = _layer_values(model, ROWS)
+    calibrate_kv(model, ROWS, KVScheme.parse("fp8"))
+    k0 = truth[0][0]
+    assert torch.allclose(model.model.layers[0].self_attn.k_scale, k0.abs().amax(dim=(1, 2, 3)).mean() / 448,
+                          rtol=1e-5)

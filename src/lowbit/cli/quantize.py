@@ -36,8 +36,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "calibrated on the calibration split; fp8 is what vLLM's kv_cache_dtype=fp8 loads), "
                         "fp8-head / int8-head (per KV head), fp8-token / int8-token (dynamic), int4 (groups of 32 "
                         "along head_dim), nvfp4, mxfp4; add -rot to rotate keys and values by a Hadamard per head "
-                        "(QuaRot; for 4-bit KV). Options: int4:block=64, fp8:scale=attn (FP8 scales searched by "
-                        "the attention output's error; default amax/448), fp8:center (any scheme: a calibrated "
+                        "(QuaRot; for 4-bit KV). Options: int4:block=64, fp8:scale=amax (FP8 scales of the "
+                        "largest calibration abs-max; default: the mean over calibration rows of each row's abs-max), "
+                        "fp8:scale=attn (searched by the attention output's error), fp8:center (any scheme: a calibrated "
                         "per-head, per-channel mean subtracted before quantizing and added back; exact in function, "
                         "lowbit-only: vLLM's cache holds no offset). Several, with --kv-bits: the candidates of a "
                         "per-layer choice")

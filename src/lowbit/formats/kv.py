@@ -15,7 +15,7 @@ along ``head_dim``; what the KV cache adds is where static scales live:
   scale calibrated per layer; ``mxfp4``: blocks of 32, E8M0 scales.
 
 Options after ``:`` go to the element format (``int4:block=64``, ``nvfp4:rule=4over6``),
-except ``scale=amax|attn``, how static FP8 scales are calibrated (below), and ``center``
+except ``scale=rowmax|amax|attn``, how static scales are calibrated (below), and ``center``
 (below); a ``-rot`` suffix rotates keys and values per head with a Hadamard before they are
 quantized (QuaRot's Q/K rotation; see `lowbit.nn.kv_quant`): ``int4-rot``, ``nvfp4-rot``.
 
@@ -30,7 +30,17 @@ cache holds ``fp8(x / k_scale)`` with no offset, so a centered cache is lowbit-o
 compressed-tensors export refuses it, `lowbit.files.kv_export`).
 
 Static scales are stored as ``amax / qmax`` (for E4M3 ``amax / 448``: vLLM's meaning of
-``k_scale``, ``fp8 value = x / k_scale``), one float per layer or per KV head. E4M3 keeps a
+``k_scale``, ``fp8 value = x / k_scale``), one float per layer or per KV head. Which abs-max:
+``scale=rowmax`` (the default of ``fp8`` / ``fp8-head``) takes each calibration row's
+(sequence's) abs-max and averages them over the rows, the abs-max of a typical row
+(`typical_amax`: why); ``scale=amax`` (the default of every other static format, INT8 and
+NVFP4's tensor scale) the largest over all rows. Why only E4M3 by default: E4M3's precision is
+relative, so a scale below ``amax / 448`` costs no element any precision (it moves where values
+fall between grid points, and clips the rarest largest ones), while an INT8 scale sets the absolute
+step of every element and NVFP4's tensor scale caps the block scales of whole blocks: other
+trade-offs, not measured. On the bundled model (3 x 2048 tokens, two calibration seeds, one CPU:
+benchmarks/results/kv.md, fifth run) rowmax gave a lower perplexity than amax and than
+llm-compressor's scales on both seeds, by less than what the CPU alone moves these rows. E4M3 keeps a
 relative precision, so beyond saturation the scale only decides where each value falls
 between two grid points (its "phase"), which matters where many keys share a magnitude (the
 large, nearly constant low-frequency RoPE channels). ``scale=attn`` searches it: among
@@ -38,10 +48,10 @@ large, nearly constant low-frequency RoPE channels). ``scale=attn`` searches it:
 the rarest largest values), the key scale and the value scale whose quantization changes each
 attention's output (after ``o_proj``) least over the calibration split (`lowbit.nn.kv_quant`),
 since a key's error counts only as much as the queries read its channel, through the softmax.
-The default is ``amax / 448`` (``scale=amax``): on the bundled model the search, the keys'
-squared error, llm-compressor's scales and amax all land within 0.3 % of perplexity of each
-other (benchmarks/results/kv.md), and the search costs about ten calibration passes. The choice
-is a calibration rule: a checkpoint's scales are used as stored.
+The search runs around ``amax / 448`` and is no default: on the bundled model the search, the
+keys' squared error, llm-compressor's scales and amax all land within 0.3 % of perplexity of
+each other (benchmarks/results/kv.md), and the search costs about ten calibration passes. The
+choice is a calibration rule: a checkpoint's scales are used as stored.
 """
 
 from __future__ import annotations
@@ -56,7 +66,8 @@ from lowbit.formats.args import _fmt
 from lowbit.formats.inputs import InputScheme, qdq_input
 
 ROTATE_SUFFIX = "-rot"
-SCALE_RULES = ("amax", "attn")  # how static FP8 scales are calibrated: scale=amax|attn
+SCALE_RULES = ("amax", "rowmax", "attn")  # how static scales are calibrated: scale=amax|rowmax|attn
+ROW_RULES = ("amax", "rowmax")  # the statistic over calibration rows of each row's abs-max (`typical_amax`)
 CENTER = "center"  # the option that subtracts a calibrated mean per head and channel before quantization
 FLAGS = ("per_head", "rotate", "search", "center")  # KVScheme's switches, in field order
 
@@ -72,6 +83,7 @@ class KVScheme:
     rotate: bool = False
     search: bool = False  # static E4M3: scales chosen by the attention output's error (scale=attn), not amax/448
     center: bool = False  # a calibrated per-(head, channel) mean subtracted before quantization, added back after
+    rule: str = "amax"  # static scales: the abs-max over all calibration rows (amax) or its mean over rows (rowmax)
 
     def __post_init__(self) -> None:
         if not isinstance(self.elements, InputScheme):
@@ -82,6 +94,12 @@ class KVScheme:
         if self.search and not searchable(self.elements):
             raise SchemeError(f"scale=attn searches the phase of static FP8 (E4M3) scales; {self.elements.name} "
                               "has none to search (drop scale=attn)")
+        if self.rule not in ROW_RULES:
+            raise SchemeError(f"unknown KV scale rule {self.rule!r}; valid: {', '.join(ROW_RULES)}")
+        if self.rule != "amax" and (self.search or not self.elements.needs_calibration):
+            raise SchemeError(f"scale={self.rule} is a rule for calibrated static scales; "
+                              + ("scale=attn searches around amax / qmax (give one scale= option)" if self.search
+                                 else f"{self.elements.name} computes its scales at run time (drop scale=)"))
 
     @property
     def static(self) -> bool:
@@ -113,18 +131,22 @@ class KVScheme:
 
     def to_dict(self) -> dict[str, Any]:
         return {"elements": self.elements.to_dict(), "per_head": self.per_head, "rotate": self.rotate,
-                "search": self.search, "center": self.center}
+                "search": self.search, "center": self.center, "rule": self.rule}
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> KVScheme:
-        """A manifest's entry; one written before ``search`` / ``center`` existed had neither (false)."""
-        unknown = set(d) - {"elements", *FLAGS}
+        """A manifest's entry; one written before ``search`` / ``center`` / ``rule`` existed had neither (false;
+        ``amax``: the only rule then, and a checkpoint's scales are used as stored anyway)."""
+        unknown = set(d) - {"elements", *FLAGS, "rule"}
         if unknown or "elements" not in d:
             raise SchemeError(f"a KV scheme holds 'elements', {', '.join(map(repr, FLAGS))}; got {sorted(d)}")
         flags = [d.get(k, False) for k in FLAGS]
         if any(type(f) is not bool for f in flags):
             raise SchemeError(f"a KV scheme's {', '.join(FLAGS)} must be true or false")
-        return cls(InputScheme.from_dict(dict(d["elements"])), *flags)
+        rule = d.get("rule", "amax")
+        if not isinstance(rule, str):
+            raise SchemeError(f"a KV scheme's rule must be one of {', '.join(ROW_RULES)}, got {rule!r}")
+        return cls(InputScheme.from_dict(dict(d["elements"])), *flags, rule=rule)
 
     @classmethod
     def parse(cls, text: str | KVScheme) -> KVScheme:
@@ -142,8 +164,10 @@ class KVScheme:
         preset = PRESETS[base]
         rule, center, rest = _kv_options(opts)
         elements = preset.elements.with_options(rest) if rest else preset.elements
-        search = rule == "attn"  # amax unless asked: the search measured no better (benchmarks/results/kv.md)
-        return cls(elements, preset.per_head, rotate, search, center)
+        search = rule == "attn"  # never by default: the search measured no better (benchmarks/results/kv.md)
+        row_rule = ("amax" if search else rule) if rule is not None else \
+            (preset.rule if elements.needs_calibration else "amax")  # a preset's default where options keep a scale
+        return cls(elements, preset.per_head, rotate, search, center, row_rule)
 
     def __str__(self) -> str:
         return self.name
@@ -155,7 +179,7 @@ def searchable(e: InputScheme) -> bool:
 
 
 def _kv_options(opts: str) -> tuple[str | None, bool, str]:
-    """``scale=amax|attn`` (None: not given) and ``center`` taken out of the options, and the element format's
+    """``scale=amax|rowmax|attn`` (None: not given) and ``center`` taken out of the options, and the element format's
     options left."""
     rule, center, rest = None, False, []
     for item in filter(None, opts.split(",")):
@@ -186,19 +210,21 @@ def _base_name(s: KVScheme) -> str:
     opts = [f"{s.elements.FIELD_TO_KEY[f]}={_fmt(getattr(s.elements, f))}" for f in best_diff or []]
     if s.search:
         opts.append("scale=attn")
+    elif s.rule != PRESETS[best].rule:
+        opts.append(f"scale={s.rule}")
     if s.center:
         opts.append(CENTER)
     return f"{best}:{','.join(opts)}" if opts else best
 
 
-def _kv(elements: str, per_head: bool = False) -> KVScheme:
+def _kv(elements: str, per_head: bool = False, rule: str = "amax") -> KVScheme:
     e = InputScheme.parse(elements)
-    return KVScheme(e, per_head)
+    return KVScheme(e, per_head, rule=rule)
 
 
-PRESETS: dict[str, KVScheme] = {
-    "fp8": _kv("fp8-static"),
-    "fp8-head": _kv("fp8-static", per_head=True),
+PRESETS: dict[str, KVScheme] = {  # static E4M3 calibrates by rowmax (module docstring), every other format by amax
+    "fp8": _kv("fp8-static", rule="rowmax"),
+    "fp8-head": _kv("fp8-static", per_head=True, rule="rowmax"),
     "fp8-token": _kv("fp8"),
     "int8": _kv("int8-static"),
     "int8-head": _kv("int8-static", per_head=True),
@@ -280,38 +306,57 @@ def search_factors() -> torch.Tensor:
 
 @dataclass(frozen=True)
 class ChannelStats:
-    """What calibration keeps of centered keys (values): per KV head and channel, the running sum, count, max and
-    min. Their mean is the centering offset, and the abs-max around it follows exactly from the max and min
-    (``max(hi - mu, mu - lo)`` per channel), so one pass calibrates both offset and scale."""
+    """What calibration keeps of centered keys (values): per KV head and channel, the running sum and count, and
+    per calibration row the max and min. Their mean is the centering offset, and each row's abs-max around it
+    follows exactly from the row's max and min (``max(hi - mu, mu - lo)`` per channel), so one pass calibrates
+    both offset and scale, under either row rule."""
 
     total: torch.Tensor  # [kv_heads, head_dim] float64
     count: int
-    hi: torch.Tensor  # [kv_heads, head_dim] float32
+    hi: torch.Tensor  # [rows, kv_heads, head_dim] float32
     lo: torch.Tensor
 
     @classmethod
     def of(cls, x: torch.Tensor) -> ChannelStats:
         """Of ``x [batch, kv_heads, tokens, head_dim]``."""
         xf = x.detach().float()
-        return cls(xf.sum(dim=(0, 2), dtype=torch.float64), x.shape[0] * x.shape[2], xf.amax(dim=(0, 2)),
-                   xf.amin(dim=(0, 2)))
+        return cls(xf.sum(dim=(0, 2), dtype=torch.float64), x.shape[0] * x.shape[2], xf.amax(dim=2), xf.amin(dim=2))
 
     def merge(self, other: ChannelStats) -> ChannelStats:
         d = self.total.device
         return ChannelStats(self.total + other.total.to(d), self.count + other.count,
-                            torch.maximum(self.hi, other.hi.to(d)), torch.minimum(self.lo, other.lo.to(d)))
+                            torch.cat([self.hi, other.hi.to(d)]), torch.cat([self.lo, other.lo.to(d)]))
 
     def mean(self) -> torch.Tensor:
         """The centering offset ``mu [kv_heads, head_dim]`` (float32)."""
         return (self.total / max(self.count, 1)).float()
 
-    def amax_around(self, mu: torch.Tensor, per_head: bool) -> torch.Tensor:
-        """The abs-max of ``x - mu`` over what was seen: per KV head ``[kv_heads]`` or overall ``[1]``."""
-        dev = torch.maximum(self.hi - mu, mu - self.lo)
-        return dev.amax(dim=1) if per_head else dev.amax().reshape(1)
+    def amax_around(self, mu: torch.Tensor, per_head: bool, rule: str = "amax") -> torch.Tensor:
+        """The abs-max of ``x - mu`` per KV head ``[kv_heads]`` or overall ``[1]``, over the rows by ``rule``."""
+        dev = torch.maximum(self.hi - mu, mu - self.lo)  # [rows, kv_heads, head_dim]
+        rows = dev.amax(dim=2) if per_head else dev.amax(dim=(1, 2)).reshape(-1, 1)
+        return typical_amax(rows, rule)
 
 
 def observe_amax(x: torch.Tensor, s: KVScheme) -> torch.Tensor:
-    """What calibration keeps of ``x [b, h, t, d]``: the abs-max per KV head (per-head scales) or overall."""
+    """What calibration keeps of ``x [b, h, t, d]``: each row's (sequence's) abs-max, per KV head (per-head
+    scales) ``[b, kv_heads]`` or overall ``[b, 1]``; `typical_amax` reduces the rows."""
     a = x.detach().abs().float()
-    return a.amax(dim=(0, 2, 3)) if s.per_head else a.amax().reshape(1)
+    return a.amax(dim=(2, 3)) if s.per_head else a.amax(dim=(1, 2, 3)).reshape(-1, 1)
+
+
+def typical_amax(rows: torch.Tensor, rule: str) -> torch.Tensor:
+    """The abs-max a static scale covers, from each calibration row's abs-max ``rows [rows, n]`` -> ``[n]``.
+
+    ``amax``: the largest over all rows. ``rowmax``: their mean, the abs-max of a typical row. Why the mean: the
+    maximum over rows is the top order statistic of the sample, so it grows with the number of calibration rows
+    and rests on the single rarest row; the mean of the rows' maxima estimates a fixed quantity (the expected
+    abs-max of one calibration-length sequence) and only gets more precise with more rows. It is what
+    llm-compressor's minmax observer estimates from mostly its first row (a moving average with constant 0.01),
+    with every row counted alike and no dependence on their order. The largest values of the rarer rows clip.
+    """
+    if rule == "amax":
+        return rows.amax(dim=0)
+    if rule == "rowmax":
+        return rows.mean(dim=0)
+    raise SchemeError(f"unknown KV scale rule {rule!r}; valid: {', '.join(ROW_RULES)}")

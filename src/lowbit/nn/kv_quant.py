@@ -45,7 +45,15 @@ import torch
 from torch import nn
 
 from lowbit.errors import ConfigError, ModelError
-from lowbit.formats.kv import ChannelStats, KVScheme, kv_scale, observe_amax, qdq_kv, search_factors
+from lowbit.formats.kv import (
+    ChannelStats,
+    KVScheme,
+    kv_scale,
+    observe_amax,
+    qdq_kv,
+    search_factors,
+    typical_amax,
+)
 from lowbit.transforms.hadamard import factor, hadamard
 
 STATE = "_lowbit_kv"
@@ -63,7 +71,7 @@ class KVState:
     handle: Any = None
     cache_arg: str = "cache"
     values_folded: bool = False
-    observed: dict[str, Any] | None = None  # calibration: running abs-max (ChannelStats if centered) of keys / values
+    observed: dict[str, Any] | None = None  # calibration: each row's abs-max (ChannelStats if centered) of keys / values
     search: ScaleSearch | None = None  # scale=attn: the attention output's error per candidate scale
     paused: bool = False  # float keys / values (block tuning's FP targets)
     calls: int = 0
@@ -327,7 +335,7 @@ def _observe(state: KVState, name: str, x: torch.Tensor) -> None:
         state.observed[name] = st if prev is None else prev.merge(st)
         return
     a = observe_amax(x, state.scheme)
-    state.observed[name] = a if prev is None else torch.maximum(prev, a.to(prev.device))
+    state.observed[name] = a if prev is None else torch.cat([prev, a.to(prev.device)])
 
 
 def _fake_quant(state: KVState, x: torch.Tensor, scale: torch.Tensor | None, h: torch.Tensor | None,
@@ -399,12 +407,13 @@ def calibrate_kv(model: nn.Module, batches: Iterable[torch.Tensor] | None, schem
 
 def _set_calibrated(attn: nn.Module, scheme: KVScheme, short: str, seen: Any) -> None:
     """Keys' (``short`` "k") or values' calibrated buffers from what was seen: the offset (centered schemes: the
-    mean) and the static scale (of the abs-max around the offset)."""
-    amax = seen
+    mean) and the static scale (of the rows' abs-max, around the offset, reduced over rows by the scheme's rule)."""
     if scheme.center:
         mu = seen.mean()
         getattr(attn, f"{short}_offset").copy_(mu)
-        amax = seen.amax_around(mu, scheme.per_head)
+        amax = seen.amax_around(mu, scheme.per_head, scheme.rule)
+    else:
+        amax = typical_amax(seen, scheme.rule)
     if scheme.elements.needs_calibration:
         getattr(attn, f"{short}_scale").copy_(kv_scale(amax, scheme))
 
