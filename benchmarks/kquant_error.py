@@ -1,12 +1,13 @@
-"""Weight error of K-quant rounding, like for like: lowbit plain, lowbit searched and llama.cpp's own Q4_K_M.
+"""Weight error of K-quant rounding, like for like: lowbit plain, fit and searched, and llama.cpp's own Q4_K_M.
 
 The Q4_K_M speed rows of `benchmarks/bigmodel.py` compare lowbit's streamed path with llama.cpp's quantizer,
-and the two do different work unless their rounding is alike: lowbit's ``--no-search`` takes each sub-block's
-range as its scale, its searched rule fits scales by least squares and refines the stored grid, llama.cpp
-(no importance matrix) searches 20 range candidates per sub-block (``make_qkx2_quants``; Q6_K:
-``make_qx_quants``). This script says which lowbit rule matches llama.cpp's quality: for a few matrices of a
+and the two do different work unless their rounding is alike: lowbit's plain rule (``absmax``, what
+``--no-search`` did before session 5) takes each sub-block's range as its scale, its searched rule fits
+scales by least squares and refines the stored grid, llama.cpp (no importance matrix) searches 20 range
+candidates per sub-block (``make_qkx2_quants``; Q6_K: ``make_qx_quants``). This script says which lowbit rule matches llama.cpp's quality: for a few matrices of a
 checkpoint it reads llama.cpp's quantized tensor from its Q4_K_M GGUF (dequantized with gguf-py), quantizes the
-same source matrix with lowbit to the same K type (the type llama.cpp's mix chose for it), plain and searched,
+same source matrix with lowbit to the same K type (the type llama.cpp's mix chose for it), plain, ``fit``
+(`lowbit.formats.kquant_fit`, the K-quants' default since bigmodel.md's session 5) and searched,
 and prints the relative squared error ``sum((w - w_q)^2) / sum(w^2)`` of each, in float64.
 
     python -m benchmarks.kquant_error --src ~/.cache/lowbit/bigmodel/tinyllama-1.1b --gguf Q4_K_M.gguf
@@ -36,12 +37,14 @@ def rel_error(w: torch.Tensor, wq: torch.Tensor) -> float:
     return float((w64 - wq.double()).pow(2).sum() / w64.pow(2).sum())
 
 
-def lowbit_dequant(w: torch.Tensor, scheme: str, search: bool) -> tuple[torch.Tensor, float]:
-    """lowbit's K-quant of ``w`` dequantized, and the CPU seconds of the quantization."""
+RULES = {"lowbit plain": "absmax", "lowbit fit": "fit", "lowbit search": "search"}
+
+
+def lowbit_dequant(w: torch.Tensor, scheme: str, rule: str) -> tuple[torch.Tensor, float]:
+    """lowbit's K-quant of ``w`` under ``rule`` (absmax / fit / search) dequantized, and the quantization's CPU seconds."""
     from lowbit.formats import Scheme, quantize
 
-    s = Scheme.parse(scheme)
-    s = s.replace(rule="search" if search else "absmax")
+    s = Scheme.parse(scheme).replace(rule=rule)
     t = time.process_time()
     q = quantize(w, s)
     cpu = time.process_time() - t
@@ -73,13 +76,13 @@ def rows_for(src: Path, gguf_path: Path, layers: list[int]) -> list[dict]:
             ref = torch.from_numpy(gguf.quants.dequantize(t.data, t.tensor_type).copy()).reshape(w.shape)
             row = {"tensor": key, "shape": list(w.shape), "type": gtype, "llama.cpp": rel_error(w, ref)}
             scheme = {"Q4_K": "q4_k", "Q6_K": "q6_k", "Q5_K": "q5_k", "Q3_K": "q3_k", "Q2_K": "q2_k"}[gtype]
-            for rule, search in (("lowbit plain", False), ("lowbit search", True)):
-                wq, cpu = lowbit_dequant(w, scheme, search)
+            for rule, name in RULES.items():
+                wq, cpu = lowbit_dequant(w, scheme, name)
                 row[rule] = rel_error(w, wq)
                 row[f"{rule} cpu s"] = round(cpu, 3)
             rows.append(row)
             print(f"{key:40} {gtype:5} llama.cpp {row['llama.cpp']:.5e}  plain {row['lowbit plain']:.5e}  "
-                  f"search {row['lowbit search']:.5e}", flush=True)
+                  f"fit {row['lowbit fit']:.5e}  search {row['lowbit search']:.5e}", flush=True)
     return rows
 
 
@@ -89,11 +92,9 @@ def summary(rows: list[dict]) -> dict:
     for gtype in sorted({r["type"] for r in rows}):
         sel = [r for r in rows if r["type"] == gtype]
         n = sum(r["shape"][0] * r["shape"][1] for r in sel)
-        mean = {k: sum(r[k] * r["shape"][0] * r["shape"][1] for r in sel) / n
-                for k in ("llama.cpp", "lowbit plain", "lowbit search")}
+        mean = {k: sum(r[k] * r["shape"][0] * r["shape"][1] for r in sel) / n for k in ("llama.cpp", *RULES)}
         out[gtype] = {"tensors": len(sel), "weights": n, **{k: round(v, 8) for k, v in mean.items()},
-                      **{f"{k} / llama.cpp": round(mean[k] / mean["llama.cpp"], 4)
-                         for k in ("lowbit plain", "lowbit search")}}
+                      **{f"{k} / llama.cpp": round(mean[k] / mean["llama.cpp"], 4) for k in RULES}}
     return out
 
 
@@ -112,7 +113,8 @@ def main() -> None:
     Path(args.out).write_text(json.dumps({
         "note": "relative squared weight error sum((w-wq)^2)/sum(w^2) per matrix; llama.cpp = its Q4_K_M GGUF "
                 "(llama_model_quantize, no imatrix) dequantized by gguf-py; lowbit = the same matrix to the type "
-                "llama.cpp chose, plain (--no-search) and searched; random normal weights: rounding only",
+                "llama.cpp chose, plain (rule=absmax), fit (rule=fit) and searched (rule=search); random normal "
+                "weights: rounding only",
         "source": str(args.src), "summary": summ, "rows": rows}, indent=1))
 
 
