@@ -105,9 +105,9 @@ def _asym_fit(x: torch.Tensor, wt: torch.Tensor | None, kt: kq.KType):
     q, buf = torch.empty_like(x), torch.empty_like(x)
     base = torch.sub(x, lo.unsqueeze(-1), out=torch.empty_like(x))
     sq, sqq, sqx = (torch.empty(n + 1, *lo.shape) for _ in range(3))
+    rspan = torch.where(span > 0, 1.0 / span, torch.zeros_like(span)).unsqueeze(-1)
     for k, f in enumerate(facs):
-        inv = torch.where(span > 0, (kt.qmax * f) / span, torch.zeros_like(span))
-        torch.mul(base, inv.unsqueeze(-1), out=q).round_()
+        torch.mul(base, rspan * (kt.qmax * f), out=q).round_()
         if f > 1:  # f <= 1 never rounds past qmax: x - lo <= hi - lo
             q.clamp_(max=kt.qmax)
         _sums(q, x, wt, buf, (sq[k], sqq[k], sqx[k]))
@@ -135,9 +135,9 @@ def _sym_fit(x: torch.Tensor, wt: torch.Tensor | None, kt: kq.KType):
     facs = FACTORS[kt.bits]
     q, buf = torch.empty_like(x), torch.empty_like(x)
     sqq, sqx = torch.empty(len(facs), *lo.shape), torch.empty(len(facs), *lo.shape)
+    rext = torch.where(ext != 0, kt.qmin / ext, torch.zeros_like(ext)).unsqueeze(-1)
     for k, f in enumerate(facs):
-        inv = torch.where(ext != 0, (kt.qmin * f) / ext, torch.zeros_like(ext))
-        torch.mul(x, inv.unsqueeze(-1), out=q).round_()
+        torch.mul(x, rext * f, out=q).round_()
         # |x * inv| <= |qmin| * f: ext lands on qmin * f >= qmin when f <= 1, the other side on at most
         # |qmin| * f, which rounds past qmax only when |qmin| * f > qmax + 1/2
         if f > 1:
