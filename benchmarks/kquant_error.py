@@ -11,6 +11,7 @@ same source matrix with lowbit to the same K type (the type llama.cpp's mix chos
 and prints the relative squared error ``sum((w - w_q)^2) / sum(w^2)`` of each, in float64.
 
     python -m benchmarks.kquant_error --src ~/.cache/lowbit/bigmodel/tinyllama-1.1b --gguf Q4_K_M.gguf
+    python -m benchmarks.kquant_error --synthetic .../llama_cpp/lib/libggml-base.so   # every K type, normal matrices
 
 The GGUF comes from `benchmarks/bigmodel.py`'s ``llama.cpp-quantize`` tool (a BF16 GGUF of the checkpoint
 through ``llama_model_quantize``, one thread). On the random checkpoints of bigmodel.py (normal weights)
@@ -98,24 +99,77 @@ def summary(rows: list[dict]) -> dict:
     return out
 
 
+def synthetic_rows(lib: str, seeds: int, shape: tuple[int, int] = (512, 4096)) -> list[dict]:
+    """Every K type on seeded normal matrices (std 0.02): llama.cpp's own ``ggml_quantize_chunk`` (no importance,
+    dequantized by gguf-py) beside lowbit's three rules: the types a Q4_K_M file does not use (Q2_K, Q3_K, Q5_K)
+    checked too, since the default rule is every K type's."""
+    import ctypes
+
+    import gguf
+    import numpy as np
+
+    from lowbit.formats.kquants import KTYPES
+
+    ggml = ctypes.CDLL(lib)
+    fn = ggml.ggml_quantize_chunk
+    fn.restype = ctypes.c_size_t
+    fn.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
+                   ctypes.c_void_p]
+    rows = []
+    for seed in range(seeds):
+        w = torch.randn(shape, generator=torch.Generator().manual_seed(seed)) * 0.02
+        for bits, kt in KTYPES.items():
+            qt = gguf.GGMLQuantizationType[kt.name]
+            raw = np.zeros((shape[0], shape[1] // 256 * kt.block_bytes), dtype=np.uint8)
+            wn = w.numpy().copy()
+            ggml.ggml_quantize_init(int(qt))
+            fn(int(qt), wn.ctypes.data, raw.ctypes.data, 0, shape[0], shape[1], None)
+            ref = torch.from_numpy(gguf.quants.dequantize(raw, qt).copy()).reshape(w.shape)
+            row = {"tensor": f"normal seed {seed}", "shape": list(shape), "type": kt.name, "llama.cpp": rel_error(w, ref)}
+            for rule, name in RULES.items():
+                row[rule] = rel_error(w, lowbit_dequant(w, f"q{bits}_k", name)[0])
+            rows.append(row)
+            print(f"{row['tensor']:14} {kt.name:5} llama.cpp {row['llama.cpp']:.5e}  "
+                  + "  ".join(f"{k.split()[1]} {row[k] / row['llama.cpp']:.4f}x" for k in RULES), flush=True)
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--src", required=True, help="the safetensors checkpoint folder the GGUF was made from")
-    ap.add_argument("--gguf", required=True, help="llama.cpp's Q4_K_M GGUF of that checkpoint")
+    ap.add_argument("--src", help="the safetensors checkpoint folder the GGUF was made from")
+    ap.add_argument("--gguf", help="llama.cpp's Q4_K_M GGUF of that checkpoint")
     ap.add_argument("--layers", default="0,11,21")
+    ap.add_argument("--synthetic", default=None, metavar="LIBGGML_BASE",
+                    help="instead: every K type on seeded normal 512 x 4096 matrices, llama.cpp's ggml_quantize_chunk "
+                    "from this libggml-base.so beside lowbit's rules (written under the JSON's 'synthetic' key)")
+    ap.add_argument("--seeds", type=int, default=2, help="matrices of the --synthetic rows")
     ap.add_argument("--out", default=str(RESULTS))
     args = ap.parse_args()
     torch.set_num_threads(1)
+    if args.synthetic:
+        out = Path(args.out)
+        old = json.loads(out.read_text()) if out.is_file() else {}
+        rows = synthetic_rows(args.synthetic, args.seeds)
+        old["synthetic"] = {"note": "seeded normal matrices (std 0.02), llama.cpp = ggml_quantize_chunk without "
+                            "importance, dequantized by gguf-py", "summary": summary(rows), "rows": rows}
+        out.write_text(json.dumps(old, indent=1))
+        for gtype, s in old["synthetic"]["summary"].items():
+            print(f"{gtype}: {s}")
+        return
+    if not (args.src and args.gguf):
+        ap.error("--src and --gguf (or --synthetic)")
     rows = rows_for(Path(args.src).expanduser(), Path(args.gguf), [int(i) for i in args.layers.split(",")])
     summ = summary(rows)
     for gtype, s in summ.items():
         print(f"{gtype}: {s}")
-    Path(args.out).write_text(json.dumps({
+    out = Path(args.out)
+    keep = {k: v for k, v in json.loads(out.read_text()).items() if k == "synthetic"} if out.is_file() else {}
+    out.write_text(json.dumps({
         "note": "relative squared weight error sum((w-wq)^2)/sum(w^2) per matrix; llama.cpp = its Q4_K_M GGUF "
                 "(llama_model_quantize, no imatrix) dequantized by gguf-py; lowbit = the same matrix to the type "
                 "llama.cpp chose, plain (rule=absmax), fit (rule=fit) and searched (rule=search); random normal "
                 "weights: rounding only",
-        "source": str(args.src), "summary": summ, "rows": rows}, indent=1))
+        "source": str(args.src), "summary": summ, "rows": rows, **keep}, indent=1))
 
 
 if __name__ == "__main__":

@@ -21,7 +21,7 @@ its error at 4-5x its time per weight. Profiling where the search's accuracy com
   over the weights (worth ~1 % on Q4_K).
 
 Cost (one 4096 x 4096 matrix, one thread): what is left are ~20-30 elementwise passes over the weights
-(4 range candidates and one re-rounding for the asymmetric types, 2 candidates for the symmetric ones,
+(4 range candidates and one re-rounding for the asymmetric types, 2 for Q6_K, 1 for Q3_K,
 then the final codes). Torch's own costs decided the rest: slices of 256K weights (a slice pays a few
 hundred small per-sub-block operations; at 16K weights those cost more than the passes), the choice
 among candidates as a fold of ``where`` (``argmin`` over a leading dimension of 2-5 was 100x slower),
@@ -40,10 +40,12 @@ from lowbit.formats import kquants as kq
 
 # range candidates: the plain scale divided by f (f > 1 clips the range's ends); asymmetric types
 # spread over [lo, hi], symmetric ones map the largest-magnitude value to qmin; 1.0 first
-FACTORS = {2: (1.0, 0.925, 0.975, 1.025), 3: (1.0, 0.975), 4: (1.0, 0.925, 0.975, 1.025),
+# Q3_K: one candidate (0.976x llama.cpp's error; a second, 0.970x, costs 25 % more and llama.cpp's Q3_K is its
+# cheapest quantizer)
+FACTORS = {2: (1.0, 0.925, 0.975, 1.025), 3: (1.0,), 4: (1.0, 0.925, 0.975, 1.025),
            5: (1.0, 0.925, 0.975, 1.025), 6: (1.0, 0.975)}
 LLOYD = {2: 1, 3: 0, 4: 1, 5: 1, 6: 0}  # re-roundings of the winner under its refit
-REFINE = {2: True, 3: True, 4: True, 5: True, 6: False}  # +-1 code moves (Q6_K's 8-bit scale codes: no gain)
+REFINE = {2: True, 3: False, 4: True, 5: True, 6: False}  # +-1 code moves (none measured on Q3_K / Q6_K)
 
 
 def _sums(q: torch.Tensor, x: torch.Tensor, w: torch.Tensor | None, buf: torch.Tensor,
