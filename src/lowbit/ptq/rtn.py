@@ -45,7 +45,7 @@ class RTNSettings:
     """
 
     search: bool = knob(True, "choose scales by the importance-weighted search on calibration activations; rtn --no-search = "
-                  "plain round-to-nearest, no data needed (K-quants: each scheme's own rule, fit by default)")
+                  "plain round-to-nearest, no data needed")
     all_experts: bool = knob(True, ALL_EXPERTS_HELP)
     min_expert_tokens: int = knob(MIN_TOKENS, MIN_TOKENS_HELP, minimum=0)
     expert_importance: bool = knob(False, "weight the experts' scale search by each expert's own calibration "
