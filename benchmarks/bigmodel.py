@@ -21,7 +21,8 @@ run: a child that only reads every source tensor (the same reader, no quantizati
 Tools: ``lowbit-stream`` (lowbit's native checkpoint), ``lowbit-stream-gguf`` (``--export-to gguf``: llama.cpp's
 file written tensor by tensor, e.g. q4_k_m), ``llama.cpp-quantize`` (llama.cpp's own quantizer through
 llama-cpp-python, ``--llama-python``, from a BF16 GGUF of the checkpoint written first and untimed: llama.cpp
-quantizes GGUF files only; its Q4_K search is its own ``make_qkx2_quants``, beside lowbit's plain rounding),
+quantizes GGUF files only; its Q4_K search is its own ``make_qkx2_quants``, beside lowbit's K-quant rule: plain
+ranges before session 5, the ``fit`` rule since, the row's ``rule``),
 ``llmc-model_free_ptq`` and ``read``.
 
 Peer: llm-compressor's ``model_free_ptq`` (safetensors file by file, no model built; plain RTN) on the
@@ -186,7 +187,8 @@ sys.exit(rc)
 
 
 def run_row(shape: str, scheme: str, tool: str, src: Path, work: Path, search: bool = False,
-            peer_path: str | None = None, llama_python: str | None = None, threads: int | None = None) -> dict:
+            peer_path: str | None = None, llama_python: str | None = None, threads: int | None = None,
+            keep: bool = False) -> dict:
     out = work / f"{shape}-{scheme}-{tool}"
     log = work / f"{shape}-{scheme}-{tool}.log"
     py = sys.executable
@@ -218,14 +220,26 @@ def run_row(shape: str, scheme: str, tool: str, src: Path, work: Path, search: b
            "peak_rss_gib": round(rss / 2**30, 3), "output_bytes": _size(out), "source_bytes": _size(src),
            "machine": f"{os.cpu_count()} cores, shared", "random_weights": True, "commit": _commit(),
            "threads": 1 if tool == "llama.cpp-quantize" else threads}
+    if tool.startswith("lowbit") and _is_kquant(scheme):  # which K-quant rounding the row ran (session 5: fit)
+        from lowbit.formats.kquants import DEFAULT_RULE
+
+        row["rule"] = "search" if search else DEFAULT_RULE
     if out.exists():
         row["output_tensors"] = _stored(out)
     if rc != 0:
         row["error"] = log.read_text()[-400:]
-    if out.is_file():
+    if keep:
+        row["kept"] = str(out)
+    elif out.is_file():
         out.unlink()
-    shutil.rmtree(out, ignore_errors=True)
+    else:
+        shutil.rmtree(out, ignore_errors=True)
     return row
+
+
+def _is_kquant(scheme: str) -> bool:
+    """A K-quant scheme or llama.cpp mix (q4_k, q4_k_m, gguf:q6_k)."""
+    return scheme.split(":")[-1].startswith("q") and "_k" in scheme
 
 
 def _stored(out: Path) -> dict:
@@ -256,7 +270,8 @@ def _commit() -> str:
 
 def save(rows: list[dict], results: Path = RESULTS) -> None:
     old = json.loads(results.read_text())["rows"] if results.is_file() else []
-    key = lambda r: (r["shape"], r["scheme"], r["tool"], bool(r.get("search")))  # noqa: E731  searched rows beside plain
+    # searched rows beside plain ones, and (session 5) a K-quant rule's rows beside the rows before rules were recorded
+    key = lambda r: (r["shape"], r["scheme"], r["tool"], bool(r.get("search")), r.get("rule", ""))  # noqa: E731
     merged = {key(r): r for r in old} | {key(r): r for r in rows}
     results.parent.mkdir(parents=True, exist_ok=True)
     results.write_text(json.dumps({"note": "random bf16 weights: time and memory only, no quality",
@@ -269,7 +284,7 @@ def table(results: Path = RESULTS) -> None:
           f"{'out GiB':>8} {'src GiB':>8}")
     for r in rows:  # threads '-': torch's default (one per core), the rows before session 3
         rule = "-" if r["tool"] == "read" else "llama" if r["tool"] == "llama.cpp-quantize" else \
-            "search" if r.get("search") else "plain"
+            r.get("rule") or ("search" if r.get("search") else "plain")
         print(f"{r['shape']:16} {r['scheme']:10} {r['tool']:20} {rule:6} {r.get('threads') or '-':>7} {r['seconds']:8.1f} "
               f"{r.get('cpu_seconds', 0):8.1f} "
               f"{r['peak_rss_gib']:13.2f} "
@@ -294,6 +309,8 @@ def main() -> None:
                     "idle threads spin at every parallel region and inflate CPU seconds, so rows pin both tools to 1")
     ap.add_argument("--keep-gguf", action="store_true", help="keep the BF16 GGUF the llama.cpp-quantize row read "
                     "(deleted after the row by default: it is as large as the checkpoint)")
+    ap.add_argument("--keep-outputs", action="store_true", help="keep every row's output (deleted by default); the "
+                    "row's 'kept' names it (kquant_error.py reads llama.cpp's Q4_K_M GGUF)")
     ap.add_argument("--table", action="store_true")
     ap.add_argument("--no-read", action="store_true", help="skip the read-only floor row")
     ap.add_argument("--results", default=str(RESULTS), help="the JSON file rows are merged into")
@@ -316,7 +333,7 @@ def main() -> None:
                 if tool == "llama.cpp-quantize" and scheme != "q4_k_m":
                     continue
                 row = run_row(shape, scheme, tool, src, work, args.search, args.peer_path, args.llama_python,
-                              args.threads)
+                              args.threads, args.keep_outputs)
                 save([row], results)
                 print(json.dumps(row), flush=True)
                 if tool == "llama.cpp-quantize" and not args.keep_gguf:  # 6.4 GB at 3B, 16 GB at 8B

@@ -1,8 +1,10 @@
-"""CPU cost of lowbit's K-quant rounding per weight: plain (``--no-search``) and searched, this tree vs another.
+"""CPU cost of lowbit's K-quant rounding per weight: plain ranges, ``fit`` and searched, this tree vs another.
 
 One seeded 4096 x 4096 normal matrix (std 0.02) per row, quantized and packed (`QTensor.pack`) in a
 child process pinned to one torch thread; the row is that child's CPU seconds (user + system)
-for the quantization alone, divided by the weights. ``--baseline-src`` names the ``src`` folder of
+for the quantization alone, divided by the weights. Rules (``--rules``): ``plain`` (``rule=absmax``), ``fit``
+(`lowbit.formats.kquant_fit`, the K-quants' default since session 5 of bigmodel.md) and ``search``; a tree
+older than the ``fit`` rule runs only the other two. ``--baseline-src`` names the ``src`` folder of
 another lowbit checkout (``git archive COMMIT src | tar -x -C DIR``), run the same way beside
 this tree's in the same invocation, so both see the same machine load. The children print a hash
 of the packed bytes: both trees must give the same bytes (the speed work changes none). ``--repeats N``
@@ -32,7 +34,7 @@ torch.set_num_threads(1)
 from lowbit.formats import Scheme, quantize
 w = torch.randn(4096, 4096, generator=torch.Generator().manual_seed(0)) * 0.02
 s = Scheme.parse(sys.argv[1])
-s = s.replace(rule="search") if sys.argv[2] == "search" else s
+s = s.replace(rule={"plain": "absmax"}.get(sys.argv[2], sys.argv[2]))
 t = time.process_time()
 packed = quantize(w, s).pack()
 cpu = time.process_time() - t
@@ -47,7 +49,7 @@ f = lib.ggml_quantize_chunk
 f.restype = ctypes.c_size_t
 f.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
               ctypes.c_void_p]
-kind = {"q4_k": 12, "q6_k": 14}[sys.argv[1]]  # GGML_TYPE_Q4_K / GGML_TYPE_Q6_K
+kind = {"q2_k": 10, "q3_k": 11, "q4_k": 12, "q5_k": 13, "q6_k": 14}[sys.argv[1]]  # GGML_TYPE_Q2_K ... Q6_K
 w = (torch.randn(4096, 4096, generator=torch.Generator().manual_seed(0)) * 0.02).numpy()
 out = bytearray(4096 * 4096)
 buf = (ctypes.c_char * len(out)).from_buffer(out)
@@ -77,7 +79,7 @@ def row(scheme: str, rule: str, name: str, runs: list[tuple[float, str]], loads:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--schemes", default="q4_k,q6_k")
-    ap.add_argument("--rules", default="plain,search")
+    ap.add_argument("--rules", default="plain,fit,search")
     ap.add_argument("--baseline-src", default=None)
     ap.add_argument("--baseline-name", default="baseline")
     ap.add_argument("--name", default="this tree")
@@ -87,7 +89,8 @@ def main() -> None:
     args = ap.parse_args()
     trees = [(args.baseline_src, args.baseline_name)] if args.baseline_src else []
     trees.append((None, args.name))
-    jobs = [(s, r, src, name) for s in args.schemes.split(",") for r in args.rules.split(",") for src, name in trees]
+    jobs = [(s, r, src, name) for s in args.schemes.split(",") for r in args.rules.split(",") for src, name in trees
+            if not (r == "fit" and src)]  # the baseline tree predates the fit rule
     jobs += [(s, "llama.cpp", None, "llama.cpp") for s in args.schemes.split(",")] if args.llama_lib else []
     runs: dict[tuple, list] = {}
     loads: dict[tuple, list] = {}

@@ -31,8 +31,9 @@ def bits_of(t: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize("bits", sorted(KTYPES))
 @pytest.mark.parametrize("weighted", [False, True])
 def test_fast_search_gives_the_reference_parts_bit_for_bit(bits, weighted):
+    """One random draw per case (the two draws alternate over the cases): the hard rows are in every draw."""
     kt = kquants.ktype(bits)
-    for seed in (0, 1):
+    for seed in ((bits + weighted) % 2,):
         w = hard_matrix(seed + 10 * bits)
         imp = torch.rand(w.shape[1], generator=torch.Generator().manual_seed(seed)) ** 3 if weighted else None
         ref = kquants.quantize_parts(w, kt, imp, search=True, chunk=5, fast=False)

@@ -32,3 +32,19 @@ def test_rejects_wrong_dtype_and_length():
         pack(torch.zeros(1, 8, dtype=torch.int32), 4)
     with pytest.raises(ValueError):
         unpack(torch.zeros(1, 3, dtype=torch.uint8), 4, 16)
+
+
+@pytest.mark.parametrize("bits", (3, 6))
+def test_three_and_six_bit_byte_paths_are_the_word_path(bits):
+    """3- and 6-bit codes (Q3_K, Q6_K) are packed by byte shifts: the same little-endian bit stream as the int64
+    word path."""
+    from lowbit.formats.packing import _pack_words
+
+    codes = torch.randint(0, 2**bits, (5, 40), generator=torch.Generator().manual_seed(0), dtype=torch.uint8)
+    codes[0] = 2**bits - 1
+    assert torch.equal(pack(codes, bits), _pack_words(codes.reshape(-1, 8), bits).reshape(5, -1))
+
+
+def test_six_bit_bytes():
+    assert pack(torch.tensor([[1, 2, 3, 4, 0, 0, 0, 0]], dtype=torch.uint8), 6)[0, :3].tolist() == [
+        1 | 2 << 6, 2 >> 2 | 3 << 4, 3 >> 4 | 4 << 2]

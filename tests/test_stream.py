@@ -139,7 +139,8 @@ def test_keep_experts_writes_them_fused_in_float_as_the_in_model_path(tmp_path):
 
 
 def test_kquant_mix_and_plain_rtn_match_too(tmp_path):
-    """A llama.cpp mix (per-layer K types), and INT; both with --no-search (the K-quant search takes minutes here)."""
+    """A llama.cpp mix (per-layer K types: the K-quants' default ``fit`` rule), plain K-quant ranges, and INT; all
+    with --no-search (the K-quant search takes minutes here)."""
     import transformers as tf
     from test_accounting import SMALL
 
@@ -148,6 +149,10 @@ def test_kquant_mix_and_plain_rtn_match_too(tmp_path):
     tf.LlamaForCausalLM(cfg).to(torch.bfloat16).save_pretrained(tmp_path / "src", max_shard_size="300KB")
     _stream(tmp_path / "src", tmp_path / "a", "q4_k_m", search=False)
     _same(_in_model(tmp_path / "src", "q4_k_m", tmp_path / "ra", search=False), tmp_path / "a")
+    assert {r["scheme"].get("rule") for r in json.loads((tmp_path / "a" / native.MANIFEST).read_text())["layers"].values()
+            if r["scheme"].get("super_block")} == {"fit"}
+    _stream(tmp_path / "src", tmp_path / "c", "q3_k:rule=absmax", search=False)
+    _same(_in_model(tmp_path / "src", "q3_k:rule=absmax", tmp_path / "rc", search=False), tmp_path / "c")
     _stream(tmp_path / "src", tmp_path / "b", "w4g32", search=False)
     _same(_in_model(tmp_path / "src", "w4g32", tmp_path / "rb", search=False), tmp_path / "b")
 

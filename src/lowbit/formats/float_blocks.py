@@ -295,6 +295,8 @@ class FloatBlockFamily(blocks.OneLevelBlocks):
         check(s.group_size == -1 or 4 <= s.group_size <= 256, f"FP block size must be 4..256, got {s.group_size}")
         if s.rule == "4over6":
             check(s.elem == "e2m1", "4-over-6 needs E2M1 (FP4) elements")
+        check(s.rule != "fit", "rule fit is the K-quants' (q2_k ... q6_k); FP blocks take absmax, 4over6, span, "
+                               "brute or search")
 
     def check_input(self, s: InputScheme) -> None:
         want = ELEMENTS[s.elem].bits

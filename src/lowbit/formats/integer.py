@@ -273,7 +273,8 @@ class IntegerFamily(blocks.OneLevelBlocks):
     def check(self, s: Scheme) -> None:
         check(2 <= s.bits <= 8, f"integer bits must be 2..8, got {s.bits}")
         check(s.scale in ("fp32", "fp16", "bf16"), f"integer groups store fp32/fp16/bf16 scales, not {s.scale}")
-        check(s.rule in ("absmax", "search"), f"rule {s.rule} applies to FP4 blocks only")
+        check(s.rule in ("absmax", "search"), f"rule {s.rule} applies to " +
+              ("llama.cpp's K-quants (q2_k ... q6_k) only" if s.rule == "fit" else "FP4 blocks only"))
         check(not s.tensor_scale, "integer schemes have no tensor scale")
 
     def check_input(self, s: InputScheme) -> None:

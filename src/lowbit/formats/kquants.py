@@ -322,8 +322,13 @@ def element_weights(x: torch.Tensor, wt: torch.Tensor, kt: KType) -> torch.Tenso
 SEARCH_CHUNK = 1 << 16  # weights per slice of the searched path: its ~700 passes stay in the CPU's cache
 
 
+FIT_CHUNK = 1 << 18  # weights per slice of the ``fit`` rule (`lowbit.formats.kquant_fit`: below this, its per-slice
+# operations on per-sub-block numbers cost more than its passes over the weights)
+
+
 def quantize_parts(w: torch.Tensor, kt: KType, imp: torch.Tensor | None = None, search: bool = True,
-                   chunk: int | None = None, codes_dtype: torch.dtype = torch.float32, fast: bool = True) -> KParts:
+                   chunk: int | None = None, codes_dtype: torch.dtype = torch.float32, fast: bool = True,
+                   fit: bool = False) -> KParts:
     """The K-quant parts of ``w [out, cols]`` (cols a multiple of 256), rows in chunks.
 
     chunk: rows per slice; None = about `SEARCH_CHUNK` weights when searching (each row's result is its
@@ -334,12 +339,16 @@ def quantize_parts(w: torch.Tensor, kt: KType, imp: torch.Tensor | None = None, 
     narrowed before the next, never a float32 copy of the whole matrix's, 235 MB at the 8B shape's widest).
     fast: the search through `lowbit.formats.kquant_search` (the same parts in fewer passes); False: the
     reference functions of this module, kept as the definition that path is tested against.
+    fit: the ``fit`` rule instead (`lowbit.formats.kquant_fit`: a few refitted range candidates; ``search``
+    must then be False), slices of about `FIT_CHUNK` weights.
     """
-    from lowbit.formats import kquant_search  # it builds on this module's reference functions
+    from lowbit.formats import kquant_fit, kquant_search  # they build on this module's reference functions
 
     out, cols = w.shape
+    if fit and search:
+        raise ValueError("fit and search are two rules: pick one")
     if chunk is None:
-        chunk = max(1, SEARCH_CHUNK // max(cols, 1)) if search else 512
+        chunk = max(1, (FIT_CHUNK if fit else SEARCH_CHUNK) // max(cols, 1)) if search or fit else 512
     x = w.detach().float().reshape(out, cols // QK_K, kt.nsub, kt.sub)
     wt = torch.ones(cols, device=w.device) if imp is None else imp.detach().float().to(w.device).clamp_min(0)
     wt = wt.reshape(1, cols // QK_K, kt.nsub, kt.sub)
@@ -348,7 +357,9 @@ def quantize_parts(w: torch.Tensor, kt: KType, imp: torch.Tensor | None = None, 
     parts = []
     for xc in x.split(chunk):
         wc = element_weights(xc, wt, kt) if imp is not None else wt
-        if search and fast:
+        if fit:
+            part = kquant_fit.quantize_slice(xc, wc if imp is not None else None, kt)
+        elif search and fast:
             xc = xc.contiguous()
             s, mn = kquant_search.sub_block_params(xc, wc, kt, unit=imp is None)
             part = kquant_search.double_quantize(xc, wc, s, mn, kt, unit=imp is None)
@@ -380,10 +391,15 @@ def fit_width(scheme, in_features: int):
         return dataclasses.replace(scheme, weight=fit_width(weight, in_features))
     if not getattr(scheme, "super_block", 0) or in_features % QK_K == 0:
         return scheme
-    return scheme.parse(FALLBACK[scheme.bits]).replace(rule=scheme.rule)
+    # the legacy types have no ``fit`` rule: plain ranges, as before it existed
+    return scheme.parse(FALLBACK[scheme.bits]).replace(rule="absmax" if scheme.rule == "fit" else scheme.rule)
 
 
 # --------------------------------------------------------------------- the family
+RULES = ("absmax", "fit", "search")  # plain ranges, the few-candidate fit, the full search
+# the rule of the q2_k ... q6_k presets (and so of the llama.cpp mixes): what --no-search and the data-free
+# streaming path's --no-search use; --search switches every scheme to ``search``
+DEFAULT_RULE = "fit"
 KQUANT_NAMES = tuple(f"q{b}_k" for b in KTYPES)
 
 
@@ -398,13 +414,14 @@ class KQuantFamily:
 
     def weight_presets(self) -> dict[str, dict[str, Any]]:
         return {f"q{b}_k": {"elem": "int", "bits": b, "group_size": kt.sub, "sym": kt.sym, "scale": "fp16",
-                            "super_block": QK_K} for b, kt in KTYPES.items()}
+                            "super_block": QK_K, "rule": DEFAULT_RULE} for b, kt in KTYPES.items()}
 
     def input_presets(self) -> dict[str, dict[str, Any]]:
         return {}
 
     def check(self, s: Scheme) -> None:
-        integer.FAMILY.check(s)
+        check(s.rule in RULES, f"K-quants take rule {', '.join(RULES)}, not {s.rule}")
+        integer.FAMILY.check(s if s.rule != "fit" else dataclasses.replace(s, rule="absmax"))
         kt = KTYPES.get(s.bits) if s.elem == "int" else None
         check(s.super_block == QK_K and kt is not None and (s.group_size, s.sym, s.scale) == (kt.sub, kt.sym, "fp16")
               and s.full_range, f"super-block schemes are llama.cpp's K-quants only ({', '.join(KQUANT_NAMES)}); "
@@ -462,11 +479,12 @@ class KQuantFamily:
 
     def quantize(self, w: torch.Tensor, s: Scheme, imp: torch.Tensor | None = None,
                  tensor_scale: torch.Tensor | None = None) -> QTensor:
-        """``rule='search'`` = weighted least squares + refined double quantization (importance-weighted
-        when ``imp`` is given), ``absmax`` = plain ranges."""
+        """``rule='search'`` = weighted least squares + refined double quantization, ``fit`` = a few refitted
+        range candidates (`lowbit.formats.kquant_fit`), both importance-weighted when ``imp`` is given;
+        ``absmax`` = plain ranges."""
         kt = ktype(s.bits)
-        parts = quantize_parts(w, kt, imp if s.rule == "search" else None, search=s.rule == "search",
-                               codes_dtype=torch.uint8)
+        parts = quantize_parts(w, kt, imp if s.rule in ("search", "fit") else None, search=s.rule == "search",
+                               codes_dtype=torch.uint8, fit=s.rule == "fit")
         codes, sc, m, sup = parts_to_tensors(parts, kt)
         return QTensor(codes, sc, m, sup, tuple(w.shape), s)
 

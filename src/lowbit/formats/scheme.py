@@ -31,7 +31,7 @@ if TYPE_CHECKING:
 
 __all__ = ["ELEMS", "PRESETS", "SCALE_BITS", "Scheme", "check_tensor_max", "int_scheme"]
 
-RULES = ("absmax", "4over6", "span", "brute", "search")
+RULES = ("absmax", "4over6", "span", "brute", "search", "fit")  # fit: K-quants only (`lowbit.formats.kquant_fit`)
 CRITERIA = ("mse", "mae", "max")
 E8M0_ROUNDING = ("floor", "ceil", "nearest")
 FIELD_NAMES = _SHARED_FIELD_NAMES | {"full_range": "full_range (full)"}
@@ -53,7 +53,8 @@ class Scheme(FormatArgs):
     scale: storage format of the group scale.
     tensor_scale: an extra fp32 scale per tensor (NVFP4) so E4M3 block scales use
         their full range.
-    rule: how block scales are chosen (abs-max, 4-over-6, brute force, or a search).
+    rule: how block scales are chosen (abs-max, 4-over-6, brute force, or a search; K-quants also ``fit``,
+        a few least-squares-refitted range candidates, `lowbit.formats.kquant_fit`).
     criterion: error used by 4-over-6 / brute force / search to compare candidates.
     guard: never let a non-zero block get a zero scale (scale underflow guard).
     tensor_max: S_max in the tensor-scale formula; 448 plain, 256 leaves room for

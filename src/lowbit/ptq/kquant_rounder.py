@@ -29,7 +29,8 @@ class KQuantRounder(nn.Module):
         self.scheme, self.shape, self.v2 = scheme, tuple(w.shape), v2
         self.kt = kt = ktype(scheme.bits)
         out, cols = w.shape
-        p = quantize_parts(w, kt, imp if v2 else None, search=v2 or scheme.rule == "search")
+        fit = not v2 and scheme.rule == "fit"
+        p = quantize_parts(w, kt, imp if v2 else None, search=v2 or scheme.rule == "search", fit=fit)
         self.register_buffer("x", w.detach().float().reshape(out, cols // QK_K, kt.nsub, kt.sub))
         self.register_buffer("d", p.d)
         self.register_buffer("sc0", p.sc)

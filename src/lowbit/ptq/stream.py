@@ -63,7 +63,8 @@ _CHUNK = 1 << 22  # elements per step when a float tensor is converted
 
 @dataclass(frozen=True)
 class StreamSettings:
-    """search: RTN's scale search on the weights alone (uniform importance); False = plain round-to-nearest.
+    """search: RTN's scale search on the weights alone (uniform importance); False = plain round-to-nearest
+    (K-quants: their scheme's rule, `fit` by default: a few refitted range candidates, `lowbit.formats.kquant_fit`).
     shard_bytes: about how many output bytes one shard holds (a tensor bigger than this gets a shard of its own)."""
 
     search: bool = True
