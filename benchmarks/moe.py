@@ -35,7 +35,7 @@ import time
 from pathlib import Path
 
 from benchmarks.common import ROOT, machine, markdown_table, merge_row, peak_rss_mib, result_path
-from benchmarks.moe_peers import EVAL_SEQLEN, EVAL_WINDOWS, ORGANISM, organism_data
+from benchmarks.moe_peers import EVAL_SEQLEN, EVAL_WINDOWS, ORGANISM, organism_data, organism_digest
 
 RESULTS = "moe"
 # row -> (method, settings): rtn = plain round-to-nearest; rtn-search = RTN's search with per-expert importance
@@ -58,6 +58,9 @@ ROWS = {"rtn": ("rtn", {"search": False}), "rtn-search": ("rtn", {"expert_import
         "gptq-gar-static": ("gptq", {"group_aware": True}),
         # the scale search restricted to scales at or above abs-max (no clipping, no least-squares refit)
         "gptq-noclip": ("gptq", {"clip": False}),
+        # the attention-score projections (q_proj, k_proj) without clipping / on abs-max scales, the rest searched
+        "gptq-score-noclip": ("gptq", {"score_rule": "noclip"}),
+        "gptq-score-absmax": ("gptq", {"score_rule": "absmax"}),
         "signround2": ("signround2", {"iters": 50, "batch_size": 8})}  # the settings of benchmarks/moe_tuned.py
 SEED_KIND = "calibration windows' draw (organism_data)"  # SignRoundV2's tuning seed is the same number
 
@@ -97,7 +100,8 @@ def row(name: str, scheme: str, organism: Path, seed: int = 0) -> dict:
     return {"tool": f"lowbit-{name}", "scheme": scheme, "seed": seed, "method": method, "settings": settings,
             "seconds": round(seconds, 2), "peak_rss_mib": peak_rss_mib(), "peak_rss_before_mib": rss0,
             "ppl_fp": ppl_fp, "ppl": ppl, "plan": plan.describe(), "matmul_weights": account_model(model).to_dict(),
-            "expert_tokens": tokens, "coverage": coverage(tokens), "seed_kind": SEED_KIND, "machine": machine()}
+            "expert_tokens": tokens, "coverage": coverage(tokens), "seed_kind": SEED_KIND, "machine": machine(),
+            "organism_sha256": organism_digest(folder)}
 
 
 def stats_cost(organism: Path, repeats: int = 5) -> dict:
@@ -144,10 +148,24 @@ def coverage(tokens: dict) -> dict:
             "experts_below_16_statistics_tokens": sum(n < 16 for n in stats), "experts": len(stats)}
 
 
-def table() -> str:
+def _recorded(results: str, peer_results: str) -> dict[tuple[str, str], dict[int, float]]:
+    """(scheme, tool) -> {seed: perplexity} of lowbit's rows (``results``) and the peers' (``peer_results``)."""
+    ours = json.loads(result_path(results).read_text())["rows"] if result_path(results).exists() else []
+    peers_file = result_path(peer_results)
+    peers = json.loads(peers_file.read_text())["rows"] if peers_file.exists() else []
+    got: dict[tuple[str, str], dict[int, float]] = {}
+    for r in (r for r in ours if "ppl" in r):
+        got.setdefault((r["scheme"], r["tool"]), {})[int(r.get("seed", 0))] = r["ppl"]
+    for r in peers:
+        if r.get("ppl_in_memory") is not None:
+            got.setdefault((r["scheme"], r["tool"]), {})[int(r.get("seed", 0))] = r["ppl_in_memory"]
+    return got
+
+
+def table(results: str = RESULTS, peer_results: str = "moe_peers") -> str:
     """lowbit's rows beside the peers' (moe_peers.json) at the same scheme."""
-    ours = json.loads(result_path(RESULTS).read_text())["rows"] if result_path(RESULTS).exists() else []
-    peers_file = result_path("moe_peers")
+    ours = json.loads(result_path(results).read_text())["rows"] if result_path(results).exists() else []
+    peers_file = result_path(peer_results)
     peers = json.loads(peers_file.read_text())["rows"] if peers_file.exists() else []
     rows = [(r["scheme"], r["tool"], int(r.get("seed", 0)), f"{r['ppl']:.3f}", f"{r['ppl_fp']:.3f}", r["seconds"],
              f"{100 * r['matmul_weights']['quantized_share']:.1f}%") for r in ours if "ppl" in r]
@@ -158,19 +176,42 @@ def table() -> str:
                           rows)
 
 
-def means() -> str:
-    """Mean perplexity over seeds per (scheme, tool), lowbit's and the peers' rows, with the seeds behind each."""
-    ours = json.loads(result_path(RESULTS).read_text())["rows"] if result_path(RESULTS).exists() else []
-    peers_file = result_path("moe_peers")
-    peers = json.loads(peers_file.read_text())["rows"] if peers_file.exists() else []
-    got: dict[tuple, dict[int, float]] = {}
-    for r in (r for r in ours if "ppl" in r):
-        got.setdefault((r["scheme"], r["tool"]), {})[int(r.get("seed", 0))] = r["ppl"]
-    for r in peers:
-        if r.get("ppl_in_memory") is not None:
-            got.setdefault((r["scheme"], r["tool"]), {})[int(r.get("seed", 0))] = r["ppl_in_memory"]
-    rows = [(s, t, ",".join(map(str, sorted(v))), f"{sum(v.values()) / len(v):.3f}") for (s, t), v in sorted(got.items())]
-    return markdown_table(("scheme", "tool", "seeds", "mean ppl"), rows)
+def mean_se(values: list[float]) -> tuple[float, float | None]:
+    """Mean and its standard error (sample standard deviation / sqrt(n); None for one value)."""
+    n = len(values)
+    m = sum(values) / n
+    return m, (sum((v - m) ** 2 for v in values) / (n - 1) / n) ** 0.5 if n > 1 else None
+
+
+def means(results: str = RESULTS, peer_results: str = "moe_peers") -> str:
+    """Mean perplexity over seeds per (scheme, tool), lowbit's and the peers' rows, with the seeds behind each and
+    the standard error of the mean (a tool's seeds can differ from another's: compare on `ranking`'s common seeds)."""
+    rows = []
+    for (s, t), v in sorted(_recorded(results, peer_results).items()):
+        m, se = mean_se(list(v.values()))
+        rows.append((s, t, ",".join(map(str, sorted(v))), f"{m:.3f}", "-" if se is None else f"{se:.3f}"))
+    return markdown_table(("scheme", "tool", "seeds", "mean ppl", "s.e."), rows)
+
+
+def ranking(tools: list[str], results: str = RESULTS, peer_results: str = "moe_peers") -> str:
+    """Per scheme, ``tools`` on the seeds all of them have: mean +- s.e., the paired difference to the first tool
+    +- its s.e. (the seed's calibration windows are shared, so the pairing removes their common part), and on how
+    many seeds each tool has the lowest perplexity of the set."""
+    got = _recorded(results, peer_results)
+    out = []
+    for scheme in sorted({s for s, _ in got}):
+        have = [got.get((scheme, t), {}) for t in tools]
+        seeds = sorted(set.intersection(*(set(h) for h in have))) if all(have) else []
+        if len(seeds) < 2:
+            continue
+        best = [min(range(len(tools)), key=lambda i, x=x: have[i][x]) for x in seeds]
+        for i, t in enumerate(tools):
+            m, se = mean_se([have[i][x] for x in seeds])
+            d, dse = mean_se([have[i][x] - have[0][x] for x in seeds])
+            out.append((scheme, t, len(seeds), f"{m:.3f} +- {se:.3f}",
+                        "-" if i == 0 else f"{d:+.3f} +- {dse:.3f}", f"{best.count(i)}/{len(seeds)}"))
+    return markdown_table(("scheme", "tool", "seeds", "mean ppl +- s.e.", f"paired diff vs {tools[0]}",
+                           "seeds won"), out)
 
 
 def main() -> None:
@@ -181,12 +222,18 @@ def main() -> None:
     p.add_argument("--organism", default=str(ORGANISM), help="the MoE organism's folder")
     p.add_argument("--threads", type=int, default=1, help="torch threads (1: timings unaffected by a busy machine)")
     p.add_argument("--table", action="store_true", help="print the table of the recorded rows and exit")
+    p.add_argument("--rank", default=None, help="with --table: comma-separated tools to rank on their common seeds "
+                                                "(the first is the reference of the paired differences)")
+    p.add_argument("--results", default=RESULTS, help="lowbit's results file under benchmarks/results (rows merge)")
+    p.add_argument("--peer-results", default="moe_peers", help="the peers' results file read by --table")
     p.add_argument("--stats-cost", action="store_true", help="measure the per-expert statistics' cost and exit")
     p.add_argument("--child", nargs=3, metavar=("ROW", "SCHEME", "SEED"), help=argparse.SUPPRESS)
     a = p.parse_args()
     if a.table:
-        print(table())
-        print(means())
+        print(table(a.results, a.peer_results))
+        print(means(a.results, a.peer_results))
+        if a.rank:
+            print(ranking(a.rank.split(","), a.results, a.peer_results))
         return
     organism = Path(a.organism).expanduser()
     if not (organism / "model" / "config.json").is_file():
@@ -199,7 +246,7 @@ def main() -> None:
 
         torch.set_num_threads(a.threads)
         r = stats_cost(organism)
-        merge_row(RESULTS, r, row_key)
+        merge_row(a.results, r, row_key)
         print(json.dumps(r))
         return
     if a.child:
@@ -219,11 +266,11 @@ def main() -> None:
             print(f"{name} {scheme} seed {seed}: failed (exit {done.returncode})\n{done.stderr[-3000:]}", file=sys.stderr)
             continue
         r = json.loads(lines[-1][4:])
-        merge_row(RESULTS, r, row_key)
+        merge_row(a.results, r, row_key)
         print(f"{r['tool']} {scheme} seed {seed}: ppl {r['ppl']:.3f} (fp {r['ppl_fp']:.3f}) in {r['seconds']} s, "
               f"peak {r['peak_rss_mib']:.0f} MiB, coverage {r['coverage']}", flush=True)
-    print(table())
-    print(means())
+    print(table(a.results, a.peer_results))
+    print(means(a.results, a.peer_results))
 
 
 if __name__ == "__main__":

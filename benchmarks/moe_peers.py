@@ -90,6 +90,14 @@ def organism_data(organism: Path, seed: int = 0):
     return organism / "model", torch.stack([ids[s:s + SEQLEN] for s in starts.tolist()]), ev
 
 
+def organism_digest(folder: Path) -> str:
+    """sha256 of the organism's model.safetensors: rows from two builds (another CPU's GEMM rounding gives other
+    weights from the same recipe) must not be averaged together."""
+    import hashlib
+
+    return hashlib.sha256((Path(folder) / "model.safetensors").read_bytes()).hexdigest()
+
+
 def routed_tokens(model, calib) -> list[list[int]]:
     """Calibration tokens the float router sends to each expert, per MoE layer (top-k of its logits)."""
     import torch
@@ -240,7 +248,8 @@ def child(tool: str, scheme: str, iters: int, organism: Path, keep: Path | None,
             "layout": layout(out, cfg.num_hidden_layers, cfg.num_experts), "out": str(out),
             "calib_tokens_per_expert": coverage,
             "experts_without_calib_tokens": sum(c == 0 for layer in coverage for c in layer),
-            "versions": _versions(), "machine": machine(), "seed_kind": SEED_KIND, **extra}
+            "versions": _versions(), "machine": machine(), "seed_kind": SEED_KIND,
+            "organism_sha256": organism_digest(folder), **extra}
 
 
 def _folder_with_config(path: Path) -> Path:

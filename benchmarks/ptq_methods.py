@@ -104,6 +104,10 @@ def _rows() -> dict[str, dict[str, Any]]:
                                       "settings": {"group_aware": True, "static_groups": False}}
         rows[f"{scheme}/gptq-noclip"] = {"tool": "lowbit", "scheme": scheme, "method": "gptq",
                                          "settings": {"clip": False}}
+        # q_proj / k_proj without clipping (or on abs-max scales), the other matrices searched (issue 34)
+        for rule in ("noclip", "absmax"):
+            rows[f"{scheme}/gptq-score-{rule}"] = {"tool": "lowbit", "scheme": scheme, "method": "gptq",
+                                                   "settings": {"score_rule": rule}}
         for name in list(rows)[first:]:
             rows[name]["ablation"] = True
     # llm-compressor refuses groups that do not divide a row (SmolLM2's 576 columns at g128; lowbit
@@ -124,6 +128,9 @@ def _rows() -> dict[str, dict[str, Any]]:
                                       "settings": {"group_aware": True, "static_groups": False}, "ablation": True}
         rows[f"{scheme}/gptq-noclip"] = {"tool": "lowbit", "scheme": scheme, "method": "gptq",
                                          "settings": {"clip": False}, "ablation": True}
+        for rule in ("noclip", "absmax"):
+            rows[f"{scheme}/gptq-score-{rule}"] = {"tool": "lowbit", "scheme": scheme, "method": "gptq",
+                                                   "settings": {"score_rule": rule}, "ablation": True}
     for scheme in ACT_SCHEMES:
         for rot, r in {"": None, **ACT_ROTATIONS}.items():
             base = {"tool": "lowbit", "scheme": scheme, "rotate": r}

@@ -66,6 +66,9 @@ from lowbit.ptq.gptq_grids import Grid, KGrid, Tensors, make_grid
 from lowbit.ptq.methods import Method, RunContext, knob, register
 from lowbit.ptq.rtn import searched
 
+# the Linears whose outputs are multiplied together into attention scores (matched on the last name component)
+SCORE_PROJECTIONS = ("q_proj", "k_proj")
+SCORE_RULES = ("search", "noclip", "absmax")
 DAMP_RETRIES = (0.01, 0.1, 1.0)  # dampening tried, in order, when a Hessian is not positive definite
 CHUNK = 8  # samples per block forward while collecting Hessians
 
@@ -91,6 +94,12 @@ class GPTQSettings:
         largest weights); False searches only scales at or above abs-max, without the least-squares
         refit (`lowbit.formats.integer.search_int_params`): GPTQ's error feedback, not the scale,
         then absorbs the rounding error, and the largest weights stay whole.
+    score_rule: with ``search``, the scale rule of the attention-score projections (``q_proj``,
+        ``k_proj``; the other matrices keep the search): ``noclip`` searches only scales at or
+        above abs-max (as ``clip=False``, INT only), ``absmax`` takes abs-max scales. Why: their
+        outputs are multiplied together and go through a softmax, and clipping shrinks their
+        largest weights coherently (q and k both lose magnitude along the directions that make
+        attention sharp), a bias the layer-wise output error counts as noise (benchmarks/results/moe.md).
     choose_rule: with ``search``, choose between the searched and abs-max scales by the
         loss of trial runs on calibration windows they did not see (two folds), then quantize
         with the winner (`lowbit.ptq.gptq_choice`: no per-matrix measure ranks the two rules).
@@ -115,6 +124,9 @@ class GPTQSettings:
     clip: bool = knob(True, "with --search on INT groups: let the scale search clip the largest weights (scales "
                             "below abs-max); --no-clip searches only scales at or above abs-max, no least-squares "
                             "refit")
+    score_rule: str = knob("search", "with --search: the scale rule of the attention-score projections (q_proj, "
+                                     "k_proj), the rest searched: search, noclip (scales at or above abs-max, INT "
+                                     "only) or absmax", choices=SCORE_RULES)
     choose_rule: bool = knob(False, "with --search: GPTQ copies of the model with searched and with abs-max scales "
                                     "from half the calibration windows, compare their loss on the other half (two "
                                     "folds), then quantize with the better rule (3.5x the CPU time on the MoE organism, a second copy of "
@@ -134,6 +146,11 @@ class GPTQSettings:
         if not self.clip and not self.search:
             raise ConfigError("--no-clip restricts the scale search; with --no-search the scales are abs-max "
                               "already: drop one of them")
+        if self.score_rule not in SCORE_RULES:
+            raise ConfigError(f"score_rule must be one of {SCORE_RULES}, got {self.score_rule!r}")
+        if self.score_rule != "search" and not self.search:
+            raise ConfigError("--score-rule changes the searched scales of q_proj / k_proj; with --no-search every "
+                              "scale is abs-max already: drop one of them")
         if self.choose_rule and not self.search:
             raise ConfigError("--choose-rule chooses between the searched and abs-max scales; with --no-search there "
                               "is nothing to choose: drop one of them")
@@ -151,6 +168,8 @@ def check_plan(settings: GPTQSettings, plan: Plan) -> None:
             raise ConfigError(f"--no-clip restricts the scale search of INT groups; {other[0]} chooses its scales "
                               "another way (block formats, K-quants): drop --no-clip or quantize it with an INT "
                               "scheme")
+    if settings.score_rule != "search":
+        _check_score_rule(settings.score_rule, plan)
     if not settings.act_order or settings.static_groups or settings.group_aware:
         return
     grouped = sorted({s.name for s in plan.weights().values() if s.group_size != -1})
@@ -159,6 +178,32 @@ def check_plan(settings: GPTQSettings, plan: Plan) -> None:
                           "under one scale, which needs a per-column group index that lowbit checkpoints, NVFP4 / "
                           "MXFP4 blocks and GGUF cannot hold; keep --static-groups (the default), add "
                           "--group-aware (act-order over whole groups) or pass --no-act-order")
+
+
+def is_score_projection(name: str) -> bool:
+    """Whether layer ``name``'s output is multiplied into attention scores (``...self_attn.q_proj`` / ``k_proj``)."""
+    return name.rsplit(".", 1)[-1] in SCORE_PROJECTIONS
+
+
+def _check_score_rule(rule: str, plan: Plan) -> None:
+    """Refuse ``--score-rule`` where no planned layer is a score projection, or ``noclip`` on a non-INT one."""
+    score = {n: s for n, s in plan.weights().items() if is_score_projection(n)}
+    if not score:
+        raise ConfigError(f"--score-rule {rule} applies to the attention-score projections "
+                          f"({', '.join(SCORE_PROJECTIONS)}); the plan quantizes none: drop --score-rule")
+    other = sorted({s.name for s in score.values() if s.family.name != "int"})
+    if rule == "noclip" and other:
+        raise ConfigError(f"--score-rule noclip restricts the scale search of INT groups; {other[0]} chooses its "
+                          "scales another way (block formats, K-quants): use --score-rule absmax or an INT scheme")
+
+
+def _variant(name: str, scheme: Scheme, settings: GPTQSettings) -> tuple[Scheme, GPTQSettings]:
+    """The scheme whose rule chooses ``name``'s scales and the settings GPTQ runs it with (``score_rule``)."""
+    if settings.score_rule == "search" or not is_score_projection(name) or scheme.rule != "search":
+        return scheme, settings
+    if settings.score_rule == "absmax":
+        return scheme.replace(rule="absmax"), settings
+    return scheme, dataclasses.replace(settings, clip=False)
 
 
 # ----------------------------------------------------------------- hessian
@@ -374,24 +419,24 @@ def gptq_layers(weights: Mapping[str, tuple[torch.Tensor, Scheme]], h: torch.Ten
 
     diag: ``h``'s float64 diagonal when ``h`` is held in float32 (`narrow_hessian`).
 
-    Layers with one scheme are stacked row-wise (GPTQ treats rows independently, so this
+    Layers with one scheme (and one ``score_rule`` variant, `_variant`) are stacked row-wise (GPTQ treats rows independently, so this
     is the same result for one factorisation and one column loop). The error of each
     layer is ``tr(D H D^T) / tr(W H W^T)`` with ``D = W - Q``: its relative output error
     on the calibration inputs.
     """
-    by_scheme: dict[Scheme, list[str]] = {}
+    by_scheme: dict[tuple[Scheme, Scheme, GPTQSettings], list[str]] = {}
     for name, (_, s) in weights.items():
-        by_scheme.setdefault(s, []).append(name)
+        by_scheme.setdefault((s, *_variant(name, s, settings)), []).append(name)
     out: dict[str, QTensor] = {}
     errs: dict[str, float] = {}
     damp_used = settings.damp
-    for scheme, names in by_scheme.items():
+    for (scheme, rule_scheme, run), names in by_scheme.items():
         ws = [weights[n][0].detach().float() for n in names]
         given = tensor_scales or {}
         encs = [given[n] if n in given else own_tensor_scale(x, scheme) for n, x in zip(names, ws, strict=True)]
         enc_rows = None if encs[0] is None else torch.cat([e.expand(x.shape[0]) for e, x in zip(encs, ws, strict=True)])
         stack = torch.cat(ws)
-        deq, (codes, scale, zero, sup), d = gptq_matrix(stack, h, scheme, settings, enc_rows, ", ".join(names), diag)
+        deq, (codes, scale, zero, sup), d = gptq_matrix(stack, h, rule_scheme, run, enc_rows, ", ".join(names), diag)
         damp_used = max(damp_used, d)
         r0 = 0
         for name, x, enc in zip(names, ws, encs, strict=True):
@@ -600,7 +645,8 @@ def _quantize(model: nn.Module, plan: Plan, settings: GPTQSettings, ctx: RunCont
                               "resume from --workdir or offload to --offload-dir: drop those or --choose-rule")
         materialize(model)  # both copies whole: the loss needs every block
         return choose_rule(model, lambda m, c, search: _quantize(
-            m, plan if search else _absmax(plan), dataclasses.replace(settings, search=search, choose_rule=False),
+            m, plan if search else _absmax(plan), dataclasses.replace(
+                settings, search=search, choose_rule=False, score_rule=settings.score_rule if search else "search"),
             dataclasses.replace(ctx, calib=c)), ctx.calib, ctx.device)
     recorded, opts, plan = _work(settings, plan, ctx)
     return plan, quantize_blockwise(model, plan, GPTQTuner(settings), recorded, ctx, opts)
