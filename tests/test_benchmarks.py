@@ -18,6 +18,7 @@ import sys
 import warnings
 from pathlib import Path
 
+import numpy as np
 import pytest
 from ptq_helpers import tiny_model
 
@@ -275,11 +276,9 @@ def test_kv_scales_errors_are_the_softmax_weighted_score_variance_and_the_mixed_
         assert kl == pytest.approx(want_k / 2, rel=0.25)  # second order: third-order terms remain
 
 
-def _vllm_cpu_e4m3_write(v: "np.ndarray", inv_scale: float) -> "np.ndarray":
+def _vllm_cpu_e4m3_write(v: np.ndarray, inv_scale: float) -> np.ndarray:
     """vLLM CPU's FP8 cache write as its C++ states it (``float_to_fp8e4m3_scalar``): scale, clamp to
     +-448, move the exponent bias by 2^-120, keep the float32 bits 20..26 (sign apart), 0x7F reserved."""
-    import numpy as np
-
     y = np.clip(v.astype(np.float32) * np.float32(inv_scale), -448.0, 448.0).astype(np.float32)
     bits = (y * np.float32(2.0 ** -120)).astype(np.float32).view(np.uint32)
     sign = ((bits >> 24) & 0x80).astype(np.uint8)
@@ -289,7 +288,6 @@ def _vllm_cpu_e4m3_write(v: "np.ndarray", inv_scale: float) -> "np.ndarray":
 
 def test_kv_vllm_probe_cache_write_is_vllm_cpus_truncating_cast() -> None:
     """The probe's emulation equals a bit-level transcription of vLLM's write, which rounds toward zero."""
-    import numpy as np
     import torch
 
     from benchmarks.kv_vllm_probe import vllm_cpu_cache_write
