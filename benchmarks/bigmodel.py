@@ -115,18 +115,38 @@ def build(shape: str) -> Path:
     return final
 
 
-def child(cmd: list[str], log: Path, env: dict | None = None) -> tuple[int, float, float, int]:
-    """(exit code, wall seconds, CPU seconds, peak RSS bytes from the kernel) of one child process.
+def child(cmd: list[str], log: Path, env: dict | None = None) -> tuple[int, float, float, int, list[float]]:
+    """(exit code, wall seconds, CPU seconds, peak RSS bytes from the kernel, 1-minute load averages) of one child.
 
     CPU seconds (user + system) are reported beside the wall time because this machine is shared:
-    under contention the wall time measures the neighbours as much as the tool.
+    under contention the wall time measures the neighbours as much as the tool. The load average is
+    sampled every few seconds while the child runs (``os.wait4`` polled with ``WNOHANG``), so a row says
+    how busy the machine was during it, not only at its end.
     """
     t0 = time.perf_counter()
+    loads = [os.getloadavg()[0]]
     with open(log, "w") as f:
         p = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env)
-        _, status, usage = os.wait4(p.pid, 0)
+        while True:
+            pid, status, usage = os.wait4(p.pid, os.WNOHANG)
+            if pid:
+                break
+            time.sleep(0.2 if time.perf_counter() - t0 < 5 else 5.0)
+            loads.append(os.getloadavg()[0])
     cpu = usage.ru_utime + usage.ru_stime
-    return os.waitstatus_to_exitcode(status), time.perf_counter() - t0, cpu, usage.ru_maxrss * 1024
+    return os.waitstatus_to_exitcode(status), time.perf_counter() - t0, cpu, usage.ru_maxrss * 1024, loads
+
+
+def cpu_model() -> str:
+    """This machine's CPU as rows name it (model, AVX-512 or not): CPU seconds of different machines differ, so rows
+    of one shape / scheme / tool measured on different CPUs are kept side by side (``save``'s key), not replaced."""
+    try:
+        info = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return ""
+    model = next((ln.split(":", 1)[1].strip() for ln in info.splitlines() if ln.startswith("model name")), "")
+    flags = next((ln.split(":", 1)[1].split() for ln in info.splitlines() if ln.startswith("flags")), [])
+    return f"{model}{' AVX-512' if 'avx512f' in flags else ''}{' AMX' if 'amx_tile' in flags else ''}"
 
 
 def _size(path: Path) -> int:
@@ -214,11 +234,12 @@ def run_row(shape: str, scheme: str, tool: str, src: Path, work: Path, search: b
                "--force", "--json", "--search" if search else "--no-search"]
     if threads and tool.startswith("lowbit"):
         cmd += ["--threads", str(threads)]
-    rc, secs, cpu, rss = child(cmd, log, env)
+    rc, secs, cpu, rss, loads = child(cmd, log, env)
     row = {"shape": shape, "scheme": scheme, "tool": tool, "rc": rc, "seconds": round(secs, 1),
            "cpu_seconds": round(cpu, 1), "search": search and tool.startswith("lowbit"), "load_avg_1m": round(os.getloadavg()[0], 1),
+           "load_avg_1m_during": [round(min(loads), 1), round(sorted(loads)[len(loads) // 2], 1), round(max(loads), 1)],
            "peak_rss_gib": round(rss / 2**30, 3), "output_bytes": _size(out), "source_bytes": _size(src),
-           "machine": f"{os.cpu_count()} cores, shared", "random_weights": True, "commit": _commit(),
+           "machine": f"{os.cpu_count()} cores, shared", "cpu": cpu_model(), "random_weights": True, "commit": _commit(),
            "threads": 1 if tool == "llama.cpp-quantize" else threads}
     if tool.startswith("lowbit") and _is_kquant(scheme):  # which K-quant rounding the row ran (session 5: fit)
         from lowbit.formats.kquants import DEFAULT_RULE
@@ -270,18 +291,20 @@ def _commit() -> str:
 
 def save(rows: list[dict], results: Path = RESULTS) -> None:
     old = json.loads(results.read_text())["rows"] if results.is_file() else []
-    # searched rows beside plain ones, and (session 5) a K-quant rule's rows beside the rows before rules were recorded
-    key = lambda r: (r["shape"], r["scheme"], r["tool"], bool(r.get("search")), r.get("rule", ""))  # noqa: E731
+    # searched rows beside plain ones, (session 5) a K-quant rule's rows beside the rows before rules were recorded,
+    # and (session 6) one machine's rows beside another's: rows before session 6 name no `cpu`
+    key = lambda r: (r["shape"], r["scheme"], r["tool"], bool(r.get("search")), r.get("rule", ""), r.get("cpu", ""))  # noqa: E731
     merged = {key(r): r for r in old} | {key(r): r for r in rows}
     results.parent.mkdir(parents=True, exist_ok=True)
     results.write_text(json.dumps({"note": "random bf16 weights: time and memory only, no quality",
                                    "rows": sorted(merged.values(), key=key)}, indent=1))
 
 
-def table(results: Path = RESULTS) -> None:
-    rows = json.loads(results.read_text())["rows"]
+def table(results: Path = RESULTS, cpu: str | None = None) -> None:
+    """The rows, those of one CPU (``cpu_model()``'s name; '' for the rows before session 6) when ``cpu`` is given."""
+    rows = [r for r in json.loads(results.read_text())["rows"] if cpu is None or r.get("cpu", "") == cpu]
     print(f"{'shape':16} {'scheme':10} {'tool':20} {'rule':6} {'threads':>7} {'s':>8} {'cpu s':>8} {'peak RSS GiB':>13} "
-          f"{'out GiB':>8} {'src GiB':>8}")
+          f"{'out GiB':>8} {'src GiB':>8}  cpu")
     for r in rows:  # threads '-': torch's default (one per core), the rows before session 3
         rule = "-" if r["tool"] == "read" else "llama" if r["tool"] == "llama.cpp-quantize" else \
             r.get("rule") or ("search" if r.get("search") else "plain")
@@ -289,7 +312,7 @@ def table(results: Path = RESULTS) -> None:
               f"{r.get('cpu_seconds', 0):8.1f} "
               f"{r['peak_rss_gib']:13.2f} "
               + (f"{r['output_bytes'] / 2**30:8.2f}" if r["output_bytes"] is not None else f"{'-':>8}")
-              + f" {r['source_bytes'] / 2**30:8.2f}" + ("  FAILED" if r["rc"] else ""))
+              + f" {r['source_bytes'] / 2**30:8.2f}  {r.get('cpu') or '-'}" + ("  FAILED" if r["rc"] else ""))
 
 
 def main() -> None:
@@ -312,12 +335,13 @@ def main() -> None:
     ap.add_argument("--keep-outputs", action="store_true", help="keep every row's output (deleted by default); the "
                     "row's 'kept' names it (kquant_error.py reads llama.cpp's Q4_K_M GGUF)")
     ap.add_argument("--table", action="store_true")
+    ap.add_argument("--this-cpu", action="store_true", help="--table: only the rows measured on this machine's CPU")
     ap.add_argument("--no-read", action="store_true", help="skip the read-only floor row")
     ap.add_argument("--results", default=str(RESULTS), help="the JSON file rows are merged into")
     args = ap.parse_args()
     results = Path(args.results)
     if args.table:
-        return table(results)
+        return table(results, cpu_model() if args.this_cpu else None)
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
     for shape in args.shapes.split(","):
@@ -339,7 +363,7 @@ def main() -> None:
                 if tool == "llama.cpp-quantize" and not args.keep_gguf:  # 6.4 GB at 3B, 16 GB at 8B
                     (work / f"{src.name}-bf16.gguf").unlink(missing_ok=True)
     if not args.build_only:
-        table(results)
+        table(results, cpu_model())
 
 
 if __name__ == "__main__":
