@@ -116,6 +116,23 @@ def test_merge_row_replaces_by_key(tmp_path: Path) -> None:
     assert [r["v"] for r in load_results(out)["rows"]] == [4]
     assert load_results(tmp_path / "none.json", empty={}) == {}
 
+def test_bigmodel_keeps_one_cpus_rows_beside_anothers(tmp_path: Path) -> None:
+    """CPU seconds of different machines are not comparable: a row measured on another CPU is kept beside the old one
+    (rows before session 6 name no cpu), a row on the same CPU replaces it; --table --this-cpu shows one CPU's."""
+    from benchmarks import bigmodel
+
+    out = tmp_path / "b.json"
+    row = {"shape": "s", "scheme": "q4_k_m", "tool": "lowbit-stream", "rule": "fit", "rc": 0, "seconds": 1.0,
+           "cpu_seconds": 1.0, "peak_rss_gib": 1.0, "output_bytes": 1, "source_bytes": 2}
+    bigmodel.save([row], out)
+    bigmodel.save([{**row, "cpu": "EPYC AVX-512", "cpu_seconds": 2.0}], out)
+    bigmodel.save([{**row, "cpu": "EPYC AVX-512", "cpu_seconds": 3.0}], out)
+    assert sorted(r["cpu_seconds"] for r in json.loads(out.read_text())["rows"]) == [1.0, 3.0]
+    assert isinstance(bigmodel.cpu_model(), str)
+    rc, _, cpu, rss, loads = bigmodel.child([sys.executable, "-c", "pass"], tmp_path / "c.log")
+    assert rc == 0 and cpu >= 0 and rss > 0 and loads
+
+
 
 def test_alternating_reverses_every_other_round() -> None:
     from benchmarks.common import alternating
