@@ -115,26 +115,50 @@ def build(shape: str) -> Path:
     return final
 
 
-def child(cmd: list[str], log: Path, env: dict | None = None) -> tuple[int, float, float, int, list[float]]:
-    """(exit code, wall seconds, CPU seconds, peak RSS bytes from the kernel, 1-minute load averages) of one child.
+# The child is started by this small launcher, which forks and execs the command and reports the command's own
+# wait4 figures: a process's ru_maxrss starts from the high-water mark of the memory it was forked from (exec
+# records the old address space's peak: with vfork, which subprocess uses, that is the parent's peak so far), so a
+# child started straight from this script would report this script's peak whenever it exceeded the child's (the
+# 3B BF16 GGUF written here before the llama.cpp row: 3.3 GiB reported for both tools' rows in that run).
+LAUNCH = """import os, sys, time
+t = time.perf_counter()
+pid = os.fork()
+if pid == 0:
+    os.execvp(sys.argv[2], sys.argv[2:])
+_, status, ru = os.wait4(pid, 0)
+with open(sys.argv[1], "w") as f:
+    f.write(repr((os.waitstatus_to_exitcode(status), time.perf_counter() - t, ru.ru_utime + ru.ru_stime, ru.ru_maxrss)))
+"""
+
+
+def child(cmd: list[str], log: Path, env: dict | None = None, loads: list[float] | None = None
+          ) -> tuple[int, float, float, int]:
+    """(exit code, wall seconds, CPU seconds, peak RSS bytes from the kernel) of one child process.
 
     CPU seconds (user + system) are reported beside the wall time because this machine is shared:
-    under contention the wall time measures the neighbours as much as the tool. The load average is
-    sampled every few seconds while the child runs (``os.wait4`` polled with ``WNOHANG``), so a row says
-    how busy the machine was during it, not only at its end.
+    under contention the wall time measures the neighbours as much as the tool. The peak is the command's own
+    (started through ``LAUNCH``, a ~10 MB interpreter, not from this process: see there). ``loads`` receives the
+    1-minute load average sampled every few seconds while the child runs, so a row says how busy the machine was
+    during it, not only at its end.
     """
     t0 = time.perf_counter()
-    loads = [os.getloadavg()[0]]
+    samples = loads if loads is not None else []
+    samples.append(os.getloadavg()[0])
+    rusage = log.with_name(log.name + ".rusage")
+    rusage.unlink(missing_ok=True)
     with open(log, "w") as f:
-        p = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env)
-        while True:
-            pid, status, usage = os.wait4(p.pid, os.WNOHANG)
-            if pid:
-                break
+        p = subprocess.Popen([sys.executable, "-S", "-E", "-c", LAUNCH, str(rusage), *cmd], stdout=f,
+                             stderr=subprocess.STDOUT, env=env)
+        while p.poll() is None:
             time.sleep(0.2 if time.perf_counter() - t0 < 5 else 5.0)
-            loads.append(os.getloadavg()[0])
-    cpu = usage.ru_utime + usage.ru_stime
-    return os.waitstatus_to_exitcode(status), time.perf_counter() - t0, cpu, usage.ru_maxrss * 1024, loads
+            samples.append(os.getloadavg()[0])
+    if not rusage.is_file():  # the launcher itself failed (killed): what wait4 says of it
+        return p.returncode, time.perf_counter() - t0, 0.0, 0
+    import ast
+
+    rc, wall, cpu, maxrss = ast.literal_eval(rusage.read_text())
+    rusage.unlink()
+    return rc, wall, cpu, maxrss * 1024
 
 
 def cpu_model() -> str:
@@ -234,7 +258,8 @@ def run_row(shape: str, scheme: str, tool: str, src: Path, work: Path, search: b
                "--force", "--json", "--search" if search else "--no-search"]
     if threads and tool.startswith("lowbit"):
         cmd += ["--threads", str(threads)]
-    rc, secs, cpu, rss, loads = child(cmd, log, env)
+    loads: list[float] = []
+    rc, secs, cpu, rss = child(cmd, log, env, loads)
     row = {"shape": shape, "scheme": scheme, "tool": tool, "rc": rc, "seconds": round(secs, 1),
            "cpu_seconds": round(cpu, 1), "search": search and tool.startswith("lowbit"), "load_avg_1m": round(os.getloadavg()[0], 1),
            "load_avg_1m_during": [round(min(loads), 1), round(sorted(loads)[len(loads) // 2], 1), round(max(loads), 1)],

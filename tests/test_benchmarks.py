@@ -129,8 +129,14 @@ def test_bigmodel_keeps_one_cpus_rows_beside_anothers(tmp_path: Path) -> None:
     bigmodel.save([{**row, "cpu": "EPYC AVX-512", "cpu_seconds": 3.0}], out)
     assert sorted(r["cpu_seconds"] for r in json.loads(out.read_text())["rows"]) == [1.0, 3.0]
     assert isinstance(bigmodel.cpu_model(), str)
-    rc, _, cpu, rss, loads = bigmodel.child([sys.executable, "-c", "pass"], tmp_path / "c.log")
-    assert rc == 0 and cpu >= 0 and rss > 0 and loads
+    ballast = bytearray(256 << 20)  # this process's peak now exceeds 256 MiB: a child must not report it as its own
+    ballast[::4096] = b"x" * len(ballast[::4096])
+    loads: list[float] = []
+    rc, _, cpu, rss = bigmodel.child([sys.executable, "-S", "-c", "pass"], tmp_path / "c.log", loads=loads)
+    assert rc == 0 and cpu >= 0 and 0 < rss < 128 << 20 and loads
+    rc, *_ = bigmodel.child([sys.executable, "-c", "import sys; sys.exit(3)"], tmp_path / "c.log")
+    assert rc == 3
+    del ballast
 
 
 
