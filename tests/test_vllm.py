@@ -10,6 +10,7 @@ int8 by default), so they agree to that rounding, not bit for bit: a wrong zero 
 scale, packing order or layout moves log-probabilities by whole units.
 """
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -35,6 +36,14 @@ AVX512 = torch.cpu._is_avx512_supported()
 NO_INT4 = pytest.mark.skipif(not AVX512, reason="vLLM CPU's INT4 kernels (cpu_gemm_wna16, its WNA16 MoE backend) are "
                              "only in its AVX-512 build and this CPU has no AVX-512: vLLM refuses the export "
                              "(benchmarks/results/engines.md, 'CPUs without AVX-512')")
+# its INT4 MoE backends are narrower still: CPUExpertsInt4 needs AMX (experts/cpu_moe.py, _supports_current_device)
+# and ZentorchExpertsInt4 needs AMD's zentorch plugin; an AVX-512 CPU with neither (an AMD EPYC here) is refused
+AMX = torch.cpu._is_amx_tile_supported()
+NO_INT4_MOE = pytest.mark.skipif(
+    not AMX and importlib.util.find_spec("zentorch") is None,
+    reason="vLLM CPU's INT4 MoE backends need AMX (CPUExpertsInt4) or AMD's zentorch plugin (ZentorchExpertsInt4); this "
+           "CPU has no AMX and zentorch is not installed: vLLM refuses the export with 'No WNA16 MoE backend supports the "
+           "deployment configuration' (benchmarks/results/engines.md)")
 SERVE = textwrap.dedent("""
     import json, sys
     from vllm import LLM, SamplingParams
@@ -131,6 +140,7 @@ def tiny_moe(arch: str = "qwen3_moe"):
 
 
 @NO_INT4
+@NO_INT4_MOE
 @pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral", "qwen2_moe", "olmoe"])
 def test_vllm_serves_lowbit_moe_export_with_lowbits_logits(tmp_path, arch):
     """Per-expert W4 g128 experts (vLLM's CompressedTensorsWNA16MoEMethod, CPUExpertsInt4 on AMX: int8 activations);
