@@ -108,6 +108,9 @@ def _rows() -> dict[str, dict[str, Any]]:
         for rule in ("noclip", "absmax"):
             rows[f"{scheme}/gptq-score-{rule}"] = {"tool": "lowbit", "scheme": scheme, "method": "gptq",
                                                    "settings": {"score_rule": rule}}
+        # the scale search weighted by the loss GPTQ books per column, 1 / u_jj^2 (GPTQSettings.importance)
+        rows[f"{scheme}/gptq-imp"] = {"tool": "lowbit", "scheme": scheme, "method": "gptq",
+                                      "settings": {"importance": "gptq"}}
         for name in list(rows)[first:]:
             rows[name]["ablation"] = True
     # llm-compressor refuses groups that do not divide a row (SmolLM2's 576 columns at g128; lowbit
@@ -131,6 +134,8 @@ def _rows() -> dict[str, dict[str, Any]]:
         for rule in ("noclip", "absmax"):
             rows[f"{scheme}/gptq-score-{rule}"] = {"tool": "lowbit", "scheme": scheme, "method": "gptq",
                                                    "settings": {"score_rule": rule}, "ablation": True}
+        rows[f"{scheme}/gptq-imp"] = {"tool": "lowbit", "scheme": scheme, "method": "gptq",
+                                      "settings": {"importance": "gptq"}, "ablation": True}
     for scheme in ACT_SCHEMES:
         for rot, r in {"": None, **ACT_ROTATIONS}.items():
             base = {"tool": "lowbit", "scheme": scheme, "rotate": r}
@@ -242,7 +247,7 @@ def _interpreter(spec: dict, peer_python: str | None) -> str | None:
     return sys.executable if spec["tool"] == "lowbit" else peer_python
 
 
-def run_row(name: str, peer_python: str | None, model: str = "bundled") -> dict | None:
+def run_row(name: str, peer_python: str | None, model: str = "bundled", results: str = RESULTS) -> dict | None:
     python = _interpreter(ROWS[name], peer_python)
     if python is None:
         print(f"== {name}: skipped (no --peer-python)", file=sys.stderr, flush=True)
@@ -256,7 +261,7 @@ def run_row(name: str, peer_python: str | None, model: str = "bundled") -> dict 
         print(f"== {name} failed ({out.returncode}):\n{out.stderr[-3000:]}", file=sys.stderr, flush=True)
         return None
     row = json.loads(out.stdout.strip().splitlines()[-1])
-    merge_row(RESULTS, row, key, protocol=__doc__.split("\n\n")[1].replace("\n", " "))
+    merge_row(results, row, key, protocol=__doc__.split("\n\n")[1].replace("\n", " "))
     print(f"== {name}: ppl {row['ppl']:.3f}  {row['seconds']} s  peak {row['peak_rss_mib']} MiB", file=sys.stderr,
           flush=True)
     return row
@@ -329,6 +334,8 @@ def main() -> None:
     p.add_argument("--model", choices=MODELS, default="bundled", help=MODEL_HELP)
     p.add_argument("--list", action="store_true")
     p.add_argument("--table", action="store_true", help="print the results as a markdown table")
+    p.add_argument("--results", default=RESULTS, help=f"results file under benchmarks/results (default {RESULTS}; "
+                                                       "another machine's rows go to a file of their own)")
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
     a = p.parse_args()
     if a.child:
@@ -339,13 +346,13 @@ def main() -> None:
             print(("* " if n in DEFAULT else "  ") + n, json.dumps(ROWS[n]))
         return
     if a.table:
-        print(table(json.loads(result_path(RESULTS).read_text())["rows"], a.model))
+        print(table(json.loads(result_path(a.results).read_text())["rows"], a.model))
         return
     names = select(a.rows)
     if a.model == "offgrid":
         offgrid_folder()  # made (once) here, not by two children at once
     with ThreadPoolExecutor(max_workers=max(1, a.jobs)) as pool:
-        list(pool.map(lambda n: run_row(n, a.peer_python, a.model), names))
+        list(pool.map(lambda n: run_row(n, a.peer_python, a.model, a.results), names))
 
 
 if __name__ == "__main__":
