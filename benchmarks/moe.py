@@ -61,8 +61,6 @@ ROWS = {"rtn": ("rtn", {"search": False}), "rtn-search": ("rtn", {"expert_import
         # the attention-score projections (q_proj, k_proj) without clipping / on abs-max scales, the rest searched
         "gptq-score-noclip": ("gptq", {"score_rule": "noclip"}),
         "gptq-score-absmax": ("gptq", {"score_rule": "absmax"}),
-        # the scale search weighted by the loss GPTQ books per column, 1 / u_jj^2, instead of diag(H)
-        "gptq-imp": ("gptq", {"importance": "gptq"}),
         "signround2": ("signround2", {"iters": 50, "batch_size": 8})}  # the settings of benchmarks/moe_tuned.py
 SEED_KIND = "calibration windows' draw (organism_data)"  # SignRoundV2's tuning seed is the same number
 

@@ -108,9 +108,6 @@ def _rows() -> dict[str, dict[str, Any]]:
         for rule in ("noclip", "absmax"):
             rows[f"{scheme}/gptq-score-{rule}"] = {"tool": "lowbit", "scheme": scheme, "method": "gptq",
                                                    "settings": {"score_rule": rule}}
-        # the scale search weighted by the loss GPTQ books per column, 1 / u_jj^2 (GPTQSettings.importance)
-        rows[f"{scheme}/gptq-imp"] = {"tool": "lowbit", "scheme": scheme, "method": "gptq",
-                                      "settings": {"importance": "gptq"}}
         for name in list(rows)[first:]:
             rows[name]["ablation"] = True
     # llm-compressor refuses groups that do not divide a row (SmolLM2's 576 columns at g128; lowbit
@@ -134,8 +131,6 @@ def _rows() -> dict[str, dict[str, Any]]:
         for rule in ("noclip", "absmax"):
             rows[f"{scheme}/gptq-score-{rule}"] = {"tool": "lowbit", "scheme": scheme, "method": "gptq",
                                                    "settings": {"score_rule": rule}, "ablation": True}
-        rows[f"{scheme}/gptq-imp"] = {"tool": "lowbit", "scheme": scheme, "method": "gptq",
-                                      "settings": {"importance": "gptq"}, "ablation": True}
     for scheme in ACT_SCHEMES:
         for rot, r in {"": None, **ACT_ROTATIONS}.items():
             base = {"tool": "lowbit", "scheme": scheme, "rotate": r}

@@ -69,7 +69,6 @@ from lowbit.ptq.rtn import searched
 # the Linears whose outputs are multiplied together into attention scores (matched on the last name component)
 SCORE_PROJECTIONS = ("q_proj", "k_proj")
 SCORE_RULES = ("search", "noclip", "absmax")
-IMPORTANCES = ("diag", "gptq")
 DAMP_RETRIES = (0.01, 0.1, 1.0)  # dampening tried, in order, when a Hessian is not positive definite
 CHUNK = 8  # samples per block forward while collecting Hessians
 
@@ -128,10 +127,6 @@ class GPTQSettings:
     score_rule: str = knob("search", "with --search: the scale rule of the attention-score projections (q_proj, "
                                      "k_proj), the rest searched: search, noclip (scales at or above abs-max, INT "
                                      "only) or absmax", choices=SCORE_RULES)
-    importance: str = knob("diag", "with --search: the importance weighting the scale search's error: diag "
-                                   "(H's diagonal, the rounding loss without compensation) or gptq (1 / u_jj^2, the "
-                                   "loss GPTQ itself books for each column after the later columns compensate)",
-                           choices=IMPORTANCES)
     choose_rule: bool = knob(False, "with --search: GPTQ copies of the model with searched and with abs-max scales "
                                     "from half the calibration windows, compare their loss on the other half (two "
                                     "folds), then quantize with the better rule (3.5x the CPU time on the MoE organism, a second copy of "
@@ -156,11 +151,6 @@ class GPTQSettings:
         if self.score_rule != "search" and not self.search:
             raise ConfigError("--score-rule changes the searched scales of q_proj / k_proj; with --no-search every "
                               "scale is abs-max already: drop one of them")
-        if self.importance not in IMPORTANCES:
-            raise ConfigError(f"importance must be one of {IMPORTANCES}, got {self.importance!r}")
-        if self.importance != "diag" and not self.search:
-            raise ConfigError("--importance weights the scale search; with --no-search the scales are abs-max: drop "
-                              "one of them")
         if self.choose_rule and not self.search:
             raise ConfigError("--choose-rule chooses between the searched and abs-max scales; with --no-search there "
                               "is nothing to choose: drop one of them")
@@ -324,8 +314,6 @@ def gptq_matrix(w: torch.Tensor, h: torch.Tensor, scheme: Scheme, settings: GPTQ
     else:
         perm = torch.argsort(imp, descending=True, stable=True)
     u, d = inverse_factor(h, settings.damp, where, perm, diag)
-    if settings.importance == "gptq":
-        imp = gptq_importance(u, perm)
     ng = -(-n // grid.round_g)
     scale = torch.zeros(rows, ng, device=w.device)
     zero = torch.zeros(rows, ng, device=w.device) if grid.zeros else None
@@ -337,21 +325,6 @@ def gptq_matrix(w: torch.Tensor, h: torch.Tensor, scheme: Scheme, settings: GPTQ
     out = torch.empty_like(q)
     out[:, perm] = q
     return out, grid.tensors(out, *loop.scales()), d
-
-
-def gptq_importance(u: torch.Tensor, perm: torch.Tensor) -> torch.Tensor:
-    """Each column's weight in the loss GPTQ books for it: ``1 / u_jj^2`` (``u`` the upper factor of the permuted
-    ``H^-1``), in the columns' own order.
-
-    GPTQ's loss for rounding column ``j`` is ``(w_j - q_j)^2 / u_jj^2``: ``1 / u_jj^2`` is the Schur complement of
-    ``H`` on the columns not yet rounded, i.e. ``H_jj`` less what the later columns can absorb. The first columns
-    of act-order (the most energetic, and the most correlated with the rest) weigh much less than ``H_jj`` says,
-    the last ones exactly ``H_jj``. A scale search weighted by ``diag(H)`` prices every column as if no other
-    could compensate it.
-    """
-    imp = torch.empty(u.shape[0], dtype=torch.float32, device=u.device)
-    imp[perm] = u.diagonal().float().pow(-2)
-    return imp
 
 
 def group_aware_order(imp: torch.Tensor, group: int) -> torch.Tensor:
@@ -673,8 +646,7 @@ def _quantize(model: nn.Module, plan: Plan, settings: GPTQSettings, ctx: RunCont
         materialize(model)  # both copies whole: the loss needs every block
         return choose_rule(model, lambda m, c, search: _quantize(
             m, plan if search else _absmax(plan), dataclasses.replace(
-                settings, search=search, choose_rule=False, score_rule=settings.score_rule if search else "search",
-                importance=settings.importance if search else "diag"),
+                settings, search=search, choose_rule=False, score_rule=settings.score_rule if search else "search"),
             dataclasses.replace(ctx, calib=c)), ctx.calib, ctx.device)
     recorded, opts, plan = _work(settings, plan, ctx)
     return plan, quantize_blockwise(model, plan, GPTQTuner(settings), recorded, ctx, opts)
