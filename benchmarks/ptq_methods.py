@@ -242,7 +242,7 @@ def _interpreter(spec: dict, peer_python: str | None) -> str | None:
     return sys.executable if spec["tool"] == "lowbit" else peer_python
 
 
-def run_row(name: str, peer_python: str | None, model: str = "bundled") -> dict | None:
+def run_row(name: str, peer_python: str | None, model: str = "bundled", results: str = RESULTS) -> dict | None:
     python = _interpreter(ROWS[name], peer_python)
     if python is None:
         print(f"== {name}: skipped (no --peer-python)", file=sys.stderr, flush=True)
@@ -256,7 +256,7 @@ def run_row(name: str, peer_python: str | None, model: str = "bundled") -> dict 
         print(f"== {name} failed ({out.returncode}):\n{out.stderr[-3000:]}", file=sys.stderr, flush=True)
         return None
     row = json.loads(out.stdout.strip().splitlines()[-1])
-    merge_row(RESULTS, row, key, protocol=__doc__.split("\n\n")[1].replace("\n", " "))
+    merge_row(results, row, key, protocol=__doc__.split("\n\n")[1].replace("\n", " "))
     print(f"== {name}: ppl {row['ppl']:.3f}  {row['seconds']} s  peak {row['peak_rss_mib']} MiB", file=sys.stderr,
           flush=True)
     return row
@@ -329,6 +329,8 @@ def main() -> None:
     p.add_argument("--model", choices=MODELS, default="bundled", help=MODEL_HELP)
     p.add_argument("--list", action="store_true")
     p.add_argument("--table", action="store_true", help="print the results as a markdown table")
+    p.add_argument("--results", default=RESULTS, help=f"results file under benchmarks/results (default {RESULTS}; "
+                                                       "another machine's rows go to a file of their own)")
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
     a = p.parse_args()
     if a.child:
@@ -339,13 +341,13 @@ def main() -> None:
             print(("* " if n in DEFAULT else "  ") + n, json.dumps(ROWS[n]))
         return
     if a.table:
-        print(table(json.loads(result_path(RESULTS).read_text())["rows"], a.model))
+        print(table(json.loads(result_path(a.results).read_text())["rows"], a.model))
         return
     names = select(a.rows)
     if a.model == "offgrid":
         offgrid_folder()  # made (once) here, not by two children at once
     with ThreadPoolExecutor(max_workers=max(1, a.jobs)) as pool:
-        list(pool.map(lambda n: run_row(n, a.peer_python, a.model), names))
+        list(pool.map(lambda n: run_row(n, a.peer_python, a.model, a.results), names))
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@ int8 by default), so they agree to that rounding, not bit for bit: a wrong zero 
 scale, packing order or layout moves log-probabilities by whole units.
 """
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -35,6 +36,14 @@ AVX512 = torch.cpu._is_avx512_supported()
 NO_INT4 = pytest.mark.skipif(not AVX512, reason="vLLM CPU's INT4 kernels (cpu_gemm_wna16, its WNA16 MoE backend) are "
                              "only in its AVX-512 build and this CPU has no AVX-512: vLLM refuses the export "
                              "(benchmarks/results/engines.md, 'CPUs without AVX-512')")
+# its INT4 MoE backends are narrower still: CPUExpertsInt4 needs AMX (experts/cpu_moe.py, _supports_current_device)
+# and ZentorchExpertsInt4 needs AMD's zentorch plugin; an AVX-512 CPU with neither (an AMD EPYC here) is refused
+AMX = torch.cpu._is_amx_tile_supported()
+NO_INT4_MOE = pytest.mark.skipif(
+    not AMX and importlib.util.find_spec("zentorch") is None,
+    reason="vLLM CPU's INT4 MoE backends need AMX (CPUExpertsInt4) or AMD's zentorch plugin (ZentorchExpertsInt4); this "
+           "CPU has no AMX and zentorch is not installed: vLLM refuses the export with 'No WNA16 MoE backend supports the "
+           "deployment configuration' (benchmarks/results/engines.md)")
 SERVE = textwrap.dedent("""
     import json, sys
     from vllm import LLM, SamplingParams
@@ -131,6 +140,7 @@ def tiny_moe(arch: str = "qwen3_moe"):
 
 
 @NO_INT4
+@NO_INT4_MOE
 @pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral", "qwen2_moe", "olmoe"])
 def test_vllm_serves_lowbit_moe_export_with_lowbits_logits(tmp_path, arch):
     """Per-expert W4 g128 experts (vLLM's CompressedTensorsWNA16MoEMethod, CPUExpertsInt4 on AMX: int8 activations);
@@ -149,3 +159,34 @@ def test_vllm_serves_lowbit_moe_export_with_lowbits_logits(tmp_path, arch):
     # 0.015 / 1.06, qwen2_moe 0.007 / 0.04; the float qwen3_moe 0.0025 / 0.015; same argmax: mixtral 88 %, the others
     # above 90 %). A layout error is far outside: gate and up swapped gave mean 0.28 and the same argmax at 7 %
     served_like_lowbit(model, tmp_path / "ct", f"{arch} w4g128", mean=0.03, most=2.0, agree=0.8)
+
+
+@pytest.mark.skipif(not AVX512, reason="vLLM CPU's FP8 KV cache write is only in its AVX-512 build (cpu_attn.py "
+                    "_get_attn_isa refuses FP8 KV without AVX-512 or AMX) and this CPU has no AVX-512")
+def test_vllm_cpu_fp8_cache_write_is_the_probes_truncating_cast():
+    """vLLM CPU's compiled FP8 KV cache write (``cpu_attn_reshape_and_cache``, the VEC ISA) stores, byte for byte, what
+    `benchmarks.kv_vllm_probe` emulates: x / scale in float32, clamped to +-448, the E4M3 mantissa truncated. This is
+    the evidence behind engines.md's explanation of vLLM's FP8-KV perplexity gap (its CUDA kernels and lowbit round to
+    nearest). Scales are not powers of two; magnitudes span saturation (|x| / scale > 448) down to subnormals."""
+    from vllm import _custom_ops as ops
+
+    from benchmarks.kv_vllm_probe import _toward_zero
+
+    n, heads, dim, block = 32, 2, 64, 32
+    g = torch.Generator().manual_seed(0)
+    spread = torch.logspace(-5, 1, n)[:, None, None]  # rows from deep subnormal to saturating
+    key = (torch.randn(n, heads, dim, generator=g) * spread).to(torch.bfloat16)
+    value = (torch.randn(n, heads, dim, generator=g) * spread).to(torch.bfloat16)
+    for k_scale, v_scale in ((0.0123, 0.0071), (0.05, 0.3)):
+        cache = torch.zeros(1, heads, 2 * block, dim, dtype=torch.uint8)  # one block, keys then values
+        kc, vc = cache.chunk(2, dim=2)
+        ops.cpu_attn_reshape_and_cache(key, value, kc, vc, torch.arange(n), "vec", k_scale=k_scale, v_scale=v_scale,
+                                       kv_cache_dtype="fp8")
+        # the VEC layout holds each block's keys transposed ([heads, dim, block]) and its values as [heads, block, dim]
+        got_k = kc.contiguous().view(heads, dim, block).permute(2, 0, 1)[:n]
+        got_v = vc.contiguous().view(heads, block, dim).permute(1, 0, 2)[:n]
+        for got, x, s in ((got_k, key, k_scale), (got_v, value, v_scale)):
+            y = (x.float() * (1.0 / s)).clamp(-448.0, 448.0)
+            assert torch.equal(got, _toward_zero(y).view(torch.uint8)), "vLLM's cache bytes are not the truncated cast"
+            nearest = y.to(torch.float8_e4m3fn).view(torch.uint8)
+            assert (got != nearest).float().mean() > 0.3, "the inputs do not tell truncation from rounding to nearest"
