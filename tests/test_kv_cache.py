@@ -105,7 +105,8 @@ def test_nvfp4_blocks_of_16_along_head_dim():
     s = KVScheme.parse("nvfp4")
     scale = kv_scale(x.abs().amax().reshape(1), s)
     out = qdq_kv(x, s, scale)
-    assert torch.equal(out, qdq_input(x, InputScheme.parse("nvfp4"), x.abs().amax()))
+    # the tensor scale's abs-max is the stored scale times 6 (amax / 6 * 6 is not always amax in float32)
+    assert torch.equal(out, qdq_input(x, InputScheme.parse("nvfp4"), scale.reshape(()) * 6))
     assert out.reshape(-1, 16).unique(dim=-1).shape[-1] <= 16 and not torch.equal(out, x)
 
 
