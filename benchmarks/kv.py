@@ -17,6 +17,7 @@ bytes an element).
     python -m benchmarks.kv --model offgrid --seqlen 2048 --windows 1
     python -m benchmarks.kv --model organism-moe --windows 8 --nsamples 8   # the float MoE organism, 1024 tokens
     python -m benchmarks.kv --weights float --kv none,int4:block=16,mix:int8+int4@6 --seqlen 2048 --windows 3
+    python -m benchmarks.kv --weights float --kv none,fp8,fp8:center=rope --seqlen 8192 --windows 3 --threads 1
 
 ``--model organism`` / ``organism-moe``: a float organism of ``benchmarks/organism.py`` (a model trained in 32-bit
 floats here, not a dequantized GGUF; ``--organism DIR`` for another folder): its own saved token ids, the

@@ -105,14 +105,16 @@ def test_nvfp4_blocks_of_16_along_head_dim():
     s = KVScheme.parse("nvfp4")
     scale = kv_scale(x.abs().amax().reshape(1), s)
     out = qdq_kv(x, s, scale)
-    assert torch.equal(out, qdq_input(x, InputScheme.parse("nvfp4"), x.abs().amax()))
+    # the tensor scale's abs-max is the stored scale times 6 (amax / 6 * 6 is not always amax in float32)
+    assert torch.equal(out, qdq_input(x, InputScheme.parse("nvfp4"), scale.reshape(()) * 6))
     assert out.reshape(-1, 16).unique(dim=-1).shape[-1] <= 16 and not torch.equal(out, x)
 
 
 @pytest.mark.parametrize("name", ["fp8", "fp8-head", "fp8-token", "int8", "int8-head", "int8-token", "int4",
                                   "int4:block=16", "nvfp4", "nvfp4:rule=4over6", "mxfp4", "int4-rot", "fp8-rot",
                                   "int4-rot:block=16", "fp8:center", "int4-rot:block=16,center",
-                                  "fp8:scale=attn,center", "fp8-token:center"])
+                                  "fp8:scale=attn,center", "fp8-token:center", "fp8:center=rope",
+                                  "fp8-rot:center=rope", "int4:center=rope", "fp8-head:scale=amax,center=rope"])
 def test_names_round_trip(name):
     s = KVScheme.parse(name)
     assert KVScheme.parse(s.name) == s and s.name == name
@@ -318,6 +320,119 @@ def test_centered_cache_holds_fp8_of_the_centered_keys_and_scores_move_by_a_cons
     assert (qf @ err_centered.transpose(-1, -2)).pow(2).mean() < 0.5 * (qf @ err_plain.transpose(-1, -2)).pow(2).mean()
 
 
+# ------------------------------------------------------------------ pre-RoPE centering (:center=rope)
+def _pre_rope_keys(model, ids, layer: int = 0) -> torch.Tensor:
+    """Layer ``layer``'s keys before RoPE, ``[b, kv_heads, t, head_dim]``, as its k_proj outputs them (Llama has no
+    key norm): an independent reference for the offset, which lowbit takes by unrotating the post-RoPE keys."""
+    seen = []
+    attn = model.model.layers[layer].self_attn
+    h = attn.k_proj.register_forward_hook(lambda m, i, o: seen.append(o.detach().clone()))
+    with torch.no_grad():
+        model(input_ids=ids, use_cache=False)
+    h.remove()
+    b, t, _ = seen[0].shape
+    return seen[0].reshape(b, t, -1, attn.head_dim).transpose(1, 2)
+
+
+def _rope_of(model, ids, x: torch.Tensor) -> torch.Tensor:
+    """``x [1 or b, heads, 1 or t, d]`` with transformers' own RoPE at positions 0..t-1 of ``ids``."""
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    pos = torch.arange(ids.shape[1]).expand(ids.shape[0], -1)
+    cos, sin = model.model.rotary_emb(torch.zeros(1, dtype=torch.float32), pos)
+    x = x.expand(ids.shape[0], -1, ids.shape[1], -1)
+    return apply_rotary_pos_emb(x, x, cos, sin)[1]
+
+
+@pytest.mark.parametrize("kv, folded", [("fp8:center=rope", False), ("fp8-rot:center=rope", True),
+                                        ("int4:center=rope", False), ("fp8-head:center=rope", False)])
+def test_pre_rope_centering_alone_keeps_the_float_function(monkeypatch, kv, folded):
+    """With the rounding taken out, the pre-RoPE offset turned to each position, subtracted and added back, leaves
+    the logits as they were; the offset is the mean of what k_proj outputs (the keys before RoPE)."""
+    from lowbit.nn import kv_quant
+
+    model = tiny(rope_theta=100.0)  # a fast RoPE: the pairs turn a lot over 24 positions
+    with torch.no_grad():
+        if folded:
+            fold_value_rotation(model)
+        ref = model(input_ids=IDS).logits
+    pre = _pre_rope_keys(model, IDS)
+    monkeypatch.setattr(kv_quant, "qdq_kv", lambda x, s, scale=None: x)
+    calibrate_kv(model, IDS, KVScheme.parse(kv), values_folded=folded)
+    attn = model.model.layers[0].self_attn
+    assert torch.allclose(attn.k_offset, pre.mean(dim=(0, 2)), atol=1e-5)
+    with torch.no_grad():
+        assert torch.allclose(model(input_ids=IDS).logits, ref, atol=2e-5)
+        cache = DynamicCache(config=model.config)  # generation: the prompt, then one token at position 24
+        model(input_ids=IDS, past_key_values=cache, use_cache=True)
+        step = model(input_ids=IDS[:, :1], past_key_values=cache, use_cache=True).logits[:, -1]
+    remove_kv(model)
+    with torch.no_grad():
+        plain = DynamicCache(config=model.config)
+        model(input_ids=IDS, past_key_values=plain, use_cache=True)
+        assert torch.allclose(step, model(input_ids=IDS[:, :1], past_key_values=plain, use_cache=True).logits[:, -1],
+                              atol=2e-5)
+
+
+def test_pre_rope_centered_cache_holds_fp8_of_the_keys_minus_the_turned_mean():
+    """fp8:center=rope stores fp8((k_t - RoPE_t(m)) / s) with m the pre-RoPE mean and s the mean over calibration
+    rows of each row's abs-max of k_t - RoPE_t(m), over 448 (rowmax); the cache reads that plus RoPE_t(m)."""
+    model = tiny(rope_theta=100.0)
+    float_keys = _cache_keys(model, IDS)[0]
+    pre = _pre_rope_keys(model, IDS)
+    calibrate_kv(model, IDS, KVScheme.parse("fp8:center=rope"))
+    attn = model.model.layers[0].self_attn
+    turned = _rope_of(model, IDS, pre.mean(dim=(0, 2)).reshape(1, 2, 1, 32))
+    centered = float_keys - turned
+    s = centered.abs().amax(dim=(1, 2, 3)).mean() / 448
+    assert torch.allclose(attn.k_scale, s.reshape(1), rtol=1e-5)
+    k_hat = _cache_keys(model, IDS)[0]  # layer 0 sees float inputs
+    assert torch.allclose(k_hat, fp8((float_keys - turned) / attn.k_scale) * attn.k_scale + turned, atol=1e-5)
+
+
+def test_pre_rope_centering_removes_a_constant_channel_that_the_cache_mean_cannot():
+    """Keys whose one RoPE pair is a large constant before RoPE: after RoPE its mean over positions is ~0, so
+    :center leaves it in place, while :center=rope takes it out and FP8's error on the scores falls."""
+    from lowbit.nn.kv_quant import rope_turn
+
+    g = torch.Generator().manual_seed(0)
+    t, d = 512, 32
+    pre = torch.randn(1, 1, t, d, generator=g)
+    pre[..., 5], pre[..., 5 + d // 2] = pre[..., 5] * 0.5 - 13, pre[..., 5 + d // 2] * 0.5 + 6
+    pos = torch.arange(t, dtype=torch.float32)
+    inv = 100.0 ** (-torch.arange(0, d, 2, dtype=torch.float32) / d)
+    ang = torch.cat([pos[:, None] * inv, pos[:, None] * inv], dim=-1)[None]  # [1, t, d]
+    rope = (ang.cos(), ang.sin())
+    k = rope_turn(pre, rope)
+    s8 = KVScheme.parse("fp8")
+    m_cache, m_pre = k.mean(dim=(0, 2), keepdim=True), pre.mean(dim=(0, 2), keepdim=True)
+    errs = {}
+    for name, off in (("plain", torch.zeros_like(k)), ("center", m_cache.expand_as(k)),
+                      ("rope", rope_turn(m_pre, rope))):
+        c = k - off
+        errs[name] = qdq_kv(c, s8, kv_scale(c.abs().amax(), s8)) - c
+    q = torch.randn(1, 1, 64, d, generator=g) + rope_turn(m_pre, rope)[:, :, :64] / 4  # queries reading the pair
+    score_err = {n: (q @ e.transpose(-1, -2)).pow(2).mean() for n, e in errs.items()}
+    assert score_err["rope"] < 0.25 * score_err["center"] and score_err["center"] > 0.5 * score_err["plain"]
+
+
+def test_pre_rope_centering_refuses_partial_rope_and_needs_centering():
+    with pytest.raises(SchemeError, match="center=rope.*centering"):
+        KVScheme(KVScheme.parse("fp8").elements, prerope=True)
+    with pytest.raises(SchemeError, match="unknown centering 'center=cache'"):
+        KVScheme.parse("fp8:center=cache")
+    assert "prerope" not in KVScheme.parse("fp8:center").to_dict()  # manifests of other schemes read as before
+    from transformers import Phi3Config, Phi3ForCausalLM
+
+    torch.manual_seed(0)
+    model = Phi3ForCausalLM(Phi3Config(hidden_size=128, intermediate_size=128, num_hidden_layers=1,
+                                       num_attention_heads=4, num_key_value_heads=2, vocab_size=256,
+                                       partial_rotary_factor=0.5, pad_token_id=0)).eval()
+    with pytest.raises(ModelError, match="applies RoPE to 16 of its 32 head channels.*:center for this model"):
+        calibrate_kv(model, IDS, KVScheme.parse("fp8:center=rope"))
+    calibrate_kv(model, IDS, KVScheme.parse("fp8:center"))  # the cache-frame mean needs no RoPE
+
+
 def test_centering_needs_calibration_even_for_dynamic_scales():
     with pytest.raises(ConfigError, match="int4:center has static scales or centering offsets"):
         calibrate_kv(tiny(), None, KVScheme.parse("int4:center"))
@@ -353,7 +468,7 @@ def _quantized(scheme: str = "w8", kv: str = "fp8"):
     return model
 
 
-@pytest.mark.parametrize("kv", ["fp8-head", "nvfp4-rot", "fp8:center", "int4:center"])
+@pytest.mark.parametrize("kv", ["fp8-head", "nvfp4-rot", "fp8:center", "int4:center", "fp8:center=rope"])
 def test_native_checkpoint_keeps_scales_and_scheme(tmp_path, kv):
     from lowbit.files.native import load, read_manifest, save
 
@@ -365,11 +480,12 @@ def test_native_checkpoint_keeps_scales_and_scheme(tmp_path, kv):
 
     assert inspect(tmp_path / "q")["kv_cache"] == kv
     back, _ = load(tmp_path / "q")
-    bufs = [*(SCALES if not kv.startswith("int4") else ()), *(OFFSETS if kv.endswith(":center") else ())]
+    centered = kv.endswith((":center", ":center=rope"))
+    bufs = [*(SCALES if not kv.startswith("int4") else ()), *(OFFSETS if centered else ())]
     for name, attn in attention_modules(model).items():
         for buf in bufs:
             assert torch.equal(getattr(attention_modules(back)[name], buf), getattr(attn, buf))
-        if kv.endswith(":center"):
+        if centered:
             assert attn.k_offset.shape == (2, 32) and attn.k_offset.abs().amax() > 0
     with torch.no_grad():
         assert torch.equal(back(input_ids=IDS).logits, model(input_ids=IDS).logits)
@@ -420,7 +536,7 @@ def test_compressed_tensors_export_and_transformers_readback(tmp_path):
 
 
 @pytest.mark.parametrize("kv", ["int8", "fp8-token", "int4", "fp8-rot", "fp8:center", "fp8-head:center",
-                                "fp8-token:center"])
+                                "fp8-token:center", "fp8:center=rope"])
 def test_compressed_tensors_refuses_kv_vllm_cannot_read(tmp_path, kv):
     pytest.importorskip("compressed_tensors")
     from lowbit.files import compressed_tensors as ct

@@ -40,7 +40,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "largest calibration abs-max; default: the mean over calibration rows of each row's abs-max), "
                         "fp8:scale=attn (searched by the attention output's error), fp8:center (any scheme: a calibrated "
                         "per-head, per-channel mean subtracted before quantizing and added back; exact in function, "
-                        "lowbit-only: vLLM's cache holds no offset). Several, with --kv-bits: the candidates of a "
+                        "lowbit-only: vLLM's cache holds no offset), fp8:center=rope (the keys' mean taken before "
+                        "RoPE and turned to each position: what long contexts need; lowbit-only). Several, with "
+                        "--kv-bits: the candidates of a "
                         "per-layer choice")
     p.add_argument("--kv-bits", metavar="B", type=float, default=None,
                    help="mixed-precision KV cache: each layer gets one of the --kv schemes (e.g. --kv fp8,int8,int4), "

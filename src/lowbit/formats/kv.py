@@ -29,6 +29,20 @@ whose rounding error is a different score error for every key; centered, they ar
 cache holds ``fp8(x / k_scale)`` with no offset, so a centered cache is lowbit-only (the
 compressed-tensors export refuses it, `lowbit.files.kv_export`).
 
+``center=rope`` (``fp8:center=rope``, ``fp8-rot:center=rope``) takes the keys' mean before the
+rotary embedding instead, ``m`` per KV head and channel, and subtracts it turned to each token's
+position: the cache stores ``Q(k_t - RoPE_t(m))`` and the attention reads ``Q(...) + RoPE_t(m)``.
+Why: the large key channels are nearly constant *before* RoPE, but RoPE turns each pair by its
+frequency times the position, so after RoPE their mean over a calibration row is not the value at
+position 8000 (the slow pairs of SmolLM2 turn by ~3 rad over 8192 tokens): a post-RoPE offset from
+512-token calibration rows leaves most of the channel in place at long context. Exact in function in
+lowbit's forward, as ``center``; unlike ``center``, a kernel that drops the offset would change
+``q_s . RoPE_t(m)`` with ``t``, so a kernel must add it back (lowbit-only: no engine stores it).
+Values have no RoPE; they are centered as by ``center``. Measured on the bundled model (kv.md, sixth
+run; 512-token calibration rows): FP8 with ``center`` costs +1.26 % at 2048 tokens and +13.6 % at 8192
+(its offset misses, and its scale clips, far from the calibration positions); ``center=rope`` +0.24 % and
++0.47 %. Use ``center`` only within the calibration rows' length.
+
 Static scales are stored as ``amax / qmax`` (for E4M3 ``amax / 448``: vLLM's meaning of
 ``k_scale``, ``fp8 value = x / k_scale``), one float per layer or per KV head. Which abs-max:
 ``scale=rowmax`` (the default of ``fp8`` / ``fp8-head``) takes each calibration row's
@@ -69,6 +83,7 @@ ROTATE_SUFFIX = "-rot"
 SCALE_RULES = ("amax", "rowmax", "attn")  # how static scales are calibrated: scale=amax|rowmax|attn
 ROW_RULES = ("amax", "rowmax")  # the statistic over calibration rows of each row's abs-max (`typical_amax`)
 CENTER = "center"  # the option that subtracts a calibrated mean per head and channel before quantization
+ROPE_CENTER = "center=rope"  # the same with the keys' mean taken before RoPE and turned to each token's position
 FLAGS = ("per_head", "rotate", "search", "center")  # KVScheme's switches, in field order
 
 
@@ -84,6 +99,7 @@ class KVScheme:
     search: bool = False  # static E4M3: scales chosen by the attention output's error (scale=attn), not amax/448
     center: bool = False  # a calibrated per-(head, channel) mean subtracted before quantization, added back after
     rule: str = "amax"  # static scales: the abs-max over all calibration rows (amax) or its mean over rows (rowmax)
+    prerope: bool = False  # center=rope: the keys' offset is a pre-RoPE mean, rotated to each token's position
 
     def __post_init__(self) -> None:
         if not isinstance(self.elements, InputScheme):
@@ -96,6 +112,8 @@ class KVScheme:
                               "has none to search (drop scale=attn)")
         if self.rule not in ROW_RULES:
             raise SchemeError(f"unknown KV scale rule {self.rule!r}; valid: {', '.join(ROW_RULES)}")
+        if self.prerope and not self.center:
+            raise SchemeError("a pre-RoPE key offset (center=rope) is a form of centering; set center too")
         if self.rule != "amax" and (self.search or not self.elements.needs_calibration):
             raise SchemeError(f"scale={self.rule} is a rule for calibrated static scales; "
                               + ("scale=attn searches around amax / qmax (give one scale= option)" if self.search
@@ -130,23 +148,27 @@ class KVScheme:
         return 2 * layers * kv_heads * per_row
 
     def to_dict(self) -> dict[str, Any]:
-        return {"elements": self.elements.to_dict(), "per_head": self.per_head, "rotate": self.rotate,
-                "search": self.search, "center": self.center, "rule": self.rule}
+        """The manifest entry; ``prerope`` only where set, so every entry written before it existed reads the same."""
+        d = {"elements": self.elements.to_dict(), "per_head": self.per_head, "rotate": self.rotate,
+             "search": self.search, "center": self.center, "rule": self.rule}
+        return d | ({"prerope": True} if self.prerope else {})
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> KVScheme:
         """A manifest's entry; one written before ``search`` / ``center`` / ``rule`` existed had neither (false;
         ``amax``: the only rule then, and a checkpoint's scales are used as stored anyway)."""
-        unknown = set(d) - {"elements", *FLAGS, "rule"}
+        unknown = set(d) - {"elements", *FLAGS, "rule", "prerope"}
         if unknown or "elements" not in d:
-            raise SchemeError(f"a KV scheme holds 'elements', {', '.join(map(repr, FLAGS))}; got {sorted(d)}")
+            raise SchemeError(f"a KV scheme holds 'elements', {', '.join(map(repr, FLAGS))}, 'rule', 'prerope'; "
+                              f"got {sorted(d)}")
         flags = [d.get(k, False) for k in FLAGS]
-        if any(type(f) is not bool for f in flags):
-            raise SchemeError(f"a KV scheme's {', '.join(FLAGS)} must be true or false")
+        prerope = d.get("prerope", False)
+        if any(type(f) is not bool for f in (*flags, prerope)):
+            raise SchemeError(f"a KV scheme's {', '.join(FLAGS)}, prerope must be true or false")
         rule = d.get("rule", "amax")
         if not isinstance(rule, str):
             raise SchemeError(f"a KV scheme's rule must be one of {', '.join(ROW_RULES)}, got {rule!r}")
-        return cls(InputScheme.from_dict(dict(d["elements"])), *flags, rule=rule)
+        return cls(InputScheme.from_dict(dict(d["elements"])), *flags, rule=rule, prerope=prerope)
 
     @classmethod
     def parse(cls, text: str | KVScheme) -> KVScheme:
@@ -162,12 +184,12 @@ class KVScheme:
                               f"{', '.join(PRESETS)} (add -rot for the Hadamard rotation, :key=value for options "
                               "of the element format, e.g. int4:block=64)")
         preset = PRESETS[base]
-        rule, center, rest = _kv_options(opts)
+        rule, center, prerope, rest = _kv_options(opts)
         elements = preset.elements.with_options(rest) if rest else preset.elements
         search = rule == "attn"  # never by default: the search measured no better (benchmarks/results/kv.md)
         row_rule = ("amax" if search else rule) if rule is not None else \
             (preset.rule if elements.needs_calibration else "amax")  # a preset's default where options keep a scale
-        return cls(elements, preset.per_head, rotate, search, center, row_rule)
+        return cls(elements, preset.per_head, rotate, search, center, row_rule, prerope)
 
     def __str__(self) -> str:
         return self.name
@@ -178,19 +200,24 @@ def searchable(e: InputScheme) -> bool:
     return e.static and e.elem == "e4m3"
 
 
-def _kv_options(opts: str) -> tuple[str | None, bool, str]:
-    """``scale=amax|rowmax|attn`` (None: not given) and ``center`` taken out of the options, and the element format's
-    options left."""
-    rule, center, rest = None, False, []
+def _kv_options(opts: str) -> tuple[str | None, bool, bool, str]:
+    """``scale=amax|rowmax|attn`` (None: not given), ``center`` and ``center=rope`` (centered, pre-RoPE) taken out of
+    the options, and the element format's options left."""
+    rule, center, prerope, rest = None, False, False, []
     for item in filter(None, opts.split(",")):
         key, _, value = item.partition("=")
         if key.strip() == "scale" and value.strip() in SCALE_RULES:
             rule = value.strip()
         elif item.strip() == CENTER:
             center = True
+        elif item.replace(" ", "") == ROPE_CENTER:
+            center = prerope = True
+        elif key.strip() == CENTER:
+            raise SchemeError(f"unknown centering {item.strip()!r}; valid: {CENTER} (the cache's mean), "
+                              f"{ROPE_CENTER} (the keys' mean before RoPE)")
         else:
             rest.append(item)
-    return rule, center, ",".join(rest)
+    return rule, center, prerope, ",".join(rest)
 
 
 def _scale_bytes(scale: str) -> float:
@@ -213,7 +240,7 @@ def _base_name(s: KVScheme) -> str:
     elif s.rule != PRESETS[best].rule:
         opts.append(f"scale={s.rule}")
     if s.center:
-        opts.append(CENTER)
+        opts.append(ROPE_CENTER if s.prerope else CENTER)
     return f"{best}:{','.join(opts)}" if opts else best
 
 

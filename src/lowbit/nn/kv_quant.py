@@ -30,6 +30,14 @@ scores move by one constant, which softmax ignores; values' ``mu`` comes back af
 attention (its probabilities sum to 1). Adding ``mu`` here keeps that function for any
 attention, softcapped or with sinks included. Calibration keeps, per head and channel, the
 sum, max and min, so the scale around the mean comes from the same single pass.
+
+Pre-RoPE centering (``:center=rope``): ``k_offset`` holds the mean of the keys *before* the rotary
+embedding, ``m``, and each token's keys are centered by ``RoPE_t(m)``, that mean turned to the
+token's position (the attention's own ``cos`` / ``sin``, read by the pre-hook from its
+``position_embeddings`` argument; rotate-half RoPE over the whole head, as every transformers
+attention lowbit instruments applies it). The calibration unrotates each key, ``RoPE_t^-1(k_t)``,
+to take the mean, then runs a second pass for the scale of the centered keys (their abs-max
+depends on the mean). Values are centered as by ``:center``.
 """
 
 from __future__ import annotations
@@ -77,6 +85,7 @@ class KVState:
     calls: int = 0
     rotation: torch.Tensor | None = field(default=None, repr=False)
     score: KVScore | None = None  # DeltaLoss: the first-order loss change of this layer's KV quantization
+    centered_pass: bool = False  # center=rope calibration, second pass: the centered keys' abs-max per row
 
 
 @dataclass
@@ -113,12 +122,12 @@ class KVScore:
 class QuantizedCache:
     """What an instrumented attention sees as its cache: ``update`` quantizes, then defers to the real one."""
 
-    def __init__(self, attn: nn.Module, inner: Any) -> None:
-        self._attn, self._inner = attn, inner
+    def __init__(self, attn: nn.Module, inner: Any, rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+        self._attn, self._inner, self._rope = attn, inner, rope
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any,
                **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
-        k, v = quantize_kv(self._attn, key_states, value_states)
+        k, v = quantize_kv(self._attn, key_states, value_states, self._rope)
         if self._inner is None:
             return k, v
         return self._inner.update(k, v, layer_idx, *args, **kwargs)
@@ -291,8 +300,42 @@ def _swap_cache(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, di
             inner = kwargs.pop(name)
     if isinstance(inner, QuantizedCache):
         inner = inner._inner
-    kwargs[state.cache_arg] = QuantizedCache(module, inner)
+    rope = _position_embeddings(module, args, kwargs) if state.scheme.prerope else None
+    kwargs[state.cache_arg] = QuantizedCache(module, inner, rope)
     return args, kwargs
+
+
+def _position_embeddings(module: nn.Module, args: tuple, kwargs: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ``(cos, sin)`` the attention applies to its keys (``[batch, tokens, head_dim]``), for ``center=rope``;
+    refused where the attention takes none or rotates only part of each head."""
+    pe = kwargs.get("position_embeddings")
+    if pe is None:
+        with contextlib.suppress(TypeError, ValueError):
+            pe = inspect.signature(type(module).forward).bind(module, *args, **kwargs).arguments.get(
+                "position_embeddings")
+    name = type(module).__name__
+    if not (isinstance(pe, tuple) and len(pe) == 2 and all(isinstance(t, torch.Tensor) for t in pe)):
+        raise ModelError(f"{name} takes no position_embeddings (cos, sin) argument, so lowbit cannot turn a pre-RoPE "
+                         "key offset to each position; use :center instead of :center=rope for this model")
+    if pe[0].shape[-1] != int(module.head_dim):
+        raise ModelError(f"{name} applies RoPE to {pe[0].shape[-1]} of its {module.head_dim} head channels; "
+                         ":center=rope needs it on the whole head (use :center for this model)")
+    return pe
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    """``[x1, x2] -> [-x2, x1]`` over the last dimension: with ``cos`` / ``sin`` repeated over both halves, each
+    pair ``(x_i, x_{i + d/2})`` turns by its angle (the rotate-half RoPE of transformers' attentions)."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def rope_turn(x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], back: bool = False) -> torch.Tensor:
+    """``x [batch or 1, kv_heads, tokens or 1, head_dim]`` turned to each token's position by ``rope`` (cos, sin of
+    ``[batch, tokens, head_dim]``), or back from it; float32."""
+    cos, sin = (t.float().unsqueeze(1).to(x.device) for t in rope)
+    xf = x.float()
+    return xf * cos + _rotate_half(xf) * (-sin if back else sin)
 
 
 # ------------------------------------------------------------------ the quantization
@@ -301,9 +344,14 @@ def _rotate(x: torch.Tensor, h: torch.Tensor, back: bool = False) -> torch.Tenso
     return x.float() @ (h.T if back else h)
 
 
-def quantize_kv(attn: nn.Module, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The keys and values ``attn``'s cache holds for these new ones (observed only, while calibrating)."""
+def quantize_kv(attn: nn.Module, key: torch.Tensor, value: torch.Tensor,
+                rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The keys and values ``attn``'s cache holds for these new ones (observed only, while calibrating); ``rope``:
+    the attention's (cos, sin) for these tokens, which a ``center=rope`` scheme needs."""
     state: KVState = getattr(attn, STATE)
+    if state.scheme.prerope and rope is None:
+        raise ModelError(f"{type(attn).__name__}: a :center=rope KV scheme needs the attention's position embeddings; "
+                         "call the attention through its forward (lowbit's hook reads them there)")
     state.calls += 1
     if state.paused:
         return key, value
@@ -311,14 +359,20 @@ def quantize_kv(attn: nn.Module, key: torch.Tensor, value: torch.Tensor) -> tupl
         key = key if key.requires_grad else key.detach().requires_grad_(True)
         value = value if value.requires_grad else value.detach().requires_grad_(True)
     if state.search is not None:  # calibration: float keys / values, except the one candidate under trial
-        return _trial(attn, state, key, value)
+        return _trial(attn, state, key, value, rope)
     h = state.rotation
     rot_v = h is not None and not state.values_folded
     if state.observed is not None:
-        for name, x in (("k", key if h is None else _rotate(key, h)), ("v", value if not rot_v else _rotate(value, h))):
+        if state.centered_pass:  # center=rope's second pass: the centered keys' abs-max, for their scale
+            _observe(state, "k", _center(key, h, _key_offset(attn, state, rope)))
+            return key, value
+        k_seen = key if h is None else _rotate(key, h)
+        if state.scheme.prerope:  # the mean is taken before RoPE (and before the Hadamard, applied after RoPE)
+            k_seen = rope_turn(key, rope, back=True)
+        for name, x in (("k", k_seen), ("v", value if not rot_v else _rotate(value, h))):
             _observe(state, name, x)
         return key, value
-    kq = _fake_quant(state, key, getattr(attn, "k_scale", None), h, getattr(attn, "k_offset", None))
+    kq = _fake_quant(state, key, getattr(attn, "k_scale", None), h, _key_offset(attn, state, rope))
     vq = _fake_quant(state, value, getattr(attn, "v_scale", None), h if rot_v else None, getattr(attn, "v_offset", None))
     kout, vout = _ste(key, kq), _ste(value, vq)
     if state.score is not None:
@@ -327,10 +381,31 @@ def quantize_kv(attn: nn.Module, key: torch.Tensor, value: torch.Tensor) -> tupl
     return kout, vout
 
 
+def _key_offset(attn: nn.Module, state: KVState, rope: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor | None:
+    """What the keys are centered by: ``k_offset`` (``[kv_heads, head_dim]``, the cache's frame), or under
+    ``center=rope`` the pre-RoPE mean turned to each token's position (``[batch, kv_heads, tokens, head_dim]``,
+    rotated by the Hadamard too where the scheme rotates: `_fake_quant` adds it in that frame)."""
+    offset = getattr(attn, "k_offset", None)
+    if offset is None or not state.scheme.prerope:
+        return offset
+    turned = rope_turn(offset.reshape(1, *offset.shape[:1], 1, offset.shape[-1]), rope)
+    return turned if state.rotation is None else _rotate(turned, state.rotation)
+
+
+def _center(x: torch.Tensor, h: torch.Tensor | None, offset: torch.Tensor) -> torch.Tensor:
+    """``x`` in the frame it is quantized in (rotated by ``h`` if any) minus the offset (`_broadcast_offset`)."""
+    return (x.float() if h is None else _rotate(x, h)) - _broadcast_offset(offset)
+
+
+def _broadcast_offset(offset: torch.Tensor) -> torch.Tensor:
+    """An offset of ``[kv_heads, head_dim]`` as ``[1, kv_heads, 1, head_dim]``; a per-token one unchanged."""
+    return offset.float().reshape(1, offset.shape[0], 1, offset.shape[1]) if offset.dim() == 2 else offset.float()
+
+
 def _observe(state: KVState, name: str, x: torch.Tensor) -> None:
     """Calibration: fold ``x`` (keys or values as they are quantized, rotated if so) into what is kept of them."""
     prev = state.observed.get(name)
-    if state.scheme.center:
+    if state.scheme.center and not state.centered_pass:
         st = ChannelStats.of(x)
         state.observed[name] = st if prev is None else prev.merge(st)
         return
@@ -341,25 +416,26 @@ def _observe(state: KVState, name: str, x: torch.Tensor) -> None:
 def _fake_quant(state: KVState, x: torch.Tensor, scale: torch.Tensor | None, h: torch.Tensor | None,
                 offset: torch.Tensor | None = None) -> torch.Tensor:
     """``x`` as the cache holds it, dequantized: rotated by ``h`` (if any), centered by ``offset`` (if any:
-    ``[kv_heads, head_dim]``, subtracted before quantizing and added back after), quantized, rotated back;
-    ``x``'s dtype."""
+    ``[kv_heads, head_dim]`` or per token, subtracted before quantizing and added back after), quantized, rotated
+    back; ``x``'s dtype."""
     xs = x if h is None else _rotate(x, h)
     if offset is None:
         q = qdq_kv(xs, state.scheme, scale)
     else:
-        mu = offset.to(x.device).reshape(1, offset.shape[0], 1, offset.shape[1])
+        mu = _broadcast_offset(offset.to(x.device))
         q = qdq_kv(xs.float() - mu, state.scheme, scale).float() + mu
     return (q if h is None else _rotate(q, h, back=True)).to(x.dtype)
 
 
-def _trial(attn: nn.Module, state: KVState, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _trial(attn: nn.Module, state: KVState, key: torch.Tensor, value: torch.Tensor,
+           rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     trial = state.search.trial
     if trial is None:
         return key, value
     which, scale = trial
     h = state.rotation
     if which == "k":
-        return _fake_quant(state, key, scale, h, getattr(attn, "k_offset", None)), value
+        return _fake_quant(state, key, scale, h, _key_offset(attn, state, rope)), value
     return key, _fake_quant(state, value, scale, h if not state.values_folded else None, getattr(attn, "v_offset", None))
 
 
@@ -401,8 +477,38 @@ def calibrate_kv(model: nn.Module, batches: Iterable[torch.Tensor] | None, schem
             for short in ("k", "v"):
                 _set_calibrated(attn, state.scheme, short, state.observed[short])
             state.observed = None
+    _prerope_scales(model, attns, batches)
     _search_scales(model, attns, batches)
     return attns
+
+
+def _prerope_scales(model: nn.Module, attns: dict[str, nn.Module], batches: list[torch.Tensor]) -> None:
+    """``center=rope`` with static scales: one more pass over the batches, in float, for the keys' scale around the
+    offsets the first pass set (each row's abs-max of ``k_t - RoPE_t(m)``, which the first pass, before ``m`` was
+    known, could not see), reduced over rows by the scheme's rule."""
+    todo = {n: a for n, a in attns.items()
+            if getattr(a, STATE).scheme.prerope and getattr(a, STATE).scheme.elements.needs_calibration}
+    if not todo:
+        return
+    others = [getattr(a, STATE) for n, a in attns.items() if n not in todo]
+    for attn in todo.values():
+        state = getattr(attn, STATE)
+        state.observed, state.centered_pass = {}, True
+    for st in others:
+        st.paused = True  # float keys / values, as in the first pass
+    device = next(model.parameters()).device
+    try:
+        for batch in batches:
+            model(input_ids=batch.to(device), use_cache=False)
+        for attn in todo.values():
+            state = getattr(attn, STATE)
+            attn.k_scale.copy_(kv_scale(typical_amax(state.observed["k"], state.scheme.rule), state.scheme))
+    finally:
+        for attn in todo.values():
+            state = getattr(attn, STATE)
+            state.observed, state.centered_pass = None, False
+        for st in others:
+            st.paused = False
 
 
 def _set_calibrated(attn: nn.Module, scheme: KVScheme, short: str, seen: Any) -> None:
