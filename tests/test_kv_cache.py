@@ -274,19 +274,26 @@ def test_centering_alone_keeps_the_float_function(monkeypatch, kv, folded):
     logits as they were (to float32 rounding), rotated or not; the offsets are the calibration's means."""
     from lowbit.nn import kv_quant
 
-    model = tiny()
+    attn, float_keys = _centered_without_rounding(monkeypatch, tiny(), kv, folded, lambda m: _cache_keys(m, IDS))
+    h = kv_quant.rotation_matrix(32) if "-rot" in kv else torch.eye(32)
+    assert torch.allclose(attn.k_offset, (float_keys[0] @ h).mean(dim=(0, 2)), atol=1e-6)
+
+
+def _centered_without_rounding(monkeypatch, model, kv: str, folded: bool, probe):
+    """Calibrate ``kv`` on ``model`` (values rotated first when ``folded``) with the rounding taken out and check
+    the logits are the float model's; returns the first attention and ``probe(model)`` taken before calibrating."""
+    from lowbit.nn import kv_quant
+
     with torch.no_grad():
         if folded:
             fold_value_rotation(model)
         ref = model(input_ids=IDS).logits
-        float_keys = _cache_keys(model, IDS)
+        seen = probe(model)
     monkeypatch.setattr(kv_quant, "qdq_kv", lambda x, s, scale=None: x)
     calibrate_kv(model, IDS, KVScheme.parse(kv), values_folded=folded)
-    attn = model.model.layers[0].self_attn
-    h = kv_quant.rotation_matrix(32) if "-rot" in kv else torch.eye(32)
-    assert torch.allclose(attn.k_offset, (float_keys[0] @ h).mean(dim=(0, 2)), atol=1e-6)
     with torch.no_grad():
         assert torch.allclose(model(input_ids=IDS).logits, ref, atol=2e-5)
+    return model.model.layers[0].self_attn, seen
 
 
 def test_centered_cache_holds_fp8_of_the_centered_keys_and_scores_move_by_a_constant_per_query():
@@ -349,20 +356,10 @@ def _rope_of(model, ids, x: torch.Tensor) -> torch.Tensor:
 def test_pre_rope_centering_alone_keeps_the_float_function(monkeypatch, kv, folded):
     """With the rounding taken out, the pre-RoPE offset turned to each position, subtracted and added back, leaves
     the logits as they were; the offset is the mean of what k_proj outputs (the keys before RoPE)."""
-    from lowbit.nn import kv_quant
-
     model = tiny(rope_theta=100.0)  # a fast RoPE: the pairs turn a lot over 24 positions
-    with torch.no_grad():
-        if folded:
-            fold_value_rotation(model)
-        ref = model(input_ids=IDS).logits
-    pre = _pre_rope_keys(model, IDS)
-    monkeypatch.setattr(kv_quant, "qdq_kv", lambda x, s, scale=None: x)
-    calibrate_kv(model, IDS, KVScheme.parse(kv), values_folded=folded)
-    attn = model.model.layers[0].self_attn
+    attn, pre = _centered_without_rounding(monkeypatch, model, kv, folded, lambda m: _pre_rope_keys(m, IDS))
     assert torch.allclose(attn.k_offset, pre.mean(dim=(0, 2)), atol=1e-5)
     with torch.no_grad():
-        assert torch.allclose(model(input_ids=IDS).logits, ref, atol=2e-5)
         cache = DynamicCache(config=model.config)  # generation: the prompt, then one token at position 24
         model(input_ids=IDS, past_key_values=cache, use_cache=True)
         step = model(input_ids=IDS[:, :1], past_key_values=cache, use_cache=True).logits[:, -1]
