@@ -163,14 +163,12 @@ def child(cmd: list[str], log: Path, env: dict | None = None, loads: list[float]
 
 def cpu_model() -> str:
     """This machine's CPU as rows name it (model, AVX-512 or not): CPU seconds of different machines differ, so rows
-    of one shape / scheme / tool measured on different CPUs are kept side by side (``save``'s key), not replaced."""
-    try:
-        info = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return ""
-    model = next((ln.split(":", 1)[1].strip() for ln in info.splitlines() if ln.startswith("model name")), "")
-    flags = next((ln.split(":", 1)[1].split() for ln in info.splitlines() if ln.startswith("flags")), [])
-    return f"{model}{' AVX-512' if 'avx512f' in flags else ''}{' AMX' if 'amx_tile' in flags else ''}"
+    of one shape / scheme / tool measured on different CPUs are kept side by side (``save``'s key), not replaced.
+    /proc/cpuinfo is read by `lowbit.nn.precision`'s parser (``""`` where there is none)."""
+    from lowbit.nn.precision import _cpu_flags, _cpuinfo_field
+
+    flags = _cpu_flags()
+    return f"{_cpuinfo_field('model name')}{' AVX-512' if 'avx512f' in flags else ''}{' AMX' if 'amx_tile' in flags else ''}"
 
 
 def _size(path: Path) -> int:
