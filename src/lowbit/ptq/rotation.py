@@ -54,7 +54,7 @@ from torch import nn
 from lowbit.configs import check_fields
 from lowbit.errors import ConfigError, ModelError
 from lowbit.models.layers import block_path, decoder_blocks, linear_layers
-from lowbit.models.structure import ResidualMap, residual_map
+from lowbit.models.structure import BlockLayout, ResidualMap, residual_map
 from lowbit.nn.input_rotation import attach
 from lowbit.transforms.hadamard import factor, wht, wht_columns
 
@@ -240,13 +240,10 @@ def rotate_model(model: nn.Module, settings: RotationSettings = RotationSettings
     before = _logits(model, probe) if check else None
     info: dict[str, Any] = settings.to_dict()
     if rmap is not None and rot is not None:
-        untied = rmap.tied
-        if untied:
-            untie_head(model, rmap)
-        fold_norms(model, rmap)
-        _rotate(model, rmap, rot)
-        info.update(width=rmap.width, rotated_width=rot.n, kept_channels=rot.kept, untied_head=untied,
-                    **({"hadamard_m": factor(rot.n)} if rot.matrix is None else {}))
+        rotate_tables(model, rmap, rot)
+        for bname in rmap.blocks:
+            rotate_block(model.get_submodule(bname), rmap.layout, rot)
+        info.update(_residual_info(rmap, rot))
     for name in online:
         attach(model.get_submodule(name))
     info["online_layers"] = len(online)
@@ -302,13 +299,15 @@ def fold_norms(model: nn.Module, rmap: ResidualMap, channels: torch.Tensor | Non
 
     channels: fold these only (the rotated ones); the others keep their scale in the norm.
     """
-    lay = rmap.layout
     idx = torch.arange(rmap.width) if channels is None else channels
     for bname in rmap.blocks:
-        block = model.get_submodule(bname)
-        _fold(block.get_submodule(lay.attn_norm), [block.get_submodule(n) for n in lay.attn_in], idx)
-        _fold(block.get_submodule(lay.mlp_norm), [block.get_submodule(n) for n in lay.mlp_in], idx)
+        _fold_block(model.get_submodule(bname), rmap.layout, idx)
     _fold(model.get_submodule(rmap.final_norm), [model.get_submodule(rmap.head)], idx)
+
+
+def _fold_block(block: nn.Module, lay: BlockLayout, idx: torch.Tensor) -> None:
+    _fold(block.get_submodule(lay.attn_norm), [block.get_submodule(n) for n in lay.attn_in], idx)
+    _fold(block.get_submodule(lay.mlp_norm), [block.get_submodule(n) for n in lay.mlp_in], idx)
 
 
 def _fold(norm: nn.Module, readers: list[nn.Module], idx: torch.Tensor) -> None:
@@ -321,22 +320,37 @@ def _fold(norm: nn.Module, readers: list[nn.Module], idx: torch.Tensor) -> None:
 
 
 @torch.no_grad()
-def _rotate(model: nn.Module, rmap: ResidualMap, rot: Rotation) -> None:
-    lay = rmap.layout
+def rotate_tables(model: nn.Module, rmap: ResidualMap, rot: Rotation) -> None:
+    """The residual rotation's part outside the blocks: a tied head untied, the final norm folded into the head,
+    the embedding rows and the head turned. Each tensor's new value depends on itself (and the norm folded into
+    it) only, so this and `rotate_block` per block give the weights `rotate_model` gives, in any order."""
+    if rmap.tied:
+        untie_head(model, rmap)
+    _fold(model.get_submodule(rmap.final_norm), [model.get_submodule(rmap.head)], torch.arange(rmap.width))
     emb = model.get_submodule(rmap.embed)
     emb.weight.copy_(rot.rows(emb.weight))
-    for bname in rmap.blocks:
-        block = model.get_submodule(bname)
-        for name in lay.readers:
-            lin = block.get_submodule(name)
-            lin.weight.copy_(rot.rows(lin.weight))
-        for name in lay.writers:
-            lin = block.get_submodule(name)
-            lin.weight.copy_(rot.columns(lin.weight))
-            if lin.bias is not None:
-                lin.bias.copy_(rot.rows(lin.bias))
     head = model.get_submodule(rmap.head)
     head.weight.copy_(rot.rows(head.weight))
+
+
+@torch.no_grad()
+def rotate_block(block: nn.Module, lay: BlockLayout, rot: Rotation) -> None:
+    """One decoder block's part of the residual rotation: its norms folded into their readers (scales set to 1),
+    the readers' rows and the writers' columns (and biases) turned."""
+    _fold_block(block, lay, torch.arange(rot.width))
+    for name in lay.readers:
+        lin = block.get_submodule(name)
+        lin.weight.copy_(rot.rows(lin.weight))
+    for name in lay.writers:
+        lin = block.get_submodule(name)
+        lin.weight.copy_(rot.columns(lin.weight))
+        if lin.bias is not None:
+            lin.bias.copy_(rot.rows(lin.bias))
+
+
+def _residual_info(rmap: ResidualMap, rot: Rotation) -> dict[str, Any]:
+    return dict(width=rmap.width, rotated_width=rot.n, kept_channels=rot.kept, untied_head=rmap.tied,
+                **({"hadamard_m": factor(rot.n)} if rot.matrix is None else {}))
 
 
 # ---------------------------------------------------------------------- check
