@@ -35,7 +35,7 @@ from lowbit.ptq import methods as ptq_methods
 from lowbit.ptq.awq import AWQSettings
 from lowbit.ptq.conductor import PtqOutcome, PtqSpec, conduct, preflight
 from lowbit.ptq.memory import Estimate
-from lowbit.ptq.methods import FlagSpec, RunContext, coerce_settings, get, make_settings
+from lowbit.ptq.methods import FlagSpec, RunContext, coerce_settings, get, make_settings, walks_blocks
 from lowbit.ptq.mixed import MixedSettings
 from lowbit.ptq.rotation import RotationSettings
 
@@ -91,7 +91,7 @@ class QuantizeJob:
 
     def __post_init__(self) -> None:
         check_fields(self, ConfigError, "quantize setting")
-        spec = get(self.method)
+        get(self.method)  # an unknown method is refused first
         if self.export_to is not None and self.export_to not in EXPORT_TARGETS:
             raise ConfigError(f"--export-to must be one of {', '.join(EXPORT_TARGETS)}, got {self.export_to!r}")
         object.__setattr__(self, "settings", coerce_settings(self.method, self.settings))
@@ -111,12 +111,15 @@ class QuantizeJob:
             raise ConfigError(f"--cache-device must be device, cpu or disk, got {self.cache_device!r}")
         if self.cache_device == "disk" and self.offload_dir is None:
             raise ConfigError("--cache-device disk keeps the activations in files in --offload-dir; pass --offload-dir")
+        walks = walks_blocks(self.method, self.needs_calib)
         for name, value in (("--workdir", self.workdir), ("--offload-dir", self.offload_dir),
                             ("--cache-device", self.cache_device)):
-            if value is not None and not spec.blockwise and self.awq is None:  # AWQ walks the blocks on the engine
-                raise ConfigError(f"{name} applies to the block-wise methods ({' | '.join(_block_methods())}) and "
-                                  f"to the --awq pre-step; --method {self.method} quantizes the whole model at once, "
-                                  "so there is nothing block-wise for it to hold")
+            if value is not None and not walks and self.awq is None:  # AWQ walks the blocks on the engine
+                raise ConfigError(f"{name} applies to the block-wise methods ({' | '.join(_block_methods())}), to "
+                                  f"--method rtn with calibration data (its importance search, static input scales) "
+                                  f"and to the --awq pre-step; --method {self.method} without data quantizes each "
+                                  "weight on its own, so there is nothing block-wise for it to hold (a model bigger "
+                                  "than memory: --stream)")
 
     def _parse_kv(self) -> None:
         """``kv`` -> ``kv_options`` (one scheme, or the candidates of ``kv_bits``) and ``kv_scheme``: the one
@@ -156,9 +159,10 @@ class QuantizeJob:
 
     @property
     def loads_lazily(self) -> bool:
-        """A block-wise run with --offload-dir reads blocks from disk; mixed precision and the pre-steps need all."""
-        return (self.offload_dir is not None and get(self.method).blockwise and self.mixed is None
-                and self.rotate is None and self.awq is None)
+        """A run on the block-wise engine with --offload-dir reads blocks from disk (the pre-steps --rotate / --awq
+        per block as they are read, `lowbit.ptq.block_prep`); mixed precision needs the whole model."""
+        return (self.offload_dir is not None and walks_blocks(self.method, self.needs_calib)
+                and self.mixed is None)
 
     @property
     def releases_blocks(self) -> bool:
@@ -259,7 +263,7 @@ def job_estimate(job: QuantizeJob) -> Estimate | None:
     return memory.estimate(shape, job.method, *tokens, lazy=job.loads_lazily,
                            search=bool(getattr(job.settings, "search", False)), evaluate=not job.releases_blocks,
                            batch_size=getattr(job.settings, "batch_size", 8) or 8, lm_head=job.lm_head,
-                           weight_bits=bits)
+                           weight_bits=bits, rotate=job.rotate is not None, awq=job.awq is not None)
 
 
 def memory_help() -> str:
@@ -269,8 +273,10 @@ def memory_help() -> str:
             "nsamples x seqlen x hidden x 4 bytes per activation cache (gptq 1, signround 2) + the method's state "
             "(gptq: 16 bytes x widest Linear input^2, its Hessian and the factorization's copies, + the widest Linear "
             "group's weights 4 times in fp32; signround: 20 bytes per block weight and a mini-batch's backward); "
-            f"at 128 x 2048 calibration tokens: {memory.help_table()}. Without --offload-dir (and with --rotate, "
-            "--awq, --avg-bits or --method rtn) the whole float model is loaded (4 bytes per weight). The run is "
+            f"at 128 x 2048 calibration tokens: {memory.help_table()}. --rotate (the tables widened to fp32) and "
+            "--awq (its own activation cache) run per block too, and so does --method rtn with calibration data "
+            "(two caches, no method state). Without --offload-dir (and with --avg-bits, or --method rtn without "
+            "data: --stream for that) the whole float model is loaded (4 bytes per weight). The run is "
             "refused before loading, with these numbers, when free memory (MemAvailable) or the disk of --out / "
             "--offload-dir cannot hold it")
 
@@ -279,10 +285,8 @@ def _whole_by(job: QuantizeJob) -> str | None:
     """The flag that loads the whole model although --offload-dir asks for one block at a time."""
     if job.offload_dir is None or job.loads_lazily:
         return None
-    for flag, on in (("--avg-bits", job.mixed is not None), ("--rotate", job.rotate is not None),
-                     ("--awq", job.awq is not None)):
-        if on:
-            return flag
+    if job.mixed is not None:
+        return "--avg-bits"
     return f"--method {job.method}"
 
 
@@ -394,7 +398,8 @@ class _Run:
         kv_changes = job.kv_scheme is not None and (job.kv_scheme.rotate or kv is not None and kv.needs_calibration)
         changed = job.rotate is not None or kv_changes
         later = (("model",) if changed or job.awq is not None else ()) + \
-                (("plan", "shared_tensor_scales") if job.mixed is not None else ())
+                (("plan", "shared_tensor_scales") if job.mixed is not None else ()) + \
+                (("pre_steps",) if job.loads_lazily and (job.rotate or job.awq) else ())  # recorded by the walk
         check_resume(job.method, job.settings, self.plan, self.lm.model, self.calib, self._context(), later,
                      awq=job.awq, awq_later=("model",) if changed else (), kv=kv)
 
@@ -415,7 +420,7 @@ class _Run:
         from lowbit.models.placement import check_fits, model_bytes
 
         job, model = self.job, self.lm.model
-        whole = job.evaluation is not None or not get(job.method).blockwise or job.mixed is not None
+        whole = job.evaluation is not None or not walks_blocks(job.method, job.needs_calib) or job.mixed is not None
         if not whole or self.device is None:
             return
         if is_lazy(model):

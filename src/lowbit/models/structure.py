@@ -104,12 +104,22 @@ def block_layout(model: nn.Module, purpose: str) -> BlockLayout:
                          f"normalize at {', '.join(extra)}, where no Linear can absorb them, so the transform would "
                          "change the model; quantize without it")
     for i, block in enumerate(blocks):
-        for name in layout.norms:
-            why = not_plain_rms(block.get_submodule(name))
-            if why:
-                raise ModelError(f"{purpose} folds scales into the Linears after each norm, but {arch} block {i}'s "
-                                 f"{name} ({type(block.get_submodule(name)).__name__}) {why}; quantize without it")
+        check_block_norms(block, layout, i, purpose)
     return layout
+
+
+def check_block_norms(block: nn.Module, layout: BlockLayout, i: int, purpose: str) -> None:
+    """Refuse block ``i`` when one of its pre-norms is not a plain RMSNorm. A block still on the meta device (a
+    lazily loaded model) is checked when the walk reads it (`lowbit.ptq.block_prep`)."""
+    arch = type(block).__name__
+    for name in layout.norms:
+        norm = block.get_submodule(name)
+        if getattr(getattr(norm, "weight", None), "device", None) == torch.device("meta"):
+            continue
+        why = not_plain_rms(norm)
+        if why:
+            raise ModelError(f"{purpose} folds scales into the Linears after each norm, but {arch} block {i}'s "
+                             f"{name} ({type(norm).__name__}) {why}; quantize without it")
 
 
 def residual_map(model: nn.Module, purpose: str = "rotation") -> ResidualMap:

@@ -7,7 +7,8 @@ receives, is written once:
 1. the method's plan check (before anything changes the model), and whether it can
    quantize the fused experts the plan names (`lowbit.ptq.experts`);
 2. the float pre-steps (`prepare_model`: rotation, then AWQ scales), which keep the
-   model's function;
+   model's function (on a lazily loaded model whose method walks the blocks: done to each
+   block as the walk reads it, `lowbit.ptq.block_prep`, and the fit of step 5 with them);
 3. the digest of the float weights the method will quantize (what a fine-tune's error
    initialization must match), when asked;
 4. mixed precision: the knapsack over DeltaLoss scores picks each layer's recipe;
@@ -22,6 +23,7 @@ checked once, by the caller that parsed it.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -33,9 +35,10 @@ from lowbit.models.lazy import is_lazy, materialize
 from lowbit.plans.plan import Plan
 from lowbit.ptq.allocate import Allocation
 from lowbit.ptq.awq import AWQSettings, awq_run
+from lowbit.ptq.block_prep import PreSteps
 from lowbit.ptq.experts import check_experts
 from lowbit.ptq.fit import fit_plan
-from lowbit.ptq.methods import RunContext, coerce_settings, get
+from lowbit.ptq.methods import RunContext, coerce_settings, get, walks_blocks
 from lowbit.ptq.mixed import MixedSettings, check_feasible, mixed_plan
 from lowbit.ptq.rotation import RotationSettings, rotate_model
 
@@ -123,10 +126,17 @@ def conduct(model: nn.Module, plan: Plan, spec: PtqSpec, ctx: RunContext, phase:
     """
     method, first = get(spec.method), plan
     _check_plan(model, plan, spec)
-    with phase("pre_steps" if spec.has_pre_steps else "quantize"):
-        prepared = prepare_model(model, plan, rotate=spec.rotate, awq=spec.awq, ctx=ctx)
+    walks = walks_blocks(spec.method, ctx.calib is not None) and spec.mixed is None
+    pre = None
+    if walks and spec.has_pre_steps and is_lazy(model):  # done to each block as the walk reads it (block_prep.py)
+        pre = PreSteps(plan, spec.rotate, spec.awq, fit=spec.fit)
+        ctx = dataclasses.replace(ctx, pre=pre)
+        prepared = pre.info  # filled by the walk
+    else:
+        with phase("pre_steps" if spec.has_pre_steps else "quantize"):
+            prepared = prepare_model(model, plan, rotate=spec.rotate, awq=spec.awq, ctx=ctx)
     float_digest = _float_digest(model, list(plan)) if digest else None
-    if not method.blockwise or spec.mixed is not None:
+    if not walks:
         materialize(model)  # a lazily loaded model, for passes that need all of it at once
     allocation = None
     if spec.mixed is not None:
@@ -135,7 +145,8 @@ def conduct(model: nn.Module, plan: Plan, spec: PtqSpec, ctx: RunContext, phase:
         plan = allocation.plan
     fallbacks: dict[str, str] = {}
     with phase("quantize"):
-        if spec.fit:  # layers whose weights the planned scales cannot hold (warned about with the reason)
+        if spec.fit and pre is None:  # layers whose weights the planned scales cannot hold (warned about with the
+            # reason); with per-block pre-steps each block is checked once transformed, a fallback there an error
             plan, fell = fit_plan(model, plan)
             fallbacks = {n: "16 bits" if n not in plan else f"{plan.weight(n).scale} scales" for n in fell}
         if method.check_plan is not None and plan is not first:  # mixed precision or a fit changed it
@@ -152,8 +163,9 @@ def prepare_model(model: nn.Module, plan: Plan, calib: torch.Tensor | None = Non
                   ctx: RunContext | None = None) -> dict[str, Any]:
     """The float pre-steps, in this order: rotate the residual stream, then AWQ scales; returns what each did.
 
-    Both keep the float model's function (each checks it) and need the whole model, so a
-    lazily loaded one is loaded first. Nothing is done when neither is asked for.
+    Both keep the float model's function (each checks it); here they run on the whole model, so a
+    lazily loaded one is loaded first (`conduct` runs them per block on a lazily loaded model whose
+    method walks the blocks: `lowbit.ptq.block_prep`). Nothing is done when neither is asked for.
     ctx: the run's context, whole (AWQ walks the blocks on the block-wise engine with its
     work folder, offload folder and cache placement); None = one from calib, device, progress.
     """

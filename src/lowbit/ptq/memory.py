@@ -23,10 +23,18 @@ benchmarks/results/bigmodel_calib.md):
 - ``save``: the checkpoint's tensors outside the blocks in their stored width while writing
   (after the walk: the peak is the larger of the two).
 
-Any other run (RTN, which quantizes the whole model at once, a run without ``--offload-dir``,
-or a pre-step that needs the whole float model: --rotate, --awq, --avg-bits) holds the whole
-float model instead (``whole``), and a run that evaluates perplexities holds the quantized
-model (about a byte per weight) at the end. Disk: the output checkpoint, and with
+RTN with calibration data (its importance search, static input scales) walks the blocks the
+same way (the float chain: two caches; its method state is one Linear's rounding). The
+pre-steps run per block on such a run (`lowbit.ptq.block_prep`): ``--rotate`` holds the
+tables widened to float32 (a tied lm_head untied: a table of its own) while the blocks are
+turned as they are read; ``--awq`` adds its own chain of inputs (two more caches) and its
+search's state on the block (the float64 ``X^T X`` of the inputs of o_proj and down_proj, and
+the scaled, rounded copies of a group's weights), which is not held at once with the method's.
+
+Any other run (RTN without data, which rounds the whole model at once, a run without
+``--offload-dir``, or --avg-bits, whose DeltaLoss sensitivities and knapsack need the whole
+float model) holds the whole float model instead (``whole``), and a run that evaluates
+perplexities holds the quantized model (about a byte per weight) at the end. Disk: the output checkpoint, and with
 ``--offload-dir`` the finished blocks kept there until the output is written (the same bytes).
 
 The figures are upper-side estimates for CPU runs (a GPU holds ``block``, ``caches`` with
@@ -36,6 +44,7 @@ measurements beside them are in benchmarks/results/bigmodel_calib.md.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -138,34 +147,41 @@ class Estimate:
         return f"~{self.peak / GiB:.1f} GiB ({body} GiB)"
 
 
-TRACKS_FP = {"signround": True, "signround2": True, "gptq": False}  # the float chain's cache besides X_q
+TRACKS_FP = {"signround": True, "signround2": True, "gptq": False, "rtn": True}  # a second cache besides X_q
+# (RTN block by block carries the float chain: X_fp and the block's float outputs)
 
 
 def estimate(shape: Shape, method: str, nsamples: int, seqlen: int, *, lazy: bool = True, search: bool = False,
              evaluate: bool = False, batch_size: int = 8, lm_head: bool = False,
-             weight_bits: float = WEIGHT_BITS) -> Estimate:
+             weight_bits: float = WEIGHT_BITS, rotate: bool = False, awq: bool = False) -> Estimate:
     """The memory and disk of quantizing ``shape`` with ``method`` on ``nsamples x seqlen`` calibration tokens.
 
     lazy: block-wise from the checkpoint (``--offload-dir``), else the whole float model is
     loaded. search: GPTQ's importance-weighted scale search (another cache for the float
     chain's statistics). evaluate: perplexity passes (the quantized model held whole).
+    rotate / awq: the pre-steps (per block on a lazy run, see the module doc).
     """
     f32 = 4
     s = shape
     tokens = nsamples * seqlen
-    blockwise = method in TRACKS_FP
+    blockwise = method in TRACKS_FP and (method != "rtn" or nsamples > 0)  # RTN walks the blocks with data only
     out_bytes = int(s.layers * s.block_params * weight_bits / 8) + _outside_stored(s, lm_head, weight_bits)
     disk = {"out": out_bytes}
     if not (lazy and blockwise):
         parts = {"runtime": RUNTIME_BYTES, "whole": s.params * f32}
-        if blockwise:
+        if blockwise and method != "rtn":  # RTN on a model in memory: one calibration pass, no walk
             parts |= _block_parts(s, method, tokens, seqlen, search, batch_size)
         elif nsamples:  # RTN's importance: the sums of squares of every Linear input
             parts["forward"] = _forward(s, seqlen)
         parts["save"] = out_bytes
         return Estimate(parts, disk, flat=False)
+    if rotate:  # the tables widened to float32 to be turned; a tied head untied (a table of its own)
+        s = dataclasses.replace(s, table_bytes=4, tied=False)
     parts = {"runtime": RUNTIME_BYTES, "outside": _outside_held(s, lm_head), "block": s.block_params * f32}
     parts |= _block_parts(s, method, tokens, seqlen, search, batch_size)
+    if awq:  # its own chain (the block's inputs and float outputs); its search and the method's are not at once
+        parts["caches"] += 2 * tokens * s.hidden * f32
+        parts["method"] = max(parts["method"], _awq_state(s))
     if evaluate:  # the quantized blocks stay in memory to be evaluated: a byte per weight (codes) plus scales
         parts["quantized"] = int(s.layers * s.block_params * 1.07)
         parts["save"] = out_bytes
@@ -179,7 +195,9 @@ def _block_parts(s: Shape, method: str, tokens: int, seqlen: int, search: bool, 
     f32 = 4
     caches = 1 + int(TRACKS_FP.get(method, False) or search)
     parts = {"caches": caches * tokens * s.hidden * f32, "forward": _forward(s, seqlen)}
-    if method == "gptq":
+    if method == "rtn":  # one Linear rounded at a time: its weights, the search's candidates and the codes
+        parts["method"] = 4 * s.intermediate * s.experts * s.hidden * f32
+    elif method == "gptq":
         # the widest input's Hessian: summed in float64 beside one batch's float32 product (12 bytes per entry),
         # then held in float32 while its factor is built in place beside it (at most 3 more float32 copies:
         # 16 bytes per entry at the peak, `lowbit.ptq.gptq.inverse_factor`); the widest group of Linears
@@ -194,6 +212,13 @@ def _block_parts(s: Shape, method: str, tokens: int, seqlen: int, search: bool, 
         backward = batch_size * seqlen * (4 * s.intermediate + 8 * s.hidden) * f32 * 2
         parts["method"] = s.block_params * per_weight + backward
     return parts
+
+
+def _awq_state(s: Shape) -> int:
+    """AWQ's search on one block: the float64 ``X^T X`` of down_proj's (the widest) input with its float32 copy,
+    and a group's weights (gate + up) in float32 with their scaled and rounded copies (`lowbit.ptq.awq`)."""
+    n = s.intermediate * s.experts
+    return 12 * n * n + 4 * 2 * n * s.hidden * 4
 
 
 def _forward(s: Shape, seqlen: int) -> int:

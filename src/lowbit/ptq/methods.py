@@ -36,6 +36,8 @@ class RunContext:
     compute device) or "cpu" (host memory streamed per mini-batch, the leanest mode).
     release: a lazily loaded model's finished blocks are written to offload_dir as the checkpoint
     stores them and emptied (`lowbit.ptq.blockwise.release`): nothing after the walk reads them.
+    pre: the float pre-steps (rotation, AWQ) to apply to each block of a lazily loaded model as the walk
+    reads it (`lowbit.ptq.block_prep.PreSteps`), instead of on the whole float model before the method.
     """
 
     calib: torch.Tensor | None = None
@@ -45,6 +47,7 @@ class RunContext:
     progress: bool = True
     cache_device: str = "device"
     release: bool = False
+    pre: Any = None
 
 
 RunFn = Callable[[nn.Module, Plan, Any, RunContext], Plan]  # returns the plan it applied
@@ -64,6 +67,9 @@ class Method:
     presets: named bases for the settings (``--preset``).
     check_plan: refuses settings that cannot apply a plan (called before any heavy work).
     work: (block-wise methods) what its work folder records for these settings (`WorkFn`).
+    lazy_with_calib: a whole-model method that runs block by block on the block-wise engine when the run
+    has calibration data (RTN: its statistics are per Linear, so a lazily loaded model never needs to be
+    whole); see `walks_blocks`.
     """
 
     name: str
@@ -76,6 +82,7 @@ class Method:
     presets: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
     check_plan: Callable[[Any, Plan], None] | None = None
     work: WorkFn | None = None
+    lazy_with_calib: bool = False
 
     def settable(self) -> list[str]:
         return [f.name for f in dataclasses.fields(self.settings) if f.name not in self.fixed]
@@ -90,6 +97,13 @@ METHODS: dict[str, Method] = {}
 def register(method: Method) -> Method:
     METHODS[method.name] = method
     return method
+
+
+def walks_blocks(name: str, calibrated: bool) -> bool:
+    """Whether method ``name`` runs on the block-wise engine (so --offload-dir / --workdir apply): the block-wise
+    methods always, RTN when the run has calibration data (its importance, static input scales, AWQ)."""
+    m = get(name)
+    return m.blockwise or (m.lazy_with_calib and calibrated)
 
 
 def names() -> list[str]:

@@ -14,16 +14,20 @@ share one weight tensor scale and one static input scale (`lowbit.models.fused`)
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
 
 from lowbit.configs import check_fields
 from lowbit.errors import ConfigError
+from lowbit.formats import QTensor, quantize
 from lowbit.models.activations import collect
 from lowbit.models.fused import shared_amax, shared_tensor_scales
+from lowbit.models.lazy import is_lazy
 from lowbit.models.placement import on_device
 from lowbit.nn import replace_linears
 from lowbit.plans.plan import Plan
@@ -107,7 +111,68 @@ def rtn_quantize(model: nn.Module, plan: Plan, calib: torch.Tensor | None = None
     return applied
 
 
+class RTNTuner:
+    """RTN as a `lowbit.ptq.blockwise.BlockTuner`: each planned Linear of the block rounded to nearest, its scales
+    searched with the importance of its float inputs (``job.imp``, this block's share of the statistics the
+    whole-model path collects in one pass), its fused group's tensor scale and static input scale as there."""
+
+    needs_targets = False
+
+    def __init__(self, settings: RTNSettings) -> None:
+        self.settings = settings
+        self.needs_importance = settings.search
+
+    def __call__(self, job: Any) -> tuple[dict[str, QTensor], dict[str, float]]:
+        out: dict[str, QTensor] = {}
+        for name, (rel, scheme) in job.layers.items():
+            w = job.block.get_submodule(rel).weight.detach()
+            out[name] = quantize(w, scheme, None if job.imp is None else job.imp[name], job.tensor_scales.get(name))
+        return out, {}
+
+
+def rtn_blockwise(model: nn.Module, plan: Plan, settings: RTNSettings, ctx: RunContext) -> Plan:
+    """RTN on the block-wise engine (a lazily loaded model, or a run with a work folder): the same codes as
+    `rtn_quantize` on the whole float model.
+
+    The statistics are the float model's (each block's planned Linears see the float block's inputs, as the
+    whole-model calibration pass gives them: the float chain is carried from block to block, in the same chunks
+    of samples as the whole-model pass's batches), so the searched scales, static input scales and codes are
+    those of the whole-model path (tests/test_bigmodel_memory.py). Fused experts tensors are refused: their
+    per-expert calibration runs on the whole model (`lowbit.ptq.expert_calib`).
+    """
+    from lowbit.ptq.blockwise import PipelineOptions, quantize_blockwise
+
+    if ctx.calib is None or ctx.calib.numel() == 0:
+        raise ConfigError("RTN block by block walks calibration batches through the blocks; without them (plain "
+                          "round-to-nearest, --no-search) quantize a model bigger than memory with --stream")
+    if settings.search:
+        plan = searched(plan)
+    _, experts = split(model, plan)
+    if list(experts):
+        raise ConfigError(f"RTN block by block does not calibrate fused experts tensors ({next(iter(experts))}); "
+                          "quantize this model without --offload-dir / --workdir, or with --method gptq")
+    recorded, options = _work_record(settings), PipelineOptions(fp_inputs=True, chunk=BATCH)
+    quantize_blockwise(model, plan, RTNTuner(settings), recorded, ctx, options)
+    return plan
+
+
+BATCH = 8  # samples per forward: `collect`'s batch, so the float statistics are summed in the same order
+
+
+def _work_record(settings: RTNSettings) -> dict[str, Any]:
+    return {"method": "rtn", "config": dataclasses.asdict(settings)}
+
+
+def _work(settings: RTNSettings, plan: Plan, _ctx: RunContext) -> tuple[dict, Any, Plan]:
+    from lowbit.ptq.blockwise import PipelineOptions
+
+    return _work_record(settings), PipelineOptions(fp_inputs=True, chunk=BATCH), searched(plan) if settings.search \
+        else plan
+
+
 def _run(model: nn.Module, plan: Plan, settings: RTNSettings, ctx: RunContext) -> Plan:
+    if is_lazy(model) or ctx.workdir is not None or ctx.pre is not None:
+        return rtn_blockwise(model, plan, settings, ctx)
     with on_device(model, ctx.device):
         return rtn_quantize(model, plan, ctx.calib, settings.search, progress=ctx.progress,
                             all_experts=settings.all_experts, min_expert_tokens=settings.min_expert_tokens,
@@ -115,4 +180,5 @@ def _run(model: nn.Module, plan: Plan, settings: RTNSettings, ctx: RunContext) -
 
 
 register(Method("rtn", RTNSettings, _run, blockwise=False, needs_calib=lambda s: s.search,
-                summary="round-to-nearest; with search, scales picked by importance-weighted error"))
+                summary="round-to-nearest; with search, scales picked by importance-weighted error",
+                work=_work, lazy_with_calib=True))

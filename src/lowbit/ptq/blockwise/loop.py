@@ -110,6 +110,12 @@ def walk_blocks(model: nn.Module, task: BlockPass, record: Mapping[str, Any], ct
     """
     if ctx.calib is None or ctx.calib.numel() == 0:
         raise ConfigError("the block-wise engine needs calibration batches (LongTensor [nsamples, seqlen])")
+    if ctx.pre is not None:  # rotation / AWQ / the range fit on each block as it is read (`lowbit.ptq.block_prep`)
+        if not is_lazy(model):
+            raise ConfigError("the pre-steps run per block only on a lazily loaded model; run them on the whole "
+                              "model first (lowbit.ptq.conductor.prepare_model)")
+        task = ctx.pre.wrap(model, task)
+        record = {**record, "pre_steps": ctx.pre.record()}
     shard = shards.current_shard()
     check_world(len(ctx.calib), shard)
     device = check_device(ctx.device) or torch.device("cpu")

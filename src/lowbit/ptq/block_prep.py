@@ -1,0 +1,254 @@
+"""The float pre-steps (rotation, AWQ) and the range fit, done to each block of a lazily loaded model as the walk reads it.
+
+On a model in memory the pre-steps run on the whole float model before the method
+(`lowbit.ptq.conductor.prepare_model`): the rotation turns every tensor on the residual
+stream, AWQ walks the blocks once to search and fold its scales, the range fit reads every
+planned weight, then the method walks the blocks again. None of them needs more than one
+block at a time:
+
+- the rotation's new value of each tensor depends on that tensor alone (and the norm folded
+  into it): the tables (embedding, lm_head with the final norm folded in) are turned once
+  before block 0 is captured, each block as it is read (`lowbit.ptq.rotation.rotate_tables`,
+  `rotate_block`, the functions `rotate_model` itself runs);
+- AWQ's scale groups and folds lie inside one block (norm -> q/k/v, v -> o, norm ->
+  gate/up, up -> down): its own `AWQPass` runs on the block, on its own chain of inputs,
+  right before the method's pass on the same block;
+- the range fit checks the block's planned weights once they are rotated and scaled.
+
+So a lazily loaded model gets, block by block, the weights the whole-model path gives and
+the method's pass sees the same block it would have seen (tests/test_bigmodel_memory.py).
+`PrepPass` wraps the method's `BlockPass` so the walk (`lowbit.ptq.blockwise.loop`) runs
+both in one pass over the checkpoint; the work folder keeps both results per block.
+
+What differs from the whole-model path, on purpose: the rotation's probe check (logits of
+the whole model before and after) needs the whole model, so each block's norms are checked
+to be plain RMSNorms as it is read instead; and a layer whose transformed weights the
+planned scales cannot hold (a range fallback) is an error naming it, since the plan the work
+folder records cannot change half-way through the walk (the whole-model path falls back).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from lowbit.errors import ConfigError
+from lowbit.formats.ranges import fit
+from lowbit.models.layers import block_path, decoder_blocks
+from lowbit.models.lazy import SOURCE_ATTR, fill
+from lowbit.models.narrow_tables import widen
+from lowbit.models.structure import block_layout, check_block_norms, residual_map
+from lowbit.nn.input_rotation import attach
+from lowbit.plans.plan import Plan
+from lowbit.ptq.awq import AWQPass, AWQSettings
+from lowbit.ptq.blockwise import new_cache
+from lowbit.ptq.blockwise.loop import BlockPass, Walk
+from lowbit.ptq.rotation import (
+    Rotation,
+    RotationSettings,
+    _residual_info,
+    kept_channels,
+    online_layers,
+    rotate_block,
+    rotate_tables,
+)
+
+FIT_FIX = ("block by block the plan cannot change half-way through the walk: quantize without --offload-dir (the "
+           "whole-model path falls back for it), or give the layer a scheme that holds it (--keep / a plan file)")
+
+
+@dataclass(frozen=True)
+class PreSteps:
+    """The pre-steps of a run on a lazily loaded model, applied per block (see the module doc).
+
+    plan: the plan before the fit (what AWQ scores candidates with and the fit checks).
+    info: what the pre-steps did, filled as the walk goes (``rotation`` / ``awq`` keys, as `prepare_model`'s).
+    """
+
+    plan: Plan
+    rotate: RotationSettings | None = None
+    awq: AWQSettings | None = None
+    fit: bool = True
+    info: dict[str, Any] = field(default_factory=dict, compare=False)
+
+    def record(self) -> dict[str, Any]:
+        """What the work folder records about them (they change every block's result)."""
+        return {"rotation": None if self.rotate is None else self.rotate.to_dict(),
+                "awq": None if self.awq is None else self.awq.to_dict(), "fit": self.fit}
+
+    def wrap(self, model: nn.Module, task: BlockPass) -> PrepPass:
+        """``task`` with the pre-steps before it on every block; the tables are rotated now (before the capture)."""
+        return PrepPass(model, task, self)
+
+
+class LazyRotation:
+    """`lowbit.ptq.rotation.rotate_model` for a model whose blocks arrive one at a time."""
+
+    def __init__(self, model: nn.Module, settings: RotationSettings) -> None:
+        t0 = time.perf_counter()
+        widen(model)  # the tables in the compute dtype, as the whole-model path (materialize) rotates them
+        self.rmap = residual_map(model, "rotation") if settings.residual else None
+        blocks = [f"{block_path(model)}.{i}" for i in range(len(decoder_blocks(model)))]
+        online_layers(model, blocks, settings.online)  # checked up front: names and widths (read from the modules)
+        self.online = settings.online
+        self.rot = None
+        self.info: dict[str, Any] = settings.to_dict()
+        if self.rmap is not None:
+            with _norms_read(model, self.rmap) if settings.keep != 0 else _nothing():
+                kept = kept_channels(model, self.rmap, settings.keep, dense=settings.kind == "haar")
+            self.rot = Rotation.make(self.rmap.width, settings, kept)
+            rotate_tables(model, self.rmap, self.rot)
+            self.info.update(_residual_info(self.rmap, self.rot))
+        self.info["online_layers"] = 0
+        self.info["probe"] = "per block: plain RMSNorms checked as each block is read (no whole-model probe)"
+        self.seconds = time.perf_counter() - t0
+
+    def block(self, i: int, block: nn.Module) -> None:
+        t0 = time.perf_counter()
+        if self.rmap is not None and self.rot is not None:
+            check_block_norms(block, self.rmap.layout, i, "rotation")
+            rotate_block(block, self.rmap.layout, self.rot)
+        for short in self.online:
+            for rel, m in block.named_modules():
+                if rel.rpartition(".")[2] == short and isinstance(m, nn.Linear):
+                    attach(m)
+                    self.info["online_layers"] += 1
+        self.seconds += time.perf_counter() - t0
+
+
+class _nothing:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+
+class _norms_read:
+    """The blocks' norm scales read from the checkpoint for the duration (``keep`` ranks channels by them), then
+    put back on meta: a few KiB per block."""
+
+    def __init__(self, model: nn.Module, rmap: Any) -> None:
+        self.model, self.rmap = model, rmap
+        self.saved: list[tuple[nn.Module, nn.Parameter]] = []
+
+    def __enter__(self) -> None:
+        source = getattr(self.model, SOURCE_ATTR, None)
+        for bname in self.rmap.blocks:
+            for n in self.rmap.layout.norms:
+                norm = self.model.get_submodule(f"{bname}.{n}")
+                if norm.weight.device.type == "meta" and source is not None:
+                    self.saved.append((norm, norm.weight))
+                    fill(norm, {"weight": source.read([f"{bname}.{n}.weight"])[f"{bname}.{n}.weight"]})
+
+    def __exit__(self, *exc: object) -> None:
+        for norm, w in self.saved:
+            norm._parameters["weight"] = w
+
+
+class PrepPass:
+    """The method's `BlockPass` with the pre-steps before it on each block (see the module doc).
+
+    A block's result is the pair (AWQ's result or None, the method's result); the work folder keeps AWQ's
+    tensors under ``awq/`` and the method's under ``q/`` when AWQ runs, the method's alone otherwise.
+    """
+
+    changes_float = False
+
+    def __init__(self, model: nn.Module, inner: BlockPass, pre: PreSteps) -> None:
+        self.inner, self.pre = inner, pre
+        self.desc = inner.desc
+        self.rotation = LazyRotation(model, pre.rotate) if pre.rotate is not None else None
+        self.awq = AWQPass(pre.plan, pre.awq, block_layout(model, "AWQ")) if pre.awq is not None else None
+        # AWQ's chain starts in the model's dtype: capture in it, and hand the method its own copy in its dtype
+        self.cache_dtype = inner.cache_dtype if self.awq is None else None
+        if pre.fit:  # planned layers outside the blocks (a quantized lm_head): in memory, rotated by now
+            prefix = block_path(model) + "."
+            _check_fit(model, {n: n for n in pre.plan if not n.startswith(prefix)}, pre.plan)
+        self.awq_seconds = 0.0
+
+    def begin(self, walk: Walk, x: torch.Tensor) -> None:
+        self.walk = walk
+        if self.awq is not None:
+            own = new_cache(tuple(x.shape), x.dtype, x.device, walk.device)
+            own.copy_(x)
+            self.awq.begin(walk, own)
+            want = self.inner.cache_dtype or x.dtype
+            if want != x.dtype:
+                cast = new_cache(tuple(x.shape), want, x.device, walk.device)
+                cast.copy_(x)
+                x = cast
+        self.inner.begin(walk, x)
+
+    def home(self, i: int) -> torch.device:
+        return self.inner.home(i)
+
+    def decode(self, i: int, raw: Mapping[str, torch.Tensor], path: Path) -> tuple[Any, Any]:
+        if self.awq is None:
+            return None, self.inner.decode(i, raw, path)
+        parts: dict[str, dict[str, torch.Tensor]] = {"awq": {}, "q": {}}
+        for k, v in raw.items():
+            head, _, rest = k.partition("/")
+            if head not in parts:
+                raise ConfigError(f"{path} holds {k!r}, which is neither AWQ's nor the method's; delete the work "
+                                  "folder and rerun")
+            parts[head][rest] = v
+        return self.awq.decode(i, parts["awq"], path), self.inner.decode(i, parts["q"], path)
+
+    def pack(self, result: tuple[Any, Any]) -> dict[str, torch.Tensor]:
+        if self.awq is None:
+            return self.inner.pack(result[1])
+        return ({f"awq/{k}": v for k, v in self.awq.pack(result[0]).items()}
+                | {f"q/{k}": v for k, v in self.inner.pack(result[1]).items()})
+
+    def step(self, i: int, block: nn.Module, saved: tuple[Any, Any] | None) -> tuple[tuple[Any, Any], dict[str, float]]:
+        if self.rotation is not None:
+            self.rotation.block(i, block)
+        scales = None
+        if self.awq is not None:
+            t0 = time.perf_counter()
+            check_block_norms(block, self.awq.layout, i, "AWQ")
+            scales, _ = self.awq.step(i, block, None if saved is None else saved[0])
+            self.awq.finish(i, block, scales)
+            self.awq_seconds += time.perf_counter() - t0
+        if self.pre.fit:
+            prefix = self.walk.names[id(block)] + "."
+            _check_fit(block, {n: n[len(prefix):] for n in self.pre.plan if n.startswith(prefix)}, self.pre.plan)
+        result, info = self.inner.step(i, block, None if saved is None else saved[1])
+        return (scales, result), info
+
+    def finish(self, i: int, block: nn.Module, result: tuple[Any, Any]) -> None:
+        self.inner.finish(i, block, result[1])
+
+    def end(self) -> None:
+        self.inner.end()
+        if self.rotation is not None:
+            self.pre.info["rotation"] = {**self.rotation.info, "seconds": round(self.rotation.seconds, 3)}
+        if self.awq is not None:
+            gains, scaled = self.awq.gains, self.awq.scaled
+            self.pre.info["awq"] = {**self.pre.awq.to_dict(), "groups": len(gains), "scaled": sum(scaled),  # type: ignore[union-attr]
+                                    "mean_error_ratio": round(sum(gains) / max(len(gains), 1), 4),
+                                    "seconds": round(self.awq_seconds, 2)}
+
+
+def _check_fit(root: nn.Module, names: Mapping[str, str], plan: Plan) -> None:
+    """Each planned layer (full name -> name under ``root``) must fit its scheme as its weights are now."""
+    for full, rel in names.items():
+        try:
+            w = root.get_submodule(rel).weight
+            mats = [w]
+        except AttributeError:  # a fused experts tensor (a parameter, not a module): one scheme for every expert
+            w = root.get_parameter(rel)
+            mats = list(w)
+        if w.device.type == "meta":
+            continue
+        for m in mats:
+            f = fit(m.detach(), plan[full].weight)
+            if f.reason is not None:
+                raise ConfigError(f"layer {full}: {f.reason}; {FIT_FIX}")
