@@ -150,7 +150,7 @@ def test_tune_dtype_reaches_the_tuning_options():
 
 def test_gptq_with_rotation_and_awq_round_trips_and_offloads(tmp_path, capsys, tiny_tokenizer):
     """The pre-steps and GPTQ from the command line: saved, evaluated again, and the same with --offload-dir
-    (which then loads the whole model: the pre-steps need all of it)."""
+    (loaded lazily: the pre-steps run on each block as it is read, the same quantized model)."""
     _save_tiny_qwen(tmp_path / "qwen", tiny_tokenizer)
     common = ["--scheme", "w4g32", "--method", "gptq", "--rotate", "--awq", "--nsamples", "4", "--seqlen", "32",
               "--eval-seqlen", "64", "--windows", "3", "--json"]
@@ -162,7 +162,8 @@ def test_gptq_with_rotation_and_awq_round_trips_and_offloads(tmp_path, capsys, t
     mem, off = results
     assert mem["rotation"]["untied_head"] is False and mem["rotation"]["probe_rel_diff"] < 1e-5
     assert mem["awq"]["groups"] == 6 and mem["scheme"] == "w4g32:rule=search"
-    assert off["ppl_q"] == mem["ppl_q"] and "ppl_fp" in off  # loaded whole, so the float perplexity is there
+    assert off["ppl_q"] == mem["ppl_q"] and "ppl_fp_skipped" in off  # lazily loaded: no float perplexity
+    assert off["awq"]["groups"] == mem["awq"]["groups"] and off["rotation"]["untied_head"] is False
     assert main(["eval", str(tmp_path / "q_mem"), "--seqlen", "64", "--windows", "3", "--json"]) == 0
     assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["ppl"] == mem["ppl_q"]
     meta = json.loads((tmp_path / "q_mem" / "lowbit.json").read_text())["meta"]
@@ -240,8 +241,9 @@ def test_rtn_with_awq_resumes_awq_from_the_workdir(tmp_path, monkeypatch, tiny_t
     b = load_file(str(next((tmp_path / "out-rtn-4").glob("*.safetensors"))))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     with pytest.raises(ConfigError, match="--workdir applies to the block-wise methods .* and to the --awq "
-                                          "pre-step; --method rtn quantizes the whole model at once"):
+                                          "pre-step; --method rtn here quantizes the whole model at once"):
         QuantizeJob(out=tmp_path / "o", method="rtn", workdir="w")
+    QuantizeJob(out=tmp_path / "o", method="rtn", workdir="w", offload_dir="off")  # block by block: honoured
 
 
 def test_cli_warnings_are_one_line_naming_the_command():

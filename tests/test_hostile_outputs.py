@@ -100,7 +100,7 @@ def test_gguf_export_onto_a_folder_is_one_line(tiny_hf_dir, tmp_path, capsys):
     (["--method", "rtn", "--fp-inputs"], "--fp-inputs does not apply"),
     (["--method", "rtn", "--tune-dtype", "bf16"], "--tune-dtype does not apply"),
     (["--method", "rtn", "--workdir", "W"], "--workdir applies to the block-wise methods"),
-    (["--method", "rtn", "--offload-dir", "W"], "--offload-dir applies to the block-wise methods"),
+    (["--method", "rtn", "--no-search", "--offload-dir", "W"], "--offload-dir applies to the block-wise methods"),
     (["--method", "signround", "--no-search"], "--search does not apply to --method signround"),
     (["--method", "rtn", "--damp", "0.1"], "--damp does not apply to --method rtn; it applies to --method gptq"),
     (["--method", "signround2", "--lazy-batch", "64"], "--lazy-batch does not apply to --method signround2"),

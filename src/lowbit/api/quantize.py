@@ -91,7 +91,7 @@ class QuantizeJob:
 
     def __post_init__(self) -> None:
         check_fields(self, ConfigError, "quantize setting")
-        get(self.method)  # an unknown method is refused first
+        spec = get(self.method)
         if self.export_to is not None and self.export_to not in EXPORT_TARGETS:
             raise ConfigError(f"--export-to must be one of {', '.join(EXPORT_TARGETS)}, got {self.export_to!r}")
         object.__setattr__(self, "settings", coerce_settings(self.method, self.settings))
@@ -111,15 +111,16 @@ class QuantizeJob:
             raise ConfigError(f"--cache-device must be device, cpu or disk, got {self.cache_device!r}")
         if self.cache_device == "disk" and self.offload_dir is None:
             raise ConfigError("--cache-device disk keeps the activations in files in --offload-dir; pass --offload-dir")
-        walks = walks_blocks(self.method, self.needs_calib)
+        # RTN walks the blocks only on a lazily loaded model (a model in memory keeps its one calibration pass)
+        walks = spec.blockwise or (walks_blocks(self.method, self.needs_calib) and self.offload_dir is not None)
         for name, value in (("--workdir", self.workdir), ("--offload-dir", self.offload_dir),
                             ("--cache-device", self.cache_device)):
             if value is not None and not walks and self.awq is None:  # AWQ walks the blocks on the engine
                 raise ConfigError(f"{name} applies to the block-wise methods ({' | '.join(_block_methods())}), to "
-                                  f"--method rtn with calibration data (its importance search, static input scales) "
-                                  f"and to the --awq pre-step; --method {self.method} without data quantizes each "
-                                  "weight on its own, so there is nothing block-wise for it to hold (a model bigger "
-                                  "than memory: --stream)")
+                                  "--method rtn with calibration data and --offload-dir (block by block on the "
+                                  f"checkpoint) and to the --awq pre-step; --method {self.method} here quantizes the "
+                                  "whole model at once, so there is nothing block-wise for it to hold (a model bigger "
+                                  "than memory without data: --stream)")
 
     def _parse_kv(self) -> None:
         """``kv`` -> ``kv_options`` (one scheme, or the candidates of ``kv_bits``) and ``kv_scheme``: the one

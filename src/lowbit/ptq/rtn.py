@@ -131,7 +131,7 @@ class RTNTuner:
 
 
 def rtn_blockwise(model: nn.Module, plan: Plan, settings: RTNSettings, ctx: RunContext) -> Plan:
-    """RTN on the block-wise engine (a lazily loaded model, or a run with a work folder): the same codes as
+    """RTN on the block-wise engine (a lazily loaded model: resumable from a work folder): the same codes as
     `rtn_quantize` on the whole float model.
 
     The statistics are the float model's (each block's planned Linears see the float block's inputs, as the
@@ -171,7 +171,7 @@ def _work(settings: RTNSettings, plan: Plan, _ctx: RunContext) -> tuple[dict, An
 
 
 def _run(model: nn.Module, plan: Plan, settings: RTNSettings, ctx: RunContext) -> Plan:
-    if is_lazy(model) or ctx.workdir is not None or ctx.pre is not None:
+    if is_lazy(model):  # a model in memory keeps the one whole-model calibration pass (same codes, fewer forwards)
         return rtn_blockwise(model, plan, settings, ctx)
     with on_device(model, ctx.device):
         return rtn_quantize(model, plan, ctx.calib, settings.search, progress=ctx.progress,
