@@ -60,6 +60,75 @@ def test_released_blocks_give_the_same_checkpoint(tmp_path, capsys, tiny_hf_dir,
     assert torch.equal(m1(ids).logits, m2(ids).logits)
 
 
+@pytest.mark.parametrize("flags", [
+    ["--method", "rtn"],  # the importance search (the default), block by block on the float chain
+    ["--method", "rtn", "--awq"],
+    ["--method", "gptq", "--no-search", "--rotate", "--rotate-online", "down_proj"],
+    ["--method", "rtn", "--rotate", "--awq"],
+])
+def test_presteps_and_rtn_block_by_block_give_the_in_memory_checkpoint(tmp_path, capsys, tiny_hf_dir, flags):
+    """RTN with importance, AWQ and the rotation on a lazily loaded model (--offload-dir --no-eval: every block
+    read from the checkpoint, transformed, quantized, written out and released): the in-memory run's checkpoint,
+    file content for file content, with the same summary of what the pre-steps did."""
+    common = [str(tiny_hf_dir), *flags, "--scheme", "w4g32", "--nsamples", "4", "--seqlen", "32", "--no-eval"]
+    mem = _run(capsys, *common, "--out", str(tmp_path / "mem"))
+    lazy = _run(capsys, *common, "--offload-dir", str(tmp_path / "off"), "--out", str(tmp_path / "lazy"))
+    assert lazy["bits_per_weight"] == mem["bits_per_weight"] and lazy["scheme"] == mem["scheme"]
+    assert lazy["memory_estimate"]["flat_in_depth"] and not mem["memory_estimate"]["flat_in_depth"]
+    a, b = _weights(tmp_path / "mem"), _weights(tmp_path / "lazy")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    if "--awq" in flags:
+        assert {k: lazy["awq"][k] for k in ("groups", "scaled", "mean_error_ratio")} == {
+            k: mem["awq"][k] for k in ("groups", "scaled", "mean_error_ratio")}
+    if "--rotate" in flags:
+        assert lazy["rotation"]["online_layers"] == mem["rotation"]["online_layers"]
+        assert json.loads((tmp_path / "lazy" / "lowbit.json").read_text())["meta"]["rotation"] == json.loads(
+            (tmp_path / "mem" / "lowbit.json").read_text())["meta"]["rotation"]
+    assert json.loads((tmp_path / "lazy" / "lowbit.json").read_text())["weights"][1:]  # one file per block
+
+
+def test_a_killed_awq_run_block_by_block_resumes_to_the_same_checkpoint(tmp_path, capsys, tiny_hf_dir, monkeypatch):
+    """AWQ's scales and the method's codes of a block are kept together in --workdir: killed after block 0, the
+    rerun replays block 0 (no search) and writes the uninterrupted run's checkpoint."""
+    from lowbit.ptq import awq
+    from lowbit.ptq.blockwise import release
+
+    common = [str(tiny_hf_dir), "--method", "rtn", "--awq", "--rotate", "--scheme", "w4g32",
+              "--nsamples", "4", "--seqlen", "32", "--no-eval", "--offload-dir", str(tmp_path / "off"),
+              "--workdir", str(tmp_path / "wd")]
+    real = release.release_block
+
+    def killed(model, prefix, i, block, folder):
+        done = real(model, prefix, i, block, folder)
+        if i == 0:
+            raise KeyboardInterrupt
+        return done
+
+    monkeypatch.setattr("lowbit.ptq.blockwise.loop.release_block", killed)
+    assert main(["quantize", *common, "--out", str(tmp_path / "a")]) == 130
+    monkeypatch.setattr("lowbit.ptq.blockwise.loop.release_block", real)
+    searched = []
+    real_search = awq.search_scales
+    monkeypatch.setattr(awq, "search_scales", lambda *a, **k: searched.append(1) or real_search(*a, **k))
+    _run(capsys, *common, "--out", str(tmp_path / "a"))
+    assert len(searched) == 3  # block 1's groups only (grouped-query attention: no v -> o group)
+    _run(capsys, *[c for c in common if c not in (str(tmp_path / "wd"), "--workdir")], "--out", str(tmp_path / "b"))
+    a, b = _weights(tmp_path / "a"), _weights(tmp_path / "b")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    # another pre-step setting is another run: refused, not mixed with the folder's blocks
+    assert main(["quantize", *common, "--rotate-online", "down_proj", "--out", str(tmp_path / "c")]) == 2
+    assert "holds a run with different settings" in capsys.readouterr().err
+
+
+def test_rtn_without_data_is_not_taken_block_by_block(tmp_path, capsys, tiny_hf_dir):
+    """Plain RTN (--no-search) reads no data, so there is no walk for --offload-dir to serve: an error naming
+    --stream, never a silently whole-model run."""
+    assert main(["quantize", str(tiny_hf_dir), "--method", "rtn", "--no-search", "--rotate", "--offload-dir",
+                 str(tmp_path / "off"), "--out", str(tmp_path / "q")]) == 2
+    err = capsys.readouterr().err
+    assert "--offload-dir applies to" in err and "--stream" in err
+
+
 def test_a_bf16_checkpoint_keeps_its_tables_in_bf16_and_writes_the_same_checkpoint(tmp_path, capsys, tiny_hf_dir,
                                                                                     monkeypatch):
     """A bf16 source: the released run holds the embeddings and lm_head in bf16 through the walk (the in-memory
@@ -139,6 +208,17 @@ def test_the_lazy_estimate_is_flat_in_depth_and_grows_with_calibration():
     assert not whole.flat and whole.parts["whole"] == deep.params * 4
     kept = estimate(deep, "gptq", 16, 512, evaluate=True)
     assert not kept.flat and kept.parts["quantized"] >= deep.layers * deep.block_params
+    # RTN with data, AWQ and the rotation per block: flat in depth too
+    for kw in ({}, {"awq": True}, {"rotate": True}):
+        a, b = estimate(shallow, "rtn", 16, 512, **kw), estimate(deep, "rtn", 16, 512, **kw)
+        assert a.peak == b.peak and a.flat, kw
+    plain = estimate(shallow, "gptq", 16, 512)
+    with_awq = estimate(shallow, "gptq", 16, 512, awq=True)
+    assert with_awq.parts["caches"] == 3 * plain.parts["caches"]  # its own chain: the inputs and float outputs
+    rotated = estimate(Shape.from_config({**TINY, "tie_word_embeddings": True, "torch_dtype": "bfloat16"}), "gptq",
+                       16, 512, rotate=True)
+    assert rotated.parts["outside"] == 2 * 512 * 64 * 4 + 4 * 64  # widened to fp32, the tied head untied
+    assert not estimate(deep, "rtn", 0, 0).flat  # RTN without data: the whole model
     # GPTQ caches the quantized chain alone, SignRound the float chain too
     assert estimate(shallow, "gptq", 16, 512).parts["caches"] * 2 == estimate(shallow, "signround2", 16, 512).parts[
         "caches"]

@@ -33,7 +33,7 @@ def _pair(tmp_path, method, settings, tie=False, **kw):
     lazy = load_lazy(folder)
     assert is_lazy(lazy)
     read = []
-    for i, b in enumerate(lazy.model.layers):  # how many blocks hold float weights while one runs
+    for b in lazy.model.layers:  # how many blocks hold float weights while one runs
         b.register_forward_pre_hook(lambda mod, *_: read.append(sum(
             1 for other in lazy.model.layers if other is not mod
             for p in other.parameters() if p.device.type != "meta" and p.dim() == 2 and p.dtype == torch.float32)))

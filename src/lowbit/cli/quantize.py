@@ -79,19 +79,23 @@ def register(sub: argparse._SubParsersAction) -> None:
     for spec in method_flags():  # generated from each method's settings dataclass
         _add_method_flag(g, spec)
     g.add_argument("--cache-device", choices=("device", "cpu", "disk"), default=None,
-                   help="gptq, signround, signround2 (and --awq): where the cached activations live: device "
+                   help="gptq, signround, signround2, rtn with data and --offload-dir (and --awq): where the cached "
+                        "activations live: device "
                         "(default) or cpu "
                         "(host memory streamed per mini-batch: the most memory-lean mode for large models on "
                         "small GPUs) or disk (memory-mapped files in --offload-dir, for calibration sets whose "
                         "activations memory cannot hold; chosen by itself, with a warning, when only they do not fit)")
     g.add_argument("--workdir", default=None,
-                   help="gptq, signround, signround2 (and --awq): folder for per-block results (resume)")
+                   help="gptq, signround, signround2, rtn with data and --offload-dir (and --awq): folder for "
+                        "per-block results (resume)")
     from lowbit.api.quantize import memory_help
 
     g.add_argument("--offload-dir", default=None,
-                   help="gptq, signround, signround2 (and --awq): keep blocks on disk, one block's weights in memory. "
+                   help="gptq, signround, signround2, rtn with calibration data (its importance search) (and "
+                        "--awq): keep blocks on disk, one block's weights in memory. "
                         "On a safetensors folder the model is built on meta and each block read from the checkpoint "
-                        "when its turn comes; with --no-eval each finished block is written here and freed too, so "
+                        "when its turn comes (--rotate and --awq are applied to it then, the tables rotated once); "
+                        "with --no-eval each finished block is written here and freed too, so "
                         "the quantized blocks do not pile up in memory. " + memory_help().replace("%", "%%"))
     m = p.add_argument_group("mixed precision (any method)")
     m.add_argument("--avg-bits", type=float, default=UNSET, help="average bits per weight budget")
