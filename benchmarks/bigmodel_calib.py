@@ -26,6 +26,7 @@ decoder layer onloaded at a time) on the same checkpoint and the same calibratio
 
     python -m benchmarks.bigmodel_calib --shapes tinyllama-1.1b --methods gptq,signround2
     python -m benchmarks.bigmodel_calib --shapes llama-3.1-8b --methods gptq --blocks 6
+    python -m benchmarks.bigmodel_calib --shapes tinyllama-1.1b --methods rtn,awq,rotate --blocks 3 --threads 1
     python -m benchmarks.bigmodel_calib --table
 """
 
@@ -168,7 +169,15 @@ def method_args(method: str, iters: int) -> list[str]:
         return ["--method", "gptq", "--no-search"]
     if method == "signround2":
         return ["--method", "signround2", "--iters", str(iters)]
+    if method in PRE_STEP_ROWS:
+        return PRE_STEP_ROWS[method]
     raise SystemExit(f"unknown method {method}")
+
+
+# rows of RTN with its importance search and of the pre-steps, block by block on the lazily loaded model (issue 35):
+# method -> the flags; the estimate reads the base method and the pre-steps from them
+PRE_STEP_ROWS = {"rtn": ["--method", "rtn"], "awq": ["--method", "rtn", "--awq"],
+                 "rotate": ["--method", "rtn", "--rotate"]}
 
 
 def run_lowbit(shape: str, method: str, a: argparse.Namespace) -> dict:
@@ -206,6 +215,10 @@ def estimate(src: Path, method: str, a: argparse.Namespace) -> dict:
     from lowbit.ptq.memory import estimate as predict
 
     shape = Shape.from_config(with_stored_dtype(json.loads((src / "config.json").read_text()), src))
+    flags = PRE_STEP_ROWS.get(method)
+    if flags is not None:
+        return predict(shape, flags[1], a.nsamples, a.seqlen, batch_size=min(8, a.nsamples), search=True,
+                       rotate="--rotate" in flags, awq="--awq" in flags).to_dict()
     return predict(shape, method, a.nsamples, a.seqlen, batch_size=min(8, a.nsamples)).to_dict()
 
 
