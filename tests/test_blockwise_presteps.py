@@ -119,3 +119,34 @@ def test_a_range_fallback_after_the_pre_steps_is_an_error_block_by_block(tmp_pat
     with pytest.raises(ConfigError, match=f"layer {target}: too wide"):
         quantize_model(lazy, plan, "rtn", {"search": True}, calib=calib(), progress=False,
                        rotate=RotationSettings())
+
+
+def test_a_rotation_that_changes_the_function_is_refused_on_block_0(tmp_path, monkeypatch):
+    """The whole-model path compares logits before and after rotating; block by block, block 0's output before and
+    after its rotation is compared instead (recorded as probe_rel_diff), and a wrong rotation is an error."""
+    from lowbit.errors import ModelError
+    from lowbit.ptq import block_prep, rotation
+
+    _, folder = saved(tmp_path)
+    pre = {}
+
+    def run(lazy):
+        from lowbit.ptq.conductor import PtqSpec, conduct
+        from lowbit.ptq.methods import RunContext
+
+        out = conduct(lazy, uniform(lazy, "w4g32"), PtqSpec("rtn", {"search": True}, rotate=RotationSettings()),
+                      RunContext(calib=calib(), progress=False))
+        pre.update(out.prepared)
+
+    run(load_lazy(folder))
+    assert pre["rotation"]["probe_rel_diff"] < 1e-5 and pre["rotation"]["rotated_width"] == 64
+
+    def no_fold(block, lay, rot):  # rotates without folding the norms first: not the same function
+        for name in lay.readers:
+            lin = block.get_submodule(name)
+            lin.weight.copy_(rot.rows(lin.weight))
+
+    monkeypatch.setattr(block_prep, "rotate_block", torch.no_grad()(no_fold))
+    with pytest.raises(ModelError, match="no longer computes the same function .* on block 0"):
+        run(load_lazy(folder))
+    assert rotation.rotate_block is not no_fold

@@ -21,14 +21,16 @@ the method's pass sees the same block it would have seen (tests/test_bigmodel_me
 both in one pass over the checkpoint; the work folder keeps both results per block.
 
 What differs from the whole-model path, on purpose: the rotation's probe check (logits of
-the whole model before and after) needs the whole model, so each block's norms are checked
-to be plain RMSNorms as it is read instead; and a layer whose transformed weights the
+the whole model before and after) needs the whole model, so block 0's output is compared
+before and after its rotation on one calibration sample instead (each block's norms are
+checked to be plain RMSNorms as it is read); and a layer whose transformed weights the
 planned scales cannot hold (a range fallback) is an error naming it, since the plan the work
 folder records cannot change half-way through the walk (the whole-model path falls back).
 """
 
 from __future__ import annotations
 
+import copy
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -38,7 +40,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from lowbit.errors import ConfigError
+from lowbit.errors import ConfigError, ModelError
 from lowbit.formats.ranges import fit
 from lowbit.models.layers import block_path, decoder_blocks
 from lowbit.models.lazy import SOURCE_ATTR, fill
@@ -47,7 +49,7 @@ from lowbit.models.structure import block_layout, check_block_norms, residual_ma
 from lowbit.nn.input_rotation import attach
 from lowbit.plans.plan import Plan
 from lowbit.ptq.awq import AWQPass, AWQSettings
-from lowbit.ptq.blockwise import new_cache
+from lowbit.ptq.blockwise import new_cache, run_block
 from lowbit.ptq.blockwise.loop import BlockPass, Walk
 from lowbit.ptq.rotation import (
     Rotation,
@@ -106,11 +108,18 @@ class LazyRotation:
             rotate_tables(model, self.rmap, self.rot)
             self.info.update(_residual_info(self.rmap, self.rot))
         self.info["online_layers"] = 0
-        self.info["probe"] = "per block: plain RMSNorms checked as each block is read (no whole-model probe)"
+        self.info["probe"] = "block 0: its output before and after the rotation, on one calibration sample"
         self.seconds = time.perf_counter() - t0
 
-    def block(self, i: int, block: nn.Module) -> None:
+    def block(self, i: int, block: nn.Module, probe: tuple[torch.Tensor, Mapping[str, Any]] | None = None) -> None:
+        """Rotate block ``i`` (just read); with ``probe`` (an input and the block's kwargs) check first that the
+        rotated block computes the float block's function turned by ``R`` (the whole-model path's logit probe,
+        for one block: the blocks share one architecture, and each block's norms are checked anyway)."""
         t0 = time.perf_counter()
+        before = copy.deepcopy(block) if probe is not None else None
+        if before is not None:  # the probe runs the block's own function, not what observes the original
+            before._forward_pre_hooks.clear()
+            before._forward_hooks.clear()
         if self.rmap is not None and self.rot is not None:
             check_block_norms(block, self.rmap.layout, i, "rotation")
             rotate_block(block, self.rmap.layout, self.rot)
@@ -119,7 +128,21 @@ class LazyRotation:
                 if rel.rpartition(".")[2] == short and isinstance(m, nn.Linear):
                     attach(m)
                     self.info["online_layers"] += 1
+        if before is not None and probe is not None:
+            self.info["probe_rel_diff"] = self._check(before, block, *probe)
         self.seconds += time.perf_counter() - t0
+
+    def _check(self, before: nn.Module, after: nn.Module, x: torch.Tensor, kwargs: Mapping[str, Any]) -> float:
+        turn = self.rot.rows if self.rot is not None else (lambda t: t)
+        with torch.no_grad():
+            want = turn(run_block(before, x, kwargs, 1).double())
+            got = run_block(after, turn(x.double()).to(x.dtype), kwargs, 1).double()
+        err = float((got - want).abs().max() / want.abs().max().clamp_min(1e-30))
+        if not err < 1e-3:
+            raise ModelError(f"the rotated {type(after).__name__} no longer computes the same function (relative "
+                             f"difference {err:.3g} on block 0); its blocks are not the pre-norm residual stream "
+                             "lowbit rotates. Quantize without --rotate")
+        return err
 
 
 class _nothing:
@@ -175,6 +198,7 @@ class PrepPass:
 
     def begin(self, walk: Walk, x: torch.Tensor) -> None:
         self.walk = walk
+        self.probe = (x[:1].to(walk.device, walk.dtype).clone(), walk.kwargs) if self.rotation is not None else None
         if self.awq is not None:
             own = new_cache(tuple(x.shape), x.dtype, x.device, walk.device)
             own.copy_(x)
@@ -209,7 +233,8 @@ class PrepPass:
 
     def step(self, i: int, block: nn.Module, saved: tuple[Any, Any] | None) -> tuple[tuple[Any, Any], dict[str, float]]:
         if self.rotation is not None:
-            self.rotation.block(i, block)
+            self.rotation.block(i, block, self.probe if i == 0 else None)
+            self.probe = None
         scales = None
         if self.awq is not None:
             t0 = time.perf_counter()
