@@ -119,6 +119,7 @@ class Shape:
 
 
 WALK = ("block", "caches", "forward", "method")  # held while a block is worked on, gone when the output is written
+APART = ("save", "turn")  # held at other times than the walk: writing the output, rotating the tables before it
 
 
 @dataclass(frozen=True)
@@ -132,10 +133,11 @@ class Estimate:
 
     @property
     def peak(self) -> int:
-        """The parts held throughout, plus the larger of the walk's (the block and its work) and the save's."""
+        """The parts held throughout, plus the largest of the walk's (the block and its work), the save's and the
+        rotation's turning of the tables before the walk."""
         walk = sum(v for k, v in self.parts.items() if k in WALK)
-        held = sum(v for k, v in self.parts.items() if k not in WALK and k != "save")
-        return held + max(walk, self.parts.get("save", 0))
+        held = sum(v for k, v in self.parts.items() if k not in WALK and k not in APART)
+        return held + max(walk, *(self.parts.get(k, 0) for k in APART))
 
     def to_dict(self) -> dict[str, Any]:
         return {"peak_bytes": self.peak, "parts": dict(self.parts), "disk": dict(self.disk), "flat_in_depth": self.flat}
@@ -177,11 +179,14 @@ def estimate(shape: Shape, method: str, nsamples: int, seqlen: int, *, lazy: boo
         return Estimate(parts, disk, flat=False)
     if rotate:  # the tables widened to float32 to be turned; a tied head untied (a table of its own)
         s = dataclasses.replace(s, table_bytes=4, tied=False)
+    turn = _turn(s) if rotate else 0
     parts = {"runtime": RUNTIME_BYTES, "outside": _outside_held(s, lm_head), "block": s.block_params * f32}
     parts |= _block_parts(s, method, tokens, seqlen, search, batch_size)
     if awq:  # its own chain (the block's inputs and float outputs); its search and the method's are not at once
         parts["caches"] += 2 * tokens * s.hidden * f32
         parts["method"] = max(parts["method"], _awq_state(s))
+    if turn:
+        parts["turn"] = turn
     if evaluate:  # the quantized blocks stay in memory to be evaluated: a byte per weight (codes) plus scales
         parts["quantized"] = int(s.layers * s.block_params * 1.07)
         parts["save"] = out_bytes
@@ -195,8 +200,9 @@ def _block_parts(s: Shape, method: str, tokens: int, seqlen: int, search: bool, 
     f32 = 4
     caches = 1 + int(TRACKS_FP.get(method, False) or search)
     parts = {"caches": caches * tokens * s.hidden * f32, "forward": _forward(s, seqlen)}
-    if method == "rtn":  # one Linear rounded at a time: its weights, the search's candidates and the codes
-        parts["method"] = 4 * s.intermediate * s.experts * s.hidden * f32
+    if method == "rtn":  # one Linear rounded at a time: its weights, the search's candidates and the codes (6 fp32
+        # copies of the widest: 4 were 6 % under the measured 1.1B peak, bigmodel_calib.md)
+        parts["method"] = 6 * s.intermediate * s.experts * s.hidden * f32
     elif method == "gptq":
         # the widest input's Hessian: summed in float64 beside one batch's float32 product (12 bytes per entry),
         # then held in float32 while its factor is built in place beside it (at most 3 more float32 copies:
@@ -212,6 +218,12 @@ def _block_parts(s: Shape, method: str, tokens: int, seqlen: int, search: bool, 
         backward = batch_size * seqlen * (4 * s.intermediate + 8 * s.hidden) * f32 * 2
         parts["method"] = s.block_params * per_weight + backward
     return parts
+
+
+def _turn(s: Shape) -> int:
+    """Rotating the tables (`lowbit.ptq.rotation.rotate_tables`): a chunk of 8192 rows in float64, turned, and
+    its float32 copy, ~4 float64 copies of the chunk at once (the Walsh-Hadamard steps')."""
+    return 8192 * s.hidden * 8 * 4
 
 
 def _awq_state(s: Shape) -> int:
