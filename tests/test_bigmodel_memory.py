@@ -217,7 +217,10 @@ def test_the_lazy_estimate_is_flat_in_depth_and_grows_with_calibration():
     assert with_awq.parts["caches"] == 3 * plain.parts["caches"]  # its own chain: the inputs and float outputs
     rotated = estimate(Shape.from_config({**TINY, "tie_word_embeddings": True, "torch_dtype": "bfloat16"}), "gptq",
                        16, 512, rotate=True)
-    assert rotated.parts["outside"] == 2 * 512 * 64 * 4 + 4 * 64  # widened to fp32, the tied head untied
+    # the embedding widened to fp32, the tied head untied into a bf16 copy, widened after the walk ("turn")
+    assert rotated.parts["outside"] == 512 * 64 * (4 + 2) + 4 * 64
+    assert rotated.parts["turn"] >= 512 * 64 * 2 and rotated.peak >= sum(
+        v for k, v in rotated.parts.items() if k not in ("save", "turn", "block", "caches", "forward", "method"))
     assert not estimate(deep, "rtn", 0, 0).flat  # RTN without data: the whole model
     # GPTQ caches the quantized chain alone, SignRound the float chain too
     assert estimate(shallow, "gptq", 16, 512).parts["caches"] * 2 == estimate(shallow, "signround2", 16, 512).parts[

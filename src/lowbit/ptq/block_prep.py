@@ -7,9 +7,10 @@ planned weight, then the method walks the blocks again. None of them needs more 
 block at a time:
 
 - the rotation's new value of each tensor depends on that tensor alone (and the norm folded
-  into it): the tables (embedding, lm_head with the final norm folded in) are turned once
-  before block 0 is captured, each block as it is read (`lowbit.ptq.rotation.rotate_tables`,
-  `rotate_block`, the functions `rotate_model` itself runs);
+  into it): the embedding is turned before block 0 is captured, each block as it is read,
+  the lm_head (the final norm folded in; no block reads it, so it stays in the checkpoint's
+  dtype until then) after the last block (`lowbit.ptq.rotation.rotate_embedding`,
+  `rotate_block`, `rotate_head`: the functions `rotate_model` itself runs);
 - AWQ's scale groups and folds lie inside one block (norm -> q/k/v, v -> o, norm ->
   gate/up, up -> down): its own `AWQPass` runs on the block, on its own chain of inputs,
   right before the method's pass on the same block;
@@ -58,7 +59,9 @@ from lowbit.ptq.rotation import (
     kept_channels,
     online_layers,
     rotate_block,
-    rotate_tables,
+    rotate_embedding,
+    rotate_head,
+    untie_head,
 )
 
 FIT_FIX = ("block by block the plan cannot change half-way through the walk: quantize without --offload-dir (the "
@@ -94,7 +97,6 @@ class LazyRotation:
 
     def __init__(self, model: nn.Module, settings: RotationSettings) -> None:
         t0 = time.perf_counter()
-        widen(model)  # the tables in the compute dtype, as the whole-model path (materialize) rotates them
         self.rmap = residual_map(model, "rotation") if settings.residual else None
         blocks = [f"{block_path(model)}.{i}" for i in range(len(decoder_blocks(model)))]
         online_layers(model, blocks, settings.online)  # checked up front: names and widths (read from the modules)
@@ -105,7 +107,13 @@ class LazyRotation:
             with _norms_read(model, self.rmap) if settings.keep != 0 else _nothing():
                 kept = kept_channels(model, self.rmap, settings.keep, dense=settings.kind == "haar")
             self.rot = Rotation.make(self.rmap.width, settings, kept)
-            rotate_tables(model, self.rmap, self.rot)
+            # the embedding now (the capture reads it), widened to the compute dtype as the whole-model path
+            # (materialize) rotates it; the lm_head, which no block reads, after the walk (`finish`), kept in the
+            # checkpoint's dtype until then (a tied one untied into a copy of its stored values)
+            if self.rmap.tied:
+                untie_head(model, self.rmap)
+            widen(model.get_submodule(self.rmap.embed))
+            rotate_embedding(model, self.rmap, self.rot)
             self.info.update(_residual_info(self.rmap, self.rot))
         self.info["online_layers"] = 0
         self.info["probe"] = "block 0: its output before and after the rotation, on one calibration sample"
@@ -130,6 +138,14 @@ class LazyRotation:
                     self.info["online_layers"] += 1
         if before is not None and probe is not None:
             self.info["probe_rel_diff"] = self._check(before, block, *probe)
+        self.seconds += time.perf_counter() - t0
+
+    def finish(self, model: nn.Module) -> None:
+        """After the walk: the lm_head's part (widened, the final norm folded in, turned)."""
+        t0 = time.perf_counter()
+        if self.rmap is not None and self.rot is not None:
+            widen(model.get_submodule(self.rmap.head))
+            rotate_head(model, self.rmap, self.rot)
         self.seconds += time.perf_counter() - t0
 
     def _check(self, before: nn.Module, after: nn.Module, x: torch.Tensor, kwargs: Mapping[str, Any]) -> float:
@@ -191,9 +207,7 @@ class PrepPass:
         self.awq = AWQPass(pre.plan, pre.awq, block_layout(model, "AWQ")) if pre.awq is not None else None
         # AWQ's chain starts in the model's dtype: capture in it, and hand the method its own copy in its dtype
         self.cache_dtype = inner.cache_dtype if self.awq is None else None
-        if pre.fit:  # planned layers outside the blocks (a quantized lm_head): in memory, rotated by now
-            prefix = block_path(model) + "."
-            _check_fit(model, {n: n for n in pre.plan if not n.startswith(prefix)}, pre.plan)
+        self.model = model
         self.awq_seconds = 0.0
 
     def begin(self, walk: Walk, x: torch.Tensor) -> None:
@@ -252,6 +266,11 @@ class PrepPass:
         self.inner.finish(i, block, result[1])
 
     def end(self) -> None:
+        if self.rotation is not None:
+            self.rotation.finish(self.model)
+        if self.pre.fit:  # planned layers outside the blocks (a quantized lm_head), as transformed, before rounding
+            prefix = block_path(self.model) + "."
+            _check_fit(self.model, {n: n for n in self.pre.plan if not n.startswith(prefix)}, self.pre.plan)
         self.inner.end()
         if self.rotation is not None:
             self.pre.info["rotation"] = {**self.rotation.info, "seconds": round(self.rotation.seconds, 3)}

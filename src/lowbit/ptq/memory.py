@@ -26,8 +26,9 @@ benchmarks/results/bigmodel_calib.md):
 RTN with calibration data (its importance search, static input scales) walks the blocks the
 same way (the float chain: two caches; its method state is one Linear's rounding). The
 pre-steps run per block on such a run (`lowbit.ptq.block_prep`): ``--rotate`` holds the
-tables widened to float32 (a tied lm_head untied: a table of its own) while the blocks are
-turned as they are read; ``--awq`` adds its own chain of inputs (two more caches) and its
+embedding widened to float32 and the lm_head (a tied one untied: a table of its own) in the
+checkpoint's dtype while the blocks are turned as they are read, and widens and turns the
+head after the last block (``turn``: that, or a chunk of a table being turned); ``--awq`` adds its own chain of inputs (two more caches) and its
 search's state on the block (the float64 ``X^T X`` of the inputs of o_proj and down_proj, and
 the scaled, rounded copies of a group's weights), which is not held at once with the method's.
 
@@ -177,10 +178,16 @@ def estimate(shape: Shape, method: str, nsamples: int, seqlen: int, *, lazy: boo
             parts["forward"] = _forward(s, seqlen)
         parts["save"] = out_bytes
         return Estimate(parts, disk, flat=False)
-    if rotate:  # the tables widened to float32 to be turned; a tied head untied (a table of its own)
-        s = dataclasses.replace(s, table_bytes=4, tied=False)
-    turn = _turn(s) if rotate else 0
-    parts = {"runtime": RUNTIME_BYTES, "outside": _outside_held(s, lm_head), "block": s.block_params * f32}
+    turn = 0
+    if rotate:  # the embedding widened to float32 and turned before the walk; the lm_head (a tied one untied into a
+        # copy) kept in the stored dtype through the walk, widened and turned after it
+        table = s.vocab * s.hidden
+        outside = table * 4 + table * (4 if lm_head else s.table_bytes) + 4 * s.hidden
+        turn = _turn(s) + (0 if lm_head else table * (4 - s.table_bytes))
+        s = dataclasses.replace(s, tied=False)
+    else:
+        outside = _outside_held(s, lm_head)
+    parts = {"runtime": RUNTIME_BYTES, "outside": outside, "block": s.block_params * f32}
     parts |= _block_parts(s, method, tokens, seqlen, search, batch_size)
     if awq:  # its own chain (the block's inputs and float outputs); its search and the method's are not at once
         parts["caches"] += 2 * tokens * s.hidden * f32

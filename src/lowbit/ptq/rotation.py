@@ -338,8 +338,20 @@ def rotate_tables(model: nn.Module, rmap: ResidualMap, rot: Rotation) -> None:
     it) only, so this and `rotate_block` per block give the weights `rotate_model` gives, in any order."""
     if rmap.tied:
         untie_head(model, rmap)
-    _fold(model.get_submodule(rmap.final_norm), [model.get_submodule(rmap.head)], torch.arange(rmap.width))
+    rotate_embedding(model, rmap, rot)
+    rotate_head(model, rmap, rot)
+
+
+@torch.no_grad()
+def rotate_embedding(model: nn.Module, rmap: ResidualMap, rot: Rotation) -> None:
+    """The embedding's part: its rows turned."""
     _turn_rows(rot, model.get_submodule(rmap.embed).weight)
+
+
+@torch.no_grad()
+def rotate_head(model: nn.Module, rmap: ResidualMap, rot: Rotation) -> None:
+    """The lm_head's part (untied first): the final norm folded into it, its rows turned."""
+    _fold(model.get_submodule(rmap.final_norm), [model.get_submodule(rmap.head)], torch.arange(rmap.width))
     _turn_rows(rot, model.get_submodule(rmap.head).weight)
 
 
