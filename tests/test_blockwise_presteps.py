@@ -150,3 +150,26 @@ def test_a_rotation_that_changes_the_function_is_refused_on_block_0(tmp_path, mo
     with pytest.raises(ModelError, match="no longer computes the same function .* on block 0"):
         run(load_lazy(folder))
     assert rotation.rotate_block is not no_fold
+
+
+def test_a_bf16_checkpoint_rotated_block_by_block_keeps_its_head_narrow_until_the_end(tmp_path):
+    """From a bf16 checkpoint (tied): the embedding is widened and turned before the capture, the untied head stays a
+    bf16 copy through the walk and is turned after it; the result is the whole-model path's on the same values."""
+    from test_lazy import fresh_rotary
+
+    m = tiny_model(layers=3)
+    m.config.tie_word_embeddings = True
+    m.lm_head.weight = m.model.embed_tokens.weight
+    m.to(torch.bfloat16).save_pretrained(tmp_path / "hf")
+    ref = m.float()
+    fresh_rotary(ref)
+    plan, c = uniform(ref, "w4g32"), calib()
+    quantize_model(ref, plan, "rtn", {"search": True}, calib=c, progress=False, rotate=RotationSettings())
+    lazy = load_lazy(tmp_path / "hf")
+    heads = []
+    for b in lazy.model.layers:
+        b.register_forward_pre_hook(lambda *_: heads.append((lazy.model.embed_tokens.weight.dtype,
+                                                             lazy.lm_head.weight.dtype)))
+    quantize_model(lazy, plan, "rtn", {"search": True}, calib=c, progress=False, rotate=RotationSettings())
+    assert set(heads) == {(torch.float32, torch.bfloat16)}
+    _same_model(ref, lazy)
