@@ -64,6 +64,7 @@ from lowbit.ptq.blockwise import (
     run_block,
     walk_blocks,
 )
+from lowbit.ptq.blockwise.release import give_back_free_memory
 from lowbit.ptq.methods import RunContext
 
 INPUTS = ("fp", "quantized")
@@ -230,6 +231,7 @@ class AWQPass:
                 fold(block, g, s.to(w.device))
             self.gains.append(gain)
             self.scaled.append(s is not None)
+            give_back_free_memory()  # each group's candidates: freed chunks glibc would otherwise keep (release.py)
         return result, {"resumed": 1.0} if saved is not None else {}
 
     def _block_stats(self, block: nn.Module, groups: list[ScaleGroup]

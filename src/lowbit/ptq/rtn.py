@@ -123,10 +123,15 @@ class RTNTuner:
         self.needs_importance = settings.search
 
     def __call__(self, job: Any) -> tuple[dict[str, QTensor], dict[str, float]]:
+        from lowbit.ptq.blockwise.release import give_back_free_memory
+
         out: dict[str, QTensor] = {}
         for name, (rel, scheme) in job.layers.items():
             w = job.block.get_submodule(rel).weight.detach()
             out[name] = quantize(w, scheme, None if job.imp is None else job.imp[name], job.tensor_scales.get(name))
+            # the search's candidates leave freed chunks glibc would keep below the next layer's: the high-water mark
+            # rose 1.14 -> 1.26 GiB over three 1.1B blocks without this (bigmodel_calib.md)
+            give_back_free_memory()
         return out, {}
 
 
