@@ -274,10 +274,12 @@ def memory_help() -> str:
             "nsamples x seqlen x hidden x 4 bytes per activation cache (gptq 1, signround 2) + the method's state "
             "(gptq: 16 bytes x widest Linear input^2, its Hessian and the factorization's copies, + the widest Linear "
             "group's weights 4 times in fp32; signround: 20 bytes per block weight and a mini-batch's backward); "
-            f"at 128 x 2048 calibration tokens: {memory.help_table()}. --rotate (the tables widened to fp32) and "
-            "--awq (its own activation cache) run per block too, and so does --method rtn with calibration data "
-            "(two caches, no method state). Without --offload-dir (and with --avg-bits, or --method rtn without "
-            "data: --stream for that) the whole float model is loaded (4 bytes per weight). The run is "
+            f"at 128 x 2048 calibration tokens: {memory.help_table()}. --rotate (the embedding widened to fp32, the "
+            "lm_head turned after the last block) and --awq (two more activation caches; its search holds 12 bytes x "
+            "the widest Linear input^2 and a group's weights 4 times in fp32) run per block too, and so does --method "
+            "rtn with calibration data (2 caches, its widest Linear 6 times in fp32). Without --offload-dir (and with "
+            "--avg-bits, or --method rtn without data: --stream for that) the whole float model is loaded (4 bytes "
+            "per weight). The run is "
             "refused before loading, with these numbers, when free memory (MemAvailable) or the disk of --out / "
             "--offload-dir cannot hold it")
 
