@@ -227,7 +227,8 @@ def flatness(blocks: list[dict]) -> dict:
 
 def llmc_child(argv: list[str]) -> int:
     """llm-compressor's sequential GPTQ (W4A16: int4 g128 symmetric, static act-order, dampening 0.01 as lowbit's
-    defaults) on ``SRC`` in float32 with the token ids of ``IDS``; after ``BLOCKS`` decoder layers (0 = all) the
+    defaults) on ``SRC`` in ``DTYPE`` (float32, or the checkpoint's bfloat16 where float32 would not fit the
+    machine: the 3B shape's 12 GiB) with the token ids of ``IDS``; after ``BLOCKS`` decoder layers (0 = all) the
     run stops when the next layer is reached. Each layer's first call is logged to $BLOCK_LOG."""
     import torch
     from llmcompressor import oneshot
@@ -236,9 +237,12 @@ def llmc_child(argv: list[str]) -> int:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     src, ids_file, blocks = argv[0], argv[1], int(argv[2])
+    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[argv[3] if len(argv) > 3 else "float32"]
+    if len(argv) > 4:  # the row's --threads, as lowbit's child gets it
+        torch.set_num_threads(int(argv[4]))
     log = open(os.environ["BLOCK_LOG"], "a")  # noqa: SIM115 - held for the run
     log.write(json.dumps({"block": -1, "s": 0.0, "cpu_s": _cpu(), **_status()}) + "\n")
-    model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(src, dtype=dtype)
     tok = AutoTokenizer.from_pretrained(src)
     calib = torch.load(ids_file)
     last = [time.perf_counter(), _cpu()]
@@ -278,13 +282,13 @@ def run_llmc(shape: str, a: argparse.Namespace) -> dict:
     from lowbit.data.batches import calibration_batches
 
     src = prepare(shape)
-    tag = f"{shape}-gptq-llmc-n{a.nsamples}x{a.seqlen}" + (f"-b{a.blocks}" if a.blocks else "")
+    tag = f"{shape}-gptq-llmc-{a.peer_dtype}-n{a.nsamples}x{a.seqlen}" + (f"-b{a.blocks}" if a.blocks else "")
     blog, ids = WORK / "logs" / f"{tag}.blocks.jsonl", WORK / "logs" / f"{tag}.ids.pt"
     blog.parent.mkdir(parents=True, exist_ok=True)
     blog.unlink(missing_ok=True)
     torch.save(calibration_batches(AutoTokenizer.from_pretrained(src), None, a.nsamples, a.seqlen), ids)
     cmd = [a.peer_python or sys.executable, "-m", "benchmarks.bigmodel_calib", "--llmc-child", str(src), str(ids),
-           str(a.blocks)]
+           str(a.blocks), a.peer_dtype, str(a.threads)]
     path = [str(Path(__file__).parent.parent), *([a.peer_path] if a.peer_path else [])]
     env = {**os.environ, "BLOCK_LOG": str(blog), "PYTHONPATH": os.pathsep.join(path)}
     code, wall, cpu, peak = child(cmd, WORK / "logs" / f"{tag}.log", env)
@@ -292,7 +296,10 @@ def run_llmc(shape: str, a: argparse.Namespace) -> dict:
     row = {"shape": shape, "method": "gptq", "tool": "llmc-seq", "nsamples": a.nsamples, "seqlen": a.seqlen,
            "iters": None, "blocks_run": len(blocks) - 1, "stopped_after": a.blocks or None,
            "ok": code == 0 or bool(a.blocks and code == 3), "exit": code, "s": round(wall, 1), "cpu_s": round(cpu, 1),
-           "peak_rss": peak, "out_bytes": 0, "per_block": blocks[1:], "commit": _commit()}
+           "peak_rss": peak, "out_bytes": 0, "per_block": blocks[1:], "commit": _commit(), "threads": a.threads,
+           "model_dtype": a.peer_dtype}
+    if a.peer_dtype != "float32":  # beside the float32 rows, not replacing them (save_row's key)
+        row["variant"] = a.peer_dtype
     return row | flatness(blocks[1:])
 
 
@@ -344,6 +351,9 @@ def main() -> None:
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--blocks", type=int, default=0, help="stop each row after this many blocks (0 = all)")
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--peer-dtype", default="float32", choices=("float32", "bfloat16"),
+                   help="the dtype llm-compressor loads the model in (methods: llmc); bfloat16 is the checkpoint's "
+                        "own, for shapes whose float32 model does not fit the machine")
     p.add_argument("--table", action="store_true")
     p.add_argument("--peer-python", default=None, help="an interpreter importing llm-compressor (methods: llmc)")
     p.add_argument("--peer-path", default=None,
