@@ -195,9 +195,29 @@ def run_lowbit(shape: str, method: str, a: argparse.Namespace) -> dict:
            "per_group": groups, "threads": a.threads,
            "estimate": estimate(src, method, a), "commit": _commit()}
     row |= flatness(blocks[1:])
-    shutil.rmtree(out, ignore_errors=True)
+    if blocks and code == 0:  # a whole-model row: what came after the last block (the save, the exit)
+        row["after_blocks_cpu_s"] = round(cpu - blocks[0]["cpu_s"] - sum(b["cpu_s"] for b in blocks[1:]), 1)
+    if a.check_load and code == 0:
+        row["load_check"] = load_check(out, a.threads, WORK / "logs" / f"{tag}.eval.log")
+    if a.keep_outputs and code == 0:
+        row["kept"] = str(out)
+    else:
+        shutil.rmtree(out, ignore_errors=True)
     shutil.rmtree(off, ignore_errors=True)
     return row
+
+
+def load_check(out: Path, threads: int, log: Path) -> dict:
+    """The written checkpoint loaded back and run: ``lowbit eval OUT`` on 2 windows of 128 tokens of the bundled
+    corpus (random weights: the perplexity says the forward ran and is finite, nothing about quality), in a child
+    of its own (its peak RSS from the kernel)."""
+    cmd = [sys.executable, "-m", "lowbit", "eval", str(out), "--windows", "2", "--eval-seqlen", "128", "--threads",
+           str(threads), "--json"]
+    code, wall, cpu, peak = child(cmd, log)
+    last = [x for x in log.read_text().splitlines() if x.startswith("{")]
+    result = json.loads(last[-1]) if last else {}
+    return {"exit": code, "s": round(wall, 1), "cpu_s": round(cpu, 1), "peak_rss": peak,
+            "ppl": result.get("ppl", result.get("perplexity"))}
 
 
 def estimate(src: Path, method: str, a: argparse.Namespace) -> dict:
@@ -354,6 +374,9 @@ def main() -> None:
     p.add_argument("--peer-dtype", default="float32", choices=("float32", "bfloat16"),
                    help="the dtype llm-compressor loads the model in (methods: llmc); bfloat16 is the checkpoint's "
                         "own, for shapes whose float32 model does not fit the machine")
+    p.add_argument("--check-load", action="store_true",
+                   help="whole-model rows: load the written checkpoint back and run it (lowbit eval, 2 x 128 tokens)")
+    p.add_argument("--keep-outputs", action="store_true", help="keep the written checkpoint (deleted by default)")
     p.add_argument("--table", action="store_true")
     p.add_argument("--peer-python", default=None, help="an interpreter importing llm-compressor (methods: llmc)")
     p.add_argument("--peer-path", default=None,
