@@ -195,6 +195,9 @@ def run_lowbit(shape: str, method: str, a: argparse.Namespace) -> dict:
            "per_group": groups, "threads": a.threads,
            "estimate": estimate(src, method, a), "commit": _commit()}
     row |= flatness(blocks[1:])
+    if a.variant:  # e.g. an allocator setting from the environment: kept beside the plain row (save_row's key)
+        row["variant"] = a.variant
+        row["env"] = {k: v for k, v in os.environ.items() if k.startswith("MALLOC_")}
     if blocks and code == 0:  # a whole-model row: what came after the last block (the save, the exit)
         row["after_blocks_cpu_s"] = round(cpu - blocks[0]["cpu_s"] - sum(b["cpu_s"] for b in blocks[1:]), 1)
     if a.check_load and code == 0:
@@ -377,6 +380,8 @@ def main() -> None:
     p.add_argument("--check-load", action="store_true",
                    help="whole-model rows: load the written checkpoint back and run it (lowbit eval, 2 x 128 tokens)")
     p.add_argument("--keep-outputs", action="store_true", help="keep the written checkpoint (deleted by default)")
+    p.add_argument("--variant", default="", help="a name for what differs from the plain row (kept beside it), e.g. "
+                   "an allocator setting passed in the environment (MALLOC_* variables are recorded)")
     p.add_argument("--table", action="store_true")
     p.add_argument("--peer-python", default=None, help="an interpreter importing llm-compressor (methods: llmc)")
     p.add_argument("--peer-path", default=None,
