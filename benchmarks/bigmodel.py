@@ -23,7 +23,8 @@ file written tensor by tensor, e.g. q4_k_m), ``llama.cpp-quantize`` (llama.cpp's
 llama-cpp-python, ``--llama-python``, from a BF16 GGUF of the checkpoint written first and untimed: llama.cpp
 quantizes GGUF files only; its Q4_K search is its own ``make_qkx2_quants``, beside lowbit's K-quant rule: plain
 ranges before session 5, the ``fit`` rule since, the row's ``rule``),
-``llmc-model_free_ptq`` and ``read``.
+``llmc-model_free_ptq``, ``autoround-rtn`` / ``autoround-rtn-blocks`` (auto-round's ``iters=0`` with plain rounding:
+its model-free route / its model path, ``--autoround-python``; see ``AUTOROUND_RTN``) and ``read``.
 
 Peer: llm-compressor's ``model_free_ptq`` (safetensors file by file, no model built; plain RTN) on the
 same checkpoints: W4A16 (int4 g128 symmetric) beside w4g128, FP8_DYNAMIC (per-channel FP8 weights) beside
