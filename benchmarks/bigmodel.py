@@ -23,7 +23,8 @@ file written tensor by tensor, e.g. q4_k_m), ``llama.cpp-quantize`` (llama.cpp's
 llama-cpp-python, ``--llama-python``, from a BF16 GGUF of the checkpoint written first and untimed: llama.cpp
 quantizes GGUF files only; its Q4_K search is its own ``make_qkx2_quants``, beside lowbit's K-quant rule: plain
 ranges before session 5, the ``fit`` rule since, the row's ``rule``),
-``llmc-model_free_ptq`` and ``read``.
+``llmc-model_free_ptq``, ``autoround-rtn`` / ``autoround-rtn-blocks`` (auto-round's ``iters=0`` with plain rounding:
+its model-free route / its model path, ``--autoround-python``; see ``AUTOROUND_RTN``) and ``read``.
 
 Peer: llm-compressor's ``model_free_ptq`` (safetensors file by file, no model built; plain RTN) on the
 same checkpoints: W4A16 (int4 g128 symmetric) beside w4g128, FP8_DYNAMIC (per-channel FP8 weights) beside
@@ -131,15 +132,44 @@ with open(sys.argv[1], "w") as f:
 """
 
 
-def child(cmd: list[str], log: Path, env: dict | None = None, loads: list[float] | None = None
-          ) -> tuple[int, float, float, int]:
+def tree_rss(pid: int) -> int:
+    """Resident bytes of ``pid`` and all its descendants now (``/proc``; 0 where they are gone).
+
+    ``wait4``'s ``ru_maxrss`` is the largest peak of the child and the descendants it reaped, not their sum: a tool
+    that quantizes in worker processes (auto-round's model-free path spawns one) holds both at once, so its rows
+    also carry this sum, sampled while it runs (a lower bound of the true simultaneous peak: samples are 1 s apart).
+    """
+    parents: dict[int, int] = {}
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                parents[int(d.name)] = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, ValueError, IndexError):
+                continue
+    family, grew = {pid}, True
+    while grew:
+        more = {c for c, par in parents.items() if par in family} - family
+        family |= more
+        grew = bool(more)
+    total = 0
+    for q in family:
+        try:
+            total += int(Path(f"/proc/{q}/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+        except (OSError, ValueError, IndexError):
+            continue
+    return total
+
+
+def child(cmd: list[str], log: Path, env: dict | None = None, loads: list[float] | None = None,
+          tree: list[int] | None = None) -> tuple[int, float, float, int]:
     """(exit code, wall seconds, CPU seconds, peak RSS bytes from the kernel) of one child process.
 
     CPU seconds (user + system) are reported beside the wall time because this machine is shared:
     under contention the wall time measures the neighbours as much as the tool. The peak is the command's own
     (started through ``LAUNCH``, a ~10 MB interpreter, not from this process: see there). ``loads`` receives the
     1-minute load average sampled every few seconds while the child runs, so a row says how busy the machine was
-    during it, not only at its end.
+    during it, not only at its end. ``tree`` (when given) receives `tree_rss` of the command's process tree, sampled
+    every second.
     """
     t0 = time.perf_counter()
     samples = loads if loads is not None else []
@@ -150,8 +180,10 @@ def child(cmd: list[str], log: Path, env: dict | None = None, loads: list[float]
         p = subprocess.Popen([sys.executable, "-S", "-E", "-c", LAUNCH, str(rusage), *cmd], stdout=f,
                              stderr=subprocess.STDOUT, env=env)
         while p.poll() is None:
-            time.sleep(0.2 if time.perf_counter() - t0 < 5 else 5.0)
+            time.sleep(0.2 if time.perf_counter() - t0 < 5 else 1.0 if tree is not None else 5.0)
             samples.append(os.getloadavg()[0])
+            if tree is not None:
+                tree.append(tree_rss(p.pid))
     if not rusage.is_file():  # the launcher itself failed (killed): what wait4 says of it
         return p.returncode, time.perf_counter() - t0, 0.0, 0
     import ast
@@ -228,9 +260,24 @@ sys.exit(rc)
 """
 
 
+# auto-round's RTN (`iters=0`) with plain rounding (`disable_opt_rtn=True`: its full-range symmetric int4 from each
+# group's extreme, fp16 scales, what lowbit's w4g128 with --no-search computes); without it, iters=0 is its
+# "optimized RTN", which needs calibration data (an importance matrix) and searches 300 scales per group. With a path
+# and plain RTN it routes itself to its model-free path (safetensors shard by shard in a spawned worker process);
+# "blocks" forces its model path instead (`disable_model_free`: the model built, each block quantized in turn).
+AUTOROUND_RTN = """import sys, torch
+torch.set_num_threads(int(sys.argv[4]))
+from auto_round import AutoRound
+kw = {"disable_model_free": True} if sys.argv[3] == "blocks" else {}
+ar = AutoRound(sys.argv[1], scheme="W4A16", iters=0, disable_opt_rtn=True, device_map="cpu", **kw)
+ar.quantize_and_save(sys.argv[2], format="auto_round")
+"""
+AUTOROUND = {"w4g128": "W4A16"}  # auto-round presets holding the same weights
+
+
 def run_row(shape: str, scheme: str, tool: str, src: Path, work: Path, search: bool = False,
             peer_path: str | None = None, llama_python: str | None = None, threads: int | None = None,
-            keep: bool = False) -> dict:
+            keep: bool = False, autoround_python: str | None = None) -> dict:
     out = work / f"{shape}-{scheme}-{tool}"
     log = work / f"{shape}-{scheme}-{tool}.log"
     py = sys.executable
@@ -248,6 +295,17 @@ def run_row(shape: str, scheme: str, tool: str, src: Path, work: Path, search: b
         cmd = [py, "-c", pin + "import sys; from llmcompressor import model_free_ptq; model_free_ptq(sys.argv[1], "
                "sys.argv[2], scheme=sys.argv[3], ignore=['lm_head'], max_workers=1, device='cpu')", str(src), str(out),
                LLMC[scheme]]
+    elif tool.startswith("autoround-rtn"):  # autoround-rtn (its model-free route), autoround-rtn-blocks
+        # one thread in the spawned worker too (it does not inherit torch.set_num_threads); no network
+        env = {**os.environ, "OMP_NUM_THREADS": str(threads or 1), "AR_MODEL_FREE_SHARD_PARALLELISM": "1",
+               "HF_HUB_OFFLINE": "1", "PYTHONPATH": ""}
+        # its model path loads a tokenizer, which these checkpoints lack: the links + tokenizer folder of
+        # bigmodel_calib.py's rows
+        from benchmarks.bigmodel_calib import prepare
+
+        where = prepare(shape) if tool.endswith("-blocks") else src
+        cmd = [autoround_python, "-c", AUTOROUND_RTN, str(where), str(out),
+               "blocks" if tool.endswith("-blocks") else "free", str(threads or 1)]
     elif tool == "read":
         cmd = [py, "-c", "import sys; from pathlib import Path; from lowbit.models.stream_source import StreamSource; "
                "s = StreamSource.open(Path(sys.argv[1]))\nfor n in s.entries: s._raw(n)", str(src)]
@@ -257,13 +315,16 @@ def run_row(shape: str, scheme: str, tool: str, src: Path, work: Path, search: b
     if threads and tool.startswith("lowbit"):
         cmd += ["--threads", str(threads)]
     loads: list[float] = []
-    rc, secs, cpu, rss = child(cmd, log, env, loads)
+    tree: list[int] | None = [] if tool.startswith("autoround") else None
+    rc, secs, cpu, rss = child(cmd, log, env, loads, tree)
     row = {"shape": shape, "scheme": scheme, "tool": tool, "rc": rc, "seconds": round(secs, 1),
            "cpu_seconds": round(cpu, 1), "search": search and tool.startswith("lowbit"), "load_avg_1m": round(os.getloadavg()[0], 1),
            "load_avg_1m_during": [round(min(loads), 1), round(sorted(loads)[len(loads) // 2], 1), round(max(loads), 1)],
            "peak_rss_gib": round(rss / 2**30, 3), "output_bytes": _size(out), "source_bytes": _size(src),
            "machine": f"{os.cpu_count()} cores, shared", "cpu": cpu_model(), "random_weights": True, "commit": _commit(),
            "threads": 1 if tool == "llama.cpp-quantize" else threads}
+    if tree:  # the process tree's summed resident set, sampled each second (a worker process beside the main one)
+        row["tree_rss_sampled_max_gib"] = round(max(tree) / 2**30, 3)
     if tool.startswith("lowbit") and _is_kquant(scheme):  # which K-quant rounding the row ran (session 5: fit)
         from lowbit.formats.kquants import DEFAULT_RULE
 
@@ -294,7 +355,7 @@ def _stored(out: Path) -> dict:
     from lowbit.files.safetensors_stream import read_header
 
     sizes: dict[str, int] = {}
-    for f in ([out] if out.is_file() else sorted(out.glob("*.safetensors"))):
+    for f in ([out] if out.is_file() else sorted(out.rglob("*.safetensors"))):
         if f.suffix != ".safetensors":
             return {}
         for name, e in read_header(f)[0].items():
@@ -347,7 +408,8 @@ def main() -> None:
     ap.add_argument("--search", action="store_true", help="RTN's scale search (slow: see the module doc)")
     ap.add_argument("--peer-path", default=None, help="a folder holding llm-compressor (see the module doc)")
     ap.add_argument("--tools", default="lowbit-stream",
-                    help="lowbit-stream,lowbit-stream-gguf,llmc-model_free_ptq,llama.cpp-quantize")
+                    help="lowbit-stream,lowbit-stream-gguf,llmc-model_free_ptq,llama.cpp-quantize,autoround-rtn,"
+                         "autoround-rtn-blocks")
     ap.add_argument("--llama-python", default=None, help="a Python with llama-cpp-python (the llama.cpp-quantize "
                     "tool: llama.cpp's own Q4_K_M from a BF16 GGUF of the checkpoint, written first and untimed)")
     ap.add_argument("--threads", type=int, default=None, help="torch threads of every tool's child (lowbit's "
@@ -357,6 +419,8 @@ def main() -> None:
                     "(deleted after the row by default: it is as large as the checkpoint)")
     ap.add_argument("--keep-outputs", action="store_true", help="keep every row's output (deleted by default); the "
                     "row's 'kept' names it (kquant_error.py reads llama.cpp's Q4_K_M GGUF)")
+    ap.add_argument("--autoround-python", default="/work/venvs/peers/bin/python",
+                    help="a Python with auto-round (the autoround-rtn tools; its pins clash with lowbit's, so apart)")
     ap.add_argument("--table", action="store_true")
     ap.add_argument("--this-cpu", action="store_true", help="--table: only the rows measured on this machine's CPU")
     ap.add_argument("--no-read", action="store_true", help="skip the read-only floor row")
@@ -377,10 +441,12 @@ def main() -> None:
             for tool in args.tools.split(","):
                 if tool == "llmc-model_free_ptq" and scheme not in LLMC:
                     continue
+                if tool.startswith("autoround") and scheme not in AUTOROUND:
+                    continue
                 if tool == "llama.cpp-quantize" and scheme != "q4_k_m":
                     continue
                 row = run_row(shape, scheme, tool, src, work, args.search, args.peer_path, args.llama_python,
-                              args.threads, args.keep_outputs)
+                              args.threads, args.keep_outputs, args.autoround_python)
                 save([row], results)
                 print(json.dumps(row), flush=True)
                 if tool == "llama.cpp-quantize" and not args.keep_gguf:  # 6.4 GB at 3B, 16 GB at 8B

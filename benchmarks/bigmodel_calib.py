@@ -204,9 +204,32 @@ def run_lowbit(shape: str, method: str, a: argparse.Namespace) -> dict:
            "per_group": groups, "threads": a.threads,
            "estimate": estimate(src, method, a), "commit": _commit()}
     row |= flatness(blocks[1:])
-    shutil.rmtree(out, ignore_errors=True)
+    if a.variant:  # e.g. an allocator setting from the environment: kept beside the plain row (save_row's key)
+        row["variant"] = a.variant
+        row["env"] = {k: v for k, v in os.environ.items() if k.startswith("MALLOC_")}
+    if blocks and code == 0:  # a whole-model row: what came after the last block (the save, the exit)
+        row["after_blocks_cpu_s"] = round(cpu - blocks[0]["cpu_s"] - sum(b["cpu_s"] for b in blocks[1:]), 1)
+    if a.check_load and code == 0:
+        row["load_check"] = load_check(out, a.threads, WORK / "logs" / f"{tag}.eval.log")
+    if a.keep_outputs and code == 0:
+        row["kept"] = str(out)
+    else:
+        shutil.rmtree(out, ignore_errors=True)
     shutil.rmtree(off, ignore_errors=True)
     return row
+
+
+def load_check(out: Path, threads: int, log: Path) -> dict:
+    """The written checkpoint loaded back and run: ``lowbit eval OUT`` on 2 windows of 128 tokens of the bundled
+    corpus (random weights: the perplexity says the forward ran and is finite, nothing about quality), in a child
+    of its own (its peak RSS from the kernel)."""
+    cmd = [sys.executable, "-m", "lowbit", "eval", str(out), "--windows", "2", "--eval-seqlen", "128", "--threads",
+           str(threads), "--json"]
+    code, wall, cpu, peak = child(cmd, log)
+    last = [x for x in log.read_text().splitlines() if x.startswith("{")]
+    result = json.loads(last[-1]) if last else {}
+    return {"exit": code, "s": round(wall, 1), "cpu_s": round(cpu, 1), "peak_rss": peak,
+            "ppl": result.get("ppl", result.get("perplexity"))}
 
 
 def estimate(src: Path, method: str, a: argparse.Namespace) -> dict:
@@ -240,7 +263,8 @@ def flatness(blocks: list[dict]) -> dict:
 
 def llmc_child(argv: list[str]) -> int:
     """llm-compressor's sequential GPTQ (W4A16: int4 g128 symmetric, static act-order, dampening 0.01 as lowbit's
-    defaults) on ``SRC`` in float32 with the token ids of ``IDS``; after ``BLOCKS`` decoder layers (0 = all) the
+    defaults) on ``SRC`` in ``DTYPE`` (float32, or the checkpoint's bfloat16 where float32 would not fit the
+    machine: the 3B shape's 12 GiB) with the token ids of ``IDS``; after ``BLOCKS`` decoder layers (0 = all) the
     run stops when the next layer is reached. Each layer's first call is logged to $BLOCK_LOG."""
     import torch
     from llmcompressor import oneshot
@@ -249,9 +273,12 @@ def llmc_child(argv: list[str]) -> int:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     src, ids_file, blocks = argv[0], argv[1], int(argv[2])
+    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[argv[3] if len(argv) > 3 else "float32"]
+    if len(argv) > 4:  # the row's --threads, as lowbit's child gets it
+        torch.set_num_threads(int(argv[4]))
     log = open(os.environ["BLOCK_LOG"], "a")  # noqa: SIM115 - held for the run
     log.write(json.dumps({"block": -1, "s": 0.0, "cpu_s": _cpu(), **_status()}) + "\n")
-    model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(src, dtype=dtype)
     tok = AutoTokenizer.from_pretrained(src)
     calib = torch.load(ids_file)
     last = [time.perf_counter(), _cpu()]
@@ -291,13 +318,13 @@ def run_llmc(shape: str, a: argparse.Namespace) -> dict:
     from lowbit.data.batches import calibration_batches
 
     src = prepare(shape)
-    tag = f"{shape}-gptq-llmc-n{a.nsamples}x{a.seqlen}" + (f"-b{a.blocks}" if a.blocks else "")
+    tag = f"{shape}-gptq-llmc-{a.peer_dtype}-n{a.nsamples}x{a.seqlen}" + (f"-b{a.blocks}" if a.blocks else "")
     blog, ids = WORK / "logs" / f"{tag}.blocks.jsonl", WORK / "logs" / f"{tag}.ids.pt"
     blog.parent.mkdir(parents=True, exist_ok=True)
     blog.unlink(missing_ok=True)
     torch.save(calibration_batches(AutoTokenizer.from_pretrained(src), None, a.nsamples, a.seqlen), ids)
     cmd = [a.peer_python or sys.executable, "-m", "benchmarks.bigmodel_calib", "--llmc-child", str(src), str(ids),
-           str(a.blocks)]
+           str(a.blocks), a.peer_dtype, str(a.threads)]
     path = [str(Path(__file__).parent.parent), *([a.peer_path] if a.peer_path else [])]
     env = {**os.environ, "BLOCK_LOG": str(blog), "PYTHONPATH": os.pathsep.join(path)}
     code, wall, cpu, peak = child(cmd, WORK / "logs" / f"{tag}.log", env)
@@ -305,7 +332,10 @@ def run_llmc(shape: str, a: argparse.Namespace) -> dict:
     row = {"shape": shape, "method": "gptq", "tool": "llmc-seq", "nsamples": a.nsamples, "seqlen": a.seqlen,
            "iters": None, "blocks_run": len(blocks) - 1, "stopped_after": a.blocks or None,
            "ok": code == 0 or bool(a.blocks and code == 3), "exit": code, "s": round(wall, 1), "cpu_s": round(cpu, 1),
-           "peak_rss": peak, "out_bytes": 0, "per_block": blocks[1:], "commit": _commit()}
+           "peak_rss": peak, "out_bytes": 0, "per_block": blocks[1:], "commit": _commit(), "threads": a.threads,
+           "model_dtype": a.peer_dtype}
+    if a.peer_dtype != "float32":  # beside the float32 rows, not replacing them (save_row's key)
+        row["variant"] = a.peer_dtype
     return row | flatness(blocks[1:])
 
 
@@ -357,6 +387,14 @@ def main() -> None:
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--blocks", type=int, default=0, help="stop each row after this many blocks (0 = all)")
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--peer-dtype", default="float32", choices=("float32", "bfloat16"),
+                   help="the dtype llm-compressor loads the model in (methods: llmc); bfloat16 is the checkpoint's "
+                        "own, for shapes whose float32 model does not fit the machine")
+    p.add_argument("--check-load", action="store_true",
+                   help="whole-model rows: load the written checkpoint back and run it (lowbit eval, 2 x 128 tokens)")
+    p.add_argument("--keep-outputs", action="store_true", help="keep the written checkpoint (deleted by default)")
+    p.add_argument("--variant", default="", help="a name for what differs from the plain row (kept beside it), e.g. "
+                   "an allocator setting passed in the environment (MALLOC_* variables are recorded)")
     p.add_argument("--table", action="store_true")
     p.add_argument("--peer-python", default=None, help="an interpreter importing llm-compressor (methods: llmc)")
     p.add_argument("--peer-path", default=None,

@@ -139,6 +139,20 @@ def test_bigmodel_keeps_one_cpus_rows_beside_anothers(tmp_path: Path) -> None:
     del ballast
 
 
+def test_bigmodel_tree_rss_sums_a_tool_and_its_worker(tmp_path: Path) -> None:
+    """wait4's peak is the largest process of a tree, not the sum: a tool quantizing in a worker process (auto-round's
+    model-free path) is also sampled as the summed tree, here a parent and its worker each holding 96 MiB."""
+    from benchmarks import bigmodel
+
+    hold = "import time; b = bytearray(96 << 20); b[::4096] = b'x' * len(b[::4096]); time.sleep({})"
+    code = (f"import subprocess, sys; w = subprocess.Popen([sys.executable, '-S', '-c', {hold.format(3)!r}]); "
+            f"{hold.format(3)}; w.wait()")
+    tree: list[int] = []
+    rc, _, _, rss = bigmodel.child([sys.executable, "-S", "-c", code], tmp_path / "t.log", tree=tree)
+    assert rc == 0 and tree
+    assert rss < 160 << 20 < max(tree), (rss >> 20, max(tree) >> 20)  # one process's peak vs the two at once
+
+
 
 def test_alternating_reverses_every_other_round() -> None:
     from benchmarks.common import alternating

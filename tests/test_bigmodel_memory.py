@@ -390,6 +390,50 @@ def test_freed_pages_go_back_to_the_kernel_after_a_block():
     assert before - after > 100 << 20, (before >> 20, after >> 20)
 
 
+_MAPPED = """
+import ctypes, torch
+from lowbit.ptq.blockwise.release import steady_allocator
+
+class Info(ctypes.Structure):
+    _fields_ = [(n, ctypes.c_size_t) for n in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks",
+                                                "uordblks", "fordblks", "keepcost")]
+try:
+    info = ctypes.CDLL(None).mallinfo2
+except AttributeError:
+    raise SystemExit("skip")
+info.restype = Info
+big = torch.ones(30 << 20, dtype=torch.uint8)
+del big  # glibc raises its mmap threshold to this freed mapping's size
+n = info().hblks
+a = torch.ones(8 << 20, dtype=torch.uint8)
+heap = info().hblks - n  # 0: an 8 MiB tensor now comes from the heap
+fixed = steady_allocator()
+n = info().hblks
+b = torch.ones(8 << 20, dtype=torch.uint8)
+print(fixed, heap, info().hblks - n)
+"""
+
+
+def test_a_steady_allocator_maps_the_mid_sized_tensors_a_block_frees():
+    """After glibc has raised its mmap threshold, an 8 MiB tensor lands in the heap (where freed blocks leave holes
+    that fragment it block after block); once the threshold is fixed at 4 MiB it is mapped, and unmapped when freed."""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", _MAPPED], capture_output=True, text=True, check=True).stdout.split()
+    if out == ["skip"] or out[0] != "True":
+        pytest.skip("no mallinfo2 / mallopt in this C library")
+    assert out[1:] == ["0", "1"], out
+
+
+def test_a_released_walk_fixes_the_allocator_threshold_once(tmp_path, capsys, tiny_hf_dir, monkeypatch):
+    calls = []
+    monkeypatch.setattr("lowbit.ptq.blockwise.loop.steady_allocator", lambda: calls.append(1) or True)
+    _run(capsys, str(tiny_hf_dir), "--method", "gptq", "--no-search", "--scheme", "w4g32", "--nsamples", "4",
+         "--seqlen", "32", "--no-eval", "--offload-dir", str(tmp_path / "off"), "--out", str(tmp_path / "o"))
+    assert calls == [1]
+
+
 def test_the_walk_gives_free_memory_back_after_every_block(tmp_path, capsys, tiny_hf_dir, monkeypatch):
     calls = []
     monkeypatch.setattr("lowbit.ptq.blockwise.loop.give_back_free_memory", lambda: calls.append(1) or True)

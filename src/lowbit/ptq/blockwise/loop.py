@@ -42,7 +42,7 @@ from lowbit.ptq.blockwise.cache import disk_caches
 from lowbit.ptq.blockwise.capture import capture_inputs
 from lowbit.ptq.blockwise.offload import DiskOffload, block_loader
 from lowbit.ptq.blockwise.options import cache_place
-from lowbit.ptq.blockwise.release import give_back_free_memory, release_block
+from lowbit.ptq.blockwise.release import give_back_free_memory, release_block, steady_allocator
 from lowbit.ptq.blockwise.shards import Shard, check_world, rank_folder
 from lowbit.ptq.blockwise.store import open_workdir, resume_point
 from lowbit.ptq.methods import RunContext
@@ -141,6 +141,8 @@ def _walk(model: nn.Module, task: BlockPass, record: Mapping[str, Any], ctx: Run
     release = rank_folder(ctx.offload_dir, shard) if ctx.release and is_lazy(model) and not task.changes_float \
         else None
     start = resume_point(wd, len(blocks), shard, task.decode)
+    if release:
+        steady_allocator()  # one block's peak, not a heap fragmented by every block before it (release.py)
     infos: list[dict[str, float]] = []
     bar = tqdm(range(len(blocks)), desc=task.desc, unit="block", disable=not ctx.progress or shard.rank != 0)
     for i in bar:
