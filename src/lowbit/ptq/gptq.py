@@ -60,6 +60,7 @@ from lowbit.plans.plan import Plan
 from lowbit.ptq.blockwise import BlockJob, PipelineOptions, quantize_blockwise
 from lowbit.ptq.blockwise.access import block_linears
 from lowbit.ptq.expert_calib import ALL_EXPERTS_HELP, MIN_TOKENS, MIN_TOKENS_HELP
+from lowbit.ptq.experts import planned_experts
 from lowbit.ptq.gptq_choice import choose_rule
 from lowbit.ptq.gptq_experts import experts_in, gptq_experts, report
 from lowbit.ptq.gptq_grids import Grid, KGrid, Tensors, make_grid
@@ -69,6 +70,7 @@ from lowbit.ptq.rtn import searched
 # the Linears whose outputs are multiplied together into attention scores (matched on the last name component)
 SCORE_PROJECTIONS = ("q_proj", "k_proj")
 SCORE_RULES = ("search", "noclip", "absmax")
+AFFINITY_FLOOR = 0.1  # the unweighted statistics' share in router-weighted expert Hessians (GPTQSettings)
 DAMP_RETRIES = (0.01, 0.1, 1.0)  # dampening tried, in order, when a Hessian is not positive definite
 CHUNK = 8  # samples per block forward while collecting Hessians
 
@@ -106,6 +108,10 @@ class GPTQSettings:
     all_experts / min_expert_tokens: mixture-of-experts experts' Hessians from every
         token (all-experts calibration) or from their routed tokens; experts below the
         threshold get RTN (`lowbit.ptq.gptq_experts`).
+    expert_affinity / affinity_floor: router-weighted expert Hessians: a token's error in an
+        expert reaches the block output scaled by its routing weight ``g``, so each token counts
+        ``g^2`` (0 where the router did not pick the expert) plus a floor, ``affinity_floor`` times
+        the routed part's energy spread over every token of the mode (`lowbit.ptq.expert_calib.affinity_mix`).
     """
 
     damp: float = knob(0.01, "dampening added to the Hessian's diagonal, a fraction of its mean (raised with a "
@@ -133,9 +139,19 @@ class GPTQSettings:
                                     "the model in memory)")
     all_experts: bool = knob(True, ALL_EXPERTS_HELP)
     min_expert_tokens: int = knob(MIN_TOKENS, MIN_TOKENS_HELP, minimum=0)
+    expert_affinity: bool = knob(False, "router-weighted expert Hessians: each calibration token counts its routing "
+                                        "weight squared in the experts the router picked for it (0 in the others), "
+                                        "plus --affinity-floor of every token's statistics")
+    affinity_floor: float = knob(AFFINITY_FLOOR, "with --expert-affinity: the unweighted statistics' share, as a "
+                                                 "fraction of the router-weighted ones' energy (trace)")
 
     def __post_init__(self) -> None:
         check_fields(self, ConfigError, "GPTQ setting")
+        if not (0 <= self.affinity_floor < float("inf")):
+            raise ConfigError(f"affinity_floor must be a finite number >= 0, got {self.affinity_floor}")
+        if self.affinity_floor != AFFINITY_FLOOR and not self.expert_affinity:
+            raise ConfigError("--affinity-floor sets the floor of the router-weighted expert Hessians; add "
+                              "--expert-affinity or drop --affinity-floor")
         if not 0 <= self.damp <= 1:
             raise ConfigError(f"damp must be in [0, 1] (a fraction of the Hessian's mean diagonal), got {self.damp}")
         if self.lazy_batch < 1:
@@ -607,7 +623,8 @@ class GPTQTuner:
         for rel, planned in experts.items():
             full = next(iter(planned.values()))[0].rsplit(".", 1)[0]  # the model's name of the experts module
             got, e, cov = gptq_experts(job.block.get_submodule(rel), full, planned, run, one, s.all_experts,
-                                       s.min_expert_tokens, s.true_sequential, job.expert_inputs)
+                                       s.min_expert_tokens, s.true_sequential, job.expert_inputs,
+                                       s.affinity_floor if s.expert_affinity else None)
             stacks |= got
             errs += e
             coverage.append(cov)
@@ -639,6 +656,9 @@ def _quantize(model: nn.Module, plan: Plan, settings: GPTQSettings, ctx: RunCont
     if ctx.calib is None or ctx.calib.numel() == 0:
         raise ConfigError("GPTQ needs calibration batches (LongTensor [nsamples, seqlen])")
     check_plan(settings, plan)
+    if settings.expert_affinity and not planned_experts(model, plan):
+        raise ConfigError("--expert-affinity weights the Hessians of mixture-of-experts experts by their routing "
+                          "weights; the plan quantizes no experts tensor: drop --expert-affinity")
     if settings.search and settings.choose_rule:
         if ctx.workdir or ctx.offload_dir:
             raise ConfigError("--choose-rule quantizes two copies of the model in memory and compares them; it cannot "
