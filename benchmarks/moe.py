@@ -61,6 +61,8 @@ ROWS = {"rtn": ("rtn", {"search": False}), "rtn-search": ("rtn", {"expert_import
         # the attention-score projections (q_proj, k_proj) without clipping / on abs-max scales, the rest searched
         "gptq-score-noclip": ("gptq", {"score_rule": "noclip"}),
         "gptq-score-absmax": ("gptq", {"score_rule": "absmax"}),
+        # router-weighted expert Hessians: g^2 per routed token, a 0.1 floor of the all-experts Hessian
+        "gptq-affinity": ("gptq", {"expert_affinity": True}),
         "signround2": ("signround2", {"iters": 50, "batch_size": 8})}  # the settings of benchmarks/moe_tuned.py
 SEED_KIND = "calibration windows' draw (organism_data)"  # SignRoundV2's tuning seed is the same number
 
