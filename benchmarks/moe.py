@@ -63,6 +63,9 @@ ROWS = {"rtn": ("rtn", {"search": False}), "rtn-search": ("rtn", {"expert_import
         "gptq-score-absmax": ("gptq", {"score_rule": "absmax"}),
         # router-weighted expert Hessians: g^2 per routed token, a 0.1 floor of the all-experts Hessian
         "gptq-affinity": ("gptq", {"expert_affinity": True}),
+        # diagnostics of its parts: no floor (routed tokens, g^2 only), a floor as large as the routed part
+        "gptq-affinity-floor0": ("gptq", {"expert_affinity": True, "affinity_floor": 0.0}),
+        "gptq-affinity-floor1": ("gptq", {"expert_affinity": True, "affinity_floor": 1.0}),
         "signround2": ("signround2", {"iters": 50, "batch_size": 8})}  # the settings of benchmarks/moe_tuned.py
 SEED_KIND = "calibration windows' draw (organism_data)"  # SignRoundV2's tuning seed is the same number
 
