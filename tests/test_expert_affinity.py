@@ -1,4 +1,4 @@
-"""Router-weighted (affinity-weighted) expert Hessians for GPTQ (`GPTQSettings.expert_affinity`).
+"""Router-weighted (affinity-weighted) expert Hessians for GPTQ (`GPTQSettings.expert_affinity`, the default).
 
 References: the experts module's own forward (perturbing one expert's ``down_proj`` moves the block
 output by exactly ``tr(dW H_g dW^T)``, ``H_g`` the routing-weight-squared Hessian of its routed
@@ -139,10 +139,10 @@ def test_gptq_expert_is_gptq_of_its_matrix_under_the_router_weighted_hessian():
     x, idx, g = _routing(model, c)[NAME]
     m = _experts(model)[NAME]
     plan = Plan({f"{NAME}.gate_up_proj": build_plan(model, "w3g8")[f"{NAME}.gate_up_proj"]})
-    s = GPTQSettings(expert_affinity=True)
+    s = GPTQSettings()  # the default: expert_affinity on, floor 0.1
     q, base = copy.deepcopy(model), copy.deepcopy(model)
     quantize_model(q, plan, "gptq", s, calib=c, progress=False)
-    quantize_model(base, plan, "gptq", {}, calib=c, progress=False)
+    quantize_model(base, plan, "gptq", {"expert_affinity": False}, calib=c, progress=False)
     stack, default = (z.get_submodule(NAME).stacks()["gate_up_proj"] for z in (q, base))
     plain, weighted, routed = _brute(m, x, idx, g, True)
     h = _mix(plain["gate_up_proj"], weighted["gate_up_proj"], routed, 0.1, 16)
@@ -162,9 +162,9 @@ def test_an_expert_the_router_starves_keeps_the_plain_all_experts_hessian():
     plan = Plan({n: r for n, r in build_plan(model, "w3g8").items() if "experts" in n})
     q, base = copy.deepcopy(model), copy.deepcopy(model)
     with pytest.warns(UserWarning, match=r"router sent fewer than 16 .* experts \[7\]"):
-        quantize_model(q, plan, "gptq", {"expert_affinity": True}, calib=_calib(), progress=False)
+        quantize_model(q, plan, "gptq", {}, calib=_calib(), progress=False)  # the default
     with pytest.warns(UserWarning, match=r"router sent fewer than 16"):
-        quantize_model(base, plan, "gptq", {}, calib=_calib(), progress=False)
+        quantize_model(base, plan, "gptq", {"expert_affinity": False}, calib=_calib(), progress=False)
     # block 0 reads float states in both runs, so its gate_up Hessians differ only by the weighting
     a, b = (z.get_submodule(NAME).stacks()["gate_up_proj"] for z in (q, base))
     assert torch.equal(a.expert(7).codes, b.expert(7).codes) and torch.equal(a.expert(7).scales, b.expert(7).scales)
@@ -172,16 +172,12 @@ def test_an_expert_the_router_starves_keeps_the_plain_all_experts_hessian():
 
 
 def test_what_the_weighting_cannot_honour_is_refused():
-    with pytest.raises(ConfigError, match="add --expert-affinity or drop --affinity-floor"):
-        GPTQSettings(affinity_floor=0.5)
+    with pytest.raises(ConfigError, match="which --no-expert-affinity turns off: drop one of them"):
+        GPTQSettings(expert_affinity=False, affinity_floor=0.5)
     with pytest.raises(ConfigError, match="affinity_floor must be a finite number >= 0"):
         GPTQSettings(expert_affinity=True, affinity_floor=-0.1)
-    dense = make("llama")
-    with pytest.raises(ConfigError, match="the plan quantizes no experts tensor: drop --expert-affinity"):
-        quantize_model(dense, build_plan(dense, "w4g8"), "gptq", {"expert_affinity": True}, calib=_calib(),
-                       progress=False)
     model = make("qwen3_moe")
     m = _experts(model)[NAME]
     st = ExpertStats(m, NAME, ("xtx",), affinity=True)
-    with st, pytest.raises(ConfigError, match="without routing weights.*drop --expert-affinity"):
+    with st, pytest.raises(ConfigError, match="without routing weights.*--no-expert-affinity"):
         m(torch.randn(4, 32), torch.zeros(4, 2, dtype=torch.long), top_k_weights=None)

@@ -205,7 +205,8 @@ class ExpertStats:
             g = routing_weights(args, kwargs)
             if g is None:
                 raise ConfigError(f"{self.name} ({type(self.module).__name__}) was called without routing weights, "
-                                  "so its router-weighted statistics cannot be taken; drop --expert-affinity")
+                                  "so its router-weighted statistics cannot be taken; pass --no-expert-affinity (plain "
+                                  "Hessians)")
             g = g.detach().reshape(tokens, -1)
         with torch.no_grad():
             self.add(x.detach().reshape(-1, x.shape[-1]), idx.detach().reshape(tokens, -1), g)

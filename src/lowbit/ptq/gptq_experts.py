@@ -12,7 +12,7 @@ inputs (W4A4, W8A8) gives each expert's Hessians from its quantized inputs, with
 per-expert static scales the block-wise pass calibrated on the float inputs, as a Linear's
 Hessian is taken behind its input quantizer.
 
-With ``affinity`` (a floor, `GPTQSettings.expert_affinity`) each expert's Hessian is router-weighted:
+With ``affinity`` (a floor; `GPTQSettings.expert_affinity`, the default) each expert's Hessian is router-weighted:
 ``sum_t g_{t,e}^2 x_t x_t^T`` over its routed tokens, ``g`` the routing weight its output is scaled by,
 plus ``floor`` times that energy in the plain Hessian's shape (`lowbit.ptq.expert_calib.affinity_mix`:
 the derivation, and why ``gate_up_proj`` gets the same weights); an expert the router sent fewer than
