@@ -13,7 +13,9 @@ expert (routed / behind its statistics) and their minimum (``coverage``).
 
 Rows (``ROWS``): plain RTN, RTN with the importance search (per-expert statistics, all-experts or
 routed-only, or the weights-alone search), GPTQ with per-expert Hessians (all-experts or
-routed-only; ``gptq-absmax``: min-max group scales, llm-compressor's rule), SignRoundV2 (50
+routed-only; ``gptq-absmax``: min-max group scales, llm-compressor's rule; these pin the plain Hessians they
+were measured with), GPTQ with router-weighted expert Hessians (``gptq-affinity``, the default since branch
+i34k, and its floor-0 / floor-1 diagnostics), SignRoundV2 (50
 iterations; its tuning seed = the row's seed). ``--stats-cost`` times a calibration forward with and
 without per-expert statistics.
 
@@ -42,25 +44,33 @@ RESULTS = "moe"
 # from all-experts calibration (--expert-importance); gptq = GPTQ with per-expert Hessians (all-experts calibration,
 # the default); *-routed = the same with each expert's statistics from its routed tokens only (--no-all-experts);
 # rtn-search-uniform = lowbit's default RTN: the experts' search on their weights alone (uniform importance; these
-# rows were measured with every expert put below the token threshold, which is the same search)
+# rows were measured with every expert put below the token threshold, which is the same search). Every gptq row but
+# the affinity ones pins the plain all-experts Hessians (PLAIN), the default they were measured with: since branch
+# i34k GPTQ's default is router-weighted (--expert-affinity), i.e. the gptq-affinity row
+PLAIN = {"expert_affinity": False}
 ROWS = {"rtn": ("rtn", {"search": False}), "rtn-search": ("rtn", {"expert_importance": True}),
         "rtn-search-routed": ("rtn", {"all_experts": False, "expert_importance": True}),
         "rtn-search-uniform": ("rtn", {}),
-        "gptq": ("gptq", {}), "gptq-routed": ("gptq", {"all_experts": False}),
-        "gptq-absmax": ("gptq", {"search": False}), "gptq-choose": ("gptq", {"choose_rule": True}),
+        "gptq": ("gptq", {**PLAIN}), "gptq-routed": ("gptq", {**PLAIN, "all_experts": False}),
+        "gptq-absmax": ("gptq", {**PLAIN, "search": False}), "gptq-choose": ("gptq", {**PLAIN, "choose_rule": True}),
         # each group's scale chosen when GPTQ reaches it, from the weights it rounds (issue 34): natural column order
-        "gptq-noact": ("gptq", {"act_order": False, "static_groups": False}),
-        "gptq-noact-absmax": ("gptq", {"act_order": False, "static_groups": False, "search": False}),
+        "gptq-noact": ("gptq", {**PLAIN, "act_order": False, "static_groups": False}),
+        "gptq-noact-absmax": ("gptq", {**PLAIN, "act_order": False, "static_groups": False, "search": False}),
         # group-aware act-order (whole groups by their largest diag(H)): scales from the error-updated weights, or
         # (gar-static) from the float weights up front, which isolates the order's share
-        "gptq-gar": ("gptq", {"group_aware": True, "static_groups": False}),
-        "gptq-gar-absmax": ("gptq", {"group_aware": True, "static_groups": False, "search": False}),
-        "gptq-gar-static": ("gptq", {"group_aware": True}),
+        "gptq-gar": ("gptq", {**PLAIN, "group_aware": True, "static_groups": False}),
+        "gptq-gar-absmax": ("gptq", {**PLAIN, "group_aware": True, "static_groups": False, "search": False}),
+        "gptq-gar-static": ("gptq", {**PLAIN, "group_aware": True}),
         # the scale search restricted to scales at or above abs-max (no clipping, no least-squares refit)
-        "gptq-noclip": ("gptq", {"clip": False}),
+        "gptq-noclip": ("gptq", {**PLAIN, "clip": False}),
         # the attention-score projections (q_proj, k_proj) without clipping / on abs-max scales, the rest searched
-        "gptq-score-noclip": ("gptq", {"score_rule": "noclip"}),
-        "gptq-score-absmax": ("gptq", {"score_rule": "absmax"}),
+        "gptq-score-noclip": ("gptq", {**PLAIN, "score_rule": "noclip"}),
+        "gptq-score-absmax": ("gptq", {**PLAIN, "score_rule": "absmax"}),
+        # router-weighted expert Hessians: g^2 per routed token, a 0.1 floor of the all-experts Hessian
+        "gptq-affinity": ("gptq", {"expert_affinity": True}),
+        # diagnostics of its parts: no floor (routed tokens, g^2 only), a floor as large as the routed part
+        "gptq-affinity-floor0": ("gptq", {"expert_affinity": True, "affinity_floor": 0.0}),
+        "gptq-affinity-floor1": ("gptq", {"expert_affinity": True, "affinity_floor": 1.0}),
         "signround2": ("signround2", {"iters": 50, "batch_size": 8})}  # the settings of benchmarks/moe_tuned.py
 SEED_KIND = "calibration windows' draw (organism_data)"  # SignRoundV2's tuning seed is the same number
 

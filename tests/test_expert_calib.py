@@ -106,7 +106,7 @@ def test_gptq_expert_is_gptq_of_its_matrix_under_its_own_hessian():
     name = "model.layers.0.mlp.experts"
     x, idx = _capture(model, c)[name]
     plan = Plan({f"{name}.gate_up_proj": build_plan(model, "w3g8")[f"{name}.gate_up_proj"]})
-    s = GPTQSettings(all_experts=False)
+    s = GPTQSettings(all_experts=False, expert_affinity=False)  # the plain Hessian of the routed tokens
     q = copy.deepcopy(model)
     quantize_model(q, plan, "gptq", s, calib=c, progress=False)
     stack = q.get_submodule(name).stacks()["gate_up_proj"]
@@ -360,7 +360,7 @@ def test_gptq_with_an_input_recipe_calibrates_rtns_static_scales_and_quantizes_u
     name = "model.layers.0.mlp.experts"
     x, idx = _capture(model, c)[name]
     plan = Plan({f"{name}.gate_up_proj": build_plan(model, "w4a4-nvfp4")[f"{name}.gate_up_proj"]})
-    s = GPTQSettings(all_experts=False)
+    s = GPTQSettings(all_experts=False, expert_affinity=False)  # the plain Hessian of the routed tokens
     q, r = copy.deepcopy(model), copy.deepcopy(model)
     quantize_model(q, plan, "gptq", s, calib=c, progress=False)
     quantize_model(r, plan, "rtn", {"all_experts": False}, calib=c, progress=False)

@@ -16,6 +16,20 @@ expert ``e``:
   (GPTQ's Hessians);
 * ``seen[e]``: the tokens those statistics came from.
 
+Router-weighted (affinity-weighted) statistics (``affinity=True``): the experts module's
+output is ``sum_e g_{t,e} * expert_e(x_t)`` over the token's top-k, ``g`` the routing weights
+the block hands the experts forward (every transformers 5 experts module multiplies its
+expert's output, after ``down_proj`` and its bias, by them; Qwen3-MoE's are the top-k
+softmax renormalised to sum to 1). So an error ``dW`` in expert ``e``'s ``down_proj`` reaches
+the block output as ``g_{t,e} dW a_t`` and the layer-wise loss is ``sum_t g_{t,e}^2 ||dW a_t||^2``:
+the Hessian ``sum_t g_{t,e}^2 a_t a_t^T`` over the routed tokens, zero weight for the others.
+For ``gate_up_proj`` the error passes through the activation and ``down_proj`` before ``g``;
+GPTQ already takes each matrix's own output error as its loss (the downstream Jacobian
+``W_down diag(act')`` treated as the identity, as for every Linear feeding a nonlinearity),
+and keeping that approximation leaves ``g_{t,e}^2`` as the token's weight there too. Those
+weighted sums (``sum_t g^2 x_t x_t^T``, ``sum_t g^2 x_t^2``) are kept beside the plain ones,
+and `ExpertStats.weighted` mixes them (`affinity_mix`).
+
 All-experts mode (``all_experts=True``, the default of every method that reads
 statistics): every token's statistics go to every expert, as if each expert were routed
 all of them (llm-compressor's ``moe_calibrate_all_experts`` does the same), while the
@@ -48,6 +62,7 @@ from torch.nn import functional as F
 from lowbit.errors import ConfigError
 from lowbit.formats.inputs import InputScheme, qdq_input
 
+WEIGHTED = "affinity:"  # prefix of the router-weighted sums' kinds in `ExpertStats.sums`
 ExpertInput = tuple[InputScheme, "torch.Tensor | None"]  # an experts tensor's input scheme, [E] static abs-max or None
 InputFn = Callable[[int, torch.Tensor], torch.Tensor]  # (expert, its input) -> the input as its recipe quantizes it
 MIN_TOKENS = 16  # default threshold: an expert with statistics from fewer tokens gets the fallback
@@ -111,6 +126,42 @@ def routing_args(args: tuple, kwargs: Mapping[str, Any]) -> tuple[torch.Tensor, 
     return x, idx
 
 
+def routing_weights(args: tuple, kwargs: Mapping[str, Any]) -> torch.Tensor | None:
+    """The top-k routing weights ``[..., k]`` an experts forward multiplies its experts' outputs by (its third
+    argument in every transformers 5 signature: ``top_k_weights`` / ``routing_weights``), or None if absent."""
+    if len(args) > 2:
+        return args[2]
+    return next((kwargs[k] for k in ("top_k_weights", "routing_weights") if kwargs.get(k) is not None), None)
+
+
+def affinity_mix(plain: torch.Tensor, weighted: torch.Tensor, routed: torch.Tensor, floor: float,
+                 min_tokens: int) -> torch.Tensor:
+    """Each expert's router-weighted statistics with a floor of its plain ones: ``weighted[e] + c_e * plain[e]``.
+
+    plain / weighted: ``[E, in, in]`` (Hessians) or ``[E, in]`` (squared sums), the unweighted sums of
+    the mode (every token in all-experts calibration, else the routed ones) and the ``g^2``-weighted sums of
+    the routed tokens. ``c_e = floor * mass(weighted[e]) / mass(plain[e])`` (mass: the trace, or the sum),
+    i.e. every token gets weight ``g^2`` (0 when not routed) plus the same small constant, chosen so the
+    constant's part carries ``floor`` times the routed part's energy. Why a floor: the weighted loss gives a
+    non-routed token zero weight, but calibration is a finite sample of what the router will send the
+    expert at inference; a share of every token's statistics keeps the directions routed tokens barely
+    visited from looking free (it acts as a data-shaped dampening, in place of GPTQ's identity one), and it
+    fixes the mix independent of ``E / k``. An expert the router sent fewer than ``min_tokens`` tokens keeps
+    its plain statistics (what it had without the weighting).
+    """
+    out = plain.clone()
+    for e in range(plain.shape[0]):
+        mp, mw = _mass(plain[e]), _mass(weighted[e])
+        if int(routed[e]) < min_tokens or mp <= 0 or mw <= 0:
+            continue
+        out[e] = weighted[e] + (floor * mw / mp) * plain[e]
+    return out
+
+
+def _mass(t: torch.Tensor) -> float:
+    return float(t.diagonal().sum() if t.dim() == 2 else t.sum())
+
+
 class ExpertStats:
     """Per-expert statistics of one experts module (see the module doc); a context manager that hooks it.
 
@@ -119,15 +170,17 @@ class ExpertStats:
     (default: the module's). quantizers: parameter -> ``(expert, x) -> x`` as the recipe quantizes that matrix's
     inputs (`QuantStack.quantize_input`): the statistics are then those of the inputs the quantized expert will
     see (its activation computed from the quantized hidden states), as a Linear's Hessian behind its
-    `InputQuantizer` is.
+    `InputQuantizer` is. affinity: also accumulate the ``sumsq`` / ``xtx`` kinds over the routed tokens weighted
+    by their routing weight squared (module doc; `weighted` reads them).
     """
 
     def __init__(self, module: nn.Module, name: str, kinds: tuple[str, ...] = ("sumsq",),
                  params: tuple[str, ...] = STAT_PARAMS, all_experts: bool = True,
-                 device: torch.device | None = None, quantizers: Mapping[str, InputFn] | None = None) -> None:
+                 device: torch.device | None = None, quantizers: Mapping[str, InputFn] | None = None,
+                 affinity: bool = False) -> None:
         check_stat_experts(module, name)
         self.module, self.name, self.kinds, self.params = module, name, kinds, params
-        self.all_experts = all_experts
+        self.all_experts, self.affinity = all_experts, affinity
         self.quantizers = dict(quantizers or {})
         w = _matrices(module, "gate_up_proj")
         self.count = w.shape[0]
@@ -146,15 +199,28 @@ class ExpertStats:
 
     def _hook(self, _m: nn.Module, args: tuple, kwargs: dict) -> None:
         x, idx = routing_args(args, kwargs)
+        tokens = x.shape[:-1].numel()
+        g = None
+        if self.affinity:
+            g = routing_weights(args, kwargs)
+            if g is None:
+                raise ConfigError(f"{self.name} ({type(self.module).__name__}) was called without routing weights, "
+                                  "so its router-weighted statistics cannot be taken; pass --no-expert-affinity (plain "
+                                  "Hessians)")
+            g = g.detach().reshape(tokens, -1)
         with torch.no_grad():
-            self.add(x.detach().reshape(-1, x.shape[-1]), idx.detach().reshape(x.shape[:-1].numel(), -1))
+            self.add(x.detach().reshape(-1, x.shape[-1]), idx.detach().reshape(tokens, -1), g)
 
-    def add(self, x: torch.Tensor, idx: torch.Tensor) -> None:
-        """Accumulate one batch: tokens ``x [T, H]`` routed to experts ``idx [T, k]``."""
+    def add(self, x: torch.Tensor, idx: torch.Tensor, gate: torch.Tensor | None = None) -> None:
+        """Accumulate one batch: tokens ``x [T, H]`` routed to experts ``idx [T, k]`` with weights ``gate [T, k]``
+        (needed with ``affinity``)."""
+        if self.affinity and gate is None:
+            raise ConfigError(f"{self.name}: router-weighted statistics need the routing weights of each batch")
         valid = idx[(idx >= 0) & (idx < self.count)]  # an expert-parallel sentinel (index E) is no expert
         self.routed += torch.bincount(valid.reshape(-1).cpu(), minlength=self.count)[:self.count]
         for e in range(self.count):
-            xe = x if self.all_experts else x[(idx == e).any(dim=-1)]
+            hit = (idx == e).any(dim=-1)
+            xe = x if self.all_experts else x[hit]
             if xe.shape[0] == 0:
                 continue
             self.seen[e] += xe.shape[0]
@@ -166,21 +232,34 @@ class ExpertStats:
                                                       expert_activation(self.module, e, inputs["gate_up_proj"]))
             for param in self.params:
                 self._accumulate(param, e, inputs[param].float())
+            if self.affinity and bool(hit.any()):
+                w = (gate.float() * (idx == e)).sum(-1)  # type: ignore[union-attr]  # g_{t,e}, 0 if not routed
+                rows = hit if self.all_experts else slice(None)  # the routed tokens among those of xe
+                w2 = w[hit].pow(2)
+                for param in self.params:
+                    self._accumulate(param, e, inputs[param][rows].float(), w2)
 
     def _quantized(self, param: str, e: int, x: torch.Tensor) -> torch.Tensor:
         q = self.quantizers.get(param)
         return x if q is None else q(e, x)
 
-    def _accumulate(self, param: str, e: int, x: torch.Tensor) -> None:
+    def _accumulate(self, param: str, e: int, x: torch.Tensor, w2: torch.Tensor | None = None) -> None:
+        """Add expert ``e``'s inputs ``x [T, in]`` to its sums; with ``w2 [T]`` to the weighted sums instead."""
         n = x.shape[-1]
         for kind in self.kinds:
-            key = (kind, param)
+            if w2 is not None and kind == "absmax":
+                continue
+            key = (kind if w2 is None else WEIGHTED + kind, param)
             if key not in self.sums:
                 self.sums[key] = torch.zeros(_shape(kind, self.count, n), dtype=torch.float64, device=self.device)
             if kind == "absmax":
                 self.sums[key][e] = torch.maximum(self.sums[key][e], x.abs().amax().to(self.sums[key]))
                 continue
-            part = x.pow(2).sum(0) if kind == "sumsq" else x.T @ x  # float32 product, float64 sum (as for Linears)
+            if w2 is None:
+                part = x.pow(2).sum(0) if kind == "sumsq" else x.T @ x  # float32 product, float64 sum (as Linears)
+            else:
+                xw = x * w2[:, None]
+                part = (xw * x).sum(0) if kind == "sumsq" else xw.T @ x
             self.sums[key][e] += part.to(self.sums[key])
 
     def result(self, kind: str, param: str) -> torch.Tensor:
@@ -190,6 +269,15 @@ class ExpertStats:
             n = _matrices(self.module, param).shape[-1]
             return torch.zeros(_shape(kind, self.count, n), dtype=torch.float64, device=self.device)
         return self.sums[(kind, param)]
+
+    def weighted(self, kind: str, param: str, floor: float, min_tokens: int) -> torch.Tensor:
+        """The router-weighted ``sumsq`` / ``xtx`` of ``param`` with a ``floor`` of the plain ones (`affinity_mix`;
+        an expert routed fewer than ``min_tokens`` tokens keeps the plain ones)."""
+        if not self.affinity or kind not in ("sumsq", "xtx"):
+            raise ValueError(f"{self.name}: no router-weighted {kind} (affinity={self.affinity})")
+        plain = self.result(kind, param)
+        w = self.sums.get((WEIGHTED + kind, param), torch.zeros_like(plain))
+        return affinity_mix(plain, w, self.routed, floor, min_tokens)
 
     def coverage(self) -> Coverage:
         return Coverage(self.name, tuple(self.routed.tolist()), tuple(self.seen.tolist()), self.all_experts)

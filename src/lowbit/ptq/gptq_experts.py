@@ -12,6 +12,12 @@ inputs (W4A4, W8A8) gives each expert's Hessians from its quantized inputs, with
 per-expert static scales the block-wise pass calibrated on the float inputs, as a Linear's
 Hessian is taken behind its input quantizer.
 
+With ``affinity`` (a floor; `GPTQSettings.expert_affinity`, the default) each expert's Hessian is router-weighted:
+``sum_t g_{t,e}^2 x_t x_t^T`` over its routed tokens, ``g`` the routing weight its output is scaled by,
+plus ``floor`` times that energy in the plain Hessian's shape (`lowbit.ptq.expert_calib.affinity_mix`:
+the derivation, and why ``gate_up_proj`` gets the same weights); an expert the router sent fewer than
+``min_tokens`` tokens keeps the plain Hessian.
+
 An expert whose Hessian comes from fewer than ``min_tokens`` tokens is not GPTQ'd from a
 near-empty Hessian (all-zero for an expert no token reached: GPTQ would be RTN with an
 arbitrary column order); it gets RTN with its scheme's rule on the weights alone, and
@@ -47,12 +53,13 @@ def experts_in(block: nn.Module, layers: Mapping[str, tuple[str, Scheme]]) -> di
 
 def gptq_experts(module: nn.Module, name: str, planned: Mapping[str, tuple[str, Scheme]],
                  run: Callable[[], None], one: MatrixGPTQ, all_experts: bool, min_tokens: int,
-                 sequential: bool, inputs: Mapping[str, ExpertInput] | None = None
+                 sequential: bool, inputs: Mapping[str, ExpertInput] | None = None, affinity: float | None = None
                  ) -> tuple[dict[str, QuantStack], list[float], Coverage]:
     """GPTQ of one experts module's planned parameters; ``run()`` pushes the calibration samples through its block.
 
     inputs: full name -> (input scheme, per-expert static abs-max) of the parameters whose recipe
     quantizes inputs: their Hessians are taken on the quantized inputs each expert will see.
+    affinity: None = plain Hessians; a float = router-weighted ones with that floor (module doc).
     Returns full name -> `QuantStack`, the matrices' relative errors, and the coverage.
     The module's parameters are left as they were (float).
     """
@@ -66,7 +73,8 @@ def gptq_experts(module: nn.Module, name: str, planned: Mapping[str, tuple[str, 
     coverage: Coverage | None = None
     try:
         for params in passes:
-            stats = ExpertStats(module, name, ("xtx",), tuple(params), all_experts, quantizers=quantizers)
+            stats = ExpertStats(module, name, ("xtx",), tuple(params), all_experts, quantizers=quantizers,
+                                affinity=affinity is not None)
             with stats:
                 run()
             coverage = coverage or stats.coverage()
@@ -74,7 +82,7 @@ def gptq_experts(module: nn.Module, name: str, planned: Mapping[str, tuple[str, 
             for p in params:
                 full, scheme = planned[p]
                 w = expert_matrices(original[p].detach(), transposed).float()
-                h = stats.result("xtx", p)
+                h = stats.result("xtx", p) if affinity is None else stats.weighted("xtx", p, affinity, min_tokens)
                 qts = []
                 for e in range(w.shape[0]):
                     if e in low:
