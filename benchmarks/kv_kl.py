@@ -10,8 +10,9 @@ prediction with far less variance than perplexity does.
 The float distribution comes from a reference folder: the float-KV row (``kv == "none"``, plain weights)
 writes each window's log-softmax there (fp32, ``seqlen x vocab`` per window, 1.6 GB at 8192 tokens for a
 49k vocabulary), and every later row of the same weights, window length and count reads it back in
-chunks (a memory map: the comparison holds ``CHUNK`` positions at a time). The hook sits on the model's
-own forward, so the perplexity beside it is computed exactly as without it.
+chunks (plain reads and writes, ``CHUNK`` positions at a time: no memory map grows the resident
+set). The hook sits on the model's own forward, so the perplexity beside it is computed exactly as
+without it.
 """
 
 from __future__ import annotations
@@ -53,20 +54,22 @@ class KLMeter:
         p = self.path(self.window)
         if self.write:
             tmp = p.with_suffix(".tmp")
-            mm = np.lib.format.open_memmap(tmp, mode="w+", dtype=np.float32, shape=(t, vocab))
-            for s in range(0, t, CHUNK):
-                mm[s:s + CHUNK] = torch.log_softmax(logits[0, s:s + CHUNK].float(), -1).numpy()
-            mm.flush()
-            del mm
+            with open(tmp, "wb") as f:  # plain writes, chunk by chunk: no memory map to grow the resident set
+                np.lib.format.write_array_header_2_0(f, {"descr": "<f4", "fortran_order": False, "shape": (t, vocab)})
+                for s in range(0, t, CHUNK):
+                    f.write(torch.log_softmax(logits[0, s:s + CHUNK].float(), -1).numpy().tobytes())
             tmp.rename(p)
         else:
-            ref = np.load(p, mmap_mode="r")
-            if ref.shape != (t, vocab):
-                raise ValueError(f"{p} holds {ref.shape} log-probs, this forward {(t, vocab)}")
-            with torch.no_grad():
+            with open(p, "rb") as f, torch.no_grad():
+                np.lib.format.read_magic(f)
+                shape, _, _ = np.lib.format.read_array_header_2_0(f)
+                if shape != (t, vocab):
+                    raise ValueError(f"{p} holds {shape} log-probs, this forward {(t, vocab)}")
+                start = f.tell()
                 for s in range(0, t - 1, CHUNK):
                     e = min(s + CHUNK, t - 1)
-                    lp = torch.from_numpy(np.array(ref[s:e]))
+                    f.seek(start + s * vocab * 4)
+                    lp = torch.from_numpy(np.fromfile(f, dtype="<f4", count=(e - s) * vocab).reshape(e - s, vocab))
                     lq = torch.log_softmax(logits[0, s:e].float(), -1)
                     self.total += float((lp.exp() * (lp - lq)).sum(dtype=torch.float64))
                     self.count += e - s
