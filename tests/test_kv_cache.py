@@ -1077,3 +1077,33 @@ def test_scale_file_takes_keys_and_values_from_the_rows_asked_and_the_factor():
         kv_scalefile.build(rows, "fp8", "fp8", 1.0, 1, "8x512", "bundled", "here")
     with pytest.raises(SystemExit, match="on this CPU"):
         kv_scalefile.build(rows, "fp8", "fp8", 1.0, 0, "8x512", "bundled", "elsewhere")
+
+
+@pytest.mark.parametrize("name", ["fp8", "fp8-head", "fp8:center"])
+def test_headroom_scale_maps_the_typical_rows_abs_max_to_256(name):
+    """scale=headroom: each static E4M3 scale is the mean over calibration rows of that row's abs-max (per KV head
+    for per-head schemes, around the mean for centered ones) over 256, brute force with explicit loops over rows;
+    the largest calibration values fit unclipped up to 1.75 x that mean; the name round-trips."""
+    s = KVScheme.parse(name.replace(":", ":scale=headroom,") if ":" in name else name + ":scale=headroom")
+    assert s.rule == "headroom" and KVScheme.parse(s.name) == s and "scale=headroom" in s.name
+    assert KVScheme.from_dict(json.loads(json.dumps(s.to_dict()))) == s
+    model = tiny(3)
+    truth = _layer_values(model, ROWS)
+    calibrate_kv(model, ROWS, s)
+    for (k, v), attn in zip(truth, attention_modules(model).values(), strict=True):
+        for short, x in (("k", k), ("v", v)):
+            if s.center:
+                x = x - x.mean(dim=(0, 2))[None, :, None, :]
+            per_row = [[float(x[r, h].abs().max()) for h in range(x.shape[1])] if s.per_head
+                       else [float(x[r].abs().max())] for r in range(x.shape[0])]
+            got = getattr(attn, f"{short}_scale")
+            assert torch.allclose(got, torch.tensor(per_row).mean(dim=0) / 256, rtol=1e-5, atol=0), (name, short)
+            assert bool((torch.tensor(per_row).mean(dim=0) < 448 * got).all())
+
+
+def test_headroom_is_refused_where_precision_is_not_relative_or_scales_are_dynamic():
+    for bad in ("int8:scale=headroom", "int8-head:scale=headroom", "nvfp4:scale=headroom"):
+        with pytest.raises(SchemeError, match="scale=headroom leaves E4M3's top binade free"):
+            KVScheme.parse(bad)
+    with pytest.raises(SchemeError, match="scale=headroom is a rule for calibrated static scales"):
+        KVScheme.parse("fp8-token:scale=headroom")
