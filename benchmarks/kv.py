@@ -18,6 +18,12 @@ bytes an element).
     python -m benchmarks.kv --model organism-moe --windows 8 --nsamples 8   # the float MoE organism, 1024 tokens
     python -m benchmarks.kv --weights float --kv none,int4:block=16,mix:int8+int4@6 --seqlen 2048 --windows 3
     python -m benchmarks.kv --weights float --kv none,fp8,fp8:center=rope --seqlen 8192 --windows 3 --threads 1
+    python -m benchmarks.kv --weights float --kv none,fp8 --seqlen 8192 --windows 3 --threads 1 --kl /tmp/klref
+
+``--kl DIR`` adds each row's mean KL divergence to the float-KV model's next-token distribution on the same
+tokens (`benchmarks.kv_kl`: paired and second order, so it ranks caches with far less noise than perplexity);
+the float-KV row of the same weights and windows writes the reference under DIR first (1.6 GB per 8192-token
+window), so list ``none`` first.
 
 ``--model organism`` / ``organism-moe``: a float organism of ``benchmarks/organism.py`` (a model trained in 32-bit
 floats here, not a dequantized GGUF; ``--organism DIR`` for another folder): its own saved token ids, the
