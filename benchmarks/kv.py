@@ -18,6 +18,12 @@ bytes an element).
     python -m benchmarks.kv --model organism-moe --windows 8 --nsamples 8   # the float MoE organism, 1024 tokens
     python -m benchmarks.kv --weights float --kv none,int4:block=16,mix:int8+int4@6 --seqlen 2048 --windows 3
     python -m benchmarks.kv --weights float --kv none,fp8,fp8:center=rope --seqlen 8192 --windows 3 --threads 1
+    python -m benchmarks.kv --weights float --kv none,fp8 --seqlen 8192 --windows 3 --threads 1 --kl /tmp/klref
+
+``--kl DIR`` adds each row's mean KL divergence to the float-KV model's next-token distribution on the same
+tokens (`benchmarks.kv_kl`: paired and second order, so it ranks caches with far less noise than perplexity);
+the float-KV row of the same weights and windows writes the reference under DIR first (1.6 GB per 8192-token
+window), so list ``none`` first.
 
 ``--model organism`` / ``organism-moe``: a float organism of ``benchmarks/organism.py`` (a model trained in 32-bit
 floats here, not a dequantized GGUF; ``--organism DIR`` for another folder): its own saved token ids, the
@@ -88,8 +94,11 @@ def weights_model(float_model: Any, weights: str, rotated: bool, calib: Any) -> 
     return model
 
 
-def measure(model: Any, kv: str, tokens: Any, calib: Any, seqlen: int, windows: int) -> dict[str, Any]:
-    from lowbit.eval import perplexity
+def measure(model: Any, kv: str, tokens: Any, calib: Any, seqlen: int, windows: int,
+            kl: dict[str, Any] | None = None) -> dict[str, Any]:
+    """One row: the cache installed and calibrated, perplexity over the windows; with ``kl`` (``root``, ``fields``,
+    ``reference``) also the mean KL divergence to the float-KV model (`benchmarks.kv_kl`; the reference row writes
+    the float distributions instead)."""
     from lowbit.formats.kv import KVScheme
     from lowbit.nn.kv_quant import cache_shape, calibrate_kv, remove_kv
 
@@ -108,10 +117,40 @@ def measure(model: Any, kv: str, tokens: Any, calib: Any, seqlen: int, windows: 
         row["kv_bytes_per_token"] = scheme.bytes_per_token(layers, heads, dim)
     else:
         row["kv_bytes_per_token"] = row["kv_bytes_per_token_16bit"]
-    r = perplexity(model, tokens, seqlen=seqlen, windows=windows, progress=False)
+    r, kl_row = metered_perplexity(model, tokens, seqlen, windows, kl)
     remove_kv(model)
-    row |= {"ppl": r.ppl, "eval_tokens": r.tokens, "eval_s": r.seconds}
+    row |= {"ppl": r.ppl, "eval_tokens": r.tokens, "eval_s": r.seconds} | kl_row
     return row
+
+
+def metered_perplexity(model: Any, tokens: Any, seqlen: int, windows: int,
+                       kl: dict[str, Any] | None) -> tuple[Any, dict[str, Any]]:
+    """`lowbit.eval.perplexity`, with the KL meter on the model's forward when ``kl`` asks for it; the row's
+    ``kl`` fields (the mean over predicted tokens, and the reference it was measured against)."""
+    from lowbit.eval import perplexity
+
+    if kl is None:
+        return perplexity(model, tokens, seqlen=seqlen, windows=windows, progress=False), {}
+    from benchmarks.kv_kl import kl_meter, reference_folder
+
+    with kl_meter(model, kl["root"], kl["fields"], kl["reference"]) as meter:
+        r = perplexity(model, tokens, seqlen=seqlen, windows=windows, progress=False)
+    if kl["reference"]:
+        return r, {"kl_reference": True}
+    return r, {"kl": meter.mean, "kl_ref": reference_folder(kl["root"], kl["fields"]).name}
+
+
+def kl_args(args: argparse.Namespace, weights: str, seqlen: int, fields: dict[str, Any],
+            reference: bool) -> dict[str, Any] | None:
+    """The ``kl`` argument of `measure` for ``--kl ROOT`` (None without it)."""
+    if not args.kl:
+        return None
+    return {"root": args.kl, "reference": reference,
+            "fields": fields | {"weights": weights, "seqlen": seqlen, "windows": args.windows, "cpu": cpu_now()}}
+
+
+def cpu_now() -> str:
+    return common.machine()["cpu"]
 
 
 def mixed_cache(model: Any, kv: str, calib: Any) -> dict[str, Any]:
@@ -188,7 +227,8 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
                 kvs = ["none", *kvs]
             model = weights_model(float_model, weights, rotated, calib)
             for kv in kvs:
-                row = measure(model, kv, tokens, calib, seqlen, args.windows)
+                kl = kl_args(args, weights, seqlen, fields, reference=kv == "none" and not rotated)
+                row = measure(model, kv, tokens, calib, seqlen, args.windows, kl)
                 row |= {"weights": weights, "values_rotated": rotated, "seqlen": seqlen, "windows": args.windows,
                         "calib": f"{args.nsamples}x{args.calib_seqlen}", "calib_seed": args.seed,
                         **fields,
@@ -201,8 +241,8 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
                 rows.append(row)
                 common.merge_row(args.out, row, row_key)
                 print(f"{weights:12s} {kv:10s} rot={int(rotated)} ppl {row['ppl']:.4f} "
-                      f"({100 * row.get('ppl_vs_float_kv', 0):+.2f} %) {row['kv_bytes_per_token']:.0f} B/token "
-                      f"[{row['eval_s']:.0f} s]", flush=True)
+                      f"({100 * row.get('ppl_vs_float_kv', 0):+.2f} %) {row['kv_bytes_per_token']:.0f} B/token"
+                      + (f" KL {row['kl']:.5f}" if "kl" in row else "") + f" [{row['eval_s']:.0f} s]", flush=True)
             del model
     return rows
 
@@ -222,10 +262,11 @@ def with_costs(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 def table(rows: list[dict[str, Any]]) -> str:
     rows = with_costs(rows)
     return common.markdown_table(
-        ["model", "weights", "KV", "seqlen x windows", "ppl", "vs float KV", "KV bytes/token"],
+        ["model", "weights", "KV", "seqlen x windows", "ppl", "vs float KV", "KL to float KV", "KV bytes/token"],
         [[r["model"], r["weights"], r["kv"] + (f" (calib seed {r['calib_seed']})" if r.get("calib_seed") else ""),
           f"{r['seqlen']} x {r['windows']}", f"{r['ppl']:.3f}",
-          f"{100 * r['ppl_vs_float_kv']:+.2f} %" if "ppl_vs_float_kv" in r else "", f"{r['kv_bytes_per_token']:.0f}"]
+          f"{100 * r['ppl_vs_float_kv']:+.2f} %" if "ppl_vs_float_kv" in r else "",
+          f"{r['kl']:.5f}" if "kl" in r else "", f"{r['kv_bytes_per_token']:.0f}"]
          for r in rows])
 
 
@@ -245,6 +286,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0, help="where the calibration samples start (rows keep it)")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--out", default=RESULTS)
+    p.add_argument("--kl", metavar="DIR", default=None,
+                   help="also the mean KL divergence to the float-KV model's next-token distribution (benchmarks/kv_kl.py):"
+                        " the float-KV row writes its distributions under DIR (1.6 GB per 8192-token window), the "
+                        "other rows compare with them")
     p.add_argument("--table", action="store_true", help="print the table of the --out file's rows and exit")
     args = p.parse_args(argv)
     if args.table:

@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks import common
-from benchmarks.kv import RESULTS, row_key
+from benchmarks.kv import RESULTS, kl_args, metered_perplexity, row_key
 
 
 def llmc_scales(model: Any, tokenizer: Any, calib: Any) -> dict[str, tuple[Any, Any]]:
@@ -92,12 +92,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         raise SystemExit(f"error: {args.scales} was calibrated on {peer['calib']} tokens, seed "
                          f"{peer.get('calib_seed', 0)}; pass the same --nsamples / --calib-seqlen / --seed")
     lm = common.bundled_model(args.threads, model=args.model)
-    row = fp8_scales_row(lm, {n: tuple(ks) for n, ks in peer["scales"].items()}, args, "fp8-llmc", "llm-compressor")
+    row = fp8_scales_row(lm, {n: tuple(ks) for n, ks in peer["scales"].items()}, args, args.kv, "the scales file")
     row |= {"calibrate_s": peer["calibrate_s"],
-            "scales_from": f"llmcompressor {peer['llmcompressor']} (transformers {peer['transformers']}) "
-                           "QuantizationModifier kv_cache_scheme fp8 tensor static, observer minmax"}
+            "scales_from": peer.get("scales_from")
+            or f"llmcompressor {peer['llmcompressor']} (transformers {peer['transformers']}) "
+               "QuantizationModifier kv_cache_scheme fp8 tensor static, observer minmax"}
     common.merge_row(args.out, row, row_key)
-    print(f"float fp8-llmc ppl {row['ppl']:.4f} [{row['eval_s']:.0f} s]", flush=True)
+    print(f"float {args.kv} (calib seed {args.seed}) ppl {row['ppl']:.4f} [{row['eval_s']:.0f} s]", flush=True)
     return row
 
 
@@ -108,7 +109,6 @@ def fp8_scales_row(lm: Any, scales: dict[str, tuple[float, float]], args: argpar
     import torch
 
     from lowbit.data import eval_tokens
-    from lowbit.eval import perplexity
     from lowbit.formats.kv import KVScheme
     from lowbit.nn.kv_quant import attention_modules, cache_shape, install_kv, remove_kv, set_scales
 
@@ -120,7 +120,8 @@ def fp8_scales_row(lm: Any, scales: dict[str, tuple[float, float]], args: argpar
     for name, attn in attention_modules(lm.model).items():
         k, v = scales[name]
         set_scales(attn, torch.tensor([k]), torch.tensor([v]))
-    r = perplexity(lm.model, eval_tokens(lm.tokenizer), seqlen=args.seqlen, windows=args.windows, progress=False)
+    kl = kl_args(args, "float", args.seqlen, common.model_fields(args.model), reference=False)
+    r, kl_row = metered_perplexity(lm.model, eval_tokens(lm.tokenizer), args.seqlen, args.windows, kl)
     remove_kv(lm.model)
     layers, heads, dim = cache_shape(lm.model)
     return {"kv": kv, "weights": "float", "values_rotated": False, "seqlen": args.seqlen, "windows": args.windows,
@@ -128,7 +129,7 @@ def fp8_scales_row(lm: Any, scales: dict[str, tuple[float, float]], args: argpar
             "eval_tokens": r.tokens, "eval_s": r.seconds, "kv_bytes_per_token": scheme.bytes_per_token(layers, heads, dim),
             "kv_bytes_per_token_16bit": 2 * layers * heads * dim * 2,
             "k_scales": {n: ks[0] for n, ks in scales.items()}, "v_scales": {n: ks[1] for n, ks in scales.items()},
-            **common.model_fields(args.model), "machine": common.machine()}
+            **common.model_fields(args.model), "machine": common.machine()} | kl_row
 
 
 def protocol_args(p: argparse.ArgumentParser, seed_help: str) -> None:
@@ -142,6 +143,9 @@ def protocol_args(p: argparse.ArgumentParser, seed_help: str) -> None:
     p.add_argument("--seed", type=int, default=0, help=seed_help)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--out", default=RESULTS)
+    p.add_argument("--kl", metavar="DIR", default=None,
+                   help="also the mean KL divergence to the float-KV model (its reference under DIR, written by "
+                        "benchmarks.kv --kl DIR's float-KV row of the same windows)")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -150,6 +154,8 @@ def main(argv: list[str] | None = None) -> int:
     step = p.add_mutually_exclusive_group(required=True)
     step.add_argument("--calibrate", metavar="JSON", help="step 1: write llm-compressor's scales here")
     step.add_argument("--scales", metavar="JSON", help="step 2: evaluate the scales of this file")
+    p.add_argument("--kv", default="fp8-llmc",
+                   help="step 2: the row's KV name in kv.json (another one for files of benchmarks.kv_scalefile)")
     args = p.parse_args(argv)
     if args.calibrate:
         if not common.has_peer("llmcompressor"):

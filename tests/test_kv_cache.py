@@ -1025,3 +1025,85 @@ def test_fp8_defaults_to_rowmax_other_static_formats_to_amax():
     k0 = truth[0][0]
     assert torch.allclose(model.model.layers[0].self_attn.k_scale, k0.abs().amax(dim=(1, 2, 3)).mean() / 448,
                           rtol=1e-5)
+
+
+def test_kl_meter_is_the_mean_kl_to_the_reference_rows_distribution_and_keeps_perplexity(tmp_path):
+    """benchmarks/kv_kl.py: the reference row writes the float model's log-softmax, a later row's mean KL over the
+    predicted positions equals ``F.kl_div`` on the two models' logits computed directly; perplexity beside the meter
+    is bit for bit what it is without it; a reference of other windows or of none is refused."""
+    import torch.nn.functional as F
+
+    from benchmarks import kv_kl
+    from lowbit.eval import perplexity
+
+    ref_model, other = tiny(0), tiny(0)
+    calibrate_kv(other, IDS, KVScheme.parse("fp8:scale=amax"))
+    tokens = torch.randint(0, 256, (1, 3 * 20), generator=torch.Generator().manual_seed(3))
+    fields = {"model": "tiny", "weights": "float", "seqlen": 20, "windows": 3, "cpu": "here"}
+    with kv_kl.kl_meter(ref_model, tmp_path, fields, is_reference=True) as m:
+        perplexity(ref_model, tokens, seqlen=20, windows=3, progress=False)
+    assert m.window == 3
+    plain = perplexity(other, tokens, seqlen=20, windows=3, progress=False)
+    with kv_kl.kl_meter(other, tmp_path, fields, is_reference=False) as meter:
+        metered = perplexity(other, tokens, seqlen=20, windows=3, progress=False)
+    assert metered.ppl == plain.ppl
+    win = tokens.reshape(3, 20)
+    with torch.no_grad():
+        lp = torch.log_softmax(ref_model(input_ids=win).logits[:, :-1].float(), -1)
+        lq = torch.log_softmax(other(input_ids=win).logits[:, :-1].float(), -1)
+    want = F.kl_div(lq.reshape(-1, 256), lp.reshape(-1, 256), log_target=True, reduction="sum") / (3 * 19)
+    assert meter.count == 3 * 19 and meter.mean > 0
+    assert meter.mean == pytest.approx(float(want), rel=1e-5)
+    with pytest.raises(SystemExit, match="KL reference .* is of"):
+        with kv_kl.kl_meter(other, tmp_path, fields | {"cpu": "elsewhere"}, is_reference=False):
+            pass
+    with pytest.raises(SystemExit, match="no KL reference"):
+        with kv_kl.kl_meter(other, tmp_path, fields | {"windows": 2}, is_reference=False):
+            pass
+
+
+def test_scale_file_takes_keys_and_values_from_the_rows_asked_and_the_factor():
+    """benchmarks/kv_scalefile.py: keys of one kept row, values of another, times the factor; a row that is not
+    there (other seed, other CPU) is one clear error."""
+    from benchmarks import kv_scalefile
+
+    base = {"weights": "float", "model": "bundled", "calib": "8x512", "machine": {"cpu": "here"}}
+    rows = [base | {"kv": "fp8", "calib_seed": 0, "k_scales": {"a": 1.0, "b": 2.0}, "v_scales": {"a": 3.0, "b": 4.0}},
+            base | {"kv": "fp8-llmc", "calib_seed": 0, "k_scales": {"a": 5.0, "b": 6.0},
+                    "v_scales": {"a": 7.0, "b": 8.0}}]
+    d = kv_scalefile.build(rows, "fp8-llmc", "fp8", 2.0, 0, "8x512", "bundled", "here")
+    assert d["scales"] == {"a": [10.0, 6.0], "b": [12.0, 8.0]} and d["calib_seed"] == 0
+    with pytest.raises(SystemExit, match="no float-weights row of 'fp8'.*seed 1"):
+        kv_scalefile.build(rows, "fp8", "fp8", 1.0, 1, "8x512", "bundled", "here")
+    with pytest.raises(SystemExit, match="on this CPU"):
+        kv_scalefile.build(rows, "fp8", "fp8", 1.0, 0, "8x512", "bundled", "elsewhere")
+
+
+@pytest.mark.parametrize("name", ["fp8", "fp8-head", "fp8:center"])
+def test_headroom_scale_maps_the_typical_rows_abs_max_to_256(name):
+    """scale=headroom: each static E4M3 scale is the mean over calibration rows of that row's abs-max (per KV head
+    for per-head schemes, around the mean for centered ones) over 256, brute force with explicit loops over rows;
+    the largest calibration values fit unclipped up to 1.75 x that mean; the name round-trips."""
+    s = KVScheme.parse(name.replace(":", ":scale=headroom,") if ":" in name else name + ":scale=headroom")
+    assert s.rule == "headroom" and KVScheme.parse(s.name) == s and "scale=headroom" in s.name
+    assert KVScheme.from_dict(json.loads(json.dumps(s.to_dict()))) == s
+    model = tiny(3)
+    truth = _layer_values(model, ROWS)
+    calibrate_kv(model, ROWS, s)
+    for (k, v), attn in zip(truth, attention_modules(model).values(), strict=True):
+        for short, x in (("k", k), ("v", v)):
+            if s.center:
+                x = x - x.mean(dim=(0, 2))[None, :, None, :]
+            per_row = [[float(x[r, h].abs().max()) for h in range(x.shape[1])] if s.per_head
+                       else [float(x[r].abs().max())] for r in range(x.shape[0])]
+            got = getattr(attn, f"{short}_scale")
+            assert torch.allclose(got, torch.tensor(per_row).mean(dim=0) / 256, rtol=1e-5, atol=0), (name, short)
+            assert bool((torch.tensor(per_row).mean(dim=0) < 448 * got).all())
+
+
+def test_headroom_is_refused_where_precision_is_not_relative_or_scales_are_dynamic():
+    for bad in ("int8:scale=headroom", "int8-head:scale=headroom", "nvfp4:scale=headroom"):
+        with pytest.raises(SchemeError, match="scale=headroom leaves E4M3's top binade free"):
+            KVScheme.parse(bad)
+    with pytest.raises(SchemeError, match="scale=headroom is a rule for calibrated static scales"):
+        KVScheme.parse("fp8-token:scale=headroom")
