@@ -25,10 +25,8 @@ seed and the chosen factors::
 from __future__ import annotations
 
 import argparse
-import contextlib
 import sys
 import time
-from collections.abc import Iterator
 from typing import Any
 
 from benchmarks import common
@@ -71,26 +69,17 @@ def candidate_errors(q: Any, k: Any, v: Any, k_scale: Any, v_scale: Any, scaling
     return torch.tensor(ek, dtype=torch.float64), torch.tensor(ev, dtype=torch.float64)
 
 
-@contextlib.contextmanager
-def captured(model: Any, amax_scales: dict[Any, tuple[Any, Any]], errors: dict[Any, list]) -> Iterator[None]:
+def captured(model: Any, amax_scales: dict[Any, tuple[Any, Any]], errors: dict[Any, list]) -> Any:
     """The model's attention function wrapped: at each call, the candidates' errors added to ``errors[module]``."""
-    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+    from benchmarks.kv_layers import captured as attention_hook
 
-    impl = model.config._attn_implementation
-    inner = ALL_ATTENTION_FUNCTIONS[impl]
-
-    def wrapper(module: Any, query: Any, key: Any, value: Any, attention_mask: Any, **kwargs: Any) -> Any:
+    def record(module: Any, query: Any, key: Any, value: Any, scaling: float) -> None:
         ks, vs = amax_scales[module]
-        ek, ev = candidate_errors(query, key, value, ks, vs, kwargs.get("scaling") or module.scaling)
+        ek, ev = candidate_errors(query, key, value, ks, vs, scaling)
         prev = errors.get(module)
         errors[module] = [ek, ev] if prev is None else [prev[0] + ek, prev[1] + ev]
-        return inner(module, query, key, value, attention_mask, **kwargs)
 
-    ALL_ATTENTION_FUNCTIONS[impl] = wrapper
-    try:
-        yield
-    finally:
-        ALL_ATTENTION_FUNCTIONS[impl] = inner
+    return attention_hook(model, record)
 
 
 def kl_scales(model: Any, calib: Any) -> tuple[dict[str, tuple[float, float]], dict[str, tuple[float, float]]]:

@@ -91,20 +91,11 @@ def test_a_killed_awq_run_block_by_block_resumes_to_the_same_checkpoint(tmp_path
     """AWQ's scales and the method's codes of a block are kept together in --workdir: killed after block 0, the
     rerun replays block 0 (no search) and writes the uninterrupted run's checkpoint."""
     from lowbit.ptq import awq
-    from lowbit.ptq.blockwise import release
 
     common = [str(tiny_hf_dir), "--method", "rtn", "--awq", "--rotate", "--scheme", "w4g32",
               "--nsamples", "4", "--seqlen", "32", "--no-eval", "--offload-dir", str(tmp_path / "off"),
               "--workdir", str(tmp_path / "wd")]
-    real = release.release_block
-
-    def killed(model, prefix, i, block, folder):
-        done = real(model, prefix, i, block, folder)
-        if i == 0:
-            raise KeyboardInterrupt
-        return done
-
-    monkeypatch.setattr("lowbit.ptq.blockwise.loop.release_block", killed)
+    real = _kill_after_block0(monkeypatch)
     assert main(["quantize", *common, "--out", str(tmp_path / "a")]) == 130
     monkeypatch.setattr("lowbit.ptq.blockwise.loop.release_block", real)
     searched = []
@@ -297,19 +288,10 @@ def test_the_refusal_names_the_flag_that_loads_the_whole_model(tmp_path, capsys,
 def test_a_killed_released_run_resumes_to_the_same_checkpoint(tmp_path, capsys, tiny_hf_dir, monkeypatch):
     """--workdir with released blocks: killed after block 0 was written out, the rerun replays it and writes the
     checkpoint the uninterrupted run writes."""
-    from lowbit.ptq.blockwise import release
 
     common = [str(tiny_hf_dir), "--method", "gptq", "--no-search", "--scheme", "w4g32", "--nsamples", "4",
               "--seqlen", "32", "--no-eval", "--offload-dir", str(tmp_path / "off"), "--workdir", str(tmp_path / "wd")]
-    real = release.release_block
-
-    def killed(model, prefix, i, block, folder):
-        done = real(model, prefix, i, block, folder)
-        if i == 0:
-            raise KeyboardInterrupt
-        return done
-
-    monkeypatch.setattr("lowbit.ptq.blockwise.loop.release_block", killed)
+    real = _kill_after_block0(monkeypatch)
     assert main(["quantize", *common, "--out", str(tmp_path / "a")]) == 130
     assert not (tmp_path / "a").exists()
     monkeypatch.setattr("lowbit.ptq.blockwise.loop.release_block", real)
@@ -441,3 +423,20 @@ def test_the_walk_gives_free_memory_back_after_every_block(tmp_path, capsys, tin
          "--seqlen", "32", "--no-eval", "--offload-dir", str(tmp_path / "off"), "--out", str(tmp_path / "o"))
     blocks = json.loads((tiny_hf_dir / "config.json").read_text())["num_hidden_layers"]
     assert len(calls) == blocks
+
+
+def _kill_after_block0(monkeypatch):
+    """Make the walk raise KeyboardInterrupt right after block 0 is released (a run killed mid-way); returns the
+    real release function, to put back for the rerun."""
+    from lowbit.ptq.blockwise import release
+
+    real = release.release_block
+
+    def killed(model, prefix, i, block, folder):
+        done = real(model, prefix, i, block, folder)
+        if i == 0:
+            raise KeyboardInterrupt
+        return done
+
+    monkeypatch.setattr("lowbit.ptq.blockwise.loop.release_block", killed)
+    return real
