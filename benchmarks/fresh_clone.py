@@ -64,6 +64,8 @@ def run(command: str, workdir: Path) -> dict:
         seconds = time.perf_counter() - t0
     # stdout holds the results (pytest's summary, the demo's perplexities); stderr pip's warnings and bars
     tail = [line for line in out.stdout.splitlines() if line.strip()][-16:]
+    # the whole output beside the clone: a failure's traceback does not fit the tail (pytest -q drops its message)
+    (workdir / f"{command}.log").write_text(out.stdout + "\n--- stderr ---\n" + out.stderr)
     return {"command": f"make {command}", "returncode": out.returncode, "seconds": round(seconds, 1),
             **load.summary(), "tail": tail}
 
