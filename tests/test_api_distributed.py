@@ -11,12 +11,12 @@ import importlib
 import json
 import os
 import socket
-from datetime import timedelta
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from test_train_distributed import _finish_rank
 
 from lowbit.errors import ConfigError
 
@@ -86,11 +86,12 @@ def _rank(rank: int, world: int, port: int, kind: str, d: str, out: str) -> None
     try:
         res = getattr(api, kind)(JOBS[kind](Path(d), out))
         Path(f"{out}.rank{rank}.json").write_text(json.dumps(res, default=str))
-        if dist.is_initialized():  # neither rank tears gloo down while the other may still be talking to it
-            dist.monitored_barrier(timeout=timedelta(seconds=120))
-    finally:
+    except BaseException:
         if dist.is_initialized():
             dist.destroy_process_group()
+        raise
+    if dist.is_initialized():
+        _finish_rank()
 
 
 @pytest.mark.parametrize("kind", ["qat", "finetune", "quantize"])

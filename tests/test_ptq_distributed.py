@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from ptq_helpers import calib, tiny_model, uniform
+from test_train_distributed import _finish_rank
 
 from lowbit.errors import ConfigError
 from lowbit.nn import quant_layers
@@ -45,8 +46,10 @@ def _rank(rank: int, world: int, port: int, v2: bool, out: str) -> None:
         infos = _tune(m, v2, workdir=out + ".work")
         codes = {n: q.codes for n, q in quant_layers(m).items()}
         torch.save({"codes": codes, "infos": infos}, f"{out}.{rank}")
-    finally:
+    except BaseException:
         dist.destroy_process_group()
+        raise
+    _finish_rank()
 
 
 @pytest.mark.parametrize("v2", [True, False])
