@@ -78,27 +78,18 @@ def release_block(model: nn.Module, prefix: str, i: int, block: nn.Module, folde
 
 
 @functools.cache
-def _malloc_trim():
-    """glibc's ``malloc_trim``, or None where the C library has none (musl, macOS, Windows)."""
+def _libc(symbol: str):
+    """glibc's function ``symbol`` (``malloc_trim``, ``mallopt``), or None where the C library has none (musl,
+    macOS, Windows)."""
     name = ctypes.util.find_library("c")
     try:
-        return getattr(ctypes.CDLL(name), "malloc_trim", None) if name else None
+        return getattr(ctypes.CDLL(name), symbol, None) if name else None
     except OSError:
         return None
 
 
 M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter number
 STEADY_MMAP_THRESHOLD = 4 << 20
-
-
-@functools.cache
-def _mallopt():
-    """glibc's ``mallopt``, or None where the C library has none."""
-    name = ctypes.util.find_library("c")
-    try:
-        return getattr(ctypes.CDLL(name), "mallopt", None) if name else None
-    except OSError:
-        return None
 
 
 def steady_allocator() -> bool:
@@ -113,7 +104,7 @@ def steady_allocator() -> bool:
     seconds: fresh mappings are zeroed; bigmodel_calib.md, session 7). Setting it also turns
     glibc's adjustment off. Called once when a released walk starts.
     """
-    opt = _mallopt()
+    opt = _libc("mallopt")
     return bool(opt is not None and opt(M_MMAP_THRESHOLD, STEADY_MMAP_THRESHOLD))
 
 
@@ -123,7 +114,7 @@ def give_back_free_memory() -> bool:
     Called after each block of a walk: without it the resident set grows by the block's
     freed-but-kept chunks, block after block, although nothing is alive in them.
     """
-    trim = _malloc_trim()
+    trim = _libc("malloc_trim")
     if trim is None:
         return False
     trim(0)
