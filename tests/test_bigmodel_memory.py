@@ -112,9 +112,10 @@ def test_a_killed_awq_run_block_by_block_resumes_to_the_same_checkpoint(tmp_path
 
 
 def test_rtn_without_data_is_not_taken_block_by_block(tmp_path, capsys, tiny_hf_dir):
-    """Plain RTN (--no-search) reads no data, so there is no walk for --offload-dir to serve: an error naming
-    --stream, never a silently whole-model run."""
-    assert main(["quantize", str(tiny_hf_dir), "--method", "rtn", "--no-search", "--rotate", "--offload-dir",
+    """Plain RTN (--no-search) without a rotation reads no data and turns nothing, so there is no walk for
+    --offload-dir to serve: an error naming --stream, never a silently whole-model run (with --rotate it walks the
+    blocks: tests/test_rtn_rotate_blockwise.py)."""
+    assert main(["quantize", str(tiny_hf_dir), "--method", "rtn", "--no-search", "--offload-dir",
                  str(tmp_path / "off"), "--out", str(tmp_path / "q")]) == 2
     err = capsys.readouterr().err
     assert "--offload-dir applies to" in err and "--stream" in err

@@ -112,15 +112,20 @@ class QuantizeJob:
         if self.cache_device == "disk" and self.offload_dir is None:
             raise ConfigError("--cache-device disk keeps the activations in files in --offload-dir; pass --offload-dir")
         # RTN walks the blocks only on a lazily loaded model (a model in memory keeps its one calibration pass)
-        walks = spec.blockwise or (walks_blocks(self.method, self.needs_calib) and self.offload_dir is not None)
+        walks = spec.blockwise or (walks_blocks(self.method, self.needs_calib, self.rotate is not None)
+                                   and self.offload_dir is not None)
         for name, value in (("--workdir", self.workdir), ("--offload-dir", self.offload_dir),
                             ("--cache-device", self.cache_device)):
             if value is not None and not walks and self.awq is None:  # AWQ walks the blocks on the engine
                 raise ConfigError(f"{name} applies to the block-wise methods ({' | '.join(_block_methods())}), to "
-                                  "--method rtn with calibration data and --offload-dir (block by block on the "
-                                  f"checkpoint) and to the --awq pre-step; --method {self.method} here quantizes the "
-                                  "whole model at once, so there is nothing block-wise for it to hold (a model bigger "
-                                  "than memory without data: --stream)")
+                                  "--method rtn with calibration data or --rotate and --offload-dir (block by block "
+                                  f"on the checkpoint) and to the --awq pre-step; --method {self.method} here "
+                                  "quantizes the whole model at once, so there is nothing block-wise for it to hold "
+                                  "(a model bigger than memory without data or rotation: --stream)")
+        if self.cache_device is not None and self.rotates_without_data:
+            raise ConfigError("--cache-device places the activation caches of a calibrated walk; --method rtn "
+                              "without data and with --rotate walks the blocks with none (it only rotates and "
+                              "rounds each block): drop --cache-device")
 
     def _parse_kv(self) -> None:
         """``kv`` -> ``kv_options`` (one scheme, or the candidates of ``kv_bits``) and ``kv_scheme``: the one
@@ -154,6 +159,12 @@ class QuantizeJob:
                 or self.awq is not None or self.kv_mixed or any(o.needs_calibration for o in self.kv_options))
 
     @property
+    def rotates_without_data(self) -> bool:
+        """Data-free RTN with a rotation on a lazily loaded model: the walk reads no data, it rotates each block as it
+        reads it and rounds it (`lowbit.ptq.blockwise.rounding`)."""
+        return self.loads_lazily and not self.needs_calib and not get(self.method).blockwise
+
+    @property
     def static_inputs(self) -> bool:
         """Whether some recipe quantizes inputs with static scales (calibrated on the calibration split)."""
         return source.needs_calibration(self.source)
@@ -161,8 +172,9 @@ class QuantizeJob:
     @property
     def loads_lazily(self) -> bool:
         """A run on the block-wise engine with --offload-dir reads blocks from disk (the pre-steps --rotate / --awq
-        per block as they are read, `lowbit.ptq.block_prep`); mixed precision needs the whole model."""
-        return (self.offload_dir is not None and walks_blocks(self.method, self.needs_calib)
+        per block as they are read, `lowbit.ptq.block_prep`; RTN without data walks them only to rotate them);
+        mixed precision needs the whole model."""
+        return (self.offload_dir is not None and walks_blocks(self.method, self.needs_calib, self.rotate is not None)
                 and self.mixed is None)
 
     @property
@@ -277,9 +289,11 @@ def memory_help() -> str:
             f"at 128 x 2048 calibration tokens: {memory.help_table()}. --rotate (the embedding widened to fp32, the "
             "lm_head turned after the last block) and --awq (two more activation caches; its search holds 12 bytes x "
             "the widest Linear input^2 and a group's weights 4 times in fp32) run per block too, and so does --method "
-            "rtn with calibration data (2 caches, its widest Linear 6 times in fp32). Without --offload-dir (and with "
-            "--avg-bits, or --method rtn without data: --stream for that) the whole float model is loaded (4 bytes "
-            "per weight). The run is "
+            "rtn with calibration data (2 caches, its widest Linear 6 times in fp32); --method rtn without data and with "
+            "--rotate / --rotate-online walks the blocks without caches (the tables, one block in fp32 and one "
+            f"Linear's rounding: {memory.rotate_example()}; --stream, which does not rotate, holds about one tensor). Without "
+            "--offload-dir (and with --avg-bits, or --method rtn without data nor rotation: --stream for that) the "
+            "whole float model is loaded (4 bytes per weight). The run is "
             "refused before loading, with these numbers, when free memory (MemAvailable) or the disk of --out / "
             "--offload-dir cannot hold it")
 
@@ -321,7 +335,8 @@ def check_memory(job: QuantizeJob) -> tuple[Estimate | None, QuantizeJob]:
     folders = {"out": job.out, "offload": job.offload_dir}
     free = {role: shutil.disk_usage(existing_ancestor(Path(f).expanduser().absolute())).free
             for role, f in folders.items() if f is not None}
-    why = memory.refusal(est, available, free, whole_by=_whole_by(job))
+    why = memory.refusal(est, available, free, whole_by=_whole_by(job),
+                         fix=memory.ROTATE_FIX if job.rotates_without_data else None)
     if why is not None:
         raise (OutputError if why.startswith("--") else ConfigError)(why)
     return est, job
@@ -423,7 +438,8 @@ class _Run:
         from lowbit.models.placement import check_fits, model_bytes
 
         job, model = self.job, self.lm.model
-        whole = job.evaluation is not None or not walks_blocks(job.method, job.needs_calib) or job.mixed is not None
+        whole = (job.evaluation is not None or job.mixed is not None
+                 or not walks_blocks(job.method, job.needs_calib, job.rotate is not None and job.offload_dir is not None))
         if not whole or self.device is None:
             return
         if is_lazy(model):

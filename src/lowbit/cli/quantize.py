@@ -86,12 +86,13 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "small GPUs) or disk (memory-mapped files in --offload-dir, for calibration sets whose "
                         "activations memory cannot hold; chosen by itself, with a warning, when only they do not fit)")
     g.add_argument("--workdir", default=None,
-                   help="gptq, signround, signround2, rtn with data and --offload-dir (and --awq): folder for "
-                        "per-block results (resume)")
+                   help="gptq, signround, signround2, rtn with data or --rotate and --offload-dir (and --awq): "
+                        "folder for per-block results (resume)")
     from lowbit.api.quantize import memory_help
 
     g.add_argument("--offload-dir", default=None,
-                   help="gptq, signround, signround2, rtn with calibration data (its importance search) (and "
+                   help="gptq, signround, signround2, rtn with calibration data (its importance search) or with "
+                        "--rotate / --rotate-online (data-free: the walk only rotates and rounds each block) (and "
                         "--awq): keep blocks on disk, one block's weights in memory. "
                         "On a safetensors folder the model is built on meta and each block read from the checkpoint "
                         "when its turn comes (--rotate and --awq are applied to it then, the tables rotated once); "
@@ -222,6 +223,10 @@ def stream_job(args: argparse.Namespace):
                 "cache_device": None, "device": None, "data": None, "kv": None, "kv_bits": None}
     odd = [k for k, v in vars(args).items() if k not in STREAM_FLAGS and k not in ("func", "command")
            and (k not in defaults or v != defaults[k])]
+    if odd and odd[0] in ("rotate", "rotate_online", "rotate_keep"):
+        raise ConfigError(f"--stream does not rotate ({common.flag(odd[0])}); for data-free RTN with a rotation on a "
+                          "model bigger than memory drop --stream and pass --offload-dir DIR --no-eval (one block in "
+                          "memory, rotated and rounded as it is read)")
     if odd:
         raise ConfigError(f"{common.flag(odd[0])} does not apply to --stream (data-free, no model in memory, no "
                           "perplexity); drop it, or drop --stream")

@@ -19,7 +19,9 @@ block at a time:
 So a lazily loaded model gets, block by block, the weights the whole-model path gives and
 the method's pass sees the same block it would have seen (tests/test_bigmodel_memory.py).
 `PrepPass` wraps the method's `BlockPass` so the walk (`lowbit.ptq.blockwise.loop`) runs
-both in one pass over the checkpoint; the work folder keeps both results per block.
+both in one pass over the checkpoint; the work folder keeps both results per block. RTN
+without calibration data walks the blocks for the rotation alone (`lowbit.ptq.blockwise.rounding`):
+its one sample is the whole-model path's probe, what block 0's check runs on.
 
 What differs from the whole-model path, on purpose: the rotation's probe check (logits of
 the whole model before and after) needs the whole model, so block 0's output is compared

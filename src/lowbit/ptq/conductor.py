@@ -126,7 +126,8 @@ def conduct(model: nn.Module, plan: Plan, spec: PtqSpec, ctx: RunContext, phase:
     """
     method, first = get(spec.method), plan
     _check_plan(model, plan, spec)
-    walks = walks_blocks(spec.method, ctx.calib is not None) and spec.mixed is None
+    walks = walks_blocks(spec.method, ctx.calib is not None, spec.rotate is not None and is_lazy(model)) \
+        and spec.mixed is None
     pre = None
     if walks and spec.has_pre_steps and is_lazy(model):  # done to each block as the walk reads it (block_prep.py)
         pre = PreSteps(plan, spec.rotate, spec.awq, fit=spec.fit)

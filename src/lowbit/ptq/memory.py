@@ -31,8 +31,11 @@ checkpoint's dtype while the blocks are turned as they are read, and widens and 
 head after the last block (``turn``: that, or a chunk of a table being turned); ``--awq`` adds its own chain of inputs (two more caches) and its
 search's state on the block (the float64 ``X^T X`` of the inputs of o_proj and down_proj, and
 the scaled, rounded copies of a group's weights), which is not held at once with the method's.
+RTN without data walks the blocks only with ``--rotate`` (`lowbit.ptq.blockwise.rounding`):
+no caches, no forward (a 16-token probe through block 0), the rotation's parts and one Linear's
+rounding on one block.
 
-Any other run (RTN without data, which rounds the whole model at once, a run without
+Any other run (RTN without data nor rotation, which rounds the whole model at once, a run without
 ``--offload-dir``, or --avg-bits, whose DeltaLoss sensitivities and knapsack need the whole
 float model) holds the whole float model instead (``whole``), and a run that evaluates
 perplexities holds the quantized model (about a byte per weight) at the end. Disk: the output checkpoint, and with
@@ -167,7 +170,8 @@ def estimate(shape: Shape, method: str, nsamples: int, seqlen: int, *, lazy: boo
     f32 = 4
     s = shape
     tokens = nsamples * seqlen
-    blockwise = method in TRACKS_FP and (method != "rtn" or nsamples > 0)  # RTN walks the blocks with data only
+    # RTN walks the blocks with data, or without it to rotate them (no caches then: nsamples 0)
+    blockwise = method in TRACKS_FP and (method != "rtn" or nsamples > 0 or rotate)
     out_bytes = int(s.layers * s.block_params * weight_bits / 8) + _outside_stored(s, lm_head, weight_bits)
     disk = {"out": out_bytes}
     if not (lazy and blockwise):
@@ -320,14 +324,17 @@ def mem_available(meminfo: Path = Path("/proc/meminfo")) -> int | None:
 
 
 def refusal(est: Estimate, available: int | None, free_disk: dict[str, int | None],
-            margin: float = 1.1, whole_by: str | None = None) -> str | None:
+            margin: float = 1.1, whole_by: str | None = None, fix: str | None = None) -> str | None:
     """Why the machine cannot run it (with the numbers), or None when it can.
 
     available: free memory (MemAvailable); free_disk: folder role ("out", "offload") -> free bytes.
     whole_by: the flag that makes the run load the whole model although --offload-dir was given.
+    fix: what to do instead, where the caller knows better than the parts tell (`ROTATE_FIX`).
     """
     if available is not None and est.peak * margin > available:
-        if whole_by is not None:
+        if fix is not None:
+            pass
+        elif whole_by is not None:
             fix = f"{whole_by} needs the whole float model in memory: drop it to run block by block"
         elif not est.flat:
             fix = "pass --offload-dir DIR (one block in memory) and --no-eval, or fewer --nsamples / a shorter --seqlen"
@@ -347,6 +354,17 @@ def refusal(est: Estimate, available: int | None, free_disk: dict[str, int | Non
             return (f"{flag} needs about {need / GiB:.2f} GiB of disk ({'the quantized checkpoint' if role == 'out' else 'the finished blocks until the output is written'}) "
                     f"and its device has {free / GiB:.2f} GiB free; free some space or choose another {flag}")
     return None
+
+
+ROTATE_FIX = ("RTN without data rotated block by block holds the tables (the embedding in float32) and one block, "
+              "which no flag shrinks: drop --rotate / --rotate-online and pass --stream (one tensor at a time), or a "
+              "machine with more memory")
+
+
+def rotate_example(name: str = "8B (Llama-3.1)") -> str:
+    """The --help text's example of data-free RTN rotated block by block: its peak beside --stream's."""
+    s = Shape.from_config(EXAMPLES[name])
+    return f"{name.split()[0]} ~{estimate(s, 'rtn', 0, 0, rotate=True).peak / GiB:.1f} GiB"
 
 
 def help_table(nsamples: int = 128, seqlen: int = 2048) -> str:

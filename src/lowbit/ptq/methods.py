@@ -69,7 +69,7 @@ class Method:
     work: (block-wise methods) what its work folder records for these settings (`WorkFn`).
     lazy_with_calib: a whole-model method that runs block by block on the block-wise engine when the run
     has calibration data (RTN: its statistics are per Linear, so a lazily loaded model never needs to be
-    whole); see `walks_blocks`.
+    whole), or a rotation to apply per block without data; see `walks_blocks`.
     """
 
     name: str
@@ -99,11 +99,12 @@ def register(method: Method) -> Method:
     return method
 
 
-def walks_blocks(name: str, calibrated: bool) -> bool:
+def walks_blocks(name: str, calibrated: bool, rotated: bool = False) -> bool:
     """Whether method ``name`` runs on the block-wise engine (so --offload-dir / --workdir apply): the block-wise
-    methods always, RTN when the run has calibration data (its importance, static input scales, AWQ)."""
+    methods always, RTN when the run has calibration data (its importance, static input scales, AWQ) or rotates
+    (``rotated``: without data the walk only turns each block as it reads it, `lowbit.ptq.blockwise.rounding`)."""
     m = get(name)
-    return m.blockwise or (m.lazy_with_calib and calibrated)
+    return m.blockwise or (m.lazy_with_calib and (calibrated or rotated))
 
 
 def names() -> list[str]:

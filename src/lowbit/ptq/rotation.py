@@ -236,7 +236,7 @@ def rotate_model(model: nn.Module, settings: RotationSettings = RotationSettings
     online = online_layers(model, blocks, settings.online)
     rot = None if rmap is None else Rotation.make(
         rmap.width, settings, kept_channels(model, rmap, settings.keep, dense=settings.kind == "haar"))
-    probe = _probe_ids(model) if check else None
+    probe = probe_ids(model) if check else None
     before = _logits(model, probe) if check else None
     info: dict[str, Any] = settings.to_dict()
     if rmap is not None and rot is not None:
@@ -376,7 +376,9 @@ def _residual_info(rmap: ResidualMap, rot: Rotation) -> dict[str, Any]:
 
 
 # ---------------------------------------------------------------------- check
-def _probe_ids(model: nn.Module) -> torch.Tensor:
+def probe_ids(model: nn.Module) -> torch.Tensor:
+    """The input the rotation is checked on: 16 seeded token ids (block by block without data, the walk's one
+    sample: `lowbit.ptq.blockwise.rounding`)."""
     vocab = model.get_input_embeddings().weight.shape[0]
     return torch.randint(0, vocab, (1, 16), generator=torch.Generator().manual_seed(0))
 

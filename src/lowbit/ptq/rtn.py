@@ -143,13 +143,19 @@ def rtn_blockwise(model: nn.Module, plan: Plan, settings: RTNSettings, ctx: RunC
     whole-model calibration pass gives them: the float chain is carried from block to block, in the same chunks
     of samples as the whole-model pass's batches), so the searched scales, static input scales and codes are
     those of the whole-model path (tests/test_bigmodel_memory.py). Fused experts tensors are refused: their
-    per-expert calibration runs on the whole model (`lowbit.ptq.expert_calib`).
+    per-expert calibration runs on the whole model (`lowbit.ptq.expert_calib`). Without data (``--no-search``)
+    the walk reads none: it rotates each block as it reads it and rounds it (`lowbit.ptq.blockwise.rounding`).
     """
     from lowbit.ptq.blockwise import PipelineOptions, quantize_blockwise
 
+    if ctx.calib is None and not settings.search:  # data-free: the walk only rotates (lowbit.ptq.blockwise.rounding)
+        from lowbit.ptq.blockwise.rounding import round_blockwise
+
+        round_blockwise(model, plan, _work_record(settings), ctx)
+        return plan
     if ctx.calib is None or ctx.calib.numel() == 0:
-        raise ConfigError("RTN block by block walks calibration batches through the blocks; without them (plain "
-                          "round-to-nearest, --no-search) quantize a model bigger than memory with --stream")
+        raise ConfigError("RTN's importance search block by block walks calibration batches through the blocks; "
+                          "pass them, or --no-search for plain round-to-nearest")
     if settings.search:
         plan = searched(plan)
     _, experts = split(model, plan)
