@@ -27,6 +27,11 @@ decoder layer onloaded at a time) on the same checkpoint and the same calibratio
     python -m benchmarks.bigmodel_calib --shapes tinyllama-1.1b --methods gptq,signround2
     python -m benchmarks.bigmodel_calib --shapes llama-3.1-8b --methods gptq --blocks 6
     python -m benchmarks.bigmodel_calib --shapes tinyllama-1.1b --methods rtn,awq,rotate --blocks 3 --threads 1
+    python -m benchmarks.bigmodel_calib --shapes tinyllama-1.1b --methods rotate-nodata --threads 1 [--whole]
+
+``rotate-nodata`` is RTN without calibration data (``--no-search``) with ``--rotate``: block by block
+it reads no data (`lowbit.ptq.blockwise.rounding`); ``--whole`` runs the same job without
+``--offload-dir`` (the whole float model loaded, rotated and rounded), the row it replaces.
     python -m benchmarks.bigmodel_calib --table
 """
 
@@ -118,16 +123,17 @@ def child_main(argv: list[str]) -> int:
     resident set a flat-in-depth run returns to after every block)."""
     from lowbit.cli import main
     from lowbit.ptq import gptq
-    from lowbit.ptq.blockwise import loop, tune
+    from lowbit.ptq.blockwise import loop, rounding, tune
 
     log = open(os.environ["BLOCK_LOG"], "a")  # noqa: SIM115 - held for the run
     stop = int(os.environ.get("STOP_AFTER", "0"))
     finish, give_back = tune.TunePass.finish, loop.give_back_free_memory
+    finish_round = rounding.RoundPass.finish
     last = [time.perf_counter(), _cpu()]
     pending: list[dict] = []
 
     def timed(self, i, block, result):
-        finish(self, i, block, result)
+        (finish_round if isinstance(self, rounding.RoundPass) else finish)(self, i, block, result)
         now, cpu = time.perf_counter(), _cpu()
         pending.append({"block": i, "s": now - last[0], "cpu_s": cpu - last[1], **_status()})
         last[:] = [now, cpu]
@@ -151,7 +157,7 @@ def child_main(argv: list[str]) -> int:
         log.flush()
         return out
 
-    tune.TunePass.finish = timed
+    tune.TunePass.finish = rounding.RoundPass.finish = timed
     loop.give_back_free_memory = released
     layers, gptq.gptq_layers = gptq.gptq_layers, grouped
     log.write(json.dumps({"block": -1, "s": 0.0, "cpu_s": _cpu(), **_status()}) + "\n")
@@ -177,19 +183,24 @@ def method_args(method: str, iters: int) -> list[str]:
 # rows of RTN with its importance search and of the pre-steps, block by block on the lazily loaded model (issue 35):
 # method -> the flags; the estimate reads the base method and the pre-steps from them
 PRE_STEP_ROWS = {"rtn": ["--method", "rtn"], "awq": ["--method", "rtn", "--awq"],
-                 "rotate": ["--method", "rtn", "--rotate"]}
+                 "rotate": ["--method", "rtn", "--rotate"], "rotate-nodata": ["--method", "rtn", "--no-search", "--rotate"]}
+DATA_FREE = ("rotate-nodata",)  # rows that read no calibration data (nsamples / seqlen recorded as 0)
 
 
 def run_lowbit(shape: str, method: str, a: argparse.Namespace) -> dict:
     src = prepare(shape)
-    tag = f"{shape}-{method}-n{a.nsamples}x{a.seqlen}" + (f"-b{a.blocks}" if a.blocks else "")
+    if method in DATA_FREE:
+        a = argparse.Namespace(**{**vars(a), "nsamples": 0, "seqlen": 0})
+    tag = f"{shape}-{method}-n{a.nsamples}x{a.seqlen}" + (f"-b{a.blocks}" if a.blocks else "") + \
+        ("-whole" if a.whole else "")
     out, off, blog = WORK / "out" / tag, WORK / "offload" / tag, WORK / "logs" / f"{tag}.blocks.jsonl"
     for p in (out, off):
         shutil.rmtree(p, ignore_errors=True)
     blog.parent.mkdir(parents=True, exist_ok=True)
     blog.unlink(missing_ok=True)
-    args = [str(src), *method_args(method, a.iters), "--scheme", "w4g128", "--nsamples", str(a.nsamples),
-            "--seqlen", str(a.seqlen), "--offload-dir", str(off), "--no-eval", "--out", str(out), "--json",
+    calib = ["--nsamples", str(a.nsamples), "--seqlen", str(a.seqlen)] if method not in DATA_FREE else []
+    args = [str(src), *method_args(method, a.iters), "--scheme", "w4g128", *calib,
+            *([] if a.whole else ["--offload-dir", str(off)]), "--no-eval", "--out", str(out), "--json",
             "--threads", str(a.threads)]
     env = {**os.environ, "BLOCK_LOG": str(blog), "STOP_AFTER": str(a.blocks or 0)}
     cmd = [sys.executable, "-m", "benchmarks.bigmodel_calib", "--child", *args]
@@ -207,6 +218,8 @@ def run_lowbit(shape: str, method: str, a: argparse.Namespace) -> dict:
     if a.variant:  # e.g. an allocator setting from the environment: kept beside the plain row (save_row's key)
         row["variant"] = a.variant
         row["env"] = {k: v for k, v in os.environ.items() if k.startswith("MALLOC_")}
+    if a.whole:  # the whole-model path of the same job, beside the block-by-block row
+        row["variant"] = "whole-model" + (f" {a.variant}" if a.variant else "")
     if blocks and code == 0:  # a whole-model row: what came after the last block (the save, the exit)
         row["after_blocks_cpu_s"] = round(cpu - blocks[0]["cpu_s"] - sum(b["cpu_s"] for b in blocks[1:]), 1)
     if a.check_load and code == 0:
@@ -240,8 +253,9 @@ def estimate(src: Path, method: str, a: argparse.Namespace) -> dict:
     shape = Shape.from_config(with_stored_dtype(json.loads((src / "config.json").read_text()), src))
     flags = PRE_STEP_ROWS.get(method)
     if flags is not None:
-        return predict(shape, flags[1], a.nsamples, a.seqlen, batch_size=min(8, a.nsamples), search=True,
-                       rotate="--rotate" in flags, awq="--awq" in flags).to_dict()
+        return predict(shape, flags[1], a.nsamples, a.seqlen, batch_size=max(1, min(8, a.nsamples)),
+                       search="--no-search" not in flags, rotate="--rotate" in flags, awq="--awq" in flags,
+                       lazy=not a.whole).to_dict()
     return predict(shape, method, a.nsamples, a.seqlen, batch_size=min(8, a.nsamples)).to_dict()
 
 
@@ -395,6 +409,9 @@ def main() -> None:
     p.add_argument("--keep-outputs", action="store_true", help="keep the written checkpoint (deleted by default)")
     p.add_argument("--variant", default="", help="a name for what differs from the plain row (kept beside it), e.g. "
                    "an allocator setting passed in the environment (MALLOC_* variables are recorded)")
+    p.add_argument("--whole", action="store_true",
+                   help="run the job without --offload-dir: the whole float model in memory (the path a block-by-block "
+                        "row replaces)")
     p.add_argument("--table", action="store_true")
     p.add_argument("--peer-python", default=None, help="an interpreter importing llm-compressor (methods: llmc)")
     p.add_argument("--peer-path", default=None,
