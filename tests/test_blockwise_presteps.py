@@ -153,8 +153,9 @@ def test_a_rotation_that_changes_the_function_is_refused_on_block_0(tmp_path, mo
 
 
 def test_a_bf16_checkpoint_rotated_block_by_block_keeps_its_head_narrow_until_the_end(tmp_path):
-    """From a bf16 checkpoint (tied): the embedding is widened and turned before the capture, the untied head stays a
-    bf16 copy through the walk and is turned after it; the result is the whole-model path's on the same values."""
+    """From a bf16 checkpoint (tied): the embedding is widened and turned before the capture and held in fp16 after it
+    (its final values), the untied head stays a bf16 copy through the walk and is turned (then held in fp16) after
+    it; the result is the whole-model path's on the same values."""
     from test_lazy import fresh_rotary
 
     m = tiny_model(layers=3)
@@ -171,5 +172,8 @@ def test_a_bf16_checkpoint_rotated_block_by_block_keeps_its_head_narrow_until_th
         b.register_forward_pre_hook(lambda *_: heads.append((lazy.model.embed_tokens.weight.dtype,
                                                              lazy.lm_head.weight.dtype)))
     quantize_model(lazy, plan, "rtn", {"search": True}, calib=c, progress=False, rotate=RotationSettings())
-    assert set(heads) == {(torch.float32, torch.bfloat16)}
+    captured = heads.index((torch.float16, torch.bfloat16))
+    assert captured and set(heads[:captured]) == {(torch.float32, torch.bfloat16)}  # the capture's batches
+    assert set(heads[captured:]) == {(torch.float16, torch.bfloat16)}  # the walk's forwards
+    assert lazy.model.embed_tokens.weight.dtype == lazy.lm_head.weight.dtype == torch.float16
     _same_model(ref, lazy)

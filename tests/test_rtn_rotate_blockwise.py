@@ -176,6 +176,17 @@ def test_the_library_path_holds_one_block_and_gives_the_whole_model_weights(tmp_
     assert a.keys() == b.keys() and all(torch.equal(a[k].float(), b[k].float()) for k in a)
     ids = torch.arange(24).reshape(2, 12)
     assert torch.equal(ref(ids).logits, lazy(ids).logits)
+    # the rotated tables hold their fp16 values in fp16 (half the float32 bytes), widened where they are used
+    assert lazy.model.embed_tokens.weight.dtype == lazy.lm_head.weight.dtype == torch.float16
+    assert ref.model.embed_tokens.weight.dtype == torch.float32
+    # keep16=False: the whole-model path keeps the rotated tables' float32 values, and so does the walk
+    ref = load_model(str(src)).model
+    quantize_model(ref, plan, "rtn", {"search": False}, rotate=rot, progress=False, keep16=False)
+    lazy = load_lazy(src)
+    quantize_model(lazy, plan, "rtn", {"search": False}, rotate=rot, progress=False, keep16=False)
+    assert lazy.model.embed_tokens.weight.dtype == lazy.lm_head.weight.dtype == torch.float32
+    a, b = ref.state_dict(), lazy.state_dict()
+    assert all(torch.equal(a[k].float(), b[k].float()) for k in a)
 
 
 def test_the_estimate_of_the_data_free_walk_and_its_refusal(tmp_path, capsys, folders, monkeypatch):

@@ -47,7 +47,7 @@ from lowbit.errors import ConfigError, ModelError
 from lowbit.formats.ranges import fit
 from lowbit.models.layers import block_path, decoder_blocks
 from lowbit.models.lazy import SOURCE_ATTR, fill
-from lowbit.models.narrow_tables import widen
+from lowbit.models.narrow_tables import keep_narrow, widen
 from lowbit.models.structure import block_layout, check_block_norms, residual_map
 from lowbit.nn.input_rotation import attach
 from lowbit.plans.plan import Plan
@@ -55,6 +55,7 @@ from lowbit.ptq.awq import AWQPass, AWQSettings
 from lowbit.ptq.blockwise import new_cache, run_block
 from lowbit.ptq.blockwise.loop import BlockPass, Walk
 from lowbit.ptq.rotation import (
+    _ROWS,
     Rotation,
     RotationSettings,
     _residual_info,
@@ -75,6 +76,8 @@ class PreSteps:
     """The pre-steps of a run on a lazily loaded model, applied per block (see the module doc).
 
     plan: the plan before the fit (what AWQ scores candidates with and the fit checks).
+    keep16: the run rounds the float tables to fp16 values after the method (`conductor.round_unquantized_to_half`):
+    the rotated ones are then narrowed to fp16 at the walk's end (`LazyRotation.narrow`).
     info: what the pre-steps did, filled as the walk goes (``rotation`` / ``awq`` keys, as `prepare_model`'s).
     """
 
@@ -82,6 +85,7 @@ class PreSteps:
     rotate: RotationSettings | None = None
     awq: AWQSettings | None = None
     fit: bool = True
+    keep16: bool = True
     info: dict[str, Any] = field(default_factory=dict, compare=False)
 
     def record(self) -> dict[str, Any]:
@@ -150,6 +154,40 @@ class LazyRotation:
             rotate_head(model, self.rmap, self.rot)
         self.seconds += time.perf_counter() - t0
 
+    def narrow(self, model: nn.Module, head: bool) -> list[str]:
+        """A rotated table that stays float takes now the fp16 values the run gives it at its end, stored in fp16 and
+        widened where it is used (`lowbit.models.narrow_tables`): the embedding once block 0's inputs are captured
+        (nothing in the walk reads it again), the lm_head (``head``) after the walk and the method, unless planned.
+        Returns their names.
+
+        Turned, they are float32 tables (the products are rounded once to float32, as on the whole model), which
+        the walk held whole and the end of the run copied whole: an abs-max and an fp16 copy to round them, the
+        checkpoint writer's fp16 copies and its file buffer beside both float32 tables (6.3 GiB at the 3B shape,
+        tied, against 4.0 for the walk: bigmodel_calib.md). Rounded here 8192 rows at a time to the values
+        `round_unquantized_to_half` gives (the same cast, under the same fp16-range condition, which then finds
+        nothing left to round), they hold half the bytes and the writer stores them as they are."""
+        done: list[str] = []
+        if self.rmap is None:
+            return done
+        for name in (self.rmap.head,) if head else (self.rmap.embed,):
+            mod = model.get_submodule(name)
+            w = mod.weight
+            if type(mod) not in (nn.Embedding, nn.Linear) or w.dtype != torch.float32 or w.device.type == "meta":
+                continue
+            rows = range(0, w.shape[0], _ROWS)
+            with torch.no_grad():
+                top = max((float(w[r: r + _ROWS].abs().amax()) for r in rows), default=0.0)
+                if not (w.numel() and top <= torch.finfo(torch.float16).max):
+                    continue  # beyond fp16's range: the whole-model path keeps such a table's values too
+                half = torch.empty(w.shape, dtype=torch.float16, device=w.device)
+                for r in rows:
+                    half[r: r + _ROWS] = w[r: r + _ROWS]
+            mod.weight = nn.Parameter(half, requires_grad=False)
+            del w
+            done.append(name)
+        keep_narrow(model, torch.float32)
+        return done
+
     def _check(self, before: nn.Module, after: nn.Module, x: torch.Tensor, kwargs: Mapping[str, Any]) -> float:
         turn = self.rot.rows if self.rot is not None else (lambda t: t)
         with torch.no_grad():
@@ -214,6 +252,8 @@ class PrepPass:
 
     def begin(self, walk: Walk, x: torch.Tensor) -> None:
         self.walk = walk
+        if self.rotation is not None and self.pre.keep16:  # captured: the embedding's fp16 values now (`narrow`)
+            self.rotation.narrow(self.model, head=False)
         self.probe = (x[:1].to(walk.device, walk.dtype).clone(), walk.kwargs) if self.rotation is not None else None
         if self.awq is not None:
             own = new_cache(tuple(x.shape), x.dtype, x.device, walk.device)
@@ -274,6 +314,8 @@ class PrepPass:
             prefix = block_path(self.model) + "."
             _check_fit(self.model, {n: n for n in self.pre.plan if not n.startswith(prefix)}, self.pre.plan)
         self.inner.end()
+        if self.rotation is not None and self.pre.keep16:  # the tables' fp16 values now, in fp16 (see `narrow`)
+            self.rotation.narrow(self.model, head=True)
         if self.rotation is not None:
             self.pre.info["rotation"] = {**self.rotation.info, "seconds": round(self.rotation.seconds, 3)}
         if self.awq is not None:

@@ -130,7 +130,7 @@ def conduct(model: nn.Module, plan: Plan, spec: PtqSpec, ctx: RunContext, phase:
         and spec.mixed is None
     pre = None
     if walks and spec.has_pre_steps and is_lazy(model):  # done to each block as the walk reads it (block_prep.py)
-        pre = PreSteps(plan, spec.rotate, spec.awq, fit=spec.fit)
+        pre = PreSteps(plan, spec.rotate, spec.awq, fit=spec.fit, keep16=spec.keep16)
         ctx = dataclasses.replace(ctx, pre=pre)
         prepared = pre.info  # filled by the walk
     else:

@@ -25,10 +25,12 @@ benchmarks/results/bigmodel_calib.md):
 
 RTN with calibration data (its importance search, static input scales) walks the blocks the
 same way (the float chain: two caches; its method state is one Linear's rounding). The
-pre-steps run per block on such a run (`lowbit.ptq.block_prep`): ``--rotate`` holds the
-embedding widened to float32 and the lm_head (a tied one untied: a table of its own) in the
-checkpoint's dtype while the blocks are turned as they are read, and widens and turns the
-head after the last block (``turn``: that, or a chunk of a table being turned); ``--awq`` adds its own chain of inputs (two more caches) and its
+pre-steps run per block on such a run (`lowbit.ptq.block_prep`): ``--rotate`` widens the
+embedding to float32 and turns it before the walk, then holds it in fp16 (the values the run
+ends with) and the lm_head (a tied one untied: a table of its own) in the checkpoint's dtype
+while the blocks are turned as they are read, and widens, turns and narrows the head after the
+last block (``turn``: a table in float32 beside its fp16 copy and the chunks being turned);
+``--awq`` adds its own chain of inputs (two more caches) and its
 search's state on the block (the float64 ``X^T X`` of the inputs of o_proj and down_proj, and
 the scaled, rounded copies of a group's weights), which is not held at once with the method's.
 RTN without data walks the blocks only with ``--rotate`` (`lowbit.ptq.blockwise.rounding`):
@@ -122,7 +124,7 @@ class Shape:
         return max(self.hidden, self.intermediate, self.heads * self.head_dim)
 
 
-WALK = ("block", "caches", "forward", "method")  # held while a block is worked on, gone when the output is written
+WALK = ("block", "caches", "forward", "method", "probe")  # held while a block is worked on, gone when the output is written
 APART = ("save", "turn")  # held at other times than the walk: writing the output, rotating the tables before it
 
 
@@ -183,13 +185,16 @@ def estimate(shape: Shape, method: str, nsamples: int, seqlen: int, *, lazy: boo
         parts["save"] = out_bytes
         return Estimate(parts, disk, flat=False)
     turn = 0
-    if rotate:  # the embedding widened to float32 and turned before the walk; the lm_head (a tied one untied into a
-        # copy) kept in the stored dtype through the walk, widened and turned after it
+    if rotate:  # the embedding widened to float32 and turned before the walk, held in fp16 once block 0's inputs are
+        # captured; the lm_head (a tied one untied into a copy) kept in the stored dtype through the walk, widened,
+        # turned and narrowed to fp16 after it (`lowbit.ptq.block_prep.LazyRotation.narrow`: the fp16 values the run
+        # ends with; a table beyond fp16's range would stay float32, 2 bytes per entry more than counted here)
         table = s.vocab * s.hidden
-        outside = table * 4 + table * (4 if lm_head else s.table_bytes) + 4 * s.hidden
-        # + block 0's copy for the probe that checks its rotation (at 3B without it the estimate was 0.05 % under
-        # the measured peak: bigmodel_calib.md)
-        turn = _turn(s) + (0 if lm_head else table * (4 - s.table_bytes)) + s.block_params * f32
+        outside = table * 2 + table * (4 if lm_head else s.table_bytes) + 4 * s.hidden
+        # apart from the walk: a table in float32 beside its fp16 copy or its stored one (the embedding before the
+        # walk, the head after it: 4 bytes per entry above the 2 held), or in float32 alone while its chunks are
+        # turned (measured at 3B: 3.39 GiB, this 3.40; bigmodel_calib.md)
+        turn = max(table * 4, table * 2 + _turn(s))
         s = dataclasses.replace(s, tied=False)
     else:
         outside = _outside_held(s, lm_head)
@@ -200,6 +205,7 @@ def estimate(shape: Shape, method: str, nsamples: int, seqlen: int, *, lazy: boo
         parts["method"] = max(parts["method"], _awq_state(s))
     if turn:
         parts["turn"] = turn
+        parts["probe"] = s.block_params * f32  # block 0's copy, for the probe that checks its rotation
     if evaluate:  # the quantized blocks stay in memory to be evaluated: a byte per weight (codes) plus scales
         parts["quantized"] = int(s.layers * s.block_params * 1.07)
         parts["save"] = out_bytes
