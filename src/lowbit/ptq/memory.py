@@ -124,7 +124,7 @@ class Shape:
         return max(self.hidden, self.intermediate, self.heads * self.head_dim)
 
 
-WALK = ("block", "caches", "forward", "method", "probe")  # held while a block is worked on, gone when the output is written
+WALK = ("block", "caches", "forward", "method")  # held while a block is worked on, gone when the output is written
 APART = ("save", "turn")  # held at other times than the walk: writing the output, rotating the tables before it
 
 
@@ -193,8 +193,9 @@ def estimate(shape: Shape, method: str, nsamples: int, seqlen: int, *, lazy: boo
         outside = table * 2 + table * (4 if lm_head else s.table_bytes) + 4 * s.hidden
         # apart from the walk: a table in float32 beside its fp16 copy or its stored one (the embedding before the
         # walk, the head after it: 4 bytes per entry above the 2 held), or in float32 alone while its chunks are
-        # turned (measured at 3B: 3.39 GiB, this 3.40; bigmodel_calib.md)
-        turn = max(table * 4, table * 2 + _turn(s))
+        # turned, with a float32 chunk of rows being folded or cast (measured at 3B: 3.41 GiB, without that chunk
+        # 3.40 was counted; bigmodel_calib.md)
+        turn = max(table * 4, table * 2 + _turn(s)) + _ROWS * s.hidden * 4
         s = dataclasses.replace(s, tied=False)
     else:
         outside = _outside_held(s, lm_head)
@@ -205,7 +206,6 @@ def estimate(shape: Shape, method: str, nsamples: int, seqlen: int, *, lazy: boo
         parts["method"] = max(parts["method"], _awq_state(s))
     if turn:
         parts["turn"] = turn
-        parts["probe"] = s.block_params * f32  # block 0's copy, for the probe that checks its rotation
     if evaluate:  # the quantized blocks stay in memory to be evaluated: a byte per weight (codes) plus scales
         parts["quantized"] = int(s.layers * s.block_params * 1.07)
         parts["save"] = out_bytes
@@ -239,10 +239,13 @@ def _block_parts(s: Shape, method: str, tokens: int, seqlen: int, search: bool, 
     return parts
 
 
+_ROWS = 8192  # rows of a table turned, folded or cast at a time (`lowbit.ptq.rotation`)
+
+
 def _turn(s: Shape) -> int:
     """Rotating the tables (`lowbit.ptq.rotation.rotate_tables`): a chunk of 8192 rows in float64, turned, and
     its float32 copy, ~4 float64 copies of the chunk at once (the Walsh-Hadamard steps')."""
-    return 8192 * s.hidden * 8 * 4
+    return _ROWS * s.hidden * 8 * 4
 
 
 def _awq_state(s: Shape) -> int:
