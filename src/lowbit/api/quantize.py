@@ -289,7 +289,7 @@ def memory_help() -> str:
             f"at 128 x 2048 calibration tokens: {memory.help_table()}. --rotate (the embedding widened to fp32 and turned "
             "before the walk, then held in fp16, the lm_head turned after the last block) and --awq (two more activation caches; its search holds 12 bytes x "
             "the widest Linear input^2 and a group's weights 4 times in fp32) run per block too, and so does --method "
-            "rtn with calibration data (2 caches, its widest Linear 6 times in fp32); --method rtn without data and with "
+            "rtn with calibration data (2 caches, its widest Linear 8 times in fp32); --method rtn without data and with "
             "--rotate / --rotate-online walks the blocks without caches (the tables, one block in fp32 and one "
             f"Linear's rounding: {memory.rotate_example()}; --stream, which does not rotate, holds about one tensor). Without "
             "--offload-dir (and with --avg-bits, or --method rtn without data nor rotation: --stream for that) the "

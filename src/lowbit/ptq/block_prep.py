@@ -76,7 +76,8 @@ class PreSteps:
 
     plan: the plan before the fit (what AWQ scores candidates with and the fit checks).
     keep16: the run rounds the float tables to fp16 values after the method (`conductor.round_unquantized_to_half`):
-    the rotated ones are then narrowed to fp16 at the walk's end (`LazyRotation.narrow`).
+    the rotated ones take those values in fp16 as soon as nothing reads them in float32 any more (the embedding once
+    block 0's inputs are captured, the lm_head after the walk: `LazyRotation.narrow`).
     info: what the pre-steps did, filled as the walk goes (``rotation`` / ``awq`` keys, as `prepare_model`'s).
     """
 

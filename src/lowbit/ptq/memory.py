@@ -219,9 +219,10 @@ def _block_parts(s: Shape, method: str, tokens: int, seqlen: int, search: bool, 
     f32 = 4
     caches = 1 + int(TRACKS_FP.get(method, False) or search)
     parts = {"caches": caches * tokens * s.hidden * f32, "forward": _forward(s, seqlen)}
-    if method == "rtn":  # one Linear rounded at a time: its weights, the search's candidates and the codes (6 fp32
-        # copies of the widest: 4 were 6 % under the measured 1.1B peak, bigmodel_calib.md)
-        parts["method"] = 6 * s.intermediate * s.experts * s.hidden * f32
+    if method == "rtn":  # one Linear rounded at a time: its weights, the search's candidates and the codes (8 fp32
+        # copies of the widest: 4 were 6 % under the measured 1.1B peak; 6 were 4.6 % under the 8B data-free rotated
+        # row, whose high-water mark crept up 6 % over 32 blocks with the free chunks glibc keeps, bigmodel_calib.md)
+        parts["method"] = 8 * s.intermediate * s.experts * s.hidden * f32
     elif method == "gptq":
         # the widest input's Hessian: summed in float64 beside one batch's float32 product (12 bytes per entry),
         # then held in float32 while its factor is built in place beside it (at most 3 more float32 copies:
