@@ -104,6 +104,10 @@ class QuantizeJob:
             why = _kv_refusal(self, self.export_to)
             if why is not None:
                 raise ConfigError(f"--export-to {self.export_to}: {why}")
+        if self.mixed is not None and self.loads_lazily and (self.rotate is not None or self.awq is not None):
+            from lowbit.ptq.conductor import MIXED_PRE_STEPS
+
+            raise ConfigError(MIXED_PRE_STEPS)
         if self.kv_scheme is not None and self.loads_lazily:
             raise ConfigError("--kv calibrates and checks the KV cache on the whole model, which --offload-dir does "
                               "not hold in memory; drop --offload-dir (or --kv)")
@@ -161,9 +165,9 @@ class QuantizeJob:
     @property
     def loads_lazily(self) -> bool:
         """A run on the block-wise engine with --offload-dir reads blocks from disk (the pre-steps --rotate / --awq
-        per block as they are read, `lowbit.ptq.block_prep`); mixed precision needs the whole model."""
-        return (self.offload_dir is not None and walks_blocks(self.method, self.needs_calib)
-                and self.mixed is None)
+        per block as they are read, `lowbit.ptq.block_prep`; mixed precision's DeltaLoss passes block by block,
+        `lowbit.ptq.streamed_deltaloss`)."""
+        return self.offload_dir is not None and walks_blocks(self.method, self.needs_calib)
 
     @property
     def releases_blocks(self) -> bool:
@@ -264,7 +268,15 @@ def job_estimate(job: QuantizeJob) -> Estimate | None:
     return memory.estimate(shape, job.method, *tokens, lazy=job.loads_lazily,
                            search=bool(getattr(job.settings, "search", False)), evaluate=not job.releases_blocks,
                            batch_size=getattr(job.settings, "batch_size", 8) or 8, lm_head=job.lm_head,
-                           weight_bits=bits, rotate=job.rotate is not None, awq=job.awq is not None)
+                           weight_bits=bits, rotate=job.rotate is not None, awq=job.awq is not None,
+                           deltaloss=_deltaloss_tokens(job))
+
+
+def _deltaloss_tokens(job: QuantizeJob) -> tuple[int, int, bool] | None:
+    """(samples, seqlen, lm_head planned) of mixed precision's DeltaLoss passes on a lazily loaded model."""
+    if job.mixed is None or not job.loads_lazily:
+        return None
+    return min(job.mixed.nsamples, job.calib.nsamples), job.calib.seqlen, job.lm_head
 
 
 def memory_help() -> str:
@@ -277,9 +289,12 @@ def memory_help() -> str:
             f"at 128 x 2048 calibration tokens: {memory.help_table()}. --rotate (the embedding widened to fp32, the "
             "lm_head turned after the last block) and --awq (two more activation caches; its search holds 12 bytes x "
             "the widest Linear input^2 and a group's weights 4 times in fp32) run per block too, and so does --method "
-            "rtn with calibration data (2 caches, its widest Linear 6 times in fp32). Without --offload-dir (and with "
-            "--avg-bits, or --method rtn without data: --stream for that) the whole float model is loaded (4 bytes "
-            "per weight). The run is "
+            "rtn with calibration data (2 caches, its widest Linear 6 times in fp32). --avg-bits scores its options "
+            "block by block before the walk: one block's weights 4 times in fp32, a chunk of 4 samples' backward "
+            "through it and through the lm_head (3 x 4 x seqlen x vocab x 4 bytes of logits), and (layers + 2) "
+            "activation caches of min(--nsamples, 16) samples, on disk in --offload-dir when they do not "
+            "fit. Without --offload-dir (or with --method rtn without data: --stream for that) the whole float model "
+            "is loaded (4 bytes per weight). The run is "
             "refused before loading, with these numbers, when free memory (MemAvailable) or the disk of --out / "
             "--offload-dir cannot hold it")
 
@@ -288,8 +303,6 @@ def _whole_by(job: QuantizeJob) -> str | None:
     """The flag that loads the whole model although --offload-dir asks for one block at a time."""
     if job.offload_dir is None or job.loads_lazily:
         return None
-    if job.mixed is not None:
-        return "--avg-bits"
     return f"--method {job.method}"
 
 
@@ -423,7 +436,8 @@ class _Run:
         from lowbit.models.placement import check_fits, model_bytes
 
         job, model = self.job, self.lm.model
-        whole = job.evaluation is not None or not walks_blocks(job.method, job.needs_calib) or job.mixed is not None
+        whole = (job.evaluation is not None or not walks_blocks(job.method, job.needs_calib)
+                 or (job.mixed is not None and not job.loads_lazily))
         if not whole or self.device is None:
             return
         if is_lazy(model):
