@@ -229,3 +229,56 @@ def test_job_refusals_and_memory_estimate(tmp_path, tiny_hf_dir):
     scoring = est.parts["deltaloss"] + est.parts["deltaloss_caches"]
     rest = sum(v for k, v in est.parts.items() if k not in (*memory.WALK, *memory.APART, *memory.DELTALOSS))
     assert est.peak == rest + max(walk, scoring, *(est.parts.get(k, 0) for k in memory.APART))
+
+
+def _cli(capsys, *argv):
+    from lowbit.cli import main
+
+    code = main(["quantize", *argv, "--json"])
+    captured = capsys.readouterr()
+    assert code == 0, captured.err
+    return json.loads(captured.out.strip().splitlines()[-1])
+
+
+def _tensors(folder):
+    from safetensors.torch import load_file
+
+    out = {}
+    for f in sorted(folder.glob("*.safetensors")):
+        out |= load_file(str(f))
+    return out
+
+
+def test_cli_avg_bits_with_offload_dir_writes_the_in_memory_checkpoint_and_resumes(tmp_path, capsys, tiny_hf_dir,
+                                                                                   monkeypatch):
+    """`lowbit quantize --avg-bits --offload-dir`: DeltaLoss block by block, the plan and the checkpoint of the run
+    without --offload-dir (dtype auto, as a user runs it); killed after its first option, the rerun scores the
+    second only and writes the same checkpoint."""
+    from lowbit.cli import main
+
+    common = [str(tiny_hf_dir), "--method", "gptq", "--no-search", "--avg-bits", "3", "--options", "w2g32,w4g32",
+              "--nsamples", "4", "--seqlen", "32", "--no-eval"]
+    mem = _cli(capsys, *common, "--out", str(tmp_path / "mem"))
+    real = sd._Passes.score
+    scored = []
+
+    def killed_after_first(self, recipe, amax):
+        if scored:
+            raise KeyboardInterrupt
+        scored.append(recipe.name)
+        return real(self, recipe, amax)
+
+    monkeypatch.setattr(sd._Passes, "score", killed_after_first)
+    lazy = [*common, "--offload-dir", str(tmp_path / "off"), "--out", str(tmp_path / "lazy")]
+    assert main(["quantize", *lazy]) == 130
+    assert not (tmp_path / "lazy").exists()
+    assert [p.name for p in (tmp_path / "off" / sd.SUBDIR).iterdir()] == [f"scores_{scored[0]}.json"]
+    again = []
+    monkeypatch.setattr(sd._Passes, "score", lambda self, r, amax: again.append(r.name) or real(self, r, amax))
+    got = _cli(capsys, *lazy)
+    assert again == [n for n in ("w2g32", "w4g32") if n != scored[0]]
+    assert got["scheme"] == mem["scheme"] and got["bits_per_weight"] == mem["bits_per_weight"]
+    assert (tmp_path / "lazy" / "plan.json").read_text() == (tmp_path / "mem" / "plan.json").read_text()
+    a, b = _tensors(tmp_path / "mem"), _tensors(tmp_path / "lazy")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert {"deltaloss", "deltaloss_caches"} <= set(got["memory_estimate"]["parts"])
