@@ -266,7 +266,8 @@ class _Passes:
             self._release(block, loaded, {}, WeightTensors({}, {}))
         if self.head_planned:
             head = self.model.get_submodule(self.head)
-            with torch.no_grad(), activation_stats({self.head: head}, ("absmax",)) as st:
+            with torch.no_grad(), _on(self.device, self.norm, head), \
+                    activation_stats({self.head: head}, ("absmax",)) as st:
                 for c in self._chunks():
                     head(self.norm(h[c].to(self.device)))
             out[self.head] = st.result("absmax")[self.head].amax()
@@ -281,8 +282,8 @@ class _Passes:
                   disable=not self.progress) as bar:
             xs = self._forward(recipe, amax, bar)
             g = self._head(xs[nblocks], recipe, amax, weight_term)
-            scores = g.scores
-            grad = g.grad
+            xs[nblocks] = None  # type: ignore[call-overload]
+            scores, grad = g.scores, g.grad
             bar.update()
             for i in reversed(range(nblocks)):
                 scores |= self._backward(i, xs[i], grad, recipe, amax, weight_term)
@@ -318,14 +319,20 @@ class _Passes:
 
     def _head(self, h: torch.Tensor, recipe: Recipe, amax: dict[str, torch.Tensor], weight_term: bool
               ) -> _HeadResult:
-        """The final norm, the lm_head and the loss on each chunk; the gradient at the last block's output."""
+        """The final norm, the lm_head and the loss on each chunk (on the compute device for the duration, as the
+        whole-model path has them); the gradient at the last block's output."""
+        head = self.model.get_submodule(self.head)
+        with _on(self.device, self.norm, head):
+            return self._head_on(h, head, recipe, amax, weight_term)
+
+    def _head_on(self, h: torch.Tensor, head: nn.Module, recipe: Recipe, amax: dict[str, torch.Tensor],
+                 weight_term: bool) -> _HeadResult:
         model = self.model
-        head = model.get_submodule(self.head)
         grad = new_cache(tuple(h.shape), h.dtype, torch.device("cpu"), self.device)
         tensors, originals = (self._quantized(model, [self.head], recipe) if self.head_planned
                               else (WeightTensors({}, {}), {}))
         acts = {n: torch.zeros((), dtype=torch.float64) for n in tensors.weights}
-        handles = self._hooks(model, tensors, recipe, amax, acts)
+        handles = self._hooks(model, tensors, recipe, {n: a.to(self.device) for n, a in amax.items()}, acts)
         for w in tensors.weights.values():
             w.requires_grad_(weight_term)
             w.grad = None
@@ -421,6 +428,25 @@ def _final_norm(model: nn.Module) -> nn.Module:
         raise ConfigError(f"{type(model).__name__}'s decoder has no final norm named 'norm' between its blocks and "
                           f"the lm_head; block-by-block DeltaLoss runs only that head; {FIX}")
     return norm
+
+
+class _on:
+    """``modules`` on ``device`` for the body (the head's modules, which a lazily loaded model keeps on the CPU),
+    back where they were after; nothing to do on the CPU."""
+
+    def __init__(self, device: torch.device, *modules: nn.Module) -> None:
+        self.device, self.modules = device, modules
+        self.homes: list[torch.device] = []
+
+    def __enter__(self) -> None:
+        for m in self.modules:
+            p = next(iter([*m.parameters(), *m.buffers()]), None)
+            self.homes.append(p.device if p is not None else self.device)
+            m.to(self.device)
+
+    def __exit__(self, *exc: object) -> None:
+        for m, home in zip(self.modules, self.homes, strict=True):
+            m.to(home)
 
 
 def _state(module: nn.Module) -> dict[str, torch.Tensor]:
