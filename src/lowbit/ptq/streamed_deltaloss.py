@@ -129,7 +129,7 @@ def streamed_delta_loss(model: nn.Module, layers: Iterable[str], schemes: Sequen
     names = list(layers)
     check_streamable(model, names)
     recipes = list(dict.fromkeys(Recipe.parse(s) for s in schemes))
-    store = _Store(folder, _record(model, names, recipes, batches, mode, batch_size, dtype))
+    store = _Store(folder, _record(model, names, recipes, batches, mode, batch_size, dtype, device))
     out = {r.name: s for r in recipes if (s := store.load(r.name, names)) is not None}
     todo = [r for r in recipes if r.name not in out]
     if not todo:
@@ -187,10 +187,10 @@ class _Passes:
         if is_lazy(self.model):
             loaded = {n: t.requires_grad for n, t in _state(block).items() if t.device.type == "meta"}
             load_block(self.model, f"{self.prefix}.{i}", block, self.device)
+            state = _state(block)
             for n in loaded:
-                t = _state(block)[n]
-                if isinstance(t, nn.Parameter):
-                    t.requires_grad_(False)
+                if isinstance(state[n], nn.Parameter):
+                    state[n].requires_grad_(False)
         return block, loaded
 
     def _release(self, block: nn.Module, loaded: dict[str, bool], originals: dict[str, torch.Tensor],
@@ -457,10 +457,12 @@ def _state(module: nn.Module) -> dict[str, torch.Tensor]:
 
 # ------------------------------------------------------------------------------------ resume
 def _record(model: nn.Module, names: list[str], recipes: list[Recipe], batches: torch.Tensor, mode: str,
-            batch_size: int, dtype: str) -> dict[str, Any]:
-    """Everything an option's scores depend on besides the option (weight_term: whether all options keep it)."""
+            batch_size: int, dtype: str, device: torch.device | None) -> dict[str, Any]:
+    """Everything an option's scores depend on besides the option (weight_term: whether all options keep it; the
+    device type: another kernel's rounding)."""
     source = getattr(model, SOURCE_ATTR, None)
     return {"source": str(getattr(source, "folder", type(model).__name__)), "layers": names, "mode": mode,
+            "device": (device or torch.device("cpu")).type,
             "batch_size": batch_size, "dtype": dtype, "weight_term": any(r.input is None for r in recipes),
             "calib_sha256": hashlib.sha256(batches.to(torch.int64).contiguous().numpy().tobytes()).hexdigest(),
             "calib_shape": list(batches.shape)}
