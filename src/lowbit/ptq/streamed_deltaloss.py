@@ -33,9 +33,11 @@ forward pass, before any option.
 Memory: one block (its float weights, their quantized copy and gradients), one chunk's
 backward through it, the stored block inputs (``layers + 1`` caches of ``nsamples x seqlen x
 hidden``; files in the offload folder when they do not fit, `lowbit.ptq.blockwise.cache`)
-and one gradient cache. Each option's scores go to ``FOLDER/deltaloss/`` as they are
-finished, with a record of everything that determines them, so a killed run does not score a
-finished option again (a record that differs is ignored and the option scored anew).
+and one gradient cache; as in the walk, the allocator's freed pages are handed back after each
+block and large tensors are mapped apart (`lowbit.ptq.blockwise.release`). Each option's scores
+go to ``FOLDER/deltaloss/`` as they are finished, with a record of everything that determines
+them, so a killed run does not score a finished option again (a record that differs is ignored
+and the option scored anew).
 
 What it cannot do is refused before any work (`check_streamable`): the router's auxiliary loss
 in the training loss (``output_router_logits``), a model whose head is not norm -> lm_head
@@ -65,6 +67,7 @@ from lowbit.models.lazy import SOURCE_ATTR, is_lazy, load_block
 from lowbit.models.narrow_tables import widen
 from lowbit.ptq.blockwise.cache import disk_caches, new_cache
 from lowbit.ptq.blockwise.capture import capture_inputs
+from lowbit.ptq.blockwise.release import give_back_free_memory, steady_allocator
 from lowbit.ptq.expert_calib import MIN_TOKENS, expert_stats
 from lowbit.ptq.expert_calib import input_amax as expert_input_amax
 from lowbit.ptq.sensitivity import (
@@ -175,6 +178,8 @@ class _Passes:
         if self.head_planned:  # quantized and scored in float32, as the whole-model path (which widens it) does
             widen(model.get_submodule(self.head))
         blocks = self.blocks
+        if is_lazy(model):  # one block's peak, not a heap fragmented by every block before it (`blockwise.release`)
+            steady_allocator()
         # the inputs of block 0 for every sample, captured once (only the embeddings run); every pass starts there
         self.x0, self.kwargs = capture_inputs(model, blocks[0], batches, self.device, where=torch.device("cpu"))
 
@@ -195,7 +200,8 @@ class _Passes:
 
     def _release(self, block: nn.Module, loaded: dict[str, bool], originals: dict[str, torch.Tensor],
                  tensors: WeightTensors) -> None:
-        """Back as before: the tensors read from the checkpoint to meta again, the others' float values restored."""
+        """Back as before: the tensors read from the checkpoint to meta again, the others' float values restored;
+        the allocator's freed pages handed back (as the walk does after each block: `blockwise.release`)."""
         with torch.no_grad():
             for n, w in tensors.weights.items():
                 w.grad = None
@@ -210,6 +216,7 @@ class _Passes:
                 mod._parameters[leaf] = nn.Parameter(meta, requires_grad=flag)
             else:
                 mod._buffers[leaf] = meta
+        give_back_free_memory()
 
     def _quantized(self, root: nn.Module, rel: list[str], recipe: Recipe
                    ) -> tuple[WeightTensors, dict[str, torch.Tensor]]:
@@ -323,7 +330,9 @@ class _Passes:
         whole-model path has them); the gradient at the last block's output."""
         head = self.model.get_submodule(self.head)
         with _on(self.device, self.norm, head):
-            return self._head_on(h, head, recipe, amax, weight_term)
+            out = self._head_on(h, head, recipe, amax, weight_term)
+        give_back_free_memory()  # the chunks' logits
+        return out
 
     def _head_on(self, h: torch.Tensor, head: nn.Module, recipe: Recipe, amax: dict[str, torch.Tensor],
                  weight_term: bool) -> _HeadResult:
