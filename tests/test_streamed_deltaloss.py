@@ -229,6 +229,11 @@ def test_job_refusals_and_memory_estimate(tmp_path, tiny_hf_dir):
     scoring = est.parts["deltaloss"] + est.parts["deltaloss_caches"]
     rest = sum(v for k, v in est.parts.items() if k not in (*memory.WALK, *memory.APART, *memory.DELTALOSS))
     assert est.peak == rest + max(walk, scoring, *(est.parts.get(k, 0) for k in memory.APART))
+    # without --offload-dir DeltaLoss back-propagates the whole model: its originals, gradients and autocast copies
+    whole = job_estimate(QuantizeJob(**{**common, "offload_dir": None}))
+    planned = cfg["num_hidden_layers"] * memory.Shape.from_config(cfg).block_params
+    assert whole is not None and "deltaloss_caches" not in whole.parts and whole.parts["deltaloss"] > 12 * planned
+    assert whole.peak > whole.parts["whole"] + whole.parts["deltaloss"]
 
 
 def _cli(capsys, *argv):

@@ -273,8 +273,9 @@ def job_estimate(job: QuantizeJob) -> Estimate | None:
 
 
 def _deltaloss_tokens(job: QuantizeJob) -> tuple[int, int, bool] | None:
-    """(samples, seqlen, lm_head planned) of mixed precision's DeltaLoss passes on a lazily loaded model."""
-    if job.mixed is None or not job.loads_lazily:
+    """(samples, seqlen, lm_head planned) of mixed precision's DeltaLoss passes (block by block on a lazily loaded
+    model, else on the whole model)."""
+    if job.mixed is None:
         return None
     return min(job.mixed.nsamples, job.calib.nsamples), job.calib.seqlen, job.lm_head
 
@@ -294,7 +295,8 @@ def memory_help() -> str:
             "through it and through the lm_head (3 x 4 x seqlen x vocab x 4 bytes of logits), and (layers + 2) "
             "activation caches of min(--nsamples, 16) samples, on disk in --offload-dir when they do not "
             "fit. Without --offload-dir (or with --method rtn without data: --stream for that) the whole float model "
-            "is loaded (4 bytes per weight). The run is "
+            "is loaded (4 bytes per weight; --avg-bits then back-propagates all of it: 12 bytes more per planned "
+            "weight, every block's activations of 4 samples and the logits). The run is "
             "refused before loading, with these numbers, when free memory (MemAvailable) or the disk of --out / "
             "--offload-dir cannot hold it")
 

@@ -169,7 +169,8 @@ def estimate(shape: Shape, method: str, nsamples: int, seqlen: int, *, lazy: boo
     loaded. search: GPTQ's importance-weighted scale search (another cache for the float
     chain's statistics). evaluate: perplexity passes (the quantized model held whole).
     rotate / awq: the pre-steps (per block on a lazy run, see the module doc). deltaloss: (samples, seqlen,
-    lm_head planned) of --avg-bits' DeltaLoss passes, block by block on a lazy run (`_deltaloss_parts`).
+    lm_head planned) of --avg-bits' DeltaLoss passes, block by block on a lazy run (`_deltaloss_parts`), else on
+    the whole model (`_deltaloss_whole`).
     """
     f32 = 4
     s = shape
@@ -183,6 +184,8 @@ def estimate(shape: Shape, method: str, nsamples: int, seqlen: int, *, lazy: boo
             parts |= _block_parts(s, method, tokens, seqlen, search, batch_size)
         elif nsamples:  # RTN's importance: the sums of squares of every Linear input
             parts["forward"] = _forward(s, seqlen)
+        if deltaloss is not None:  # --avg-bits on the model in memory: DeltaLoss back-propagates all of it
+            parts["deltaloss"] = _deltaloss_whole(s, *deltaloss)
         parts["save"] = out_bytes
         return Estimate(parts, disk, flat=False)
     turn = 0
@@ -252,6 +255,19 @@ def _deltaloss_parts(s: Shape, nsamples: int, seqlen: int, lm_head: bool) -> dic
     block = 4 * s.block_params * f32 + backward
     head = 3 * chunk * seqlen * s.vocab * f32 + (3 * s.vocab * s.hidden * f32 if lm_head else 0)
     return {"deltaloss": max(block, head), "deltaloss_caches": (s.layers + 2) * nsamples * seqlen * s.hidden * f32}
+
+
+def _deltaloss_whole(s: Shape, nsamples: int, seqlen: int, lm_head: bool) -> int:
+    """--avg-bits' DeltaLoss on the whole model in memory (`lowbit.ptq.sensitivity.delta_loss`), beside the float
+    model: every planned weight's original and gradient in float32 and its bf16 copy under autocast, with 2 bytes
+    more for the quantized and scored temporaries and the allocator's slack (12 bytes per weight: 10 were 2 % under
+    the measured peak at the 1.1B width, 4 blocks; this phase was not estimated at all before, 53 % under:
+    bigmodel_calib.md), every block's saved activations of a chunk of 4 samples at once, and the head's logits."""
+    f32, chunk = 4, 4
+    planned = s.layers * s.block_params + (s.vocab * s.hidden if lm_head else 0)
+    attention = 2 * s.heads * s.head_dim + 2 * s.kv_heads * s.head_dim
+    saved = s.layers * chunk * seqlen * (3 * s.intermediate * min(s.experts, 2) + 6 * s.hidden + attention) * f32
+    return 12 * planned + saved + 3 * chunk * seqlen * s.vocab * f32
 
 
 def _turn(s: Shape) -> int:
