@@ -157,6 +157,19 @@ def child_main(argv: list[str]) -> int:
         log.flush()
         return out
 
+    from lowbit.ptq import conductor
+
+    scored = conductor.mixed_plan
+
+    def scoring(*args, **kwargs):  # --avg-bits: the DeltaLoss passes and the knapsack, one record before the walk
+        out = scored(*args, **kwargs)
+        now, cpu = time.perf_counter(), _cpu()
+        log.write(json.dumps({"phase": "mixed_plan", "s": now - last[0], "cpu_s": cpu - last[1], **_status()}) + "\n")
+        log.flush()
+        last[:] = [now, cpu]
+        return out
+
+    conductor.mixed_plan = scoring
     tune.TunePass.finish = rounding.RoundPass.finish = timed
     loop.give_back_free_memory = released
     layers, gptq.gptq_layers = gptq.gptq_layers, grouped
@@ -177,6 +190,8 @@ def method_args(method: str, iters: int) -> list[str]:
         return ["--method", "signround2", "--iters", str(iters)]
     if method in PRE_STEP_ROWS:
         return PRE_STEP_ROWS[method]
+    if method in MIXED_ROWS:
+        return MIXED_ROWS[method]
     raise SystemExit(f"unknown method {method}")
 
 
@@ -185,6 +200,10 @@ def method_args(method: str, iters: int) -> list[str]:
 PRE_STEP_ROWS = {"rtn": ["--method", "rtn"], "awq": ["--method", "rtn", "--awq"],
                  "rotate": ["--method", "rtn", "--rotate"], "rotate-nodata": ["--method", "rtn", "--no-search", "--rotate"]}
 DATA_FREE = ("rotate-nodata",)  # rows that read no calibration data (nsamples / seqlen recorded as 0)
+# --avg-bits on the lazily loaded model (issue 35): DeltaLoss block by block over two options, then RTN with its
+# importance search applies the plan block by block; the child logs the DeltaLoss phase apart (``phase`` records)
+MIXED_ROWS = {"mixed": ["--method", "rtn", "--avg-bits", "3", "--options", "w2g128,w4g128"]}
+MIXED_NSAMPLES = 16  # MixedSettings.nsamples: DeltaLoss scores on the first 16 calibration samples at most
 
 
 def run_lowbit(shape: str, method: str, a: argparse.Namespace) -> dict:
@@ -199,7 +218,8 @@ def run_lowbit(shape: str, method: str, a: argparse.Namespace) -> dict:
     blog.parent.mkdir(parents=True, exist_ok=True)
     blog.unlink(missing_ok=True)
     calib = ["--nsamples", str(a.nsamples), "--seqlen", str(a.seqlen)] if method not in DATA_FREE else []
-    args = [str(src), *method_args(method, a.iters), "--scheme", "w4g128", *calib,
+    scheme = [] if method in MIXED_ROWS else ["--scheme", "w4g128"]
+    args = [str(src), *method_args(method, a.iters), *scheme, *calib,
             *([] if a.whole else ["--offload-dir", str(off)]), "--no-eval", "--out", str(out), "--json",
             "--threads", str(a.threads)]
     env = {**os.environ, "BLOCK_LOG": str(blog), "STOP_AFTER": str(a.blocks or 0)}
@@ -207,6 +227,7 @@ def run_lowbit(shape: str, method: str, a: argparse.Namespace) -> dict:
     code, wall, cpu, peak = child(cmd, WORK / "logs" / f"{tag}.log", env)
     lines = [json.loads(x) for x in blog.read_text().splitlines()] if blog.is_file() else []
     blocks, groups = [x for x in lines if "block" in x], [x for x in lines if "group" in x]
+    phases = [x for x in lines if "phase" in x]
     ok = code == 0 or (a.blocks and code == 3)
     row = {"shape": shape, "method": method, "tool": "lowbit", "nsamples": a.nsamples, "seqlen": a.seqlen,
            "iters": a.iters if method == "signround2" else None, "blocks_run": len(blocks) - 1,
@@ -215,6 +236,8 @@ def run_lowbit(shape: str, method: str, a: argparse.Namespace) -> dict:
            "per_group": groups, "threads": a.threads,
            "estimate": estimate(src, method, a), "commit": _commit()}
     row |= flatness(blocks[1:])
+    if phases:  # the DeltaLoss phase of a mixed row: its seconds and the high-water mark when it ended
+        row["phases"] = phases
     if a.variant:  # e.g. an allocator setting from the environment: kept beside the plain row (save_row's key)
         row["variant"] = a.variant
         row["env"] = {k: v for k, v in os.environ.items() if k.startswith("MALLOC_")}
@@ -251,6 +274,9 @@ def estimate(src: Path, method: str, a: argparse.Namespace) -> dict:
     from lowbit.ptq.memory import estimate as predict
 
     shape = Shape.from_config(with_stored_dtype(json.loads((src / "config.json").read_text()), src))
+    if method in MIXED_ROWS:
+        return predict(shape, "rtn", a.nsamples, a.seqlen, batch_size=min(8, a.nsamples), search=True,
+                       deltaloss=(min(MIXED_NSAMPLES, a.nsamples), a.seqlen, False)).to_dict()
     flags = PRE_STEP_ROWS.get(method)
     if flags is not None:
         return predict(shape, flags[1], a.nsamples, a.seqlen, batch_size=max(1, min(8, a.nsamples)),

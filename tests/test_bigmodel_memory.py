@@ -273,14 +273,13 @@ def test_a_run_the_machine_cannot_hold_is_refused_before_loading(tmp_path, capsy
 
 
 def test_the_refusal_names_the_flag_that_loads_the_whole_model(tmp_path, capsys, tiny_hf_dir, monkeypatch):
-    """--avg-bits (DeltaLoss sensitivities and the knapsack) still needs the whole float model: named in the
-    refusal. --awq and --rotate no longer do (they run per block): their refusal is the block-wise one."""
+    """--awq, --rotate and --avg-bits (its DeltaLoss passes block by block, `lowbit.ptq.streamed_deltaloss`) no
+    longer need the whole float model: their refusal is the block-wise one, with the numbers."""
     monkeypatch.setattr("lowbit.ptq.memory.mem_available", lambda: 1 << 20)
     common = ["quantize", str(tiny_hf_dir), "--nsamples", "4", "--seqlen", "32", "--no-eval", "--offload-dir",
               str(tmp_path / "off"), "--out", str(tmp_path / "q")]
-    assert main([*common, "--method", "gptq", "--avg-bits", "4", "--options", "w4g32,w8"]) == 2
-    assert "--avg-bits needs the whole float model in memory" in capsys.readouterr().err
-    for flags in (["--method", "gptq", "--awq"], ["--method", "rtn", "--rotate"]):
+    for flags in (["--method", "gptq", "--awq"], ["--method", "rtn", "--rotate"],
+                  ["--method", "gptq", "--avg-bits", "4", "--options", "w4g32,w8"]):
         assert main([*common, *flags]) == 2
         err = capsys.readouterr().err
         assert "of memory and 0.0 GiB is available" in err and "whole float model" not in err, flags

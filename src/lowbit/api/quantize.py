@@ -104,6 +104,10 @@ class QuantizeJob:
             why = _kv_refusal(self, self.export_to)
             if why is not None:
                 raise ConfigError(f"--export-to {self.export_to}: {why}")
+        if self.mixed is not None and self.loads_lazily and (self.rotate is not None or self.awq is not None):
+            from lowbit.ptq.conductor import MIXED_PRE_STEPS
+
+            raise ConfigError(MIXED_PRE_STEPS)
         if self.kv_scheme is not None and self.loads_lazily:
             raise ConfigError("--kv calibrates and checks the KV cache on the whole model, which --offload-dir does "
                               "not hold in memory; drop --offload-dir (or --kv)")
@@ -172,10 +176,9 @@ class QuantizeJob:
     @property
     def loads_lazily(self) -> bool:
         """A run on the block-wise engine with --offload-dir reads blocks from disk (the pre-steps --rotate / --awq
-        per block as they are read, `lowbit.ptq.block_prep`; RTN without data walks them only to rotate them);
-        mixed precision needs the whole model."""
-        return (self.offload_dir is not None and walks_blocks(self.method, self.needs_calib, self.rotate is not None)
-                and self.mixed is None)
+        per block as they are read, `lowbit.ptq.block_prep`; RTN without data walks them only to rotate them;
+        mixed precision's DeltaLoss passes block by block, `lowbit.ptq.streamed_deltaloss`)."""
+        return self.offload_dir is not None and walks_blocks(self.method, self.needs_calib, self.rotate is not None)
 
     @property
     def releases_blocks(self) -> bool:
@@ -276,7 +279,16 @@ def job_estimate(job: QuantizeJob) -> Estimate | None:
     return memory.estimate(shape, job.method, *tokens, lazy=job.loads_lazily,
                            search=bool(getattr(job.settings, "search", False)), evaluate=not job.releases_blocks,
                            batch_size=getattr(job.settings, "batch_size", 8) or 8, lm_head=job.lm_head,
-                           weight_bits=bits, rotate=job.rotate is not None, awq=job.awq is not None)
+                           weight_bits=bits, rotate=job.rotate is not None, awq=job.awq is not None,
+                           deltaloss=_deltaloss_tokens(job))
+
+
+def _deltaloss_tokens(job: QuantizeJob) -> tuple[int, int, bool] | None:
+    """(samples, seqlen, lm_head planned) of mixed precision's DeltaLoss passes (block by block on a lazily loaded
+    model, else on the whole model)."""
+    if job.mixed is None:
+        return None
+    return min(job.mixed.nsamples, job.calib.nsamples), job.calib.seqlen, job.lm_head
 
 
 def memory_help() -> str:
@@ -291,9 +303,14 @@ def memory_help() -> str:
             "the widest Linear input^2 and a group's weights 4 times in fp32) run per block too, and so does --method "
             "rtn with calibration data (2 caches, its widest Linear 8 times in fp32); --method rtn without data and with "
             "--rotate / --rotate-online walks the blocks without caches (the tables, one block in fp32 and one "
-            f"Linear's rounding: {memory.rotate_example()}; --stream, which does not rotate, holds about one tensor). Without "
-            "--offload-dir (and with --avg-bits, or --method rtn without data nor rotation: --stream for that) the "
-            "whole float model is loaded (4 bytes per weight). The run is "
+            f"Linear's rounding: {memory.rotate_example()}; --stream, which does not rotate, holds about one tensor). "
+            "--avg-bits scores its options "
+            "block by block before the walk: one block's weights 4 times in fp32, a chunk of 4 samples' backward "
+            "through it and through the lm_head (3 x 4 x seqlen x vocab x 4 bytes of logits), and (layers + 2) "
+            "activation caches of min(--nsamples, 16) samples, on disk in --offload-dir when they do not "
+            "fit. Without --offload-dir (or with --method rtn without data nor rotation: --stream for that) the whole "
+            "float model is loaded (4 bytes per weight; --avg-bits then back-propagates all of it: 12 bytes more per "
+            "planned weight, every block's activations of 4 samples and the logits). The run is "
             "refused before loading, with these numbers, when free memory (MemAvailable) or the disk of --out / "
             "--offload-dir cannot hold it")
 
@@ -302,8 +319,6 @@ def _whole_by(job: QuantizeJob) -> str | None:
     """The flag that loads the whole model although --offload-dir asks for one block at a time."""
     if job.offload_dir is None or job.loads_lazily:
         return None
-    if job.mixed is not None:
-        return "--avg-bits"
     return f"--method {job.method}"
 
 
@@ -438,8 +453,9 @@ class _Run:
         from lowbit.models.placement import check_fits, model_bytes
 
         job, model = self.job, self.lm.model
-        whole = (job.evaluation is not None or job.mixed is not None
-                 or not walks_blocks(job.method, job.needs_calib, job.rotate is not None and job.offload_dir is not None))
+        whole = (job.evaluation is not None
+                 or not walks_blocks(job.method, job.needs_calib, job.rotate is not None and job.offload_dir is not None)
+                 or (job.mixed is not None and not job.loads_lazily))
         if not whole or self.device is None:
             return
         if is_lazy(model):

@@ -11,7 +11,8 @@ receives, is written once:
    block as the walk reads it, `lowbit.ptq.block_prep`, and the fit of step 5 with them);
 3. the digest of the float weights the method will quantize (what a fine-tune's error
    initialization must match), when asked;
-4. mixed precision: the knapsack over DeltaLoss scores picks each layer's recipe;
+4. mixed precision: the knapsack over DeltaLoss scores picks each layer's recipe (on a lazily
+   loaded model scored block by block, `lowbit.ptq.streamed_deltaloss`, then the method walks it);
 5. each layer's scales fitted to its weights' range (`lowbit.ptq.fit`);
 6. the method, from the registry;
 7. embeddings and an unquantized lm_head rounded to fp16 values (what is saved).
@@ -31,6 +32,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from lowbit.errors import ConfigError
+from lowbit.models.experts import expert_tensors
 from lowbit.models.lazy import is_lazy, materialize
 from lowbit.plans.plan import Plan
 from lowbit.ptq.allocate import Allocation
@@ -43,6 +46,9 @@ from lowbit.ptq.mixed import MixedSettings, check_feasible, mixed_plan
 from lowbit.ptq.rotation import RotationSettings, rotate_model
 
 Phase = Callable[[str], contextlib.AbstractContextManager[Any]]
+MIXED_PRE_STEPS = ("--avg-bits with --rotate / --awq on a lazily loaded model: DeltaLoss scores the rotated / scaled "
+                   "model, but block by block the pre-steps are applied as the method's walk reads each block, after "
+                   "the scoring; drop --offload-dir (the whole model in memory) or the pre-step")
 
 
 @dataclass(frozen=True)
@@ -99,6 +105,23 @@ def preflight(model: nn.Module, plan: Plan, spec: PtqSpec) -> None:
     _check_plan(model, plan, spec)
     if spec.mixed is not None:
         check_feasible(model, plan, spec.mixed)
+        _check_lazy_mixed(model, plan, spec)
+
+
+def _check_lazy_mixed(model: nn.Module, plan: Plan, spec: PtqSpec) -> None:
+    """Mixed precision on a lazily loaded model (scored block by block): what it cannot do, refused before the
+    DeltaLoss passes."""
+    if spec.mixed is None or not is_lazy(model):
+        return
+    from lowbit.ptq.streamed_deltaloss import check_streamable
+
+    if spec.has_pre_steps:
+        raise ConfigError(MIXED_PRE_STEPS)
+    check_streamable(model, list(plan))
+    experts = [n for n in expert_tensors(model) if n in plan]
+    if spec.method == "rtn" and experts:  # `rtn_blockwise` refuses them: say so before the DeltaLoss passes
+        raise ConfigError(f"RTN block by block does not calibrate fused experts tensors ({experts[0]}); "
+                          "quantize this model without --offload-dir / --workdir, or with --method gptq")
 
 
 def _check_plan(model: nn.Module, plan: Plan, spec: PtqSpec) -> None:
@@ -126,8 +149,11 @@ def conduct(model: nn.Module, plan: Plan, spec: PtqSpec, ctx: RunContext, phase:
     """
     method, first = get(spec.method), plan
     _check_plan(model, plan, spec)
+    # mixed precision scores a lazily loaded model block by block too (`lowbit.ptq.streamed_deltaloss`)
     walks = walks_blocks(spec.method, ctx.calib is not None, spec.rotate is not None and is_lazy(model)) \
-        and spec.mixed is None
+        and (spec.mixed is None or is_lazy(model))
+    if walks:
+        _check_lazy_mixed(model, plan, spec)
     pre = None
     if walks and spec.has_pre_steps and is_lazy(model):  # done to each block as the walk reads it (block_prep.py)
         pre = PreSteps(plan, spec.rotate, spec.awq, fit=spec.fit, keep16=spec.keep16)
@@ -142,7 +168,8 @@ def conduct(model: nn.Module, plan: Plan, spec: PtqSpec, ctx: RunContext, phase:
     allocation = None
     if spec.mixed is not None:
         with phase("mixed_plan"):
-            allocation = mixed_plan(model, plan, spec.mixed, ctx.calib, ctx.device, ctx.progress)
+            allocation = mixed_plan(model, plan, spec.mixed, ctx.calib, ctx.device, ctx.progress,
+                                    folder=ctx.offload_dir, cache_device=ctx.cache_device)
         plan = allocation.plan
     fallbacks: dict[str, str] = {}
     with phase("quantize"):

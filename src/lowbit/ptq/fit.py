@@ -43,6 +43,10 @@ def fit_plan(model: nn.Module, plan: Plan, warn: bool = True) -> tuple[Plan, dic
 def _fit_experts(model: nn.Module, t: ExpertTensor, recipe: Recipe) -> Fit:
     """The fit of a fused experts tensor: one scheme for all its experts, so the first expert that needs more decides."""
     w = expert_weight(model, t)
+    if w.device.type == "meta" and is_lazy(model):  # a block still in the checkpoint: read the stack from there
+        key = f"{t.module}.{t.param}"
+        w = getattr(model, SOURCE_ATTR).read([key])[key]
+        w = w.transpose(1, 2) if t.transposed else w
     for e in range(t.count):
         f = fit(w[e], recipe.weight)
         if f.reason is not None:

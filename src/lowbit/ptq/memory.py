@@ -37,9 +37,12 @@ RTN without data walks the blocks only with ``--rotate`` (`lowbit.ptq.blockwise.
 no caches, no forward (a 16-token probe through block 0), the rotation's parts and one Linear's
 rounding on one block.
 
+--avg-bits on such a run scores its options block by block first (`lowbit.ptq.streamed_deltaloss`):
+``deltaloss`` (one block's backward, or the lm_head's on a chunk of samples) and
+``deltaloss_caches`` (every block's stored input), a phase of its own before the walk.
+
 Any other run (RTN without data nor rotation, which rounds the whole model at once, a run without
-``--offload-dir``, or --avg-bits, whose DeltaLoss sensitivities and knapsack need the whole
-float model) holds the whole float model instead (``whole``), and a run that evaluates
+``--offload-dir``) holds the whole float model instead (``whole``), and a run that evaluates
 perplexities holds the quantized model (about a byte per weight) at the end. Disk: the output checkpoint, and with
 ``--offload-dir`` the finished blocks kept there until the output is written (the same bytes).
 
@@ -126,6 +129,7 @@ class Shape:
 
 WALK = ("block", "caches", "forward", "method")  # held while a block is worked on, gone when the output is written
 APART = ("save", "turn")  # held at other times than the walk: writing the output, rotating the tables before it
+DELTALOSS = ("deltaloss", "deltaloss_caches")  # --avg-bits' streamed DeltaLoss passes: one phase before the walk
 
 
 @dataclass(frozen=True)
@@ -142,8 +146,9 @@ class Estimate:
         """The parts held throughout, plus the largest of the walk's (the block and its work), the save's and the
         rotation's turning of the tables before the walk."""
         walk = sum(v for k, v in self.parts.items() if k in WALK)
-        held = sum(v for k, v in self.parts.items() if k not in WALK and k not in APART)
-        return held + max(walk, *(self.parts.get(k, 0) for k in APART))
+        held = sum(v for k, v in self.parts.items() if k not in WALK and k not in APART and k not in DELTALOSS)
+        scoring = sum(self.parts.get(k, 0) for k in DELTALOSS)
+        return held + max(walk, scoring, *(self.parts.get(k, 0) for k in APART))
 
     def to_dict(self) -> dict[str, Any]:
         return {"peak_bytes": self.peak, "parts": dict(self.parts), "disk": dict(self.disk), "flat_in_depth": self.flat}
@@ -161,13 +166,16 @@ TRACKS_FP = {"signround": True, "signround2": True, "gptq": False, "rtn": True} 
 
 def estimate(shape: Shape, method: str, nsamples: int, seqlen: int, *, lazy: bool = True, search: bool = False,
              evaluate: bool = False, batch_size: int = 8, lm_head: bool = False,
-             weight_bits: float = WEIGHT_BITS, rotate: bool = False, awq: bool = False) -> Estimate:
+             weight_bits: float = WEIGHT_BITS, rotate: bool = False, awq: bool = False,
+             deltaloss: tuple[int, int, bool] | None = None) -> Estimate:
     """The memory and disk of quantizing ``shape`` with ``method`` on ``nsamples x seqlen`` calibration tokens.
 
     lazy: block-wise from the checkpoint (``--offload-dir``), else the whole float model is
     loaded. search: GPTQ's importance-weighted scale search (another cache for the float
     chain's statistics). evaluate: perplexity passes (the quantized model held whole).
-    rotate / awq: the pre-steps (per block on a lazy run, see the module doc).
+    rotate / awq: the pre-steps (per block on a lazy run, see the module doc). deltaloss: (samples, seqlen,
+    lm_head planned) of --avg-bits' DeltaLoss passes, block by block on a lazy run (`_deltaloss_parts`), else on
+    the whole model (`_deltaloss_whole`).
     """
     f32 = 4
     s = shape
@@ -182,6 +190,8 @@ def estimate(shape: Shape, method: str, nsamples: int, seqlen: int, *, lazy: boo
             parts |= _block_parts(s, method, tokens, seqlen, search, batch_size)
         elif nsamples:  # RTN's importance: the sums of squares of every Linear input
             parts["forward"] = _forward(s, seqlen)
+        if deltaloss is not None:  # --avg-bits on the model in memory: DeltaLoss back-propagates all of it
+            parts["deltaloss"] = _deltaloss_whole(s, *deltaloss)
         parts["save"] = out_bytes
         return Estimate(parts, disk, flat=False)
     turn = 0
@@ -206,6 +216,8 @@ def estimate(shape: Shape, method: str, nsamples: int, seqlen: int, *, lazy: boo
         parts["method"] = max(parts["method"], _awq_state(s))
     if turn:
         parts["turn"] = turn
+    if deltaloss is not None:
+        parts |= _deltaloss_parts(s, *deltaloss)
     if evaluate:  # the quantized blocks stay in memory to be evaluated: a byte per weight (codes) plus scales
         parts["quantized"] = int(s.layers * s.block_params * 1.07)
         parts["save"] = out_bytes
@@ -241,6 +253,40 @@ def _block_parts(s: Shape, method: str, tokens: int, seqlen: int, search: bool, 
 
 
 _ROWS = 8192  # rows of a table turned, folded or cast at a time (`lowbit.ptq.rotation`)
+
+
+def _deltaloss_parts(s: Shape, nsamples: int, seqlen: int, lm_head: bool) -> dict[str, int]:
+    """--avg-bits' DeltaLoss passes block by block (`lowbit.ptq.streamed_deltaloss`), before the walk and not at
+    once with it: the stored input of every block and the last one's output with one gradient cache (``layers + 2``
+    caches of ``nsamples x seqlen x hidden`` in float32, moved to disk with the walk's caches), and at a time
+    either one block's backward (its float32 weights, their quantized copy, the originals kept to score against,
+    the gradients, and a chunk of 4 samples' saved activations and their gradients) or the head's (the final
+    hidden states, the logits of a chunk with their float copy, log-softmax and gradients in float32, and the head's
+    weight widened for the call from the stored table with its bf16 autocast copy, the one saved for the backward;
+    a planned lm_head's weights 3 more times). The head's part was 20 % under the measured peak at the 3B shape
+    (128k vocabulary, 3 logits copies and no weight copy counted); this upper side is 17 % over it there."""
+    f32, chunk = 4, 4
+    attention = 2 * s.heads * s.head_dim + 2 * s.kv_heads * s.head_dim
+    backward = 2 * chunk * seqlen * (3 * s.intermediate * min(s.experts, 2) + 6 * s.hidden + attention) * f32
+    block = 4 * s.block_params * f32 + backward
+    table, logits = s.vocab * s.hidden, chunk * seqlen * s.vocab * f32
+    # the forward's moment (the float32 widening and the bf16 copy at once) or the backward's (the kept copy, four
+    # logits-sized tensors); upper side for fp32 and bf16 passes alike
+    head = max(6 * table + logits, 4 * table + 4 * logits) + (3 * table * f32 if lm_head else 0)
+    return {"deltaloss": max(block, head), "deltaloss_caches": (s.layers + 2) * nsamples * seqlen * s.hidden * f32}
+
+
+def _deltaloss_whole(s: Shape, nsamples: int, seqlen: int, lm_head: bool) -> int:
+    """--avg-bits' DeltaLoss on the whole model in memory (`lowbit.ptq.sensitivity.delta_loss`), beside the float
+    model: every planned weight's original and gradient in float32 and its bf16 copy under autocast, with 2 bytes
+    more for the quantized and scored temporaries and the allocator's slack (12 bytes per weight: 10 were 2 % under
+    the measured peak at the 1.1B width, 4 blocks; this phase was not estimated at all before, 53 % under:
+    bigmodel_calib.md), every block's saved activations of a chunk of 4 samples at once, and the head's logits."""
+    f32, chunk = 4, 4
+    planned = s.layers * s.block_params + (s.vocab * s.hidden if lm_head else 0)
+    attention = 2 * s.heads * s.head_dim + 2 * s.kv_heads * s.head_dim
+    saved = s.layers * chunk * seqlen * (3 * s.intermediate * min(s.experts, 2) + 6 * s.hidden + attention) * f32
+    return 12 * planned + saved + 3 * chunk * seqlen * s.vocab * f32
 
 
 def _turn(s: Shape) -> int:
@@ -313,7 +359,7 @@ def _outside_stored(s: Shape, lm_head: bool, weight_bits: float) -> int:
 def caches_on_disk(est: Estimate) -> Estimate:
     """``est`` with the activation caches in files in the offload folder (``--cache-device disk``)."""
     parts = dict(est.parts)
-    caches = parts.pop("caches", 0)
+    caches = parts.pop("caches", 0) + parts.pop("deltaloss_caches", 0)
     disk = dict(est.disk)
     disk["offload"] = disk.get("offload", 0) + caches
     return Estimate(parts, disk, est.flat)
@@ -353,8 +399,9 @@ def refusal(est: Estimate, available: int | None, free_disk: dict[str, int | Non
                    "samples: a machine with more memory, or a GPU (--device cuda) for the block's work")
         else:
             fix = "fewer --nsamples or a shorter --seqlen, or a machine with more memory"
-        if est.parts.get("caches", 0) >= GiB // 10 and whole_by is None:
-            fix += f" (--cache-device disk moves the {est.parts['caches'] / GiB:.2f} GiB of activation caches to disk)"
+        caches = est.parts.get("caches", 0) + est.parts.get("deltaloss_caches", 0)
+        if caches >= GiB // 10 and whole_by is None:
+            fix += f" (--cache-device disk moves the {caches / GiB:.2f} GiB of activation caches to disk)"
         return (f"this run needs about {est.describe()} of memory and {available / GiB:.1f} GiB is available "
                 f"(MemAvailable); {fix}")
     for role, need in est.disk.items():

@@ -20,6 +20,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -30,6 +31,7 @@ from lowbit.formats import Recipe
 from lowbit.formats.kquants import fit_width
 from lowbit.formats.kv import KVScheme
 from lowbit.models.experts import expert_tensors, planned_shape
+from lowbit.models.lazy import is_lazy
 from lowbit.models.placement import model_device, on_device
 from lowbit.nn.precision import resolve_dtype
 from lowbit.plans.plan import Plan
@@ -104,16 +106,31 @@ def check_feasible(model: nn.Module, plan: Plan, settings: MixedSettings) -> Non
 
 
 def mixed_plan(model: nn.Module, plan: Plan, settings: MixedSettings, calib: torch.Tensor,
-               device: str | torch.device | None = None, progress: bool = True) -> Allocation:
-    """DeltaLoss-scored, knapsack-allocated plan over the layers of ``plan`` (their schemes are ignored)."""
+               device: str | torch.device | None = None, progress: bool = True,
+               folder: str | Path | None = None, cache_device: str = "device") -> Allocation:
+    """DeltaLoss-scored, knapsack-allocated plan over the layers of ``plan`` (their schemes are ignored).
+
+    A lazily loaded model (`lowbit.models.lazy`) is scored block by block, with the same scores
+    (`lowbit.ptq.streamed_deltaloss`): ``folder`` (the offload folder) keeps each finished option's
+    scores for a rerun, and with ``cache_device="disk"`` the stored block inputs.
+    """
     if calib is None or calib.numel() == 0:
         raise ConfigError("mixed precision needs calibration batches for its DeltaLoss passes")
     check_feasible(model, plan, settings)
     sizes = {n: _shape(model, n) for n in plan}
-    with on_device(model, device):  # DeltaLoss is whole-model forward/backward passes
-        dtype = resolve_dtype(settings.dtype, model_device(model))
-        scores = delta_loss(model, list(plan), settings.schemes(), calib[: settings.nsamples],
-                            mode=settings.delta_mode, progress=progress, dtype=dtype)
+    if is_lazy(model):  # one block in memory at a time: gradient checkpointing at block granularity
+        from lowbit.ptq.streamed_deltaloss import streamed_delta_loss
+
+        where = torch.device(device) if device is not None else torch.device("cpu")
+        scores = streamed_delta_loss(model, list(plan), settings.schemes(), calib[: settings.nsamples],
+                                     mode=settings.delta_mode, progress=progress,
+                                     dtype=resolve_dtype(settings.dtype, where), folder=folder,
+                                     cache_device="disk" if cache_device == "disk" else "cpu", device=where)
+    else:
+        with on_device(model, device):  # DeltaLoss is whole-model forward/backward passes
+            dtype = resolve_dtype(settings.dtype, model_device(model))
+            scores = delta_loss(model, list(plan), settings.schemes(), calib[: settings.nsamples],
+                                mode=settings.delta_mode, progress=progress, dtype=dtype)
     ties = tie_qkv(list(plan)) if settings.tie_qkv else ()
     return allocate(scores, sizes, settings.schemes(), settings.avg_bits, ties=ties,
                     count_scales=settings.count_scales, lm_head_min_bits=settings.lm_head_min_bits)
