@@ -48,9 +48,12 @@ RESULTS = "moe"
 # the affinity ones pins the plain all-experts Hessians (PLAIN), the default they were measured with: since branch
 # i34k GPTQ's default is router-weighted (--expert-affinity), i.e. the gptq-affinity row
 PLAIN = {"expert_affinity": False}
-ROWS = {"rtn": ("rtn", {"search": False}), "rtn-search": ("rtn", {"expert_importance": True}),
-        "rtn-search-routed": ("rtn", {"all_experts": False, "expert_importance": True}),
+# rtn-search-affinity = rtn-search with the importance router-weighted as gptq-affinity's Hessians (their diagonal,
+# floor 0.1; branch i34s); the other rtn-search rows pin the plain importance they were measured with
+ROWS = {"rtn": ("rtn", {"search": False}), "rtn-search": ("rtn", {"expert_importance": True, "expert_affinity": False}),
+        "rtn-search-routed": ("rtn", {"all_experts": False, "expert_importance": True, "expert_affinity": False}),
         "rtn-search-uniform": ("rtn", {}),
+        "rtn-search-affinity": ("rtn", {"expert_importance": True, "expert_affinity": True}),
         "gptq": ("gptq", {**PLAIN}), "gptq-routed": ("gptq", {**PLAIN, "all_experts": False}),
         "gptq-absmax": ("gptq", {**PLAIN, "search": False}), "gptq-choose": ("gptq", {**PLAIN, "choose_rule": True}),
         # each group's scale chosen when GPTQ reaches it, from the weights it rounds (issue 34): natural column order

@@ -11,7 +11,9 @@ Methods (each run in a fresh child process, so its peak RSS is its own):
 
 - ``rtn``: RTN with the importance search weighted by each expert's own statistics,
   gathered with all-experts calibration (every token's statistics reach every expert; the
-  path with the most per-expert work: ``search=True, expert_importance=True, all_experts=True``);
+  path with the most per-expert work: ``search=True, expert_importance=True, all_experts=True``; the plain
+  importance its rows were measured with, ``expert_affinity=False``: the router-weighted one adds one weighted
+  sum per expert over its routed tokens);
 - ``gptq``: GPTQ with its defaults (per-expert Hessians from all-experts calibration);
 - ``signround2``: SignRoundV2, 10 iterations, mini-batch 4 (``moe_tuned.py --rows scaling``'s
   settings; recorded as ``lowbit-signround2-median-block-E*`` beside that script's one-run rows).
@@ -42,7 +44,7 @@ RESULTS = "moe_scaling"
 METHODS = ("rtn", "gptq", "signround2")
 EXPERTS = (8, 32, 128)
 SCHEME = "w4g32"
-SETTINGS = {"rtn": {"search": True, "expert_importance": True, "all_experts": True},
+SETTINGS = {"rtn": {"search": True, "expert_importance": True, "all_experts": True, "expert_affinity": False},
             "gptq": {"all_experts": True},
             "signround2": {"iters": 10, "batch_size": 4}}  # moe_tuned.py's scaling rows' settings
 # moe_tuned.py records its one-run SignRoundV2 rows as lowbit-signround2-block-E*: these are medians of runs

@@ -1,10 +1,11 @@
-"""Router-weighted (affinity-weighted) expert Hessians for GPTQ (`GPTQSettings.expert_affinity`, the default).
+"""Router-weighted (affinity-weighted) expert Hessians for GPTQ (`GPTQSettings.expert_affinity`, the default), and
+the same weighting of RTN's per-expert importance (`RTNSettings.expert_affinity`, the default of ``expert_importance``).
 
 References: the experts module's own forward (perturbing one expert's ``down_proj`` moves the block
 output by exactly ``tr(dW H_g dW^T)``, ``H_g`` the routing-weight-squared Hessian of its routed
 tokens), a brute-force Hessian from a loop over tokens and their top-k with the router's weights,
-`gptq_layers` on one expert's matrix under that Hessian, and the plain Hessian kept for an expert
-the router starves.
+`gptq_layers` on one expert's matrix under that Hessian, `quantize` of one expert's matrix under that
+Hessian's diagonal (RTN), and the plain statistics kept for an expert the router starves.
 """
 
 from __future__ import annotations
@@ -17,12 +18,14 @@ from test_accounting import make
 from test_expert_calib import _calib, _experts, _never_route
 
 from lowbit.errors import ConfigError
+from lowbit.formats import quantize
 from lowbit.plans.plan import Plan
 from lowbit.plans.source import build_plan
 from lowbit.ptq import quantize_model
 from lowbit.ptq.expert_calib import ExpertStats
 from lowbit.ptq.gptq import GPTQSettings, gptq_layers
-from lowbit.ptq.rtn import searched
+from lowbit.ptq.methods import make_settings
+from lowbit.ptq.rtn import RTNSettings, searched
 
 NAME = "model.layers.0.mlp.experts"
 
@@ -181,3 +184,71 @@ def test_what_the_weighting_cannot_honour_is_refused():
     st = ExpertStats(m, NAME, ("xtx",), affinity=True)
     with st, pytest.raises(ConfigError, match="without routing weights.*--no-expert-affinity"):
         m(torch.randn(4, 32), torch.zeros(4, 2, dtype=torch.long), top_k_weights=None)
+
+
+RTN_AFFINITY = {"expert_importance": True}  # the default weighting of --expert-importance
+RTN_PLAIN = {"expert_importance": True, "expert_affinity": False}
+
+
+@pytest.mark.parametrize("all_experts", (True, False))
+def test_rtn_expert_is_the_search_under_the_diagonal_of_the_router_weighted_hessian(all_experts):
+    """RTN with --expert-importance (its default --expert-affinity): every expert matrix (both parameters, a later
+    layer) = the search under the diagonal of the brute-force router-weighted Hessian (floor 0.1) of the float
+    model's tokens, and many differ from the plain importance's (--no-expert-affinity)."""
+    model = make("qwen3_moe")
+    c = _calib(8, 32)
+    name = "model.layers.1.mlp.experts"
+    x, idx, g = _routing(model, c)[name]
+    m = _experts(model)[name]
+    params = ("gate_up_proj", "down_proj")
+    plan = Plan({f"{name}.{p}": build_plan(model, "w3g8")[f"{name}.{p}"] for p in params})
+    q, base = copy.deepcopy(model), copy.deepcopy(model)
+    quantize_model(q, plan, "rtn", {**RTN_AFFINITY, "all_experts": all_experts}, calib=c, progress=False)
+    quantize_model(base, plan, "rtn", {**RTN_PLAIN, "all_experts": all_experts}, calib=c, progress=False)
+    plain, weighted, routed = _brute(m, x, idx, g, all_experts)
+    moved = 0
+    for p in params:
+        imp = torch.diagonal(_mix(plain[p], weighted[p], routed, 0.1, 16), dim1=1, dim2=2)
+        scheme = searched(plan).weight(f"{name}.{p}")
+        got, default = (z.get_submodule(name).stacks()[p] for z in (q, base))
+        for e in range(8):
+            assert routed[e] >= 16
+            want = quantize(getattr(m, p)[e].detach(), scheme, imp=imp[e].float())
+            assert torch.equal(got.expert(e).codes, want.codes) and torch.equal(got.expert(e).scales, want.scales)
+            moved += not torch.equal(got.expert(e).codes, default.expert(e).codes)
+    assert moved >= 8
+
+
+def test_rtn_keeps_the_plain_importance_for_an_expert_the_router_starves():
+    model = make("qwen3_moe")
+    _never_route(model, 7)
+    plan = Plan({n: r for n, r in build_plan(model, "w3g8").items() if "experts" in n})
+    q, base = copy.deepcopy(model), copy.deepcopy(model)
+    with pytest.warns(UserWarning, match=r"router sent fewer than 16 .* experts \[7\]"):
+        quantize_model(q, plan, "rtn", RTN_AFFINITY, calib=_calib(), progress=False)
+    with pytest.warns(UserWarning, match=r"router sent fewer than 16"):
+        quantize_model(base, plan, "rtn", RTN_PLAIN, calib=_calib(), progress=False)
+    for layer in (0, 1):
+        a, b = (z.get_submodule(f"model.layers.{layer}.mlp.experts").stacks()["down_proj"] for z in (q, base))
+        assert torch.equal(a.expert(7).codes, b.expert(7).codes) and torch.equal(a.expert(7).scales, b.expert(7).scales)
+        assert any(not torch.equal(a.expert(e).codes, b.expert(e).codes) for e in range(7))
+
+
+def test_what_rtns_weighting_cannot_honour_is_refused():
+    """The weighting is read only with --expert-importance (and the search): given by name elsewhere it is refused,
+    not dropped; RTN's own default (the weights-alone search) takes it as a default without a word."""
+    assert RTNSettings().expert_affinity and not RTNSettings().weighted_importance
+    assert RTNSettings(expert_importance=True).weighted_importance
+    with pytest.raises(ConfigError, match="--expert-affinity weights RTN's per-expert importance, which is off: pass "
+                                          "--expert-importance, or drop --expert-affinity"):
+        make_settings("rtn", {"expert_affinity": True})
+    with pytest.raises(ConfigError, match="--no-expert-affinity weights .* which --no-search turns off"):
+        make_settings("rtn", {"search": False, "expert_importance": True, "expert_affinity": False})
+    with pytest.raises(ConfigError, match="--affinity-floor weights RTN's per-expert importance, which is off"):
+        make_settings("rtn", {"affinity_floor": 0.5})
+    with pytest.raises(ConfigError, match="which --no-expert-affinity turns off: drop one of them"):
+        RTNSettings(expert_importance=True, expert_affinity=False, affinity_floor=0.5)
+    with pytest.raises(ConfigError, match="affinity_floor must be a finite number >= 0"):
+        RTNSettings(expert_importance=True, affinity_floor=-0.1)
+    assert make_settings("rtn", {**RTN_PLAIN}).weighted_importance is False
+    assert make_settings("rtn", {"expert_importance": True, "affinity_floor": 0.0}).affinity_floor == 0.0

@@ -232,7 +232,8 @@ def test_rtn_search_gives_each_expert_the_importance_of_its_own_tokens():
     x, idx = _capture(model, c)[name]
     plan = Plan({f"{name}.{p}": build_plan(model, "w3g8")[f"{name}.{p}"] for p in ("gate_up_proj", "down_proj")})
     q = copy.deepcopy(model)
-    quantize_model(q, plan, "rtn", {"all_experts": False, "expert_importance": True}, calib=c, progress=False)
+    quantize_model(q, plan, "rtn", {"all_experts": False, "expert_importance": True, "expert_affinity": False}, calib=c,
+                   progress=False)  # the plain importance (the router-weighted one: tests/test_expert_affinity.py)
     stack = q.get_submodule(name).stacks()["gate_up_proj"]
     scheme = searched(plan).weight(f"{name}.gate_up_proj")
     w = model.get_submodule(name).gate_up_proj.detach()

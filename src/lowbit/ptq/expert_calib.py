@@ -71,6 +71,13 @@ ALL_EXPERTS_HELP = ("mixture-of-experts calibration: every token's statistics al
                     "output still uses the router's top-k); off = each expert's statistics from its routed tokens only")
 MIN_TOKENS_HELP = ("experts whose statistics come from fewer calibration tokens than this get RTN on their weights "
                    "alone (uniform importance), with a warning naming them")
+AFFINITY_FLOOR = 0.1  # the unweighted statistics' share in router-weighted expert statistics (`affinity_mix`)
+# one flag for GPTQ's Hessians and RTN's --expert-importance (`lowbit.ptq.methods.method_flags` wants one help text)
+AFFINITY_HELP = ("router-weighted expert statistics (GPTQ's Hessians; RTN's with --expert-importance): each "
+                 "calibration token counts its routing weight squared in the experts the router picked for it (0 in "
+                 "the others), plus --affinity-floor of every token's statistics")
+AFFINITY_FLOOR_HELP = ("with --expert-affinity: the unweighted statistics' share, as a fraction of the router-weighted "
+                       "ones' energy (trace)")
 
 
 @dataclass(frozen=True)
@@ -323,9 +330,11 @@ def static_input_amax(stats: Mapping[str, ExpertStats], params: Mapping[str, tup
 
 @contextlib.contextmanager
 def expert_stats(modules: Mapping[str, nn.Module], kinds: tuple[str, ...] = ("sumsq",),
-                 params: tuple[str, ...] = STAT_PARAMS, all_experts: bool = True) -> Iterator[dict[str, ExpertStats]]:
-    """`ExpertStats` hooked on each named experts module for the forwards run inside the ``with``."""
-    stats = {n: ExpertStats(m, n, kinds, params, all_experts) for n, m in modules.items()}
+                 params: tuple[str, ...] = STAT_PARAMS, all_experts: bool = True,
+                 affinity: bool = False) -> Iterator[dict[str, ExpertStats]]:
+    """`ExpertStats` hooked on each named experts module for the forwards run inside the ``with`` (``affinity``:
+    the router-weighted sums too)."""
+    stats = {n: ExpertStats(m, n, kinds, params, all_experts, affinity=affinity) for n, m in modules.items()}
     with contextlib.ExitStack() as stack:
         for s in stats.values():
             stack.enter_context(s)

@@ -106,7 +106,7 @@ def planned_modules(model: nn.Module, plan: Plan) -> dict[str, dict[str, Scheme]
 
 
 def quantize_experts(model: nn.Module, plan: Plan, stats: Mapping[str, ExpertStats] | None = None,
-                     min_tokens: int = MIN_TOKENS) -> list[str]:
+                     min_tokens: int = MIN_TOKENS, affinity: float | None = None) -> list[str]:
     """Replace each planned experts module by a `QuantExperts` (RTN per expert matrix); returns the quantized names.
 
     stats: experts module -> its per-expert calibration statistics (`lowbit.ptq.expert_calib`):
@@ -114,7 +114,8 @@ def quantize_experts(model: nn.Module, plan: Plan, stats: Mapping[str, ExpertSta
     an expert with statistics from fewer than ``min_tokens`` tokens gets uniform importance
     (the search on its weights alone), named in one warning. Without stats every expert
     gets uniform importance, and so does every expert when the stats hold no ``sumsq`` (they
-    then serve the token counts and input scales only).
+    then serve the token counts and input scales only). affinity: None = the plain ``sumsq``; a float = the
+    router-weighted one with that floor (`ExpertStats.weighted`; the stats must have been taken with affinity).
     """
     stats = stats or {}
     names = list(planned_experts(model, plan))
@@ -125,8 +126,9 @@ def quantize_experts(model: nn.Module, plan: Plan, stats: Mapping[str, ExpertSta
             cov = st.coverage()
             low = set(cov.starved(min_tokens))
             if "sumsq" in st.kinds:
-                imp = {p: [None if e in low else v.float() for e, v in enumerate(st.result("sumsq", p))]
-                       for p in schemes}
+                sums = {p: st.result("sumsq", p) if affinity is None else st.weighted("sumsq", p, affinity, min_tokens)
+                        for p in schemes}
+                imp = {p: [None if e in low else v.float() for e, v in enumerate(sums[p])] for p in schemes}
             calibration = cov.to_dict()
         q = quantized(model.get_submodule(module), schemes, imp)
         q.calibration = calibration

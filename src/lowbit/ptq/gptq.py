@@ -59,7 +59,14 @@ from lowbit.nn.quant_experts import QuantStack
 from lowbit.plans.plan import Plan
 from lowbit.ptq.blockwise import BlockJob, PipelineOptions, quantize_blockwise
 from lowbit.ptq.blockwise.access import block_linears
-from lowbit.ptq.expert_calib import ALL_EXPERTS_HELP, MIN_TOKENS, MIN_TOKENS_HELP
+from lowbit.ptq.expert_calib import (
+    AFFINITY_FLOOR,
+    AFFINITY_FLOOR_HELP,
+    AFFINITY_HELP,
+    ALL_EXPERTS_HELP,
+    MIN_TOKENS,
+    MIN_TOKENS_HELP,
+)
 from lowbit.ptq.gptq_choice import choose_rule
 from lowbit.ptq.gptq_experts import experts_in, gptq_experts, report
 from lowbit.ptq.gptq_grids import Grid, KGrid, Tensors, make_grid
@@ -69,7 +76,6 @@ from lowbit.ptq.rtn import searched
 # the Linears whose outputs are multiplied together into attention scores (matched on the last name component)
 SCORE_PROJECTIONS = ("q_proj", "k_proj")
 SCORE_RULES = ("search", "noclip", "absmax")
-AFFINITY_FLOOR = 0.1  # the unweighted statistics' share in router-weighted expert Hessians (GPTQSettings)
 DAMP_RETRIES = (0.01, 0.1, 1.0)  # dampening tried, in order, when a Hessian is not positive definite
 CHUNK = 8  # samples per block forward while collecting Hessians
 
@@ -140,11 +146,8 @@ class GPTQSettings:
                                     "the model in memory)")
     all_experts: bool = knob(True, ALL_EXPERTS_HELP)
     min_expert_tokens: int = knob(MIN_TOKENS, MIN_TOKENS_HELP, minimum=0)
-    expert_affinity: bool = knob(True, "router-weighted expert Hessians: each calibration token counts its routing "
-                                        "weight squared in the experts the router picked for it (0 in the others), "
-                                        "plus --affinity-floor of every token's statistics")
-    affinity_floor: float = knob(AFFINITY_FLOOR, "with --expert-affinity: the unweighted statistics' share, as a "
-                                                 "fraction of the router-weighted ones' energy (trace)")
+    expert_affinity: bool = knob(True, AFFINITY_HELP)
+    affinity_floor: float = knob(AFFINITY_FLOOR, AFFINITY_FLOOR_HELP)
 
     def __post_init__(self) -> None:
         check_fields(self, ConfigError, "GPTQ setting")

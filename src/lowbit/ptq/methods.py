@@ -70,6 +70,9 @@ class Method:
     lazy_with_calib: a whole-model method that runs block by block on the block-wise engine when the run
     has calibration data (RTN: its statistics are per Linear, so a lazily loaded model never needs to be
     whole), or a rotation to apply per block without data; see `walks_blocks`.
+    check_options: ``(options given, settings made)``: refuses an option given by name that these settings
+    cannot honour where the settings alone cannot tell (a default-on knob that only some paths read: given
+    explicitly on another path, it would be silently dropped). Called by `make_settings`.
     """
 
     name: str
@@ -83,6 +86,7 @@ class Method:
     check_plan: Callable[[Any, Plan], None] | None = None
     work: WorkFn | None = None
     lazy_with_calib: bool = False
+    check_options: Callable[[Mapping[str, Any], Any], None] | None = None
 
     def settable(self) -> list[str]:
         return [f.name for f in dataclasses.fields(self.settings) if f.name not in self.fixed]
@@ -209,7 +213,10 @@ def make_settings(name: str, options: Mapping[str, Any] | None = None) -> Any:
         base.update(method.presets[preset])
     for key in opts:
         _check_taken(method, key)
-    return method.settings(**{**base, **opts, **method.fixed})
+    settings = method.settings(**{**base, **opts, **method.fixed})
+    if method.check_options is not None:
+        method.check_options(opts, settings)
+    return settings
 
 
 def _check_taken(method: Method, key: str) -> None:

@@ -31,9 +31,17 @@ from lowbit.models.lazy import is_lazy
 from lowbit.models.placement import on_device
 from lowbit.nn import replace_linears
 from lowbit.plans.plan import Plan
-from lowbit.ptq.expert_calib import ALL_EXPERTS_HELP, MIN_TOKENS, MIN_TOKENS_HELP, expert_stats
+from lowbit.ptq.expert_calib import (
+    AFFINITY_FLOOR,
+    AFFINITY_FLOOR_HELP,
+    AFFINITY_HELP,
+    ALL_EXPERTS_HELP,
+    MIN_TOKENS,
+    MIN_TOKENS_HELP,
+    expert_stats,
+)
 from lowbit.ptq.experts import planned_modules, quantize_experts, split
-from lowbit.ptq.methods import Method, RunContext, knob, register
+from lowbit.ptq.methods import Method, RunContext, flag, knob, register
 
 
 @dataclass(frozen=True)
@@ -46,6 +54,13 @@ class RTNSettings:
     Off by default because on the MoE organism the search on the experts' weights alone scored
     better at every width (means of 2 seeds, W3 g128 64.27 vs 64.62; benchmarks/results/moe.md);
     the statistics are still gathered for token counts and input scales.
+    expert_affinity / affinity_floor: with ``expert_importance``, each expert's importance is router-weighted
+    as GPTQ's expert Hessians are (`lowbit.ptq.expert_calib.affinity_mix`: a token counts its routing weight
+    squared in the experts the router picked, plus the floor): the diagonal of those Hessians. On by default
+    for ``expert_importance`` (the rule written before the rows: below the plain importance on the mean of 4
+    seeds at W4 g128 and W3 g128 on the MoE organism; it was, by 0.008 +- 0.025 and 0.108 +- 0.040,
+    benchmarks/results/moe.md); read by nothing else, and given by name without ``expert_importance`` it is
+    refused (`_check_options`).
     """
 
     search: bool = knob(True, "choose scales by the importance-weighted search on calibration activations; rtn --no-search = "
@@ -55,9 +70,35 @@ class RTNSettings:
     expert_importance: bool = knob(False, "weight the experts' scale search by each expert's own calibration "
                                    "statistics (default: the search on their weights alone, which scored better on "
                                    "the MoE organism)")
+    expert_affinity: bool = knob(True, AFFINITY_HELP)
+    affinity_floor: float = knob(AFFINITY_FLOOR, AFFINITY_FLOOR_HELP)
 
     def __post_init__(self) -> None:
         check_fields(self, ConfigError, "RTN setting")
+        if not (0 <= self.affinity_floor < float("inf")):
+            raise ConfigError(f"affinity_floor must be a finite number >= 0, got {self.affinity_floor}")
+        if self.affinity_floor != AFFINITY_FLOOR and not self.expert_affinity:
+            raise ConfigError("--affinity-floor sets the floor of the router-weighted expert statistics, which "
+                              "--no-expert-affinity turns off: drop one of them")
+        if self.affinity_floor != AFFINITY_FLOOR and not self.weighted_importance:
+            raise ConfigError(_unread("--affinity-floor", self))
+
+    @property
+    def weighted_importance(self) -> bool:
+        """Whether the experts' search runs on router-weighted importance (the only path that reads the weighting)."""
+        return self.search and self.expert_importance and self.expert_affinity
+
+
+def _unread(option: str, s: RTNSettings) -> str:
+    return (f"{option} weights RTN's per-expert importance, which {'--no-search turns off' if not s.search else 'is off'}"
+            f": pass --expert-importance{'' if s.search else ' with the search'}, or drop {option}")
+
+
+def _check_options(options: Mapping[str, Any], s: RTNSettings) -> None:
+    """``--expert-affinity`` / ``--no-expert-affinity`` given by name on a run without the per-expert importance:
+    the default-on knob would be silently unread there (the settings alone cannot tell it was asked for)."""
+    if "expert_affinity" in options and not (s.search and s.expert_importance):
+        raise ConfigError(_unread(flag("expert_affinity") if options["expert_affinity"] else "--no-expert-affinity", s))
 
 
 def searched(plan: Plan) -> Plan:
@@ -72,7 +113,8 @@ def searched(plan: Plan) -> Plan:
 
 def rtn_quantize(model: nn.Module, plan: Plan, calib: torch.Tensor | None = None, search: bool = False,
                  imp: Mapping[str, torch.Tensor] | None = None, progress: bool = True, all_experts: bool = True,
-                 min_expert_tokens: int = MIN_TOKENS, expert_importance: bool = False) -> Plan:
+                 min_expert_tokens: int = MIN_TOKENS, expert_importance: bool = False,
+                 affinity: float | None = None) -> Plan:
     """Quantize ``model`` in place; returns the plan actually applied.
 
     Fused experts tensors in the plan (`lowbit.ptq.experts`) are rounded per expert
@@ -80,7 +122,11 @@ def rtn_quantize(model: nn.Module, plan: Plan, calib: torch.Tensor | None = None
     importance) or, with ``expert_importance``, with the importance of its own inputs from the
     same calibration pass (all-experts calibration unless ``all_experts`` is False; experts
     below ``min_expert_tokens`` tokens: uniform importance). Token counts are gathered either way.
+    affinity: None = plain importance; a float = router-weighted importance with that floor
+    (`RTNSettings.expert_affinity`; needs ``search`` and ``expert_importance``).
     """
+    if affinity is not None and not (search and expert_importance):
+        raise ConfigError("router-weighted expert importance (affinity) needs search=True and expert_importance=True")
     if search:
         plan = searched(plan)
     applied = plan
@@ -100,14 +146,14 @@ def rtn_quantize(model: nn.Module, plan: Plan, calib: torch.Tensor | None = None
     modules = {m: model.get_submodule(m) for m in planned_modules(model, experts)} if count_experts else {}
     per_expert: dict = {}
     if kinds or count_experts:
-        with expert_stats(modules, expert_kinds, all_experts=all_experts) as per_expert:
+        with expert_stats(modules, expert_kinds, all_experts=all_experts, affinity=affinity is not None) as per_expert:
             stats = collect(model, calib, list(plan), kinds, progress=progress)
         imp = stats.result("sumsq") if "sumsq" in kinds else imp
         amax = shared_amax({n: a.amax() for n, a in stats.result("absmax").items()}) if static else None
     weights = {n: model.get_submodule(n).weight for n in plan}
     scales = shared_tensor_scales(weights, plan.weights())
     replace_linears(model, plan, imp=imp, progress=progress, amax=amax, tensor_scales=scales)
-    quantize_experts(model, experts, per_expert, min_expert_tokens)
+    quantize_experts(model, experts, per_expert, min_expert_tokens, affinity)
     return applied
 
 
@@ -187,9 +233,10 @@ def _run(model: nn.Module, plan: Plan, settings: RTNSettings, ctx: RunContext) -
     with on_device(model, ctx.device):
         return rtn_quantize(model, plan, ctx.calib, settings.search, progress=ctx.progress,
                             all_experts=settings.all_experts, min_expert_tokens=settings.min_expert_tokens,
-                            expert_importance=settings.expert_importance)
+                            expert_importance=settings.expert_importance,
+                            affinity=settings.affinity_floor if settings.weighted_importance else None)
 
 
 register(Method("rtn", RTNSettings, _run, blockwise=False, needs_calib=lambda s: s.search,
                 summary="round-to-nearest; with search, scales picked by importance-weighted error",
-                work=_work, lazy_with_calib=True))
+                work=_work, lazy_with_calib=True, check_options=_check_options))
