@@ -1018,6 +1018,18 @@ def test_kv_rows_of_another_cpu_are_other_rows():
     assert kv.with_costs(rows)[2]["ppl_vs_float_kv"] == pytest.approx(0.1)
 
 
+def test_kv_benchmark_reads_a_scheme_with_several_options_as_one():
+    """benchmarks.kv --kv: an item with '=' and no ':' continues the scheme before it (a plain split on commas ran
+    fp8:center=rope alone, then failed on scale=headroom); every name it gives parses to the scheme meant."""
+    from benchmarks import kv
+
+    names = kv.kv_names("none,fp8:center=rope,scale=headroom,fp8-rot:scale=rowmax,int4:block=64,bits=4,fp8")
+    assert names == ["none", "fp8:center=rope,scale=headroom", "fp8-rot:scale=rowmax", "int4:block=64,bits=4", "fp8"]
+    s = KVScheme.parse(names[1])
+    assert s.prerope and s.rule == "headroom" and s == KVScheme.parse("fp8:center=rope")  # headroom: the default
+    assert KVScheme.parse(names[3]).elements.group_size == 64
+
+
 def test_fp8_defaults_to_headroom_other_static_formats_to_amax():
     """--kv fp8 / fp8-head (and their -rot, :center, :center=rope forms) calibrate by headroom; scale=rowmax (the
     previous default) and scale=amax (the one before) stay reachable under their own names, and a checkpoint's
