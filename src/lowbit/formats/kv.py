@@ -61,7 +61,10 @@ Made the default by a rule written before it was measured (kv.md, eighth run): o
 3 x 8192 tokens over calibration seeds 0-3 its mean perplexity is at most llm-compressor's (calibrated on
 the same tokens), its KL divergence to the float-KV model is below llm-compressor's on at least 3 of the 4
 seeds, and at 3 x 2048 its mean perplexity is not above rowmax's (the previous default, still
-``scale=rowmax``; before it ``scale=amax``). E4M3 keeps a
+``scale=rowmax``; before it ``scale=amax``). Per head it gains as per tensor; with ``-rot`` or
+``center=rope``, which take out the large key channels that rowmax clips, one seed showed no gain
+(``fp8-rot`` KL +2.7 %, ``fp8:center=rope`` perplexity +0.25 %): the rule covered every static E4M3
+cache alike, and those two are lowbit-only caches. E4M3 keeps a
 relative precision, so beyond saturation the scale only decides where each value falls
 between two grid points (its "phase"), which matters where many keys share a magnitude (the
 large, nearly constant low-frequency RoPE channels). ``scale=attn`` searches it: among
