@@ -213,6 +213,19 @@ def organism(args: argparse.Namespace) -> tuple[Any, Any, Any, dict[str, Any]]:
     return load_model(folder / "model").model, ev, calib, fields
 
 
+def kv_names(text: str) -> list[str]:
+    """``--kv none,fp8,fp8:center=rope,scale=headroom``: the schemes, each once, in order. Commas also separate one
+    scheme's options, so an item with ``=`` and no ``:`` continues the scheme before it (as `parse_kv_options`
+    reads ``lowbit quantize --kv``; a plain split ran ``fp8:center=rope`` and then failed on ``scale=headroom``)."""
+    names: list[str] = []
+    for part in (p.strip() for p in text.split(",")):
+        if "=" in part and ":" not in part and names:
+            names[-1] += "," + part
+        elif part:
+            names.append(part)
+    return list(dict.fromkeys(names))
+
+
 def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     float_model, tokens, calib, fields = load(args)
     seqlen = args.seqlen or longest_window(float_model, tokens.numel())
@@ -220,7 +233,7 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     for weights in args.weights.split(","):
         base: dict[bool, float] = {}
         for rotated in (False, True):
-            kvs = [k for k in args.kv.split(",") if rotates(k) == rotated]
+            kvs = [k for k in kv_names(args.kv) if rotates(k) == rotated]
             if not kvs:
                 continue
             if rotated and args.rotated_baseline:

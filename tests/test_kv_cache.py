@@ -373,7 +373,8 @@ def test_pre_rope_centering_alone_keeps_the_float_function(monkeypatch, kv, fold
 
 def test_pre_rope_centered_cache_holds_fp8_of_the_keys_minus_the_turned_mean():
     """fp8:center=rope stores fp8((k_t - RoPE_t(m)) / s) with m the pre-RoPE mean and s the mean over calibration
-    rows of each row's abs-max of k_t - RoPE_t(m), over 448 (rowmax); the cache reads that plus RoPE_t(m)."""
+    rows of each row's abs-max of k_t - RoPE_t(m), over 256 (headroom, the default); the cache reads that plus
+    RoPE_t(m)."""
     model = tiny(rope_theta=100.0)
     float_keys = _cache_keys(model, IDS)[0]
     pre = _pre_rope_keys(model, IDS)
@@ -381,7 +382,7 @@ def test_pre_rope_centered_cache_holds_fp8_of_the_keys_minus_the_turned_mean():
     attn = model.model.layers[0].self_attn
     turned = _rope_of(model, IDS, pre.mean(dim=(0, 2)).reshape(1, 2, 1, 32))
     centered = float_keys - turned
-    s = centered.abs().amax(dim=(1, 2, 3)).mean() / 448
+    s = centered.abs().amax(dim=(1, 2, 3)).mean() / 256
     assert torch.allclose(attn.k_scale, s.reshape(1), rtol=1e-5)
     k_hat = _cache_keys(model, IDS)[0]  # layer 0 sees float inputs
     assert torch.allclose(k_hat, fp8((float_keys - turned) / attn.k_scale) * attn.k_scale + turned, atol=1e-5)
@@ -508,7 +509,7 @@ def test_compressed_tensors_export_and_transformers_readback(tmp_path):
     from lowbit.files import compressed_tensors as ct
 
     model = _quantized(kv="fp8-head")
-    assert kv_scheme_of(model).rule == "rowmax"  # the default rule's scales are what the export carries
+    assert kv_scheme_of(model).rule == "headroom"  # the default rule's scales are what the export carries
     ct.export(model, None, tmp_path / "ct")
     cfg = json.loads((tmp_path / "ct" / "config.json").read_text())["quantization_config"]
     assert cfg["kv_cache_scheme"] == {**cfg["kv_cache_scheme"], "num_bits": 8, "type": "float",
@@ -530,6 +531,14 @@ def test_compressed_tensors_export_and_transformers_readback(tmp_path):
         theirs, ours = loaded(input_ids=IDS).logits, model(input_ids=IDS).logits
         remove_kv(model)
         assert torch.equal(theirs, model(input_ids=IDS).logits) and not torch.equal(theirs, ours)
+    # the exported k_scale / v_scale are headroom's: per KV head, the mean over calibration rows of each row's
+    # abs-max over 256 (brute force on the float keys and values calibration saw)
+    for layer, (k, v) in enumerate(_layer_values(model, IDS)):
+        for short, x in (("k", k), ("v", v)):
+            want = torch.tensor([[float(x[r, h].abs().max()) for h in range(x.shape[1])]
+                                 for r in range(x.shape[0])]).mean(dim=0) / 256
+            got = tensors[f"model.layers.{layer}.self_attn.{short}_scale"].reshape(-1)
+            assert torch.allclose(got, want, rtol=1e-5, atol=0), (layer, short)
 
 
 @pytest.mark.parametrize("kv", ["int8", "fp8-token", "int4", "fp8-rot", "fp8:center", "fp8-head:center",
@@ -1009,21 +1018,39 @@ def test_kv_rows_of_another_cpu_are_other_rows():
     assert kv.with_costs(rows)[2]["ppl_vs_float_kv"] == pytest.approx(0.1)
 
 
-def test_fp8_defaults_to_rowmax_other_static_formats_to_amax():
-    """--kv fp8 / fp8-head (and their -rot, :center forms) calibrate by rowmax; scale=amax keeps the old rule reachable
-    under its own name; INT8 and NVFP4's static scales stay amax; dynamic formats have no rule to apply."""
-    for name in ("fp8", "fp8-head", "fp8-rot", "fp8:center"):
+def test_kv_benchmark_reads_a_scheme_with_several_options_as_one():
+    """benchmarks.kv --kv: an item with '=' and no ':' continues the scheme before it (a plain split on commas ran
+    fp8:center=rope alone, then failed on scale=headroom); every name it gives parses to the scheme meant."""
+    from benchmarks import kv
+
+    names = kv.kv_names("none,fp8:center=rope,scale=headroom,fp8-rot:scale=rowmax,int4:block=64,bits=4,fp8")
+    assert names == ["none", "fp8:center=rope,scale=headroom", "fp8-rot:scale=rowmax", "int4:block=64,bits=4", "fp8"]
+    s = KVScheme.parse(names[1])
+    assert s.prerope and s.rule == "headroom" and s == KVScheme.parse("fp8:center=rope")  # headroom: the default
+    assert KVScheme.parse(names[3]).elements.group_size == 64
+
+
+def test_fp8_defaults_to_headroom_other_static_formats_to_amax():
+    """--kv fp8 / fp8-head (and their -rot, :center, :center=rope forms) calibrate by headroom; scale=rowmax (the
+    previous default) and scale=amax (the one before) stay reachable under their own names, and a checkpoint's
+    manifest that says rowmax stays rowmax; an fp8 preset whose options leave E4M3 falls back to rowmax; INT8 and
+    NVFP4's static scales stay amax; dynamic formats have no rule to apply."""
+    for name in ("fp8", "fp8-head", "fp8-rot", "fp8:center", "fp8:center=rope"):
         s = KVScheme.parse(name)
-        assert s.rule == "rowmax" and s.name == name
-        old = KVScheme.parse(name.replace(":", ":scale=amax,") if ":" in name else name + ":scale=amax")
-        assert old.rule == "amax" and old != s and "scale=amax" in old.name and KVScheme.parse(old.name) == old
+        assert s.rule == "headroom" and s.name == name and "scale=" not in s.name
+        for rule in ("rowmax", "amax"):
+            old = KVScheme.parse(name.replace(":", f":scale={rule},") if ":" in name else f"{name}:scale={rule}")
+            assert old.rule == rule and old != s and f"scale={rule}" in old.name and KVScheme.parse(old.name) == old
+            assert KVScheme.from_dict(json.loads(json.dumps(old.to_dict()))) == old
+    as_int = KVScheme.parse("fp8:elem=int")  # what it calibrated by before headroom was the default
+    assert as_int.rule == "rowmax" and as_int.name == "int8:scale=rowmax" and KVScheme.parse(as_int.name) == as_int
     for name in ("int8", "int8-head", "nvfp4", "fp8-token", "int4"):
         assert KVScheme.parse(name).rule == "amax" and "scale=" not in KVScheme.parse(name).name
     model = tiny(3)
     truth = _layer_values(model, ROWS)
     calibrate_kv(model, ROWS, KVScheme.parse("fp8"))
     k0 = truth[0][0]
-    assert torch.allclose(model.model.layers[0].self_attn.k_scale, k0.abs().amax(dim=(1, 2, 3)).mean() / 448,
+    assert torch.allclose(model.model.layers[0].self_attn.k_scale, k0.abs().amax(dim=(1, 2, 3)).mean() / 256,
                           rtol=1e-5)
 
 
@@ -1085,7 +1112,7 @@ def test_headroom_scale_maps_the_typical_rows_abs_max_to_256(name):
     for per-head schemes, around the mean for centered ones) over 256, brute force with explicit loops over rows;
     the largest calibration values fit unclipped up to 1.75 x that mean; the name round-trips."""
     s = KVScheme.parse(name.replace(":", ":scale=headroom,") if ":" in name else name + ":scale=headroom")
-    assert s.rule == "headroom" and KVScheme.parse(s.name) == s and "scale=headroom" in s.name
+    assert s.rule == "headroom" and KVScheme.parse(s.name) == s and s == KVScheme.parse(name)  # the default
     assert KVScheme.from_dict(json.loads(json.dumps(s.to_dict()))) == s
     model = tiny(3)
     truth = _layer_values(model, ROWS)

@@ -15,7 +15,7 @@ along ``head_dim``; what the KV cache adds is where static scales live:
   scale calibrated per layer; ``mxfp4``: blocks of 32, E8M0 scales.
 
 Options after ``:`` go to the element format (``int4:block=64``, ``nvfp4:rule=4over6``),
-except ``scale=rowmax|amax|attn``, how static scales are calibrated (below), and ``center``
+except ``scale=headroom|rowmax|amax|attn``, how static scales are calibrated (below), and ``center``
 (below); a ``-rot`` suffix rotates keys and values per head with a Hadamard before they are
 quantized (QuaRot's Q/K rotation; see `lowbit.nn.kv_quant`): ``int4-rot``, ``nvfp4-rot``.
 
@@ -45,27 +45,26 @@ run; 512-token calibration rows): FP8 with ``center`` costs +1.26 % at 2048 toke
 
 Static scales are stored as ``amax / qmax`` (for E4M3 ``amax / 448``: vLLM's meaning of
 ``k_scale``, ``fp8 value = x / k_scale``), one float per layer or per KV head. Which abs-max:
-``scale=rowmax`` (the default of ``fp8`` / ``fp8-head``) takes each calibration row's
-(sequence's) abs-max and averages them over the rows, the abs-max of a typical row
-(`typical_amax`: why); ``scale=amax`` (the default of every other static format, INT8 and
-NVFP4's tensor scale) the largest over all rows. Why only E4M3 by default: E4M3's precision is
-relative, so a scale below ``amax / 448`` costs no element any precision (it moves where values
-fall between grid points, and clips the rarest largest ones), while an INT8 scale sets the absolute
-step of every element and NVFP4's tensor scale caps the block scales of whole blocks: other
-trade-offs, not measured. ``scale=headroom`` (static E4M3 only) takes rowmax's statistic and maps it to
-256 instead of 448: E4M3's last binade is cut short ([256, 448], mantissas 1 to 1.75), its normal range
-spans 2^14.8, and its precision is relative, so moving the covered range up by 448 / 256 = 1.75 costs no
-element precision (the smallest normal value, 2^-6 of the scale, stays far below any key or value that
-matters) and leaves room for the larger values a sequence longer than the calibration rows holds: on
-the bundled model the keys of one 8192-token evaluation window reach up to 1.40 times the rowmax of
-512-token calibration rows (kv.md, seventh run), where rowmax and llm-compressor's scales clip. Measured
-there (3 x 8192 and 3 x 2048 tokens, calibration seeds 0 and 1): the lowest KL divergence to the float-KV
-model at 8192 on both seeds (8 % below rowmax, 2.5-5 % below llm-compressor's scales) and the lowest
-perplexity at 2048 on both, but at 8192 a perplexity tie with llm-compressor's (+0.005 %, +0.06 %, inside one
-evaluation's noise), so not the default: ``fp8`` stays rowmax. On the
-bundled model (3 x 2048 tokens, two calibration seeds, one CPU:
-benchmarks/results/kv.md, fifth run) rowmax gave a lower perplexity than amax and than
-llm-compressor's scales on both seeds, by less than what the CPU alone moves these rows. E4M3 keeps a
+``scale=rowmax`` takes each calibration row's (sequence's) abs-max and averages them over the rows,
+the abs-max of a typical row (`typical_amax`: why); ``scale=amax`` (the default of every other static
+format, INT8 and NVFP4's tensor scale) the largest over all rows. ``scale=headroom`` (the default of
+``fp8`` / ``fp8-head`` and so of their ``-rot`` and centered forms; static E4M3 only) takes rowmax's
+statistic and maps it to 256 instead of 448: E4M3's last binade is cut short ([256, 448], mantissas 1
+to 1.75), its normal range spans 2^14.8, and its precision is relative, so moving the covered range up
+by 448 / 256 = 1.75 costs no element precision (the smallest normal value, 2^-6 of the scale, stays far
+below any key or value that matters) and leaves room for the larger values a sequence longer than the
+calibration rows holds: on the bundled model the keys of one 8192-token evaluation window reach up to
+1.40 times the rowmax of 512-token calibration rows (kv.md, seventh run), where rowmax and
+llm-compressor's scales clip. Why only E4M3: an INT8 scale sets the absolute step of every element and
+NVFP4's tensor scale caps the block scales of whole blocks, so room above costs them precision (refused).
+Made the default by a rule written before it was measured (kv.md, eighth run): on the bundled model at
+3 x 8192 tokens over calibration seeds 0-3 its mean perplexity is at most llm-compressor's (calibrated on
+the same tokens), its KL divergence to the float-KV model is below llm-compressor's on at least 3 of the 4
+seeds, and at 3 x 2048 its mean perplexity is not above rowmax's (the previous default, still
+``scale=rowmax``; before it ``scale=amax``). Per head it gains as per tensor; with ``-rot`` or
+``center=rope``, which take out the large key channels that rowmax clips, one seed showed no gain
+(``fp8-rot`` KL +2.7 %, ``fp8:center=rope`` perplexity +0.25 %): the rule covered every static E4M3
+cache alike, and those two are lowbit-only caches. E4M3 keeps a
 relative precision, so beyond saturation the scale only decides where each value falls
 between two grid points (its "phase"), which matters where many keys share a magnitude (the
 large, nearly constant low-frequency RoPE channels). ``scale=attn`` searches it: among
@@ -111,7 +110,7 @@ class KVScheme:
     rotate: bool = False
     search: bool = False  # static E4M3: scales chosen by the attention output's error (scale=attn), not amax/448
     center: bool = False  # a calibrated per-(head, channel) mean subtracted before quantization, added back after
-    rule: str = "amax"  # static scales: the abs-max over all calibration rows (amax) or its mean over rows (rowmax)
+    rule: str = "amax"  # static scales: amax over all calibration rows, its mean over rows (rowmax), rowmax x 1.75
     prerope: bool = False  # center=rope: the keys' offset is a pre-RoPE mean, rotated to each token's position
 
     def __post_init__(self) -> None:
@@ -204,8 +203,7 @@ class KVScheme:
         rule, center, prerope, rest = _kv_options(opts)
         elements = preset.elements.with_options(rest) if rest else preset.elements
         search = rule == "attn"  # never by default: the search measured no better (benchmarks/results/kv.md)
-        row_rule = ("amax" if search else rule) if rule is not None else \
-            (preset.rule if elements.needs_calibration else "amax")  # a preset's default where options keep a scale
+        row_rule = ("amax" if search else rule) if rule is not None else _default_rule(preset, elements)
         return cls(elements, preset.per_head, rotate, search, center, row_rule, prerope)
 
     def __str__(self) -> str:
@@ -218,7 +216,7 @@ def searchable(e: InputScheme) -> bool:
 
 
 def _kv_options(opts: str) -> tuple[str | None, bool, bool, str]:
-    """``scale=amax|rowmax|attn`` (None: not given), ``center`` and ``center=rope`` (centered, pre-RoPE) taken out of
+    """``scale=amax|rowmax|headroom|attn`` (None: not given), ``center`` and ``center=rope`` (centered, pre-RoPE) taken out of
     the options, and the element format's options left."""
     rule, center, prerope, rest = None, False, False, []
     for item in filter(None, opts.split(",")):
@@ -261,14 +259,24 @@ def _base_name(s: KVScheme) -> str:
     return f"{best}:{','.join(opts)}" if opts else best
 
 
+def _default_rule(preset: KVScheme, elements: InputScheme) -> str:
+    """The rule a name without ``scale=`` gets: its preset's where options keep a static scale (an ``fp8`` preset
+    whose options leave E4M3, ``fp8:elem=int``, gets rowmax as before: headroom needs E4M3's relative precision)."""
+    if not elements.needs_calibration:
+        return "amax"
+    if preset.rule == "headroom" and elements.elem != "e4m3":
+        return "rowmax"
+    return preset.rule
+
+
 def _kv(elements: str, per_head: bool = False, rule: str = "amax") -> KVScheme:
     e = InputScheme.parse(elements)
     return KVScheme(e, per_head, rule=rule)
 
 
-PRESETS: dict[str, KVScheme] = {  # static E4M3 calibrates by rowmax (module docstring), every other format by amax
-    "fp8": _kv("fp8-static", rule="rowmax"),
-    "fp8-head": _kv("fp8-static", per_head=True, rule="rowmax"),
+PRESETS: dict[str, KVScheme] = {  # static E4M3 calibrates by headroom (module docstring), every other format by amax
+    "fp8": _kv("fp8-static", rule="headroom"),
+    "fp8-head": _kv("fp8-static", per_head=True, rule="headroom"),
     "fp8-token": _kv("fp8"),
     "int8": _kv("int8-static"),
     "int8-head": _kv("int8-static", per_head=True),
