@@ -373,8 +373,8 @@ def test_pre_rope_centering_alone_keeps_the_float_function(monkeypatch, kv, fold
 
 def test_pre_rope_centered_cache_holds_fp8_of_the_keys_minus_the_turned_mean():
     """fp8:center=rope stores fp8((k_t - RoPE_t(m)) / s) with m the pre-RoPE mean and s the mean over calibration
-    rows of each row's abs-max of k_t - RoPE_t(m), over 256 (headroom, the default); the cache reads that plus
-    RoPE_t(m)."""
+    rows of each row's abs-max of k_t - RoPE_t(m), over 448 (rowmax, the default of centered caches); the cache
+    reads that plus RoPE_t(m)."""
     model = tiny(rope_theta=100.0)
     float_keys = _cache_keys(model, IDS)[0]
     pre = _pre_rope_keys(model, IDS)
@@ -382,7 +382,7 @@ def test_pre_rope_centered_cache_holds_fp8_of_the_keys_minus_the_turned_mean():
     attn = model.model.layers[0].self_attn
     turned = _rope_of(model, IDS, pre.mean(dim=(0, 2)).reshape(1, 2, 1, 32))
     centered = float_keys - turned
-    s = centered.abs().amax(dim=(1, 2, 3)).mean() / 256
+    s = centered.abs().amax(dim=(1, 2, 3)).mean() / 448
     assert torch.allclose(attn.k_scale, s.reshape(1), rtol=1e-5)
     k_hat = _cache_keys(model, IDS)[0]  # layer 0 sees float inputs
     assert torch.allclose(k_hat, fp8((float_keys - turned) / attn.k_scale) * attn.k_scale + turned, atol=1e-5)
@@ -1026,19 +1026,20 @@ def test_kv_benchmark_reads_a_scheme_with_several_options_as_one():
     names = kv.kv_names("none,fp8:center=rope,scale=headroom,fp8-rot:scale=rowmax,int4:block=64,bits=4,fp8")
     assert names == ["none", "fp8:center=rope,scale=headroom", "fp8-rot:scale=rowmax", "int4:block=64,bits=4", "fp8"]
     s = KVScheme.parse(names[1])
-    assert s.prerope and s.rule == "headroom" and s == KVScheme.parse("fp8:center=rope")  # headroom: the default
+    assert s.prerope and s.rule == "headroom" and s != KVScheme.parse("fp8:center=rope")  # centered: rowmax default
     assert KVScheme.parse(names[3]).elements.group_size == 64
 
 
 def test_fp8_defaults_to_headroom_other_static_formats_to_amax():
-    """--kv fp8 / fp8-head (and their -rot, :center, :center=rope forms) calibrate by headroom; scale=rowmax (the
-    previous default) and scale=amax (the one before) stay reachable under their own names, and a checkpoint's
+    """--kv fp8 / fp8-head calibrate by headroom, their -rot, :center and :center=rope forms by rowmax (headroom
+    measured worse there); the other rules stay reachable under their own names, and a checkpoint's
     manifest that says rowmax stays rowmax; an fp8 preset whose options leave E4M3 falls back to rowmax; INT8 and
     NVFP4's static scales stay amax; dynamic formats have no rule to apply."""
     for name in ("fp8", "fp8-head", "fp8-rot", "fp8:center", "fp8:center=rope"):
         s = KVScheme.parse(name)
-        assert s.rule == "headroom" and s.name == name and "scale=" not in s.name
-        for rule in ("rowmax", "amax"):
+        default = "rowmax" if ("-rot" in name or "center" in name) else "headroom"  # rotated / centered: rowmax
+        assert s.rule == default and s.name == name and "scale=" not in s.name
+        for rule in {"rowmax", "amax", "headroom"} - {default}:
             old = KVScheme.parse(name.replace(":", f":scale={rule},") if ":" in name else f"{name}:scale={rule}")
             assert old.rule == rule and old != s and f"scale={rule}" in old.name and KVScheme.parse(old.name) == old
             assert KVScheme.from_dict(json.loads(json.dumps(old.to_dict()))) == old
@@ -1112,7 +1113,8 @@ def test_headroom_scale_maps_the_typical_rows_abs_max_to_256(name):
     for per-head schemes, around the mean for centered ones) over 256, brute force with explicit loops over rows;
     the largest calibration values fit unclipped up to 1.75 x that mean; the name round-trips."""
     s = KVScheme.parse(name.replace(":", ":scale=headroom,") if ":" in name else name + ":scale=headroom")
-    assert s.rule == "headroom" and KVScheme.parse(s.name) == s and s == KVScheme.parse(name)  # the default
+    assert s.rule == "headroom" and KVScheme.parse(s.name) == s
+    assert (s == KVScheme.parse(name)) == (not s.center)  # the default of uncentered fp8 / fp8-head only
     assert KVScheme.from_dict(json.loads(json.dumps(s.to_dict()))) == s
     model = tiny(3)
     truth = _layer_values(model, ROWS)
