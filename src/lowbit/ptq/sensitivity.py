@@ -64,16 +64,21 @@ MODES = ("abs", "signed")
 DTYPES = ("fp32", "bf16")
 
 
-def delta_loss(model: nn.Module, layers: Iterable[str], schemes: Sequence[Recipe | Scheme | str],
-               batches: torch.Tensor, mode: str = "abs", batch_size: int = 4,
-               progress: bool = True, dtype: str = "fp32") -> dict[str, dict[str, float]]:
-    """Scores ``recipe name -> layer name -> DeltaLoss`` (lower = safer to quantize)."""
+def check_delta_args(mode: str, dtype: str, batches: torch.Tensor) -> None:
+    """The arguments every DeltaLoss pass (whole-model or `lowbit.ptq.streamed_deltaloss`) refuses alike."""
     if mode not in MODES:
         raise ConfigError(f"DeltaLoss mode must be one of {MODES}, got {mode!r}")
     if dtype not in DTYPES:
         raise ConfigError(f"DeltaLoss dtype must be one of {DTYPES}, got {dtype!r}")
     if batches.dim() != 2 or batches.shape[1] < 2:
         raise ConfigError("DeltaLoss needs token batches [n, seqlen >= 2]")
+
+
+def delta_loss(model: nn.Module, layers: Iterable[str], schemes: Sequence[Recipe | Scheme | str],
+               batches: torch.Tensor, mode: str = "abs", batch_size: int = 4,
+               progress: bool = True, dtype: str = "fp32") -> dict[str, dict[str, float]]:
+    """Scores ``recipe name -> layer name -> DeltaLoss`` (lower = safer to quantize)."""
+    check_delta_args(mode, dtype, batches)
     names = list(layers)
     tensors = weight_tensors(model, names)
     _refuse_tied(model, tensors)

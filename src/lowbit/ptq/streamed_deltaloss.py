@@ -71,12 +71,11 @@ from lowbit.ptq.blockwise.release import give_back_free_memory, steady_allocator
 from lowbit.ptq.expert_calib import MIN_TOKENS, expert_stats
 from lowbit.ptq.expert_calib import input_amax as expert_input_amax
 from lowbit.ptq.sensitivity import (
-    DTYPES,
-    MODES,
     WeightTensors,
     _by_module,
     _expert_input_terms,
     _input_term,
+    check_delta_args,
     weight_tensors,
 )
 
@@ -121,12 +120,7 @@ def streamed_delta_loss(model: nn.Module, layers: Iterable[str], schemes: Sequen
     the activation caches' files. on_option: called with each option's name once its scores are stored (tests
     interrupt here).
     """
-    if mode not in MODES:
-        raise ConfigError(f"DeltaLoss mode must be one of {MODES}, got {mode!r}")
-    if dtype not in DTYPES:
-        raise ConfigError(f"DeltaLoss dtype must be one of {DTYPES}, got {dtype!r}")
-    if batches.dim() != 2 or batches.shape[1] < 2:
-        raise ConfigError("DeltaLoss needs token batches [n, seqlen >= 2]")
+    check_delta_args(mode, dtype, batches)
     if cache_device == "disk" and folder is None:
         raise ConfigError("--cache-device disk keeps the activations in files in --offload-dir; pass --offload-dir")
     names = list(layers)

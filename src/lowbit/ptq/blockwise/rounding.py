@@ -36,30 +36,27 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Mapping
-from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
 from lowbit.errors import ConfigError
-from lowbit.formats import QTensor, Scheme, quantize
+from lowbit.formats import QTensor, quantize
 from lowbit.models.experts import expert_tensors
 from lowbit.plans.plan import Plan
 from lowbit.ptq.blockwise.access import (
-    block_layers,
     block_linears,
     block_tensor_scales,
     input_quantizers,
     install,
-    layer_shapes,
     quantize_rest,
 )
 from lowbit.ptq.blockwise.loop import Walk, walk_blocks
 from lowbit.ptq.blockwise.options import PipelineOptions
 from lowbit.ptq.blockwise.release import give_back_free_memory
 from lowbit.ptq.blockwise.store import work_settings
-from lowbit.ptq.blockwise.tune import pack_qtensors, unpack_qtensors
+from lowbit.ptq.blockwise.tune import PlannedBlockPass
 from lowbit.ptq.methods import RunContext
 from lowbit.ptq.rotation import probe_ids
 
@@ -94,7 +91,7 @@ def round_blockwise(model: nn.Module, plan: Plan, settings: Mapping[str, Any], c
     return infos
 
 
-class RoundPass:
+class RoundPass(PlannedBlockPass):
     """The `lowbit.ptq.blockwise.BlockPass` of data-free RTN (see the module doc): each block's planned Linears
     rounded to nearest, installed as QuantLinears, nothing propagated."""
 
@@ -107,19 +104,6 @@ class RoundPass:
 
     def begin(self, walk: Walk, x: torch.Tensor) -> None:
         self.walk = walk  # ``x``: the probe's states, read by the rotation's check (PrepPass) and dropped
-
-    def layers(self, i: int) -> dict[str, tuple[str, Scheme]]:
-        return block_layers(self.plan, self.walk.names[id(self.walk.blocks[i])])
-
-    def home(self, i: int) -> torch.device:
-        return torch.device("cpu")
-
-    def decode(self, i: int, raw: Mapping[str, torch.Tensor], path: Path) -> dict[str, QTensor]:
-        block, layers = self.walk.blocks[i], self.layers(i)
-        return unpack_qtensors(raw, path, layers, layer_shapes(block, layers))  # type: ignore[return-value]
-
-    def pack(self, result: Mapping[str, QTensor]) -> dict[str, torch.Tensor]:
-        return pack_qtensors(result)
 
     def step(self, i: int, block: nn.Module, saved: dict[str, QTensor] | None
              ) -> tuple[dict[str, QTensor], dict[str, float]]:

@@ -119,7 +119,29 @@ def quantize_blockwise(model: nn.Module, plan: Plan, tuner: BlockTuner, settings
     return walk_blocks(model, task, record, ctx, options.chunk, on_block)
 
 
-class TunePass:
+class PlannedBlockPass:
+    """What the passes that store each block's planned layers as QTensors share (`TunePass`, data-free RTN's
+    `lowbit.ptq.blockwise.rounding.RoundPass`): the plan's layers of block ``i``, the CPU as the results' home,
+    and their packing into and out of the work folder, so a resumed walk reads what either pass wrote alike."""
+
+    plan: Plan
+    walk: Walk
+
+    def layers(self, i: int) -> dict[str, tuple[str, Scheme]]:
+        return block_layers(self.plan, self.walk.names[id(self.walk.blocks[i])])
+
+    def home(self, i: int) -> torch.device:
+        return torch.device("cpu")
+
+    def decode(self, i: int, raw: Mapping[str, torch.Tensor], path: Path) -> dict[str, QTensor]:
+        block, layers = self.walk.blocks[i], self.layers(i)
+        return unpack_qtensors(raw, path, layers, layer_shapes(block, layers))  # type: ignore[return-value]
+
+    def pack(self, result: Mapping[str, QTensor]) -> dict[str, torch.Tensor]:
+        return pack_qtensors(result)
+
+
+class TunePass(PlannedBlockPass):
     """The `BlockPass` of the tuning methods (see the module doc)."""
 
     desc = "ptq blocks"
@@ -142,19 +164,6 @@ class TunePass:
         elif not self.options.fp_inputs:
             self.x_q = new_cache(x.shape, x.dtype, x.device, walk.device)
             self.x_q.copy_(x)
-
-    def layers(self, i: int) -> dict[str, tuple[str, Scheme]]:
-        return block_layers(self.plan, self.walk.names[id(self.walk.blocks[i])])
-
-    def home(self, i: int) -> torch.device:
-        return torch.device("cpu")
-
-    def decode(self, i: int, raw: Mapping[str, torch.Tensor], path: Path) -> dict[str, QTensor]:
-        block, layers = self.walk.blocks[i], self.layers(i)
-        return unpack_qtensors(raw, path, layers, layer_shapes(block, layers))  # type: ignore[return-value]
-
-    def pack(self, result: Mapping[str, QTensor]) -> dict[str, torch.Tensor]:
-        return pack_qtensors(result)
 
     def step(self, i: int, block: nn.Module, saved: dict[str, QTensor] | None
              ) -> tuple[dict[str, QTensor], dict[str, float]]:
