@@ -107,14 +107,14 @@ def load_lazy(folder: Path, dtype: torch.dtype = torch.float32) -> Any:
     with params_on_meta():
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     prefix = block_path(model) + "."
-    outside = [n for n, t in _state(model).items() if t.device.type == "meta" and not n.startswith(prefix)]
+    outside = [n for n, t in state_tensors(model).items() if t.device.type == "meta" and not n.startswith(prefix)]
     tied = _tied_names(model)
     tables = frozenset(f"{n}.weight" for n in table_modules(model))
     fill(model, source.read([n for n in outside if n not in tied or n in source.files], stored=tables))
     if tied:
         model.tie_weights()
     keep_narrow(model, dtype)
-    still = [n for n, t in _state(model).items() if t.device.type == "meta" and not n.startswith(prefix)]
+    still = [n for n, t in state_tensors(model).items() if t.device.type == "meta" and not n.startswith(prefix)]
     if still:
         raise ModelError(f"checkpoint {folder} leaves {still[0]!r} unset; it cannot be loaded lazily: drop --offload-dir")
     setattr(model, SOURCE_ATTR, source)
@@ -139,7 +139,7 @@ def fill(module: nn.Module, tensors: dict[str, torch.Tensor]) -> None:
 def load_block(model: nn.Module, prefix: str, block: nn.Module, device: str | torch.device = "cpu") -> None:
     """Fill ``block`` (full name ``prefix``) from the model's checkpoint, when it is still on meta."""
     source: ShardSource = getattr(model, SOURCE_ATTR)
-    names = [n for n, t in _state(block).items() if t.device.type == "meta"]
+    names = [n for n, t in state_tensors(block).items() if t.device.type == "meta"]
     if names:
         got = source.read([f"{prefix}.{n}" for n in names], device)
         fill(block, {n: got[f"{prefix}.{n}"] for n in names})
@@ -166,7 +166,9 @@ def forget_source(model: nn.Module) -> None:
         delattr(model, SOURCE_ATTR)
 
 
-def _state(module: nn.Module) -> dict[str, torch.Tensor]:
+def state_tensors(module: nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter and buffer of ``module`` by name, shared ones under each of their names (what a checkpoint
+    and a meta skeleton are compared by)."""
     d: dict[str, torch.Tensor] = dict(module.named_parameters(remove_duplicate=False))
     d.update(dict(module.named_buffers(remove_duplicate=False)))
     return d

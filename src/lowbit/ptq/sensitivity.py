@@ -44,6 +44,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -148,18 +149,12 @@ def _score_scheme(model: nn.Module, tensors: WeightTensors, originals: dict[str,
                   dtype: str = "fp32", weight_term: bool = True,
                   amax: dict[str, torch.Tensor] | None = None, bar: tqdm | None = None) -> dict[str, float]:
     weights = tensors.weights
-    with torch.no_grad():
-        for n, w in weights.items():
-            w.copy_(tensors.qdq(n, originals[n], recipe))
+    quantize_weights(tensors, originals, recipe)
     for w in weights.values():
         w.requires_grad_(weight_term)
         w.grad = None
     acts = {n: torch.zeros((), dtype=torch.float64) for n in weights}
-    handles = [] if recipe.input is None else [
-        model.get_submodule(n).register_forward_pre_hook(_input_term(n, recipe, (amax or {}).get(n), mode, acts))
-        for n in weights if n not in tensors.experts]
-    if recipe.input is not None:
-        handles += _expert_input_terms(model, tensors, recipe, amax or {}, mode, acts)
+    handles = input_hooks(model, tensors, recipe, amax or {}, mode, acts)
     device = model_device(model)
     try:
         for chunk in batches.split(batch_size):
@@ -172,16 +167,44 @@ def _score_scheme(model: nn.Module, tensors: WeightTensors, originals: dict[str,
     finally:
         for h in handles:
             h.remove()
+    scores = weight_scores(tensors, originals, acts, weight_term, mode)
+    for w in weights.values():
+        w.requires_grad_(False)
+        w.grad = None
+    return scores
+
+
+def quantize_weights(tensors: WeightTensors, originals: dict[str, torch.Tensor], recipe: Recipe) -> None:
+    """Each scored weight replaced, in place, by its ``recipe`` quantization of the original (`WeightTensors.qdq`)."""
+    with torch.no_grad():
+        for n, w in tensors.weights.items():
+            w.copy_(tensors.qdq(n, originals[n], recipe))
+
+
+def input_hooks(root: nn.Module, tensors: WeightTensors, recipe: Recipe, amax: dict[str, torch.Tensor], mode: str,
+                acts: dict[str, torch.Tensor]) -> list[Any]:
+    """For a recipe that quantizes inputs: each scored layer's inputs (each expert's, for fused experts) quantized
+    straight-through under ``root``, their activation term summed into ``acts``; the handles to remove."""
+    if recipe.input is None:
+        return []
+    handles: list[Any] = [root.get_submodule(n).register_forward_pre_hook(_input_term(n, recipe, amax.get(n), mode,
+                                                                                      acts))
+                          for n in tensors.weights if n not in tensors.experts]
+    return handles + _expert_input_terms(root, tensors, recipe, amax, mode, acts)
+
+
+def weight_scores(tensors: WeightTensors, originals: dict[str, torch.Tensor], acts: dict[str, torch.Tensor],
+                  weight_term: bool, mode: str) -> dict[str, float]:
+    """Each scored weight's DeltaLoss once its gradients are in: the activation term plus, with ``weight_term``,
+    ``g (.) (Q - W)`` summed (``abs``: of its absolute values)."""
     scores = {}
     with torch.no_grad():
-        for n, w in weights.items():
+        for n, w in tensors.weights.items():
             total = float(acts[n])
             if weight_term and w.grad is not None:  # no gradient: nothing on these batches reached it
                 term = w.grad * (w - originals[n])  # g (.) (Q - W)
                 total += float(term.abs().sum() if mode == "abs" else term.sum())
             scores[n] = total
-            w.requires_grad_(False)
-            w.grad = None
     return scores
 
 

@@ -63,7 +63,7 @@ from lowbit.formats import Recipe, Scheme
 from lowbit.io import atomic_write_bytes
 from lowbit.models.activations import activation_stats
 from lowbit.models.layers import block_path, decoder_blocks
-from lowbit.models.lazy import SOURCE_ATTR, is_lazy, load_block
+from lowbit.models.lazy import SOURCE_ATTR, is_lazy, load_block, state_tensors
 from lowbit.models.narrow_tables import widen
 from lowbit.ptq.blockwise.cache import disk_caches, new_cache
 from lowbit.ptq.blockwise.capture import capture_inputs
@@ -73,9 +73,10 @@ from lowbit.ptq.expert_calib import input_amax as expert_input_amax
 from lowbit.ptq.sensitivity import (
     WeightTensors,
     _by_module,
-    _expert_input_terms,
-    _input_term,
     check_delta_args,
+    input_hooks,
+    quantize_weights,
+    weight_scores,
     weight_tensors,
 )
 
@@ -184,9 +185,9 @@ class _Passes:
         block = self.blocks[i]
         loaded: dict[str, bool] = {}
         if is_lazy(self.model):
-            loaded = {n: t.requires_grad for n, t in _state(block).items() if t.device.type == "meta"}
+            loaded = {n: t.requires_grad for n, t in state_tensors(block).items() if t.device.type == "meta"}
             load_block(self.model, f"{self.prefix}.{i}", block, self.device)
-            state = _state(block)
+            state = state_tensors(block)
             for n in loaded:
                 if isinstance(state[n], nn.Parameter):
                     state[n].requires_grad_(False)
@@ -217,20 +218,8 @@ class _Passes:
         """``root``'s planned weights replaced by their quantized copies, as `sensitivity._score_scheme` does."""
         tensors = weight_tensors(root, rel)
         originals = {n: w.detach().clone() for n, w in tensors.weights.items()}
-        with torch.no_grad():
-            for n, w in tensors.weights.items():
-                w.copy_(tensors.qdq(n, originals[n], recipe))
+        quantize_weights(tensors, originals, recipe)
         return tensors, originals
-
-    def _hooks(self, root: nn.Module, tensors: WeightTensors, recipe: Recipe, amax: dict[str, torch.Tensor],
-               acts: dict[str, torch.Tensor]) -> list[Any]:
-        """The inputs of ``root``'s planned layers quantized straight-through and scored (`sensitivity`'s hooks)."""
-        if recipe.input is None:
-            return []
-        handles = [root.get_submodule(n).register_forward_pre_hook(_input_term(n, recipe, amax.get(n), self.mode,
-                                                                                acts))
-                   for n in tensors.weights if n not in tensors.experts]
-        return handles + _expert_input_terms(root, tensors, recipe, amax, self.mode, acts)
 
     def _autocast(self) -> Any:
         return torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.dtype == "bf16")
@@ -301,7 +290,7 @@ class _Passes:
             tensors, originals = self._quantized(block, list(rel.values()), recipe)
             local = {r: amax[f] for f, r in rel.items() if f in amax}
             sink = {n: torch.zeros((), dtype=torch.float64) for n in tensors.weights}  # never reached: no backward
-            handles = self._hooks(block, tensors, recipe, local, sink)
+            handles = input_hooks(block, tensors, recipe, local, self.mode, sink)
             x = xs[i]
             y = new_cache(tuple(x.shape), x.dtype, torch.device("cpu"), self.device)
             try:  # the input hooks build a straight-through graph: gradients on, thrown away chunk by chunk
@@ -335,7 +324,8 @@ class _Passes:
         tensors, originals = (self._quantized(model, [self.head], recipe) if self.head_planned
                               else (WeightTensors({}, {}), {}))
         acts = {n: torch.zeros((), dtype=torch.float64) for n in tensors.weights}
-        handles = self._hooks(model, tensors, recipe, {n: a.to(self.device) for n, a in amax.items()}, acts)
+        handles = input_hooks(model, tensors, recipe, {n: a.to(self.device) for n, a in amax.items()}, self.mode,
+                              acts)
         for w in tensors.weights.values():
             w.requires_grad_(weight_term)
             w.grad = None
@@ -370,7 +360,8 @@ class _Passes:
             w.requires_grad_(weight_term)
             w.grad = None
         acts = {n: torch.zeros((), dtype=torch.float64) for n in tensors.weights}
-        handles = self._hooks(block, tensors, recipe, {r: amax[f] for f, r in rel.items() if f in amax}, acts)
+        handles = input_hooks(block, tensors, recipe, {r: amax[f] for f, r in rel.items() if f in amax}, self.mode,
+                              acts)
         want_input = i > 0  # block 0's input is the embedding: nothing before it is scored
         try:
             for c in self._chunks():
@@ -394,16 +385,8 @@ class _Passes:
 
     def _scores(self, tensors: WeightTensors, originals: dict[str, torch.Tensor], acts: dict[str, torch.Tensor],
                 weight_term: bool, full: dict[str, str]) -> dict[str, float]:
-        """`sensitivity._score_scheme`'s sums: the activation term, plus ``g (.) (Q - W)`` summed (abs / signed)."""
-        scores = {}
-        with torch.no_grad():
-            for n, w in tensors.weights.items():
-                total = float(acts[n])
-                if weight_term and w.grad is not None:
-                    term = w.grad * (w - originals[n])
-                    total += float(term.abs().sum() if self.mode == "abs" else term.sum())
-                scores[full[n]] = total
-        return scores
+        """`sensitivity.weight_scores`, under the model's full names (``full``: name in the block -> full name)."""
+        return {full[n]: v for n, v in weight_scores(tensors, originals, acts, weight_term, self.mode).items()}
 
 
 @dataclass(frozen=True)
@@ -450,12 +433,6 @@ class _on:
     def __exit__(self, *exc: object) -> None:
         for m, home in zip(self.modules, self.homes, strict=True):
             m.to(home)
-
-
-def _state(module: nn.Module) -> dict[str, torch.Tensor]:
-    d: dict[str, torch.Tensor] = dict(module.named_parameters(remove_duplicate=False))
-    d.update(dict(module.named_buffers(remove_duplicate=False)))
-    return d
 
 
 # ------------------------------------------------------------------------------------ resume
