@@ -80,6 +80,16 @@ AFFINITY_FLOOR_HELP = ("with --expert-affinity: the unweighted statistics' share
                        "ones' energy (trace)")
 
 
+
+def check_affinity(expert_affinity: bool, affinity_floor: float, stats: str) -> None:
+    """The settings of the router weighting that GPTQ and RTN share (``stats``: what each weights, for the message):
+    a finite floor >= 0, and no floor set while the weighting is off."""
+    if not (0 <= affinity_floor < float("inf")):
+        raise ConfigError(f"affinity_floor must be a finite number >= 0, got {affinity_floor}")
+    if affinity_floor != AFFINITY_FLOOR and not expert_affinity:
+        raise ConfigError(f"--affinity-floor sets the floor of the router-weighted expert {stats}, which "
+                          "--no-expert-affinity turns off: drop one of them")
+
 @dataclass(frozen=True)
 class Coverage:
     """Calibration tokens of one experts module: routed to each expert, and behind each expert's statistics."""

@@ -66,6 +66,7 @@ from lowbit.ptq.expert_calib import (
     ALL_EXPERTS_HELP,
     MIN_TOKENS,
     MIN_TOKENS_HELP,
+    check_affinity,
 )
 from lowbit.ptq.gptq_choice import choose_rule
 from lowbit.ptq.gptq_experts import experts_in, gptq_experts, report
@@ -151,11 +152,7 @@ class GPTQSettings:
 
     def __post_init__(self) -> None:
         check_fields(self, ConfigError, "GPTQ setting")
-        if not (0 <= self.affinity_floor < float("inf")):
-            raise ConfigError(f"affinity_floor must be a finite number >= 0, got {self.affinity_floor}")
-        if self.affinity_floor != AFFINITY_FLOOR and not self.expert_affinity:
-            raise ConfigError("--affinity-floor sets the floor of the router-weighted expert Hessians, which "
-                              "--no-expert-affinity turns off: drop one of them")
+        check_affinity(self.expert_affinity, self.affinity_floor, "Hessians")
         if not 0 <= self.damp <= 1:
             raise ConfigError(f"damp must be in [0, 1] (a fraction of the Hessian's mean diagonal), got {self.damp}")
         if self.lazy_batch < 1:

@@ -38,6 +38,7 @@ from lowbit.ptq.expert_calib import (
     ALL_EXPERTS_HELP,
     MIN_TOKENS,
     MIN_TOKENS_HELP,
+    check_affinity,
     expert_stats,
 )
 from lowbit.ptq.experts import planned_modules, quantize_experts, split
@@ -75,11 +76,7 @@ class RTNSettings:
 
     def __post_init__(self) -> None:
         check_fields(self, ConfigError, "RTN setting")
-        if not (0 <= self.affinity_floor < float("inf")):
-            raise ConfigError(f"affinity_floor must be a finite number >= 0, got {self.affinity_floor}")
-        if self.affinity_floor != AFFINITY_FLOOR and not self.expert_affinity:
-            raise ConfigError("--affinity-floor sets the floor of the router-weighted expert statistics, which "
-                              "--no-expert-affinity turns off: drop one of them")
+        check_affinity(self.expert_affinity, self.affinity_floor, "statistics")
         if self.affinity_floor != AFFINITY_FLOOR and not self.weighted_importance:
             raise ConfigError(_unread("--affinity-floor", self))
 
