@@ -40,6 +40,17 @@ def narrower(stored: torch.dtype, compute: torch.dtype) -> bool:
     return stored.is_floating_point and compute.is_floating_point and stored.itemsize < compute.itemsize
 
 
+def fits_half(w: torch.Tensor, rows: int = 8192) -> bool:
+    """Whether a non-empty table holds no value beyond fp16's range (nor a NaN), so that rounding it to fp16 values
+    changes no value into inf: the condition under which the run's end rounds float tables to fp16
+    (`conductor.round_unquantized_to_half`, and `block_prep.LazyRotation.narrow` ahead of it). The abs-max is
+    taken ``rows`` rows at a time, never as an abs copy of the whole table (2 GiB for a 128k x 4096 float32 one)."""
+    if not w.numel():
+        return False
+    with torch.no_grad():
+        top = torch.stack([w[r: r + rows].abs().amax() for r in range(0, w.shape[0], rows)]).amax()
+    return bool(top <= torch.finfo(torch.float16).max)
+
 def keep_narrow(model: nn.Module, compute: torch.dtype) -> list[str]:
     """Make the table modules whose weights are narrower than ``compute`` compute in ``compute``; returns their names."""
     done = []

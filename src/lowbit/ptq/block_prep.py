@@ -46,7 +46,7 @@ from lowbit.errors import ConfigError, ModelError
 from lowbit.formats.ranges import fit
 from lowbit.models.layers import block_path, decoder_blocks
 from lowbit.models.lazy import SOURCE_ATTR, fill
-from lowbit.models.narrow_tables import keep_narrow, widen
+from lowbit.models.narrow_tables import fits_half, keep_narrow, widen
 from lowbit.models.structure import block_layout, check_block_norms, residual_map
 from lowbit.nn.input_rotation import attach
 from lowbit.plans.plan import Plan
@@ -173,13 +173,11 @@ class LazyRotation:
             w = mod.weight
             if type(mod) not in (nn.Embedding, nn.Linear) or w.dtype != torch.float32 or w.device.type == "meta":
                 continue
-            rows = range(0, w.shape[0], _ROWS)
+            if not fits_half(w, _ROWS):
+                continue  # beyond fp16's range: the whole-model path keeps such a table's values too
             with torch.no_grad():
-                top = max((float(w[r: r + _ROWS].abs().amax()) for r in rows), default=0.0)
-                if not (w.numel() and top <= torch.finfo(torch.float16).max):
-                    continue  # beyond fp16's range: the whole-model path keeps such a table's values too
                 half = torch.empty(w.shape, dtype=torch.float16, device=w.device)
-                for r in rows:
+                for r in range(0, w.shape[0], _ROWS):
                     half[r: r + _ROWS] = w[r: r + _ROWS]
             mod.weight = nn.Parameter(half, requires_grad=False)
             del w

@@ -35,6 +35,7 @@ from torch import nn
 from lowbit.errors import ConfigError
 from lowbit.models.experts import expert_tensors
 from lowbit.models.lazy import is_lazy, materialize
+from lowbit.models.narrow_tables import fits_half
 from lowbit.plans.plan import Plan
 from lowbit.ptq.allocate import Allocation
 from lowbit.ptq.awq import AWQSettings, awq_run
@@ -219,8 +220,7 @@ def round_unquantized_to_half(model: nn.Module) -> None:
     heads = [model.get_output_embeddings()] if hasattr(model, "get_output_embeddings") else []
     for mod in [m for m in model.modules() if isinstance(m, nn.Embedding)] + heads:
         if (isinstance(mod, (nn.Embedding, nn.Linear)) and mod.weight.dtype in (torch.float32, torch.bfloat16)
-                and mod.weight.numel()
-                and bool(mod.weight.detach().abs().amax() <= torch.finfo(torch.float16).max)):
+                and fits_half(mod.weight)):
             with torch.no_grad():
                 mod.weight.copy_(mod.weight.half())
 
