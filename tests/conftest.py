@@ -4,6 +4,44 @@ import pytest
 import torch
 
 
+def checkpoint_tensors(folder) -> dict:
+    """Every tensor of a checkpoint folder's safetensors files, by name (what two runs' outputs are compared by)."""
+    from safetensors.torch import load_file
+
+    out = {}
+    for f in sorted(folder.glob("*.safetensors")):
+        out |= load_file(str(f))
+    return out
+
+
+def quantize_json(capsys, *argv) -> dict:
+    """``lowbit quantize ARGV --json`` through the CLI, which must succeed; its JSON summary."""
+    import json
+
+    from lowbit.cli import main
+
+    code = main(["quantize", *argv, "--json"])
+    captured = capsys.readouterr()
+    assert code == 0, captured.err
+    return json.loads(captured.out.strip().splitlines()[-1])
+
+
+def kill_after_block0(monkeypatch):
+    """Make the block walk raise KeyboardInterrupt right after block 0 is released (a run killed mid-way); returns
+    the real release function, to put back for the rerun."""
+    from lowbit.ptq.blockwise import release
+
+    real = release.release_block
+
+    def killed(model, prefix, i, block, folder):
+        done = real(model, prefix, i, block, folder)
+        if i == 0:
+            raise KeyboardInterrupt
+        return done
+
+    monkeypatch.setattr("lowbit.ptq.blockwise.loop.release_block", killed)
+    return real
+
 def skip_without_bundled() -> None:
     """Skip the calling test when the bundled model's GGUF is not installed."""
     from lowbit.models.loading import bundled_available

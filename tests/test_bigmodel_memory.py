@@ -4,23 +4,10 @@ import json
 
 import pytest
 import torch
+from conftest import checkpoint_tensors, kill_after_block0, quantize_json
 from safetensors.torch import load_file
 
 from lowbit.cli import main
-
-
-def _weights(folder):
-    out = {}
-    for f in sorted(folder.glob("*.safetensors")):
-        out |= load_file(str(f))
-    return out
-
-
-def _run(capsys, *argv):
-    code = main(["quantize", *argv, "--json"])
-    captured = capsys.readouterr()
-    assert code == 0, captured.err
-    return json.loads(captured.out.strip().splitlines()[-1])
 
 
 @pytest.mark.parametrize("method", ["gptq", "signround2"])
@@ -32,7 +19,7 @@ def test_released_blocks_give_the_same_checkpoint(tmp_path, capsys, tiny_hf_dir,
     extra = ["--no-search"] if method == "gptq" else ["--iters", "2", "--batch-size", "2"]
     common = [str(tiny_hf_dir), "--method", method, *extra, "--scheme", "w4g32", "--nsamples", "4", "--seqlen",
               "32", "--no-eval"]
-    mem = _run(capsys, *common, "--out", str(tmp_path / "mem"))
+    mem = quantize_json(capsys, *common, "--out", str(tmp_path / "mem"))
     held = []
     real = release.release_block
 
@@ -43,11 +30,11 @@ def test_released_blocks_give_the_same_checkpoint(tmp_path, capsys, tiny_hf_dir,
         return done
 
     monkeypatch.setattr("lowbit.ptq.blockwise.loop.release_block", spy)
-    lazy = _run(capsys, *common, "--offload-dir", str(tmp_path / "off"), "--out", str(tmp_path / "lazy"))
+    lazy = quantize_json(capsys, *common, "--offload-dir", str(tmp_path / "off"), "--out", str(tmp_path / "lazy"))
     assert held and max(held) == 0  # after each block: every block (finished or not yet read) on meta
     assert lazy["bits_per_weight"] == mem["bits_per_weight"]
     assert lazy["matmul_weights"] == mem["matmul_weights"]
-    a, b = _weights(tmp_path / "mem"), _weights(tmp_path / "lazy")
+    a, b = checkpoint_tensors(tmp_path / "mem"), checkpoint_tensors(tmp_path / "lazy")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     files = json.loads((tmp_path / "lazy" / "lowbit.json").read_text())["weights"]
     assert files[0] == "model.safetensors" and len(files) == 3  # the rest, then one file per block
@@ -71,11 +58,11 @@ def test_presteps_and_rtn_block_by_block_give_the_in_memory_checkpoint(tmp_path,
     read from the checkpoint, transformed, quantized, written out and released): the in-memory run's checkpoint,
     file content for file content, with the same summary of what the pre-steps did."""
     common = [str(tiny_hf_dir), *flags, "--scheme", "w4g32", "--nsamples", "4", "--seqlen", "32", "--no-eval"]
-    mem = _run(capsys, *common, "--out", str(tmp_path / "mem"))
-    lazy = _run(capsys, *common, "--offload-dir", str(tmp_path / "off"), "--out", str(tmp_path / "lazy"))
+    mem = quantize_json(capsys, *common, "--out", str(tmp_path / "mem"))
+    lazy = quantize_json(capsys, *common, "--offload-dir", str(tmp_path / "off"), "--out", str(tmp_path / "lazy"))
     assert lazy["bits_per_weight"] == mem["bits_per_weight"] and lazy["scheme"] == mem["scheme"]
     assert lazy["memory_estimate"]["flat_in_depth"] and not mem["memory_estimate"]["flat_in_depth"]
-    a, b = _weights(tmp_path / "mem"), _weights(tmp_path / "lazy")
+    a, b = checkpoint_tensors(tmp_path / "mem"), checkpoint_tensors(tmp_path / "lazy")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     if "--awq" in flags:
         assert {k: lazy["awq"][k] for k in ("groups", "scaled", "mean_error_ratio")} == {
@@ -95,16 +82,16 @@ def test_a_killed_awq_run_block_by_block_resumes_to_the_same_checkpoint(tmp_path
     common = [str(tiny_hf_dir), "--method", "rtn", "--awq", "--rotate", "--scheme", "w4g32",
               "--nsamples", "4", "--seqlen", "32", "--no-eval", "--offload-dir", str(tmp_path / "off"),
               "--workdir", str(tmp_path / "wd")]
-    real = _kill_after_block0(monkeypatch)
+    real = kill_after_block0(monkeypatch)
     assert main(["quantize", *common, "--out", str(tmp_path / "a")]) == 130
     monkeypatch.setattr("lowbit.ptq.blockwise.loop.release_block", real)
     searched = []
     real_search = awq.search_scales
     monkeypatch.setattr(awq, "search_scales", lambda *a, **k: searched.append(1) or real_search(*a, **k))
-    _run(capsys, *common, "--out", str(tmp_path / "a"))
+    quantize_json(capsys, *common, "--out", str(tmp_path / "a"))
     assert len(searched) == 3  # block 1's groups only (grouped-query attention: no v -> o group)
-    _run(capsys, *[c for c in common if c not in (str(tmp_path / "wd"), "--workdir")], "--out", str(tmp_path / "b"))
-    a, b = _weights(tmp_path / "a"), _weights(tmp_path / "b")
+    quantize_json(capsys, *[c for c in common if c not in (str(tmp_path / "wd"), "--workdir")], "--out", str(tmp_path / "b"))
+    a, b = checkpoint_tensors(tmp_path / "a"), checkpoint_tensors(tmp_path / "b")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     # another pre-step setting is another run: refused, not mixed with the folder's blocks
     assert main(["quantize", *common, "--rotate-online", "down_proj", "--out", str(tmp_path / "c")]) == 2
@@ -139,7 +126,7 @@ def test_a_bf16_checkpoint_keeps_its_tables_in_bf16_and_writes_the_same_checkpoi
     (src / "config.json").write_text(json.dumps(cfg | {"torch_dtype": "bfloat16", "dtype": "bfloat16"}))
     common = [str(src), "--method", "gptq", "--no-search", "--scheme", "w4g32", "--nsamples", "4", "--seqlen", "32",
               "--no-eval"]
-    _run(capsys, *common, "--out", str(tmp_path / "mem"))
+    quantize_json(capsys, *common, "--out", str(tmp_path / "mem"))
     held = []
     real = release.release_block
 
@@ -148,16 +135,16 @@ def test_a_bf16_checkpoint_keeps_its_tables_in_bf16_and_writes_the_same_checkpoi
         return real(model, prefix, i, block, folder)
 
     monkeypatch.setattr("lowbit.ptq.blockwise.loop.release_block", spy)
-    _run(capsys, *common, "--offload-dir", str(tmp_path / "off"), "--out", str(tmp_path / "lazy"))
+    quantize_json(capsys, *common, "--offload-dir", str(tmp_path / "off"), "--out", str(tmp_path / "lazy"))
     assert held and set(held) == {(torch.bfloat16, torch.bfloat16)}
-    a, b = _weights(tmp_path / "mem"), _weights(tmp_path / "lazy")
+    a, b = checkpoint_tensors(tmp_path / "mem"), checkpoint_tensors(tmp_path / "lazy")
     assert a.keys() == b.keys() and all(a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]) for k in a)
     assert b["model.embed_tokens.weight"].dtype == torch.float16
 
 
 def test_evaluated_lazy_runs_keep_their_blocks(tmp_path, capsys, tiny_hf_dir):
     """A perplexity pass needs the quantized model: the blocks are not released (one weight file)."""
-    r = _run(capsys, str(tiny_hf_dir), "--method", "gptq", "--no-search", "--scheme", "w4g32", "--nsamples", "4",
+    r = quantize_json(capsys, str(tiny_hf_dir), "--method", "gptq", "--no-search", "--scheme", "w4g32", "--nsamples", "4",
              "--seqlen", "32", "--eval-seqlen", "32", "--windows", "2", "--offload-dir", str(tmp_path / "off"),
              "--out", str(tmp_path / "q"))
     assert "ppl_q" in r
@@ -291,13 +278,13 @@ def test_a_killed_released_run_resumes_to_the_same_checkpoint(tmp_path, capsys, 
 
     common = [str(tiny_hf_dir), "--method", "gptq", "--no-search", "--scheme", "w4g32", "--nsamples", "4",
               "--seqlen", "32", "--no-eval", "--offload-dir", str(tmp_path / "off"), "--workdir", str(tmp_path / "wd")]
-    real = _kill_after_block0(monkeypatch)
+    real = kill_after_block0(monkeypatch)
     assert main(["quantize", *common, "--out", str(tmp_path / "a")]) == 130
     assert not (tmp_path / "a").exists()
     monkeypatch.setattr("lowbit.ptq.blockwise.loop.release_block", real)
-    _run(capsys, *common, "--out", str(tmp_path / "a"))
-    _run(capsys, *[c for c in common if c != str(tmp_path / "wd") and c != "--workdir"], "--out", str(tmp_path / "b"))
-    a, b = _weights(tmp_path / "a"), _weights(tmp_path / "b")
+    quantize_json(capsys, *common, "--out", str(tmp_path / "a"))
+    quantize_json(capsys, *[c for c in common if c != str(tmp_path / "wd") and c != "--workdir"], "--out", str(tmp_path / "b"))
+    a, b = checkpoint_tensors(tmp_path / "a"), checkpoint_tensors(tmp_path / "b")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
@@ -313,12 +300,12 @@ def test_caches_on_disk_give_the_same_checkpoint_and_are_chosen_when_only_they_d
     monkeypatch.setattr(cache, "_file_tensor", lambda *a: made.append(a[1]) or real(*a))
     common = [str(tiny_hf_dir), "--method", "signround2", "--iters", "2", "--batch-size", "2", "--scheme", "w4g32",
               "--nsamples", "4", "--seqlen", "32", "--no-eval", "--offload-dir", str(tmp_path / "off")]
-    _run(capsys, *common, "--out", str(tmp_path / "ram"))
+    quantize_json(capsys, *common, "--out", str(tmp_path / "ram"))
     assert not made
-    _run(capsys, *common, "--cache-device", "disk", "--out", str(tmp_path / "disk"))
+    quantize_json(capsys, *common, "--cache-device", "disk", "--out", str(tmp_path / "disk"))
     assert len(made) == 2 and made[0] == (4, 32, 64)  # X_q and the float chain, [nsamples, seqlen, hidden]
     assert not list((tmp_path / "off").glob("cache_*"))
-    a, b = _weights(tmp_path / "ram"), _weights(tmp_path / "disk")
+    a, b = checkpoint_tensors(tmp_path / "ram"), checkpoint_tensors(tmp_path / "disk")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     from lowbit.api.common import Calibration
     from lowbit.api.quantize import check_memory
@@ -411,7 +398,7 @@ def test_a_steady_allocator_maps_the_mid_sized_tensors_a_block_frees():
 def test_a_released_walk_fixes_the_allocator_threshold_once(tmp_path, capsys, tiny_hf_dir, monkeypatch):
     calls = []
     monkeypatch.setattr("lowbit.ptq.blockwise.loop.steady_allocator", lambda: calls.append(1) or True)
-    _run(capsys, str(tiny_hf_dir), "--method", "gptq", "--no-search", "--scheme", "w4g32", "--nsamples", "4",
+    quantize_json(capsys, str(tiny_hf_dir), "--method", "gptq", "--no-search", "--scheme", "w4g32", "--nsamples", "4",
          "--seqlen", "32", "--no-eval", "--offload-dir", str(tmp_path / "off"), "--out", str(tmp_path / "o"))
     assert calls == [1]
 
@@ -419,24 +406,7 @@ def test_a_released_walk_fixes_the_allocator_threshold_once(tmp_path, capsys, ti
 def test_the_walk_gives_free_memory_back_after_every_block(tmp_path, capsys, tiny_hf_dir, monkeypatch):
     calls = []
     monkeypatch.setattr("lowbit.ptq.blockwise.loop.give_back_free_memory", lambda: calls.append(1) or True)
-    _run(capsys, str(tiny_hf_dir), "--method", "gptq", "--no-search", "--scheme", "w4g32", "--nsamples", "4",
+    quantize_json(capsys, str(tiny_hf_dir), "--method", "gptq", "--no-search", "--scheme", "w4g32", "--nsamples", "4",
          "--seqlen", "32", "--no-eval", "--offload-dir", str(tmp_path / "off"), "--out", str(tmp_path / "o"))
     blocks = json.loads((tiny_hf_dir / "config.json").read_text())["num_hidden_layers"]
     assert len(calls) == blocks
-
-
-def _kill_after_block0(monkeypatch):
-    """Make the walk raise KeyboardInterrupt right after block 0 is released (a run killed mid-way); returns the
-    real release function, to put back for the rerun."""
-    from lowbit.ptq.blockwise import release
-
-    real = release.release_block
-
-    def killed(model, prefix, i, block, folder):
-        done = real(model, prefix, i, block, folder)
-        if i == 0:
-            raise KeyboardInterrupt
-        return done
-
-    monkeypatch.setattr("lowbit.ptq.blockwise.loop.release_block", killed)
-    return real

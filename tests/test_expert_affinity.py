@@ -159,19 +159,30 @@ def test_gptq_expert_is_gptq_of_its_matrix_under_the_router_weighted_hessian():
     assert moved >= 4
 
 
-def test_an_expert_the_router_starves_keeps_the_plain_all_experts_hessian():
+RTN_AFFINITY = {"expert_importance": True}  # the default weighting of --expert-importance
+RTN_PLAIN = {"expert_importance": True, "expert_affinity": False}
+
+
+@pytest.mark.parametrize("method, weighted, plain, checked", [
+    # GPTQ: block 0 reads float states in both runs, so its gate_up Hessians differ only by the weighting
+    ("gptq", {}, {"expert_affinity": False}, [(0, "gate_up_proj")]),
+    ("rtn", RTN_AFFINITY, RTN_PLAIN, [(0, "down_proj"), (1, "down_proj")]),
+])
+def test_an_expert_the_router_starves_keeps_the_plain_statistics(method, weighted, plain, checked):
+    """GPTQ's all-experts Hessian / RTN's plain importance for expert 7, which the router never picks (the
+    weighting's default against --no-expert-affinity: the same codes for it, others moved)."""
     model = make("qwen3_moe")
     _never_route(model, 7)
     plan = Plan({n: r for n, r in build_plan(model, "w3g8").items() if "experts" in n})
     q, base = copy.deepcopy(model), copy.deepcopy(model)
     with pytest.warns(UserWarning, match=r"router sent fewer than 16 .* experts \[7\]"):
-        quantize_model(q, plan, "gptq", {}, calib=_calib(), progress=False)  # the default
+        quantize_model(q, plan, method, weighted, calib=_calib(), progress=False)
     with pytest.warns(UserWarning, match=r"router sent fewer than 16"):
-        quantize_model(base, plan, "gptq", {"expert_affinity": False}, calib=_calib(), progress=False)
-    # block 0 reads float states in both runs, so its gate_up Hessians differ only by the weighting
-    a, b = (z.get_submodule(NAME).stacks()["gate_up_proj"] for z in (q, base))
-    assert torch.equal(a.expert(7).codes, b.expert(7).codes) and torch.equal(a.expert(7).scales, b.expert(7).scales)
-    assert any(not torch.equal(a.expert(e).codes, b.expert(e).codes) for e in range(7))
+        quantize_model(base, plan, method, plain, calib=_calib(), progress=False)
+    for layer, param in checked:
+        a, b = (z.get_submodule(f"model.layers.{layer}.mlp.experts").stacks()[param] for z in (q, base))
+        assert torch.equal(a.expert(7).codes, b.expert(7).codes) and torch.equal(a.expert(7).scales, b.expert(7).scales)
+        assert any(not torch.equal(a.expert(e).codes, b.expert(e).codes) for e in range(7))
 
 
 def test_what_the_weighting_cannot_honour_is_refused():
@@ -184,10 +195,6 @@ def test_what_the_weighting_cannot_honour_is_refused():
     st = ExpertStats(m, NAME, ("xtx",), affinity=True)
     with st, pytest.raises(ConfigError, match="without routing weights.*--no-expert-affinity"):
         m(torch.randn(4, 32), torch.zeros(4, 2, dtype=torch.long), top_k_weights=None)
-
-
-RTN_AFFINITY = {"expert_importance": True}  # the default weighting of --expert-importance
-RTN_PLAIN = {"expert_importance": True, "expert_affinity": False}
 
 
 @pytest.mark.parametrize("all_experts", (True, False))
@@ -219,19 +226,6 @@ def test_rtn_expert_is_the_search_under_the_diagonal_of_the_router_weighted_hess
     assert moved >= 8
 
 
-def test_rtn_keeps_the_plain_importance_for_an_expert_the_router_starves():
-    model = make("qwen3_moe")
-    _never_route(model, 7)
-    plan = Plan({n: r for n, r in build_plan(model, "w3g8").items() if "experts" in n})
-    q, base = copy.deepcopy(model), copy.deepcopy(model)
-    with pytest.warns(UserWarning, match=r"router sent fewer than 16 .* experts \[7\]"):
-        quantize_model(q, plan, "rtn", RTN_AFFINITY, calib=_calib(), progress=False)
-    with pytest.warns(UserWarning, match=r"router sent fewer than 16"):
-        quantize_model(base, plan, "rtn", RTN_PLAIN, calib=_calib(), progress=False)
-    for layer in (0, 1):
-        a, b = (z.get_submodule(f"model.layers.{layer}.mlp.experts").stacks()["down_proj"] for z in (q, base))
-        assert torch.equal(a.expert(7).codes, b.expert(7).codes) and torch.equal(a.expert(7).scales, b.expert(7).scales)
-        assert any(not torch.equal(a.expert(e).codes, b.expert(e).codes) for e in range(7))
 
 
 def test_what_rtns_weighting_cannot_honour_is_refused():

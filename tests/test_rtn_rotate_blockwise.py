@@ -4,24 +4,10 @@ import json
 
 import pytest
 import torch
-from conftest import make_llama, make_tokenizer
+from conftest import checkpoint_tensors, kill_after_block0, make_llama, make_tokenizer, quantize_json
 from safetensors.torch import load_file, save_file
 
 from lowbit.cli import main
-
-
-def _weights(folder):
-    out = {}
-    for f in sorted(folder.glob("*.safetensors")):
-        out |= load_file(str(f))
-    return out
-
-
-def _run(capsys, *argv):
-    code = main(["quantize", *argv, "--json"])
-    captured = capsys.readouterr()
-    assert code == 0, captured.err
-    return json.loads(captured.out.strip().splitlines()[-1])
 
 
 @pytest.fixture(scope="module")
@@ -71,7 +57,7 @@ def test_rotated_rtn_without_data_block_by_block_gives_the_in_memory_checkpoint(
 
     src = folders[dtype, tie]
     base = [str(src), "--method", "rtn", "--no-search", *flags, "--scheme", scheme, "--no-eval"]
-    mem = _run(capsys, *base, "--out", str(tmp_path / "mem"))
+    mem = quantize_json(capsys, *base, "--out", str(tmp_path / "mem"))
     held = []
     real = release.release_block
 
@@ -82,12 +68,12 @@ def test_rotated_rtn_without_data_block_by_block_gives_the_in_memory_checkpoint(
 
     monkeypatch.setattr("lowbit.ptq.blockwise.loop.release_block", spy)
     monkeypatch.setattr(common.Calibration, "batches", lambda *a, **k: pytest.fail("calibration data was read"))
-    lazy = _run(capsys, *base, "--offload-dir", str(tmp_path / "off"), "--out", str(tmp_path / "lazy"))
+    lazy = quantize_json(capsys, *base, "--offload-dir", str(tmp_path / "off"), "--out", str(tmp_path / "lazy"))
     assert held == [0, 0, 0]  # after each block: every block (finished or not yet read) on meta
     assert lazy["memory_estimate"]["flat_in_depth"] and not mem["memory_estimate"]["flat_in_depth"]
     assert lazy["memory_estimate"]["parts"]["caches"] == 0
     assert lazy["bits_per_weight"] == mem["bits_per_weight"] and lazy["scheme"] == mem["scheme"]
-    a, b = _weights(tmp_path / "mem"), _weights(tmp_path / "lazy")
+    a, b = checkpoint_tensors(tmp_path / "mem"), checkpoint_tensors(tmp_path / "lazy")
     assert a.keys() == b.keys() and all(a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]) for k in a)
     meta = [json.loads((tmp_path / d / "lowbit.json").read_text()) for d in ("mem", "lazy")]
     assert meta[0]["meta"]["rotation"] == meta[1]["meta"]["rotation"]
@@ -102,29 +88,21 @@ def test_rotated_rtn_without_data_block_by_block_gives_the_in_memory_checkpoint(
 def test_a_killed_run_resumes_to_the_same_checkpoint(tmp_path, capsys, folders, monkeypatch):
     """--workdir: killed after block 0 was written out, the rerun takes block 0's codes from the folder (rounds
     blocks 1 and 2 only) and writes the uninterrupted run's checkpoint; other rotation settings are another run."""
-    from lowbit.ptq.blockwise import release, rounding
+    from lowbit.ptq.blockwise import rounding
 
     base = [str(folders["bfloat16", True]), "--method", "rtn", "--no-search", "--rotate", "--scheme", "w4g32",
             "--no-eval", "--offload-dir", str(tmp_path / "off"), "--workdir", str(tmp_path / "wd")]
-    real = release.release_block
-
-    def killed(model, prefix, i, block, folder):
-        done = real(model, prefix, i, block, folder)
-        if i == 0:
-            raise KeyboardInterrupt
-        return done
-
-    monkeypatch.setattr("lowbit.ptq.blockwise.loop.release_block", killed)
+    real = kill_after_block0(monkeypatch)
     assert main(["quantize", *base, "--out", str(tmp_path / "a")]) == 130
     assert not (tmp_path / "a").exists()
     monkeypatch.setattr("lowbit.ptq.blockwise.loop.release_block", real)
     rounded = []
     real_quantize = rounding.quantize
     monkeypatch.setattr(rounding, "quantize", lambda w, *a: rounded.append(w.shape) or real_quantize(w, *a))
-    _run(capsys, *base, "--out", str(tmp_path / "a"))
+    quantize_json(capsys, *base, "--out", str(tmp_path / "a"))
     assert len(rounded) == 2 * 7  # blocks 1 and 2: seven Linears each
-    _run(capsys, *[c for c in base if c not in (str(tmp_path / "wd"), "--workdir")], "--out", str(tmp_path / "b"))
-    a, b = _weights(tmp_path / "a"), _weights(tmp_path / "b")
+    quantize_json(capsys, *[c for c in base if c not in (str(tmp_path / "wd"), "--workdir")], "--out", str(tmp_path / "b"))
+    a, b = checkpoint_tensors(tmp_path / "a"), checkpoint_tensors(tmp_path / "b")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     assert main(["quantize", *base, "--rotate-online", "down_proj", "--out", str(tmp_path / "c")]) == 2
     assert "holds a run with different settings" in capsys.readouterr().err
