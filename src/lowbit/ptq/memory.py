@@ -266,9 +266,7 @@ def _deltaloss_parts(s: Shape, nsamples: int, seqlen: int, lm_head: bool) -> dic
     a planned lm_head's weights 3 more times). The head's part was 20 % under the measured peak at the 3B shape
     (128k vocabulary, 3 logits copies and no weight copy counted); this upper side is 17 % over it there."""
     f32, chunk = 4, 4
-    attention = 2 * s.heads * s.head_dim + 2 * s.kv_heads * s.head_dim
-    backward = 2 * chunk * seqlen * (3 * s.intermediate * min(s.experts, 2) + 6 * s.hidden + attention) * f32
-    block = 4 * s.block_params * f32 + backward
+    block = 4 * s.block_params * f32 + 2 * _saved_activations(s, chunk, seqlen)
     table, logits = s.vocab * s.hidden, chunk * seqlen * s.vocab * f32
     # the forward's moment (the float32 widening and the bf16 copy at once) or the backward's (the kept copy, four
     # logits-sized tensors); upper side for fp32 and bf16 passes alike
@@ -284,9 +282,15 @@ def _deltaloss_whole(s: Shape, nsamples: int, seqlen: int, lm_head: bool) -> int
     bigmodel_calib.md), every block's saved activations of a chunk of 4 samples at once, and the head's logits."""
     f32, chunk = 4, 4
     planned = s.layers * s.block_params + (s.vocab * s.hidden if lm_head else 0)
+    return 12 * planned + s.layers * _saved_activations(s, chunk, seqlen) + 3 * chunk * seqlen * s.vocab * f32
+
+
+def _saved_activations(s: Shape, chunk: int, seqlen: int) -> int:
+    """What one block's forward keeps for its backward on a chunk of samples, in float32: the MLP's three
+    intermediate-wide tensors (of at most 2 experts per token), six hidden-wide ones and the attention's
+    query / key / value / output widths."""
     attention = 2 * s.heads * s.head_dim + 2 * s.kv_heads * s.head_dim
-    saved = s.layers * chunk * seqlen * (3 * s.intermediate * min(s.experts, 2) + 6 * s.hidden + attention) * f32
-    return 12 * planned + saved + 3 * chunk * seqlen * s.vocab * f32
+    return chunk * seqlen * (3 * s.intermediate * min(s.experts, 2) + 6 * s.hidden + attention) * 4
 
 
 def _turn(s: Shape) -> int:
@@ -388,17 +392,7 @@ def refusal(est: Estimate, available: int | None, free_disk: dict[str, int | Non
     fix: what to do instead, where the caller knows better than the parts tell (`ROTATE_FIX`).
     """
     if available is not None and est.peak * margin > available:
-        if fix is not None:
-            pass
-        elif whole_by is not None:
-            fix = f"{whole_by} needs the whole float model in memory: drop it to run block by block"
-        elif not est.flat:
-            fix = "pass --offload-dir DIR (one block in memory) and --no-eval, or fewer --nsamples / a shorter --seqlen"
-        elif est.parts.get("method", 0) > est.parts.get("caches", 0) + est.parts.get("forward", 0):
-            fix = (f"the method's work on one block ({est.parts['method'] / GiB:.2f} GiB) does not shrink with fewer "
-                   "samples: a machine with more memory, or a GPU (--device cuda) for the block's work")
-        else:
-            fix = "fewer --nsamples or a shorter --seqlen, or a machine with more memory"
+        fix = fix if fix is not None else _memory_fix(est, whole_by)
         caches = est.parts.get("caches", 0) + est.parts.get("deltaloss_caches", 0)
         if caches >= GiB // 10 and whole_by is None:
             fix += f" (--cache-device disk moves the {caches / GiB:.2f} GiB of activation caches to disk)"
@@ -412,6 +406,17 @@ def refusal(est: Estimate, available: int | None, free_disk: dict[str, int | Non
                     f"and its device has {free / GiB:.2f} GiB free; free some space or choose another {flag}")
     return None
 
+
+def _memory_fix(est: Estimate, whole_by: str | None) -> str:
+    """What to do about a run that does not fit, read from its parts."""
+    if whole_by is not None:
+        return f"{whole_by} needs the whole float model in memory: drop it to run block by block"
+    if not est.flat:
+        return "pass --offload-dir DIR (one block in memory) and --no-eval, or fewer --nsamples / a shorter --seqlen"
+    if est.parts.get("method", 0) > est.parts.get("caches", 0) + est.parts.get("forward", 0):
+        return (f"the method's work on one block ({est.parts['method'] / GiB:.2f} GiB) does not shrink with fewer "
+                "samples: a machine with more memory, or a GPU (--device cuda) for the block's work")
+    return "fewer --nsamples or a shorter --seqlen, or a machine with more memory"
 
 ROTATE_FIX = ("RTN without data rotated block by block holds the tables (the embedding in float32) and one block, "
               "which no flag shrinks: drop --rotate / --rotate-online and pass --stream (one tensor at a time), or a "
